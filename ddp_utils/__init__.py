@@ -1,0 +1,34 @@
+"""The distributed chores every training script shares. Each function's docstring says which ranks call it.
+
+- launch:  `make_accelerator` (with the launch guard), `run` (clean exit), `UsageError`
+- data:    `load_on_main_first`, `read_data_files`, `make_train_dataloader`, `global_mean_loss`
+- metrics: `load_metric` (local evaluate modules), `gather_for_eval`
+- io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`
+- demo:    the offline demo model and data shipped by PyPI packages
+"""
+
+from .data import SAMPLE_WEIGHT, global_mean_loss, load_on_main_first, make_train_dataloader, pad_to_even_shards, read_data_files
+from .io import check_output_dir, prepare_output_dir, save_model, write_json
+from . import demo
+from .launch import EXIT_USAGE, UsageError, check_launch, make_accelerator, run
+from .metrics import gather_for_eval, load_metric
+
+__all__ = [
+    "EXIT_USAGE",
+    "SAMPLE_WEIGHT",
+    "UsageError",
+    "check_launch",
+    "check_output_dir",
+    "gather_for_eval",
+    "global_mean_loss",
+    "load_metric",
+    "load_on_main_first",
+    "make_accelerator",
+    "make_train_dataloader",
+    "pad_to_even_shards",
+    "prepare_output_dir",
+    "read_data_files",
+    "run",
+    "save_model",
+    "write_json",
+]

@@ -1,0 +1,76 @@
+"""Output directory and files: only the main process writes, and nothing is left half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from accelerate import Accelerator
+
+from .launch import UsageError
+
+
+def check_output_dir(output_dir: str, overwrite: bool) -> None:
+    """Refuse an output directory that already holds another run, before any work is done.
+    All ranks call it (each raises on its own, nobody waits). Writes nothing."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"--output_dir {output_dir!r} is a file; give a directory path")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        raise UsageError(
+            f"--output_dir {output_dir!r} already holds files from another run; "
+            "pass --overwrite_output_dir to replace them, or choose another --output_dir"
+        )
+
+
+def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite: bool) -> None:
+    """Create the output directory (emptied first if `overwrite`), on the main process only.
+    All ranks call it, once the inputs are validated, so bad input never leaves a directory behind."""
+    check_output_dir(output_dir, overwrite)
+    if accelerator.is_main_process:
+        if overwrite and os.path.isdir(output_dir):
+            shutil.rmtree(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+    accelerator.wait_for_everyone()
+
+
+def write_json(accelerator: Accelerator, path: str, data) -> None:
+    """Write `data` as JSON, on the main process only, atomically (a complete file or none).
+    Any rank may call it; the others do nothing."""
+    if not accelerator.is_main_process:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    os.replace(handle.name, path)
+
+
+def save_model(accelerator: Accelerator, model, output_dir: str, *processors) -> None:
+    """Save the unwrapped model (safetensors, with its config) and its tokenizer / processors so
+    that `from_pretrained(output_dir)` and `pipeline(..., model=output_dir)` load it.
+
+    All ranks must call it: `accelerator.get_state_dict` is a collective under FSDP and
+    DeepSpeed ZeRO-3 (saving `model.state_dict()` there writes empty or partial weights).
+    Only the main process writes, first into a staging directory inside `output_dir`, then
+    moving each finished file into place, so a crash never leaves a half-written weights file.
+    """
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)
+        try:
+            accelerator.unwrap_model(model).save_pretrained(staging, state_dict=state_dict, is_main_process=True)
+            for processor in processors:
+                processor.save_pretrained(staging)
+            for name in os.listdir(staging):
+                target = os.path.join(output_dir, name)
+                if os.path.isdir(target) and not os.path.islink(target):
+                    shutil.rmtree(target)
+                os.replace(os.path.join(staging, name), target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()

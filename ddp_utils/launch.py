@@ -1,0 +1,181 @@
+"""Building the Accelerator, refusing mis-launched runs, and ending a run cleanly.
+
+Two launch mistakes fail *silently* with Accelerate on machines without GPUs, so every
+script goes through `make_accelerator`, which builds the Accelerator and then runs the
+launch guard:
+
+* `accelerate launch --cpu --num_processes 2` (or a `distributed_type: MULTI_CPU` config)
+  starts ONE process: Accelerate hands multi-CPU runs to `mpirun`, and without a hostfile
+  it runs the script once.
+* Under `torchrun` / `accelerate launch --multi_gpu` on a machine without GPUs,
+  `Accelerator()` without `cpu=True` gives each process a world of its own: N independent
+  runs writing the same files. `make_accelerator` passes `cpu=True` when no GPU is visible,
+  which forms one gloo group, and the guard catches any remaining mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+
+# Exit code of a run stopped by bad input or a bad launch (argparse uses 2 as well).
+EXIT_USAGE = 2
+
+_CPU_LAUNCH_FIX = (
+    "accelerate launch --config_file accelerate_configs/cpu_2proc.yaml <script> "
+    "(or `make train`), which starts the processes through torchrun and trains on CPU with gloo"
+)
+
+
+class UsageError(Exception):
+    """Bad input or a bad launch: reported as one clear line, without a stack trace."""
+
+
+def _gpu_visible() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def make_accelerator(
+    *,
+    seed: int,
+    gradient_accumulation_steps: int = 1,
+    ddp_timeout: int = 1800,
+    **accelerator_kwargs,
+) -> Accelerator:
+    """Build the Accelerator every script uses, then check the launch. All ranks call it.
+
+    - `cpu=True` when this process sees no GPU, so a torchrun-style launch on a CPU machine
+      forms one gloo group instead of N separate worlds.
+    - A seedable sampler with a data seed shared by all ranks: every rank draws the same
+      shuffle (so the shards partition it), each epoch reshuffles via `set_epoch`, and the
+      order does not depend on the number of processes.
+    - `ddp_timeout` seconds for collectives, so a rank stuck in one fails instead of waiting
+      gloo's default 30 minutes.
+    - The LR scheduler is not tied to the optimizer: by default Accelerate steps a prepared
+      scheduler `num_processes` times per optimizer step. Scripts call `lr_scheduler.step()`
+      once per optimizer step, so the schedule is in optimizer steps whatever the world size.
+    """
+    cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not _gpu_visible()
+    accelerator = Accelerator(
+        cpu=cpu,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))],
+        step_scheduler_with_optimizer=False,
+        **accelerator_kwargs,
+    )
+    check_launch(accelerator)
+    return accelerator
+
+
+def _world_size_from_launcher() -> int | None:
+    """The number of processes the launcher says it started, or None if no launcher said."""
+    for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return None
+
+
+def _processes_requested_by_parent_accelerate_launch() -> int | None:
+    """If our parent is `accelerate launch` (the simple, single-process path), how many
+    processes its command line or config file asked for; None if it is not."""
+    try:
+        import psutil
+
+        parent_cmdline = psutil.Process(os.getppid()).cmdline()
+    except Exception:  # no psutil, no permission, parent gone: nothing to check
+        return None
+    launch_at = next(
+        (i for i, word in enumerate(parent_cmdline[:-1]) if "accelerate" in os.path.basename(word) and parent_cmdline[i + 1] == "launch"),
+        None,
+    )
+    if launch_at is None:
+        return None
+    from accelerate.commands.config import default_config_file, load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    launch_args, _ = launch_command_parser().parse_known_args(parent_cmdline[launch_at + 2 :])
+    if launch_args.num_processes is not None:
+        return launch_args.num_processes
+    # Accelerate's own rule: an explicit config file always counts, the default one not under --cpu.
+    if launch_args.config_file:
+        return load_config_from_file(launch_args.config_file).num_processes
+    if os.path.isfile(default_config_file) and not launch_args.cpu:
+        return load_config_from_file(default_config_file).num_processes
+    return None
+
+
+def check_launch(accelerator: Accelerator) -> None:
+    """The launch guard: fail at once if the launcher started a different number of processes
+    than the ones that joined this run. Every rank calls it (via `make_accelerator`) and every
+    rank raises on its own, so no rank waits for the others."""
+    launched = _world_size_from_launcher()
+    joined = accelerator.num_processes
+    if launched is not None and launched != joined:
+        raise UsageError(
+            f"the launcher started {launched} processes but this one sees a world of {joined} "
+            f"(distributed type {accelerator.distributed_type.value}): each process would train "
+            "its own copy and they would overwrite each other's files. On a machine without GPUs, "
+            "build the Accelerator with cpu=True or set ACCELERATE_USE_CPU=true (ddp_utils.make_accelerator "
+            f"does this), and launch with {_CPU_LAUNCH_FIX}."
+        )
+    if launched is None and joined == 1:
+        requested = _processes_requested_by_parent_accelerate_launch()
+        if requested is not None and requested > 1:
+            raise UsageError(
+                f"`accelerate launch` was asked for {requested} processes but started only this one: "
+                "Accelerate sends CPU runs (--cpu, or distributed_type MULTI_CPU) through mpirun and, "
+                f"without --mpirun_hostfile, runs the script once. Launch with {_CPU_LAUNCH_FIX}."
+            )
+    slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
+    if launched is None and os.environ.get("SLURM_STEP_ID") is not None and slurm_tasks > 1:
+        raise UsageError(
+            f"srun started {slurm_tasks} tasks running the script directly, so each is a world of its own. "
+            "Run one `accelerate launch` per node under srun (see accelerate_configs/) instead."
+        )
+
+
+def run(main, *args) -> None:
+    """Run a script's `main(*args)` and exit the process cleanly. Call it from `__main__`.
+
+    A `UsageError` (bad input, bad launch) is printed as one line naming the rank, with exit
+    code 2; any other exception prints its traceback and exits 1. Either way the launcher
+    then stops the other ranks, and the process group is torn down in an order that cannot
+    hang at interpreter exit.
+    """
+    rank = os.environ.get("RANK", "0")
+    exit_code = 0
+    try:
+        main(*args)
+    except UsageError as error:
+        print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+        exit_code = EXIT_USAGE
+    except Exception:
+        traceback.print_exc()
+        print(f"[rank {rank}] failed, see the traceback above", file=sys.stderr, flush=True)
+        exit_code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    _shutdown(exit_code)
+
+
+def _shutdown(exit_code: int) -> None:
+    """End the process without running the interpreter's final garbage collection.
+
+    With torch 2.13 and gloo, a process group that is freed after `destroy_process_group`
+    (it is still referenced by the DDP reducer, the Accelerator state, ...) can block for ever
+    in the ProcessGroupGloo destructor at interpreter exit. Everything this process had to
+    write has been written and flushed by now, so we skip that teardown with `os._exit`.
+    """
+    if exit_code == 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # A last barrier so no rank leaves while another still needs it.
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

@@ -1,0 +1,44 @@
+"""Evaluation across processes: gather per-example results exactly once, compute metrics locally."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+
+from .launch import UsageError
+
+METRICS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metrics")
+
+
+def load_metric(name: str):
+    """Load the `evaluate` module `metrics/<name>/<name>.py` shipped in this repo (no Hub needed).
+
+    Kept in memory, so each rank may compute it without sharing a cache file. Any rank may call it.
+    """
+    import evaluate
+
+    path = os.path.join(METRICS_DIR, name)
+    if not os.path.isfile(os.path.join(path, f"{name}.py")):
+        raise UsageError(f"metric {name!r} not found: expected the evaluate module {path}/{name}.py")
+    return evaluate.load(path, keep_in_memory=True)
+
+
+@torch.no_grad()
+def gather_for_eval(accelerator: Accelerator, model, dataloader, step) -> dict[str, np.ndarray]:
+    """Run `step(model, batch) -> {name: tensor with one row per example}` over a prepared eval
+    dataloader and return, on every rank, each name's rows from all ranks, concatenated as NumPy.
+
+    All ranks must call it. `gather_for_metrics` drops the examples Accelerate repeats to even
+    out the last batches, so N examples give exactly N rows, whatever the number of processes.
+    """
+    model.eval()
+    gathered: dict[str, list[np.ndarray]] = {}
+    for batch in dataloader:
+        outputs = step(model, batch)
+        outputs = accelerator.gather_for_metrics(outputs)
+        for name, value in outputs.items():
+            gathered.setdefault(name, []).append(value.detach().float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy())
+    return {name: np.concatenate(chunks) for name, chunks in gathered.items()}

@@ -1,0 +1,155 @@
+"""Shared test fixtures: a tiny BERT built from a config, small synthetic data files, and a helper
+that runs scripts through the real `accelerate launch` with 1 or 2 CPU processes (gloo)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CPU_CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
+AUDIT_HOOK_DIR = Path(__file__).resolve().parent / "audit"
+
+WORDS = {
+    "positive": "good great fine lovely superb".split(),
+    "negative": "bad awful poor terrible dreadful".split(),
+    "neutral": "okay average plain usual middling".split(),
+}
+FILLER = "the a movie film was is very not quite really it this".split()
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    output: str
+    seconds: float  # from start to exit of the whole launch
+    exit_after_last_line: float  # seconds between the last line printed and the launch's exit
+    lines: list = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_env(extra: dict | None = None) -> dict:
+    """The environment of a launched test run: offline, one thread per process, isolated caches."""
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    env.update(extra or {})
+    return env
+
+
+def launch(script, *args, num_processes=2, launcher_args=(), env=None, timeout=300) -> LaunchResult:
+    """Run `accelerate launch <script> <args>` on `num_processes` CPU processes and time its exit."""
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        *(launcher_args or ["--config_file", str(CPU_CONFIG), "--num_processes", str(num_processes)]),
+        "--main_process_port", str(free_port()),
+        str(script), *map(str, args),
+    ]
+    start = time.monotonic()
+    process = subprocess.Popen(command, cwd=REPO, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+
+    def read():
+        for line in process.stdout:
+            lines.append((time.monotonic(), line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        reader.join(5)
+        raise AssertionError(f"launch hung for {timeout}s:\n" + "".join(text for _, text in lines[-60:]))
+    end = time.monotonic()
+    reader.join(10)
+    last_line_at = lines[-1][0] if lines else end
+    return LaunchResult(process.returncode, "".join(t for _, t in lines), end - start, end - last_line_at, lines)
+
+
+def make_tiny_model(directory: Path) -> Path:
+    """A 2-layer BERT (hidden 32) with a word-level vocabulary, built from a config: no Hub."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted({w for ws in WORDS.values() for w in ws} | set(FILLER))
+    tokenizer = BertTokenizer(vocab={t: i for i, t in enumerate(tokens)}, model_max_length=64)
+    config = BertConfig(
+        vocab_size=len(tokens), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0,
+    )
+    import torch
+
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_examples(path: Path, n: int, seed: int, labels=("positive", "negative", "neutral"), text_column="text", label_column="label"):
+    """n labelled sentences whose label is given by one of its words, varied in length."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        label = labels[i % len(labels)]
+        words = rng.choices(FILLER, k=rng.randint(2, 12)) + [rng.choice(WORDS[label])]
+        rng.shuffle(words)
+        rows.append({text_column: " ".join(words), label_column: label})
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=[text_column, label_column])
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> dict:
+    """60 training examples (not a multiple of 8) and 37 validation examples (a prime)."""
+    directory = tmp_path_factory.mktemp("data")
+    return {
+        "train": write_examples(directory / "train.csv", 60, seed=1),
+        "validation": write_examples(directory / "validation.csv", 37, seed=2),
+    }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_hf_home(tmp_path_factory):
+    """Keep the datasets/evaluate caches of the launched runs out of the user's home."""
+    os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf-home"))
+    yield
+
+
+def train_args(tiny_model, tiny_data, output_dir, *extra) -> list:
+    return [
+        "--model_name_or_path", tiny_model,
+        "--train_file", tiny_data["train"], "--validation_file", tiny_data["validation"],
+        "--max_length", 32, "--output_dir", output_dir, "--learning_rate", 5e-3, "--warmup_ratio", 0.0,
+        "--per_device_eval_batch_size", 4, *extra,
+    ]

@@ -1,0 +1,60 @@
+"""The launch guard, and how examples are sharded across ranks (real multi-process launches)."""
+
+import json
+from collections import Counter
+
+from conftest import REPO, launch
+
+LAUNCHED = REPO / "tests" / "launched"
+
+
+def test_guard_refuses_cpu_flag_that_starts_one_process():
+    # `accelerate launch --cpu --num_processes 2` goes through mpirun and starts ONE process.
+    result = launch(REPO / "scripts" / "train.py", "--output_dir", "/nonexistent/never-written",
+                    launcher_args=["--cpu", "--num_processes", "2"], timeout=120)
+    assert result.returncode != 0
+    assert "asked for 2 processes but started only this one" in result.output
+    assert "accelerate_configs/cpu_2proc.yaml" in result.output, "the message must name the fix"
+    assert result.seconds < 60
+
+
+def test_guard_refuses_a_world_per_process_on_every_rank():
+    # Accelerator() without cpu=True on a machine without GPUs: each process a world of its own.
+    result = launch(LAUNCHED / "plain_accelerator.py", num_processes=2, timeout=120)
+    assert result.returncode != 0
+    assert "the guard let a mis-launched run through" not in result.output
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: the launcher started 2 processes but this one sees a world of 1" in result.output
+    assert result.seconds < 60
+
+
+def run_sample_count(tmp_path, num_processes, batch_size, num_examples=37, epochs=3):
+    out = tmp_path / f"samples-{num_processes}.json"
+    result = launch(LAUNCHED / "count_samples.py", out, num_examples, batch_size, epochs, num_processes=num_processes)
+    assert result.returncode == 0, result.output[-3000:]
+    return json.loads(out.read_text())
+
+
+def global_steps(epoch):
+    """The examples of each global step of one epoch: rank r's i-th batch belongs to step i."""
+    return [sorted(i for rank in epoch for i, w in zip(*rank[step]) if w == 1.0) for step in range(len(epoch[0]))]
+
+
+def test_every_example_used_exactly_once_per_epoch_and_reshuffled(tmp_path):
+    two = run_sample_count(tmp_path, num_processes=2, batch_size=4)
+    assert two["world_size"] == 2
+    orders = []
+    for epoch in two["epochs"]:
+        assert len(epoch) == 2 and len(epoch[0]) == len(epoch[1]), "ranks must take the same number of steps"
+        real = Counter(i for rank in epoch for ids, ws in rank for i, w in zip(ids, ws) if w == 1.0)
+        assert real == Counter(range(37)), "each example exactly once per epoch, across ranks"
+        fillers = [w for rank in epoch for _, ws in rank for w in ws if w == 0.0]
+        assert len(fillers) == 3, "37 examples padded to 40 = 5 global batches of 2 x 4"
+        orders.append([i for step in global_steps(epoch) for i in step])
+    assert orders[0] != orders[1] != orders[2], "the shuffle must change between epochs"
+
+    # One process with the same global batch sees the same examples at every step.
+    one = run_sample_count(tmp_path, num_processes=1, batch_size=8)
+    assert one["world_size"] == 1
+    for epoch_two, epoch_one in zip(two["epochs"], one["epochs"]):
+        assert global_steps(epoch_two) == global_steps(epoch_one)

@@ -1,0 +1,116 @@
+"""scripts/train.py through the real launcher: N processes train the same model as one, evaluation
+counts each example once, only the main process writes, the saved model reloads, the launch exits cleanly."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import AUDIT_HOOK_DIR, REPO, launch, train_args
+from safetensors.numpy import load_file
+
+TRAIN = REPO / "scripts" / "train.py"
+
+# The same training three ways: 60 examples (not a multiple of 8), 3 epochs, global batch 8.
+LAYOUTS = {
+    "one_process": (1, ["--per_device_train_batch_size", 8]),
+    "two_processes": (2, ["--per_device_train_batch_size", 4]),
+    "two_processes_accumulating": (2, ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tiny_data, tmp_path_factory):
+    base = tmp_path_factory.mktemp("runs")
+    results = {}
+    for name, (num_processes, extra) in LAYOUTS.items():
+        output_dir = base / name
+        audit = {
+            "PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)]),
+            "WRITE_AUDIT_TARGET": str(output_dir),
+            "WRITE_AUDIT_LOG": str(base / f"{name}.writes"),
+        }
+        result = launch(TRAIN, *train_args(tiny_model, tiny_data, output_dir, "--num_train_epochs", 3, *extra),
+                        num_processes=num_processes, env=audit)
+        assert result.returncode == 0, result.output[-4000:]
+        results[name] = {"dir": output_dir, "launch": result, "writes": base / f"{name}.writes"}
+    return results
+
+
+def weights(output_dir):
+    return load_file(str(output_dir / "model.safetensors"))
+
+
+def metrics(output_dir):
+    return json.loads((output_dir / "metrics.json").read_text())
+
+
+def test_n_processes_train_the_same_model_as_one(runs, tiny_model):
+    reference = weights(runs["one_process"]["dir"])
+    initial = load_file(str(tiny_model / "model.safetensors"))
+    changed = [k for k in initial if k in reference and not np.allclose(initial[k], reference[k])]
+    assert len(changed) > len(initial) // 2, "training barely changed the model: the comparison would prove nothing"
+    for name in ("two_processes", "two_processes_accumulating"):
+        other = weights(runs[name]["dir"])
+        assert sorted(other) == sorted(reference)
+        for key in reference:
+            np.testing.assert_allclose(other[key], reference[key], rtol=1e-4, atol=1e-5, err_msg=f"{name}: {key}")
+        assert metrics(runs[name]["dir"])["optimizer_steps"] == metrics(runs["one_process"]["dir"])["optimizer_steps"] == 24
+
+
+def test_every_training_example_counted_once_per_epoch(runs):
+    for name, run in runs.items():
+        # 60 examples x 3 epochs: the fillers that even out the shards are not counted.
+        assert metrics(run["dir"])["train_examples_seen"] == 180, name
+
+
+def test_evaluation_counts_each_example_once_and_matches_one_process(runs):
+    reference = metrics(runs["one_process"]["dir"])
+    assert reference["eval_examples"] == 37
+    for name in ("two_processes", "two_processes_accumulating"):
+        scores = metrics(runs[name]["dir"])
+        assert scores["eval_examples"] == 37, "37 is prime: duplicated padding would show up here"
+        assert scores["eval_accuracy"] == pytest.approx(reference["eval_accuracy"], abs=1e-9)
+        assert scores["eval_f1"] == pytest.approx(reference["eval_f1"], abs=1e-9)
+        assert scores["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-4)
+        assert scores["world_size"] == 2 and scores["distributed_type"] == "MULTI_CPU"
+
+
+def test_only_the_main_process_writes(runs):
+    for name, run in runs.items():
+        rank0 = run["writes"].with_name(run["writes"].name + ".rank0")
+        assert rank0.is_file() and rank0.read_text().strip(), f"{name}: the audit saw no write from rank 0"
+        others = [p.name for p in run["writes"].parent.glob(run["writes"].name + ".rank*") if p != rank0]
+        assert others == [], f"{name}: ranks other than 0 wrote into the output dir: {others}"
+        assert sorted(os.listdir(run["dir"])) == [
+            "config.json", "metrics.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training_args.json",
+        ]
+
+
+def test_saved_model_reloads_with_from_pretrained_and_pipeline(runs, tiny_data):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+    output_dir = runs["two_processes"]["dir"]
+    assert not any(key.startswith("module.") for key in weights(output_dir)), "DDP wrapper leaked into the saved keys"
+    assert not list(output_dir.glob("*.bin")), "weights must be safetensors only"
+
+    model = AutoModelForSequenceClassification.from_pretrained(output_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert set(model.config.id2label.values()) == {"negative", "neutral", "positive"}
+    assert model.config.label2id == {v: k for k, v in model.config.id2label.items()}
+
+    texts = ["the movie was great", "this film is awful", "it was okay"]
+    with torch.no_grad():
+        logits = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
+    classifier = pipeline("text-classification", model=str(output_dir), device=-1)
+    for text, row in zip(texts, logits):
+        scores = {item["label"]: item["score"] for item in classifier(text, top_k=None, function_to_apply="none")}
+        np.testing.assert_allclose([scores[model.config.id2label[i]] for i in range(len(row))], row.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_launch_exits_cleanly_right_after_the_last_line(runs):
+    for name, run in runs.items():
+        result = run["launch"]
+        assert "saved to" in result.output
+        assert result.exit_after_last_line < 5.0, f"{name}: the launch took {result.exit_after_last_line:.1f}s to exit after its last line"
