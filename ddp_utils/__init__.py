@@ -1,13 +1,21 @@
 """The distributed chores every training script shares. Each function's docstring says which ranks call it.
 
 - launch:  `make_accelerator` (with the launch guard), `run` (clean exit), `UsageError`
-- data:    `load_on_main_first`, `read_data_files`, `make_train_dataloader`, `global_mean_loss`
+- data:    `load_on_main_first`, `read_data_files`, `make_train_dataloader`, `optimizer_step_batches`, `global_mean_loss`
 - metrics: `load_metric` (local evaluate modules), `gather_for_eval`
 - io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`
 - demo:    the offline demo model and data shipped by PyPI packages
 """
 
-from .data import SAMPLE_WEIGHT, global_mean_loss, load_on_main_first, make_train_dataloader, pad_to_even_shards, read_data_files
+from .data import (
+    SAMPLE_WEIGHT,
+    global_mean_loss,
+    load_on_main_first,
+    make_train_dataloader,
+    optimizer_step_batches,
+    pad_to_even_shards,
+    read_data_files,
+)
 from .io import check_output_dir, prepare_output_dir, save_model, write_json
 from . import demo
 from .launch import EXIT_USAGE, UsageError, check_launch, make_accelerator, run
@@ -25,6 +33,7 @@ __all__ = [
     "load_on_main_first",
     "make_accelerator",
     "make_train_dataloader",
+    "optimizer_step_batches",
     "pad_to_even_shards",
     "prepare_output_dir",
     "read_data_files",

@@ -59,6 +59,8 @@ def read_data_files(data_files: dict[str, str]):
             raise UsageError(f"--{split}_file {path!r}: unknown extension {extension!r}; use one of {sorted(_BUILDERS)}")
         if os.path.getsize(path) == 0:
             raise UsageError(f"--{split}_file {path!r} is empty; it needs a header and at least one example")
+        if not _has_examples(path, extension):
+            raise UsageError(f"--{split}_file {path!r} holds no examples; add at least one row")
         builder_kwargs = {"delimiter": "\t"} if extension == ".tsv" else {}
         try:
             dataset = datasets.load_dataset(_BUILDERS[extension], data_files={split: path}, split=split, **builder_kwargs)
@@ -68,6 +70,27 @@ def read_data_files(data_files: dict[str, str]):
             raise UsageError(f"--{split}_file {path!r} holds no examples")
         splits[split] = dataset
     return datasets.DatasetDict(splits)
+
+
+def _has_examples(path: str, extension: str) -> bool:
+    """A cheap look at the start of the file: does it hold at least one example?
+    (Unreadable files answer True, so the loader reports them as unparsable.)"""
+    if extension == ".parquet":
+        import pyarrow.parquet
+
+        try:
+            return pyarrow.parquet.ParquetFile(path).metadata.num_rows > 0
+        except Exception:
+            return True
+    needed = 2 if extension in (".csv", ".tsv") else 1  # CSV/TSV: a header, then a row
+    found = 0
+    with open(path, errors="replace") as handle:
+        for line in handle:
+            if line.strip() not in ("", "[]"):
+                found += 1
+                if found == needed:
+                    return True
+    return False
 
 
 def _first_line(exc: BaseException) -> str:
@@ -96,22 +119,48 @@ def pad_to_even_shards(dataset, multiple: int):
     return dataset.add_column(SAMPLE_WEIGHT, weights)
 
 
-def make_train_dataloader(dataset, *, batch_size: int, num_processes: int, collate_fn) -> DataLoader:
-    """The training DataLoader, before `accelerator.prepare`: shuffled (Accelerate replaces the
-    sampler with its seedable one), evened out with `pad_to_even_shards`. Every rank calls it
-    with the same arguments."""
-    dataset = pad_to_even_shards(dataset, batch_size * num_processes)
-    return DataLoader(dataset, shuffle=True, batch_size=batch_size, collate_fn=collate_fn)
+def make_train_dataloader(dataset, *, batch_size: int, accelerator: Accelerator, collate_fn) -> DataLoader:
+    """The training DataLoader, before `accelerator.prepare`: shuffled (Accelerate swaps in its
+    seedable sampler) and padded by `pad_to_even_shards` to whole optimizer steps, so every rank
+    takes the same number of micro-batches and every optimizer step has all of its micro-batches.
+    Every rank calls it with the same arguments."""
+    examples_per_step = batch_size * accelerator.num_processes * accelerator.gradient_accumulation_steps
+    return DataLoader(pad_to_even_shards(dataset, examples_per_step), shuffle=True, batch_size=batch_size, collate_fn=collate_fn)
 
 
-def global_mean_loss(per_example_loss: torch.Tensor, weights: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
-    """The mean loss over the real examples of the whole global batch (all ranks). All ranks call it
-    on every micro-batch (one scalar all-reduce).
+def optimizer_step_batches(dataloader, accelerator: Accelerator, weight_key: str = SAMPLE_WEIGHT):
+    """Yield `(micro_batches, step_weight)` once per optimizer step: this rank's
+    `gradient_accumulation_steps` micro-batches, and the total weight (real examples, or target
+    tokens) in the step's micro-batches on all ranks. All ranks call it, in step.
 
-    DDP averages gradients over the ranks, so each rank's share is scaled by the number of
-    processes; filler examples (weight 0.0) contribute nothing, and a rank whose batch holds only
-    fillers still takes part in the gradient all-reduce, so no rank waits for another.
+    Knowing the step's total before the first backward pass is what makes the loss exact:
+    `global_mean_loss` divides by it, so the step's gradient is the mean over all its real
+    examples, however they are split over ranks and micro-batches.
     """
-    weights = weights.to(per_example_loss.dtype)
-    global_count = accelerator.reduce(weights.sum().detach(), reduction="sum")
-    return (per_example_loss * weights).sum() * accelerator.num_processes / global_count.clamp(min=1.0)
+    steps = accelerator.gradient_accumulation_steps
+    micro_batches = []
+    for batch in dataloader:
+        micro_batches.append(batch)
+        if len(micro_batches) == steps:
+            local_weight = sum(batch[weight_key].sum() for batch in micro_batches)
+            yield micro_batches, accelerator.reduce(local_weight.detach().float(), reduction="sum")
+            micro_batches = []
+    if micro_batches:
+        raise RuntimeError(
+            f"{len(micro_batches)} micro-batches left over: build the dataloader with make_train_dataloader, "
+            "which pads the data to whole optimizer steps"
+        )
+
+
+def global_mean_loss(per_example_loss: torch.Tensor, weights: torch.Tensor, step_weight: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
+    """This rank's share of the mean loss over the optimizer step's real examples (or tokens), for
+    `accelerator.backward`. Every rank calls it on each micro-batch, with `step_weight` from
+    `optimizer_step_batches`; no communication.
+
+    Accelerate divides each micro-batch's loss by the accumulation steps and DDP averages the
+    gradients over the ranks: both are undone here, so the summed gradient is exactly
+    sum(weight * loss) / step_weight. Filler examples (weight 0.0) contribute nothing, and a rank
+    whose micro-batch holds only fillers still takes part in the gradient all-reduce.
+    """
+    scale = accelerator.num_processes * accelerator.gradient_accumulation_steps
+    return (per_example_loss * weights.to(per_example_loss.dtype)).sum() * scale / step_weight.clamp(min=1.0)

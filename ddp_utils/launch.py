@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import GradientAccumulationPlugin
 
 # Exit code of a run stopped by bad input or a bad launch (argparse uses 2 as well).
 EXIT_USAGE = 2
@@ -63,7 +64,9 @@ def make_accelerator(
     cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not _gpu_visible()
     accelerator = Accelerator(
         cpu=cpu,
-        gradient_accumulation_steps=gradient_accumulation_steps,
+        # Optimizer steps are always whole (see make_train_dataloader), so syncing at the end of the
+        # dataloader is not needed, and would fire early when optimizer_step_batches prefetches.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=gradient_accumulation_steps, sync_with_dataloader=False),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))],
         step_scheduler_with_optimizer=False,
@@ -81,6 +84,18 @@ def _world_size_from_launcher() -> int | None:
     return None
 
 
+def _launch_args_start(cmdline: list[str]) -> int | None:
+    """Where the arguments of `accelerate launch` begin in a command line, or None if it is not one.
+    Covers `accelerate launch ...`, `accelerate-launch ...` and `python -m accelerate.commands.launch ...`."""
+    for i, word in enumerate(cmdline):
+        name = os.path.basename(word)
+        if name == "accelerate" and cmdline[i + 1 : i + 2] == ["launch"]:
+            return i + 2
+        if name == "accelerate-launch" or (word == "accelerate.commands.launch" and i > 0 and cmdline[i - 1] == "-m"):
+            return i + 1
+    return None
+
+
 def _processes_requested_by_parent_accelerate_launch() -> int | None:
     """If our parent is `accelerate launch` (the simple, single-process path), how many
     processes its command line or config file asked for; None if it is not."""
@@ -90,16 +105,13 @@ def _processes_requested_by_parent_accelerate_launch() -> int | None:
         parent_cmdline = psutil.Process(os.getppid()).cmdline()
     except Exception:  # no psutil, no permission, parent gone: nothing to check
         return None
-    launch_at = next(
-        (i for i, word in enumerate(parent_cmdline[:-1]) if "accelerate" in os.path.basename(word) and parent_cmdline[i + 1] == "launch"),
-        None,
-    )
-    if launch_at is None:
+    launch_args_at = _launch_args_start(parent_cmdline)
+    if launch_args_at is None:
         return None
     from accelerate.commands.config import default_config_file, load_config_from_file
     from accelerate.commands.launch import launch_command_parser
 
-    launch_args, _ = launch_command_parser().parse_known_args(parent_cmdline[launch_at + 2 :])
+    launch_args, _ = launch_command_parser().parse_known_args(parent_cmdline[launch_args_at:])
     if launch_args.num_processes is not None:
         return launch_args.num_processes
     # Accelerate's own rule: an explicit config file always counts, the default one not under --cpu.

@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--learning_rate", type=float, default=1e-4, help="peak AdamW learning rate")
     p.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not applied to biases and norms)")
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="clip the global gradient norm to this")
-    p.add_argument("--num_train_epochs", type=int, default=5, help="passes over the training data")
+    p.add_argument("--num_train_epochs", type=int, default=3, help="passes over the training data")
     p.add_argument("--max_train_steps", type=int, default=None, help="stop after this many optimizer steps (overrides epochs)")
     p.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear LR warm-up")
     p.add_argument("--seed", type=int, default=42, help="seed for initialisation, shuffling and dropout")
@@ -217,7 +217,7 @@ def main():
     tokenized, tokenizer, model = ddp_utils.load_on_main_first(accelerator, prepare_data_and_model, args, accelerator)
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
     train_dataloader = ddp_utils.make_train_dataloader(
-        tokenized["train"], batch_size=args.per_device_train_batch_size, num_processes=accelerator.num_processes, collate_fn=collate
+        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate
     )
     eval_dataloader = torch.utils.data.DataLoader(tokenized["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=collate)
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
@@ -244,32 +244,34 @@ def main():
     )
 
     progress = tqdm(total=max_train_steps, desc="train", disable=not accelerator.is_local_main_process)
-    completed_steps, train_time, trained_examples = 0, 0.0, torch.zeros((), device=accelerator.device)
+    completed_steps, train_time, trained_examples = 0, 0.0, 0.0
     scores = {}
     for epoch in range(num_epochs):
         model.train()
         train_dataloader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         epoch_start = time.perf_counter()
-        for batch in train_dataloader:
-            with accelerator.accumulate(model):
-                weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
-                logits = model(**batch).logits
-                per_example = F.cross_entropy(logits.float(), labels, reduction="none")
-                loss = ddp_utils.global_mean_loss(per_example, weights, accelerator)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            trained_examples += weights.sum()
-            if accelerator.sync_gradients:
-                lr_scheduler.step()
-                completed_steps += 1
-                progress.update(1)
-                if completed_steps % args.logging_steps == 0:
-                    progress.set_postfix(loss=f"{accelerator.reduce(loss.detach(), 'mean').item():.4f}")
-                if completed_steps >= max_train_steps:
-                    break
+        # One optimizer step per iteration: its micro-batches, and how many real examples they hold on all ranks.
+        for micro_batches, step_examples in ddp_utils.optimizer_step_batches(train_dataloader, accelerator):
+            step_loss = 0.0
+            for batch in micro_batches:
+                with accelerator.accumulate(model):
+                    weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
+                    per_example = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")
+                    loss = ddp_utils.global_mean_loss(per_example, weights, step_examples, accelerator)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                step_loss += loss.detach() / (accelerator.num_processes * args.gradient_accumulation_steps)
+            lr_scheduler.step()
+            completed_steps += 1
+            trained_examples += step_examples
+            progress.update(1)
+            if completed_steps % args.logging_steps == 0:  # the step's mean loss over all ranks
+                progress.set_postfix(loss=f"{accelerator.reduce(step_loss, 'sum').item():.4f}")
+            if completed_steps >= max_train_steps:
+                break
         train_time += time.perf_counter() - epoch_start
 
         scores = evaluate(accelerator, model, eval_dataloader, metrics)
@@ -279,7 +281,7 @@ def main():
     progress.close()
 
     ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer)
-    total_examples = accelerator.reduce(trained_examples, reduction="sum").item()
+    total_examples = float(trained_examples)
     run_facts = {
         "world_size": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,

@@ -114,7 +114,7 @@ def write_examples(path: Path, n: int, seed: int, labels=("positive", "negative"
     rows = []
     for i in range(n):
         label = labels[i % len(labels)]
-        words = rng.choices(FILLER, k=rng.randint(2, 12)) + [rng.choice(WORDS[label])]
+        words = rng.choices(FILLER, k=rng.randint(2, 12)) + [rng.choice(WORDS.get(label, FILLER))]
         rng.shuffle(words)
         rows.append({text_column: " ".join(words), label_column: label})
     with open(path, "w", newline="") as handle:

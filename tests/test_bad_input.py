@@ -50,7 +50,6 @@ def swap(args, flag, value):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_fails_fast_on_every_rank(case, tiny_model, tiny_data, tmp_path):
     change, expected = CASES[case]
-    (tmp_path / "spiders.json").write_text("")  # tmp_path is not empty; output_dir below is a fresh subdir
     output_dir = tmp_path / "out"
     args = change(train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 2), tmp_path, tiny_model)
     result = launch(TRAIN, *args, num_processes=2, timeout=120)

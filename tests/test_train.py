@@ -47,13 +47,18 @@ def metrics(output_dir):
 
 def test_n_processes_train_the_same_model_as_one(runs, tiny_model):
     reference = weights(runs["one_process"]["dir"])
-    initial = load_file(str(tiny_model / "model.safetensors"))
-    changed = [k for k in initial if k in reference and not np.allclose(initial[k], reference[k])]
+    initial = load_file(str(tiny_model / "model.safetensors"))  # the encoder before training, without the "bert." prefix
+    changed = [k for k in initial if not np.allclose(initial[k], reference[f"bert.{k}"])]
     assert len(changed) > len(initial) // 2, "training barely changed the model: the comparison would prove nothing"
     for name in ("two_processes", "two_processes_accumulating"):
         other = weights(runs[name]["dir"])
         assert sorted(other) == sorted(reference)
         for key in reference:
+            if key.endswith("attention.self.key.bias"):
+                # Its exact gradient is zero (a constant added to every key score leaves the softmax
+                # unchanged), so Adam turns rounding noise into steps: only check it stays noise.
+                assert np.abs(other[key]).max() < 1e-4 and np.abs(reference[key]).max() < 1e-4, key
+                continue
             np.testing.assert_allclose(other[key], reference[key], rtol=1e-4, atol=1e-5, err_msg=f"{name}: {key}")
         assert metrics(runs[name]["dir"])["optimizer_steps"] == metrics(runs["one_process"]["dir"])["optimizer_steps"] == 24
 

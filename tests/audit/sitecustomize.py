@@ -15,7 +15,8 @@ if _target:
 
     def _under_target(path):
         try:
-            return os.path.realpath(os.fsdecode(path)).startswith(_target)
+            real = os.path.realpath(os.fsdecode(path))
+            return real == _target or real.startswith(_target + os.sep)
         except (TypeError, ValueError):
             return False
 

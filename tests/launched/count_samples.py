@@ -23,7 +23,7 @@ def main():
     out, num_examples, batch_size, epochs = sys.argv[1], *map(int, sys.argv[2:5])
     accelerator = ddp_utils.make_accelerator(seed=7)
     dataset = datasets.Dataset.from_dict({"example_id": list(range(num_examples))})
-    loader = ddp_utils.make_train_dataloader(dataset, batch_size=batch_size, num_processes=accelerator.num_processes, collate_fn=collate)
+    loader = ddp_utils.make_train_dataloader(dataset, batch_size=batch_size, accelerator=accelerator, collate_fn=collate)
     loader = accelerator.prepare(loader)
     epochs_seen = []
     for epoch in range(epochs):

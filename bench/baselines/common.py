@@ -1,0 +1,31 @@
+"""The work every benchmarked trainer does alike: the demo model and data, tokenized the same way
+as scripts/train.py (max_length truncation, dynamic padding, labels in sorted order)."""
+
+from transformers import AutoTokenizer, DataCollatorWithPadding
+
+from ddp_utils.demo import demo_model_path, load_demo_reviews
+
+LABELS = ["negative", "neutral", "positive"]
+
+
+def demo_data(max_length):
+    """(tokenized DatasetDict with train/validation, tokenizer, collator)."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    raw = load_demo_reviews()
+
+    def tokenize(batch):
+        encoded = tokenizer(batch["text"], truncation=True, max_length=max_length)
+        encoded["labels"] = [LABELS.index(label) for label in batch["label"]]
+        return encoded
+
+    tokenized = raw.map(tokenize, batched=True, remove_columns=["text", "label"])
+    return tokenized, tokenizer, DataCollatorWithPadding(tokenizer)
+
+
+def decay_groups(model, weight_decay):
+    """AdamW groups: no weight decay on biases and normalisation weights, as in scripts/train.py."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0},
+    ]
