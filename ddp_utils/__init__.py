@@ -1,7 +1,8 @@
 """The distributed chores every training script shares. Each function's docstring says which ranks call it.
 
 - launch:  `make_accelerator` (with the launch guard), `run` (clean exit), `UsageError`
-- data:    `load_on_main_first`, `read_data_files`, `make_train_dataloader`, `optimizer_step_batches`, `global_mean_loss`
+- data:    `load_on_main_first`, `read_data_files`, `make_train_dataloader`, `optimizer_step_batches`, `global_mean_loss`,
+           `weight_decay_groups`
 - metrics: `load_metric` (local evaluate modules), `gather_for_eval`
 - io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`
 - demo:    the offline demo model and data shipped by PyPI packages
@@ -15,6 +16,7 @@ from .data import (
     optimizer_step_batches,
     pad_to_even_shards,
     read_data_files,
+    weight_decay_groups,
 )
 from .io import check_output_dir, prepare_output_dir, save_model, write_json
 from . import demo
@@ -39,5 +41,6 @@ __all__ = [
     "read_data_files",
     "run",
     "save_model",
+    "weight_decay_groups",
     "write_json",
 ]

@@ -164,3 +164,13 @@ def global_mean_loss(per_example_loss: torch.Tensor, weights: torch.Tensor, step
     """
     scale = accelerator.num_processes * accelerator.gradient_accumulation_steps
     return (per_example_loss * weights.to(per_example_loss.dtype)).sum() * scale / step_weight.clamp(min=1.0)
+
+
+def weight_decay_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: weight decay on weight matrices and embeddings, none on biases and
+    normalisation weights (the 1-D parameters, whatever a model names them)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0},
+    ]

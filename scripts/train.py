@@ -188,7 +188,11 @@ def classification_outputs(model, batch):
     return {"predictions": logits.argmax(dim=-1), "references": labels, "loss": loss}
 
 
-def evaluate(accelerator, model, eval_dataloader, metrics):
+def describe(values: dict) -> str:
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+
+
+def run_evaluation(accelerator, model, eval_dataloader, metrics):
     results = ddp_utils.gather_for_eval(accelerator, model, eval_dataloader, classification_outputs)
     scores = {"eval_loss": float(results["loss"].mean()), "eval_examples": len(results["references"])}
     for metric in metrics:
@@ -222,14 +226,8 @@ def main():
     eval_dataloader = torch.utils.data.DataLoader(tokenized["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=collate)
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
 
-    # No weight decay on biases and normalisation weights (the 1-D parameters).
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for p in parameters if p.ndim >= 2], "weight_decay": args.weight_decay},
-         {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0}],
-        lr=args.learning_rate,
-    )
-    steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / args.gradient_accumulation_steps)
+    optimizer = torch.optim.AdamW(ddp_utils.weight_decay_groups(model, args.weight_decay), lr=args.learning_rate)
+    steps_per_epoch = len(train_dataloader) // (accelerator.num_processes * args.gradient_accumulation_steps)  # exact: whole steps
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
     lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * max_train_steps), max_train_steps)
@@ -243,7 +241,7 @@ def main():
         f"{max_train_steps} optimizer steps of {args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps} examples"
     )
 
-    progress = tqdm(total=max_train_steps, desc="train", disable=not accelerator.is_local_main_process)
+    progress = tqdm(total=max_train_steps, desc="train", disable=not accelerator.is_main_process)
     completed_steps, train_time, trained_examples = 0, 0.0, 0.0
     scores = {}
     for epoch in range(num_epochs):
@@ -274,28 +272,27 @@ def main():
                 break
         train_time += time.perf_counter() - epoch_start
 
-        scores = evaluate(accelerator, model, eval_dataloader, metrics)
-        logger.info(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in scores.items()))
+        scores = run_evaluation(accelerator, model, eval_dataloader, metrics)
+        logger.info(f"epoch {epoch}: {describe(scores)}")
         if completed_steps >= max_train_steps:
             break
     progress.close()
 
     ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer)
-    total_examples = float(trained_examples)
     run_facts = {
         "world_size": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
         "epochs": epoch + 1,
         "optimizer_steps": completed_steps,
-        "train_examples_seen": int(total_examples),
-        "train_samples_per_second": total_examples / train_time,
+        "train_examples_seen": int(trained_examples),
+        "train_samples_per_second": float(trained_examples) / train_time,
         "train_runtime_s": train_time,
         "wall_time_s": time.perf_counter() - start_time,
     }
     ddp_utils.write_json(accelerator, f"{args.output_dir}/metrics.json", {**scores, **run_facts})
     ddp_utils.write_json(accelerator, f"{args.output_dir}/training_args.json", vars(args))
-    logger.info(f"saved to {args.output_dir}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in run_facts.items()))
+    logger.info(f"saved to {args.output_dir}: {describe(run_facts)}")
     accelerator.end_training()
 
 

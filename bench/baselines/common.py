@@ -20,12 +20,3 @@ def demo_data(max_length):
 
     tokenized = raw.map(tokenize, batched=True, remove_columns=["text", "label"])
     return tokenized, tokenizer, DataCollatorWithPadding(tokenizer)
-
-
-def decay_groups(model, weight_decay):
-    """AdamW groups: no weight decay on biases and normalisation weights, as in scripts/train.py."""
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in parameters if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0},
-    ]

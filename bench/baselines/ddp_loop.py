@@ -12,11 +12,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import LABELS, decay_groups, demo_data
+from common import LABELS, demo_data
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForSequenceClassification, get_linear_schedule_with_warmup
 
+from ddp_utils import weight_decay_groups
 from ddp_utils.demo import demo_model_path
 
 
@@ -32,7 +33,7 @@ def main():
     model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     sampler = DistributedSampler(tokenized["train"], shuffle=True, seed=42)
     loader = DataLoader(tokenized["train"], batch_size=batch_size, sampler=sampler, collate_fn=collate)
-    optimizer = torch.optim.AdamW(decay_groups(model, 0.01), lr=lr)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.01), lr=lr)
     total_steps = epochs * len(loader)
     scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(0.1 * total_steps), total_steps)
 
