@@ -59,20 +59,16 @@ def contenders(args, workdir: Path):
     }
 
 
-def run_one(command, result_file: Path, env) -> dict:
+def run_one(command, result_file: Path, log_file: Path, env) -> dict:
     """Run one launch; sample every worker's RSS; stop it if it hangs after writing its results."""
     result_file.unlink(missing_ok=True)
     start = time.perf_counter()
-    process = subprocess.Popen([str(c) for c in command], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = open(result_file.with_suffix(".log"), "w")
+    log = open(log_file, "w")
+    process = subprocess.Popen([str(c) for c in command], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     peak_rss: dict[int, int] = {}
     launcher = psutil.Process(process.pid)
-    os.set_blocking(process.stdout.fileno(), False)
     hung = False
     while process.poll() is None:
-        chunk = process.stdout.read()
-        if chunk:
-            log.write(chunk)
         try:
             for child in launcher.children(recursive=True):
                 try:
@@ -92,10 +88,9 @@ def run_one(command, result_file: Path, env) -> dict:
         time.sleep(0.25)
     process.wait()
     wall = time.perf_counter() - start
-    log.write(process.stdout.read() or "")
     log.close()
     if not result_file.exists():
-        raise SystemExit(f"{command[0]} ... failed (exit {process.returncode}); see {result_file.with_suffix('.log')}")
+        raise SystemExit(f"{command[0]} ... failed (exit {process.returncode}); see {log_file}")
     data = json.loads(result_file.read_text())
     return {
         "samples_per_s": data.get("train_samples_per_second") or data["train_samples"] / data["train_time_s"],
@@ -119,7 +114,7 @@ def main():
         if args.only and key not in args.only:
             continue
         print(f"running {names[key]} ...", flush=True)
-        results[key] = run_one(command, result_file, env)
+        results[key] = run_one(command, result_file, workdir / f"{key}.log", env)
         print(f"  {results[key]}", flush=True)
 
     base = results.get("ddp")

@@ -2,7 +2,7 @@
 
 - launch:  `make_accelerator` (with the launch guard), `run` (clean exit), `UsageError`
 - data:    `load_on_main_first`, `read_data_files`, `make_train_dataloader`, `optimizer_step_batches`, `global_mean_loss`,
-           `weight_decay_groups`
+           `make_adamw`, `weight_decay_groups`
 - metrics: `load_metric` (local evaluate modules), `gather_for_eval`
 - io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`
 - demo:    the offline demo model and data shipped by PyPI packages
@@ -12,6 +12,7 @@ from .data import (
     SAMPLE_WEIGHT,
     global_mean_loss,
     load_on_main_first,
+    make_adamw,
     make_train_dataloader,
     optimizer_step_batches,
     pad_to_even_shards,
@@ -34,6 +35,7 @@ __all__ = [
     "load_metric",
     "load_on_main_first",
     "make_accelerator",
+    "make_adamw",
     "make_train_dataloader",
     "optimizer_step_batches",
     "pad_to_even_shards",

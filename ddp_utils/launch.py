@@ -171,9 +171,6 @@ def run(main, *args) -> None:
         traceback.print_exc()
         print(f"[rank {rank}] failed, see the traceback above", file=sys.stderr, flush=True)
         exit_code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
     _shutdown(exit_code)
 
 

@@ -226,7 +226,7 @@ def main():
     eval_dataloader = torch.utils.data.DataLoader(tokenized["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=collate)
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
 
-    optimizer = torch.optim.AdamW(ddp_utils.weight_decay_groups(model, args.weight_decay), lr=args.learning_rate)
+    optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # no decay on biases and norms
     steps_per_epoch = len(train_dataloader) // (accelerator.num_processes * args.gradient_accumulation_steps)  # exact: whole steps
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)

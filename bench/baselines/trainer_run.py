@@ -25,7 +25,8 @@ def main():
     model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=len(LABELS))
     args = TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=batch_size, per_device_eval_batch_size=32,
-        learning_rate=lr, num_train_epochs=epochs, warmup_ratio=0.1, weight_decay=0.01, max_grad_norm=1.0,
+        learning_rate=lr, num_train_epochs=epochs, warmup_steps=0.1,  # a float: a ratio of the steps (transformers 5)
+        weight_decay=0.01, max_grad_norm=1.0,
         eval_strategy="epoch", save_strategy="no", logging_strategy="epoch", report_to=[], seed=42,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=True,
     )
