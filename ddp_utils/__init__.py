@@ -1,7 +1,9 @@
 """The distributed chores every training script shares. Each function's docstring says which ranks call it.
 
-- launch:  `make_accelerator` (with the launch guard), `run` (clean exit), `UsageError`
-- data:    `load_on_main_first`, `read_data_files`, `make_train_dataloader`, `optimizer_step_batches`, `global_mean_loss`,
+- launch:  `make_accelerator` (with the launch guard), `run` (clean exit), `UsageError`, `Preempted`
+- checkpoint: atomic `save_checkpoint`, `load_checkpoint`, `resolve_resume_path`, `PreemptionHandler`
+- data:    `load_on_main_first`, `read_data_files`, `make_train_dataloader`, `epoch_dataloader`,
+           `optimizer_step_batches`, `global_mean_loss`,
            `make_adamw`, `weight_decay_groups`
 - metrics: `load_metric` (local evaluate modules), `gather_for_eval`
 - io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`
@@ -10,6 +12,7 @@
 
 from .data import (
     SAMPLE_WEIGHT,
+    epoch_dataloader,
     global_mean_loss,
     load_on_main_first,
     make_adamw,
@@ -21,27 +24,48 @@ from .data import (
 )
 from .io import check_output_dir, prepare_output_dir, save_model, write_json
 from . import demo
-from .launch import EXIT_USAGE, UsageError, check_launch, make_accelerator, run
+from .checkpoint import (
+    PREEMPTED_FILE,
+    PreemptionHandler,
+    clear_preempted_marker,
+    list_checkpoints,
+    load_checkpoint,
+    model_fingerprint,
+    resolve_resume_path,
+    save_checkpoint,
+)
+from .launch import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UsageError, check_launch, make_accelerator, run
 from .metrics import gather_for_eval, load_metric
 
 __all__ = [
+    "EXIT_PREEMPTED",
     "EXIT_USAGE",
+    "PREEMPTED_FILE",
+    "Preempted",
+    "PreemptionHandler",
     "SAMPLE_WEIGHT",
     "UsageError",
     "check_launch",
     "check_output_dir",
+    "clear_preempted_marker",
+    "epoch_dataloader",
     "gather_for_eval",
     "global_mean_loss",
+    "list_checkpoints",
+    "load_checkpoint",
     "load_metric",
     "load_on_main_first",
     "make_accelerator",
     "make_adamw",
     "make_train_dataloader",
+    "model_fingerprint",
     "optimizer_step_batches",
     "pad_to_even_shards",
     "prepare_output_dir",
     "read_data_files",
+    "resolve_resume_path",
     "run",
+    "save_checkpoint",
     "save_model",
     "weight_decay_groups",
     "write_json",

@@ -128,6 +128,21 @@ def make_train_dataloader(dataset, *, batch_size: int, accelerator: Accelerator,
     return DataLoader(pad_to_even_shards(dataset, examples_per_step), shuffle=True, batch_size=batch_size, collate_fn=collate_fn)
 
 
+def epoch_dataloader(accelerator: Accelerator, dataloader, epoch: int, steps_done: int = 0):
+    """The prepared training dataloader set for `epoch` (its own shuffle, the same on every rank)
+    and, when resuming mid-epoch, past the `steps_done` optimizer steps already taken. All ranks call it.
+
+    The skip is counted in micro-batches (steps x accumulation), and it skips sampler indices
+    without loading data. The seedable sampler draws the epoch's order from seed + epoch
+    alone, so the resumed run sees exactly the batches the uninterrupted run would have.
+    """
+    dataloader.set_epoch(epoch)
+    if steps_done:
+        dataloader = accelerator.skip_first_batches(dataloader, steps_done * accelerator.gradient_accumulation_steps)
+        dataloader.set_epoch(epoch)
+    return dataloader
+
+
 def optimizer_step_batches(dataloader, accelerator: Accelerator, weight_key: str = SAMPLE_WEIGHT):
     """Yield `(micro_batches, step_weight)` once per optimizer step: this rank's
     `gradient_accumulation_steps` micro-batches, and the total weight (real examples, or target

@@ -12,24 +12,26 @@ from accelerate import Accelerator
 from .launch import UsageError
 
 
-def check_output_dir(output_dir: str, overwrite: bool) -> None:
-    """Refuse an output directory that already holds another run, before any work is done.
-    All ranks call it (each raises on its own, nobody waits). Writes nothing."""
+def check_output_dir(output_dir: str, overwrite: bool, resuming: bool = False) -> None:
+    """Refuse an output directory that already holds another run, before any work is done
+    (a run that resumes from its checkpoints there is welcome). All ranks call it (each raises
+    on its own, nobody waits). Writes nothing."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UsageError(f"--output_dir {output_dir!r} is a file; give a directory path")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not (overwrite or resuming):
         raise UsageError(
             f"--output_dir {output_dir!r} already holds files from another run; "
             "pass --overwrite_output_dir to replace them, or choose another --output_dir"
         )
 
 
-def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite: bool) -> None:
-    """Create the output directory (emptied first if `overwrite`), on the main process only.
-    All ranks call it, once the inputs are validated, so bad input never leaves a directory behind."""
-    check_output_dir(output_dir, overwrite)
+def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite: bool, resuming: bool = False) -> None:
+    """Create the output directory (emptied first if `overwrite` and not `resuming`), on the main
+    process only. All ranks call it, once the inputs are validated, so bad input never leaves a
+    directory behind."""
+    check_output_dir(output_dir, overwrite, resuming)
     if accelerator.is_main_process:
-        if overwrite and os.path.isdir(output_dir):
+        if overwrite and not resuming and os.path.isdir(output_dir):
             shutil.rmtree(output_dir)
         os.makedirs(output_dir, exist_ok=True)
     accelerator.wait_for_everyone()

@@ -26,6 +26,9 @@ from accelerate.utils import GradientAccumulationPlugin
 
 # Exit code of a run stopped by bad input or a bad launch (argparse uses 2 as well).
 EXIT_USAGE = 2
+# Exit code of every training process after a preemption checkpoint (EX_TEMPFAIL: try again later).
+# torchrun / accelerate launch report it per worker and exit 1 themselves; see checkpoint.PREEMPTED_FILE.
+EXIT_PREEMPTED = 75
 
 _CPU_LAUNCH_FIX = (
     "accelerate launch --config_file accelerate_configs/cpu_2proc.yaml <script> "
@@ -35,6 +38,10 @@ _CPU_LAUNCH_FIX = (
 
 class UsageError(Exception):
     """Bad input or a bad launch: reported as one clear line, without a stack trace."""
+
+
+class Preempted(Exception):
+    """Raised on every rank once the preemption checkpoint is written; `run` exits with EXIT_PREEMPTED."""
 
 
 def _gpu_visible() -> bool:
@@ -156,7 +163,8 @@ def run(main, *args) -> None:
     """Run a script's `main(*args)` and exit the process cleanly. Call it from `__main__`.
 
     A `UsageError` (bad input, bad launch) is printed as one line naming the rank, with exit
-    code 2; any other exception prints its traceback and exits 1. Either way the launcher
+    code 2; `Preempted` exits with EXIT_PREEMPTED (75); any other exception prints its
+    traceback and exits 1. Either way the launcher
     then stops the other ranks, and the process group is torn down in an order that cannot
     hang at interpreter exit.
     """
@@ -167,6 +175,9 @@ def run(main, *args) -> None:
     except UsageError as error:
         print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
         exit_code = EXIT_USAGE
+    except Preempted as stop:
+        print(f"[rank {rank}] preempted: {stop}", file=sys.stderr, flush=True)
+        exit_code = EXIT_PREEMPTED
     except Exception:
         traceback.print_exc()
         print(f"[rank {rank}] failed, see the traceback above", file=sys.stderr, flush=True)

@@ -63,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42, help="seed for initialisation, shuffling and dropout")
     p.add_argument("--logging_steps", type=int, default=10, help="show the loss every N optimizer steps")
     p.add_argument("--ddp_timeout", type=int, default=1800, help="seconds a collective may wait before the run fails")
+    # Checkpoints: resume exactly after a crash or preemption (SIGTERM/SIGUSR1 save one and exit 75).
+    p.add_argument("--checkpointing_steps", default="epoch", help="checkpoint every N optimizer steps, every 'epoch', or 'no'")
+    p.add_argument("--checkpoints_total_limit", type=int, default=2, help="keep only the K newest checkpoints")
+    p.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint-<step> dir, or 'latest' in output_dir (fresh if none)")
     # Output.
     p.add_argument("--output_dir", default="outputs/train", help="where the model, tokenizer and metrics.json go")
     p.add_argument("--overwrite_output_dir", action="store_true", help="replace an output_dir that holds another run")
@@ -72,6 +76,10 @@ def parse_args(argv=None):
                  "num_train_epochs", "max_train_steps", "max_train_samples", "max_eval_samples", "logging_steps", "ddp_timeout"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.checkpointing_steps not in ("epoch", "no") and not (args.checkpointing_steps.isdigit() and int(args.checkpointing_steps) > 0):
+        raise UsageError(f"--checkpointing_steps takes a positive number, 'epoch' or 'no', got {args.checkpointing_steps!r}")
+    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:
+        raise UsageError(f"--checkpoints_total_limit must be at least 1, got {args.checkpoints_total_limit}")
     if not 0.0 <= args.warmup_ratio < 1.0:
         raise UsageError(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
     if bool(args.train_file) != bool(args.validation_file):
@@ -214,7 +222,8 @@ def main():
             library.disable_progress_bar()
     logger.info(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, device {accelerator.device}")
     transformers.set_seed(args.seed)  # same seed on every rank: identical initialisation
-    ddp_utils.check_output_dir(args.output_dir, args.overwrite_output_dir)
+    resuming = bool(args.resume_from_checkpoint)
+    ddp_utils.check_output_dir(args.output_dir, args.overwrite_output_dir, resuming)
     if args.model_name_or_path is None:
         args.model_name_or_path = demo_model_path()
 
@@ -232,24 +241,39 @@ def main():
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
     lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * max_train_steps), max_train_steps)
 
+    # What a checkpoint must match to resume this run, saved with its progress.
+    run_identity = {"model": ddp_utils.model_fingerprint(model), "world_size": accelerator.num_processes,
+                    "per_device_train_batch_size": args.per_device_train_batch_size,
+                    "gradient_accumulation_steps": args.gradient_accumulation_steps}
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir)
+    ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, resuming)
+    progress = {"step": 0, "epoch": 0, "step_in_epoch": 0, "trained_examples": 0.0, "train_time_s": 0.0}
+    resume_path = ddp_utils.resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
+    if resume_path:
+        progress = ddp_utils.load_checkpoint(accelerator, resume_path, run_identity)
+        logger.info(f"resumed from {resume_path}: epoch {progress['epoch']}, step {progress['step']}")
+    elif resuming:
+        logger.info(f"no complete checkpoint in {args.output_dir}: starting from scratch")
+    preemption = ddp_utils.PreemptionHandler(accelerator)
+
+    def checkpoint():
+        return ddp_utils.save_checkpoint(accelerator, args.output_dir, {**run_identity, **progress}, args.checkpoints_total_limit)
+
     logger.info(
         f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval examples, {num_epochs} epochs, "
         f"{max_train_steps} optimizer steps of {args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps} examples"
     )
 
-    progress = tqdm(total=max_train_steps, desc="train", disable=not accelerator.is_main_process)
-    completed_steps, train_time, trained_examples = 0, 0.0, 0.0
+    bar = tqdm(total=max_train_steps, initial=progress["step"], desc="train", disable=not accelerator.is_main_process)
     scores = {}
-    for epoch in range(num_epochs):
+    for epoch in range(progress["epoch"], num_epochs):
         model.train()
-        train_dataloader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        epoch_start = time.perf_counter()
+        batches = ddp_utils.epoch_dataloader(accelerator, train_dataloader, epoch, steps_done=progress["step_in_epoch"])
+        tick = time.perf_counter()
         # One optimizer step per iteration: its micro-batches, and how many real examples they hold on all ranks.
-        for micro_batches, step_examples in ddp_utils.optimizer_step_batches(train_dataloader, accelerator):
+        for micro_batches, step_examples in ddp_utils.optimizer_step_batches(batches, accelerator):
             step_loss = 0.0
             for batch in micro_batches:
                 with accelerator.accumulate(model):
@@ -263,35 +287,45 @@ def main():
                     optimizer.zero_grad()
                 step_loss += loss.detach() / (accelerator.num_processes * args.gradient_accumulation_steps)
             lr_scheduler.step()
-            completed_steps += 1
-            trained_examples += step_examples
-            progress.update(1)
-            if completed_steps % args.logging_steps == 0:  # the step's mean loss over all ranks
-                progress.set_postfix(loss=f"{accelerator.reduce(step_loss, 'sum').item():.4f}")
-            if completed_steps >= max_train_steps:
+            progress["step"] += 1
+            progress["step_in_epoch"] += 1
+            progress["trained_examples"] += step_examples.item()
+            progress["train_time_s"] += time.perf_counter() - tick
+            bar.update(1)
+            if progress["step"] % args.logging_steps == 0:  # the step's mean loss over all ranks
+                bar.set_postfix(loss=f"{accelerator.reduce(step_loss, 'sum').item():.4f}")
+            if preemption.requested():  # a signal on any rank: save together after this step, then exit 75
+                preemption.stop(args.output_dir, checkpoint())
+            if args.checkpointing_steps.isdigit() and progress["step"] % int(args.checkpointing_steps) == 0:
+                checkpoint()
+            if progress["step"] >= max_train_steps:
                 break
-        train_time += time.perf_counter() - epoch_start
+            tick = time.perf_counter()
 
         scores = run_evaluation(accelerator, model, eval_dataloader, metrics)
         logger.info(f"epoch {epoch}: {describe(scores)}")
-        if completed_steps >= max_train_steps:
+        progress.update(epoch=epoch + 1, step_in_epoch=0)
+        if args.checkpointing_steps == "epoch":
+            checkpoint()
+        if progress["step"] >= max_train_steps:
             break
-    progress.close()
+    bar.close()
 
     ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer)
     run_facts = {
         "world_size": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.value,
         "mixed_precision": accelerator.mixed_precision,
-        "epochs": epoch + 1,
-        "optimizer_steps": completed_steps,
-        "train_examples_seen": int(trained_examples),
-        "train_samples_per_second": float(trained_examples) / train_time,
-        "train_runtime_s": train_time,
+        "epochs": progress["epoch"],
+        "optimizer_steps": progress["step"],
+        "train_examples_seen": int(progress["trained_examples"]),
+        "train_samples_per_second": progress["trained_examples"] / progress["train_time_s"],
+        "train_runtime_s": progress["train_time_s"],
         "wall_time_s": time.perf_counter() - start_time,
     }
     ddp_utils.write_json(accelerator, f"{args.output_dir}/metrics.json", {**scores, **run_facts})
     ddp_utils.write_json(accelerator, f"{args.output_dir}/training_args.json", vars(args))
+    ddp_utils.clear_preempted_marker(accelerator, args.output_dir)
     logger.info(f"saved to {args.output_dir}: {describe(run_facts)}")
     accelerator.end_training()
 

@@ -1,37 +1,51 @@
 """Loaded at start-up by every launched process whose PYTHONPATH holds this folder (tests only).
+It watches file writes through Python's audit hooks and, as the environment asks:
 
-When WRITE_AUDIT_TARGET is set, every file write, rename, removal or directory creation under
-that path is appended to WRITE_AUDIT_LOG.rank<RANK>, so a test can show which ranks wrote there.
+- WRITE_AUDIT_TARGET + WRITE_AUDIT_LOG: log every write, rename, removal or mkdir under the
+  target to WRITE_AUDIT_LOG.rank<RANK>, so a test can show which ranks wrote there;
+- CRASH_ON_WRITE=<text>: SIGKILL this process when it opens for writing a path containing <text>
+  (a crash in the middle of a checkpoint save);
+- SIGTERM_LAUNCHER_ON_WRITE=<text>: on rank 0, send SIGTERM once to the launcher (our parent)
+  when a path containing <text> is opened for writing (a preemption at a known point).
 """
 
 import os
+import signal
 import sys
 
 _target = os.environ.get("WRITE_AUDIT_TARGET")
-if _target:
-    _target = os.path.realpath(_target)
-    _log_path = f"{os.environ['WRITE_AUDIT_LOG']}.rank{os.environ.get('RANK', 'none')}"
-    _events = {"os.rename", "os.replace", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "shutil.move", "os.truncate"}
+_crash_on = os.environ.get("CRASH_ON_WRITE")
+_sigterm_on = os.environ.get("SIGTERM_LAUNCHER_ON_WRITE") if os.environ.get("RANK") == "0" else None
 
-    def _under_target(path):
+if _target or _crash_on or _sigterm_on:
+    _target = os.path.realpath(_target) if _target else None
+    _log_path = f"{os.environ.get('WRITE_AUDIT_LOG')}.rank{os.environ.get('RANK', 'none')}"
+    _events = {"os.rename", "os.replace", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "shutil.move", "os.truncate"}
+    _signalled = []
+
+    def _path(value):
         try:
-            real = os.path.realpath(os.fsdecode(path))
-            return real == _target or real.startswith(_target + os.sep)
+            return os.path.realpath(os.fsdecode(value))
         except (TypeError, ValueError):
-            return False
+            return None
 
     def _audit(event, args):
         if event == "open":
             path, mode, flags = args
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
-            if not (writes and path is not None and _under_target(path)):
-                return
+            paths = [_path(path)] if writes and path is not None else []
         elif event in _events:
-            if not any(isinstance(a, (str, bytes, os.PathLike)) and _under_target(a) for a in args):
-                return
+            paths = [_path(a) for a in args if isinstance(a, (str, bytes, os.PathLike))]
         else:
             return
-        with open(_log_path, "a") as log:  # the log is outside the target, so this does not recurse
-            log.write(f"{event} {args[0]!r}\n")
+        for path in filter(None, paths):
+            if _crash_on and event == "open" and _crash_on in path:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if _sigterm_on and event == "open" and _sigterm_on in path and not _signalled:
+                _signalled.append(path)
+                os.kill(os.getppid(), signal.SIGTERM)
+            if _target and (path == _target or path.startswith(_target + os.sep)):
+                with open(_log_path, "a") as log:  # the log is outside the target, so this does not recurse
+                    log.write(f"{event} {path}\n")
 
     sys.addaudithook(_audit)
