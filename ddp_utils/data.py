@@ -125,7 +125,13 @@ def make_train_dataloader(dataset, *, batch_size: int, accelerator: Accelerator,
     takes the same number of micro-batches and every optimizer step has all of its micro-batches.
     Every rank calls it with the same arguments."""
     examples_per_step = batch_size * accelerator.num_processes * accelerator.gradient_accumulation_steps
-    return DataLoader(pad_to_even_shards(dataset, examples_per_step), shuffle=True, batch_size=batch_size, collate_fn=collate_fn)
+    # Its own generator: starting an iterator draws a seed from the loader's generator, which would
+    # otherwise be the global torch RNG, and a run resumed mid-epoch (one extra iterator) would then
+    # draw different dropout masks. The order itself comes from the seedable sampler (seed + epoch).
+    return DataLoader(
+        pad_to_even_shards(dataset, examples_per_step), shuffle=True, batch_size=batch_size, collate_fn=collate_fn,
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 def epoch_dataloader(accelerator: Accelerator, dataloader, epoch: int, steps_done: int = 0):

@@ -90,15 +90,15 @@ def launch(script, *args, num_processes=2, launcher_args=(), env=None, timeout=3
     return LaunchResult(process.returncode, "".join(t for _, t in lines), end - start, end - last_line_at, lines)
 
 
-def make_tiny_model(directory: Path) -> Path:
+def make_tiny_model(directory: Path, dropout: float = 0.0, hidden_size: int = 32) -> Path:
     """A 2-layer BERT (hidden 32) with a word-level vocabulary, built from a config: no Hub."""
     from transformers import BertConfig, BertModel, BertTokenizer
 
     tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted({w for ws in WORDS.values() for w in ws} | set(FILLER))
     tokenizer = BertTokenizer(vocab={t: i for i, t in enumerate(tokens)}, model_max_length=64)
     config = BertConfig(
-        vocab_size=len(tokens), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0,
+        vocab_size=len(tokens), hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, classifier_dropout=dropout,
     )
     import torch
 

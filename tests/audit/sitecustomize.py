@@ -5,8 +5,9 @@ It watches file writes through Python's audit hooks and, as the environment asks
   target to WRITE_AUDIT_LOG.rank<RANK>, so a test can show which ranks wrote there;
 - CRASH_ON_WRITE=<text>: SIGKILL this process when it opens for writing a path containing <text>
   (a crash in the middle of a checkpoint save);
-- SIGTERM_LAUNCHER_ON_WRITE=<text>: on rank 0, send SIGTERM once to the launcher (our parent)
-  when a path containing <text> is opened for writing (a preemption at a known point).
+- SIGTERM_ON_WRITE=<text>: on rank 0, when a path containing <text> is first opened for writing,
+  send SIGTERM (a preemption at a known point) to SIGTERM_TARGET: "launcher" (our parent, which
+  forwards it to every rank) or "workers" (every rank directly, the launcher untouched).
 """
 
 import os
@@ -15,7 +16,7 @@ import sys
 
 _target = os.environ.get("WRITE_AUDIT_TARGET")
 _crash_on = os.environ.get("CRASH_ON_WRITE")
-_sigterm_on = os.environ.get("SIGTERM_LAUNCHER_ON_WRITE") if os.environ.get("RANK") == "0" else None
+_sigterm_on = os.environ.get("SIGTERM_ON_WRITE") if os.environ.get("RANK") == "0" else None
 
 if _target or _crash_on or _sigterm_on:
     _target = os.path.realpath(_target) if _target else None
@@ -43,7 +44,13 @@ if _target or _crash_on or _sigterm_on:
                 os.kill(os.getpid(), signal.SIGKILL)
             if _sigterm_on and event == "open" and _sigterm_on in path and not _signalled:
                 _signalled.append(path)
-                os.kill(os.getppid(), signal.SIGTERM)
+                if os.environ.get("SIGTERM_TARGET", "launcher") == "launcher":
+                    os.kill(os.getppid(), signal.SIGTERM)
+                else:
+                    import psutil
+
+                    for worker in psutil.Process(os.getppid()).children():
+                        os.kill(worker.pid, signal.SIGTERM)
             if _target and (path == _target or path.startswith(_target + os.sep)):
                 with open(_log_path, "a") as log:  # the log is outside the target, so this does not recurse
                     log.write(f"{event} {path}\n")

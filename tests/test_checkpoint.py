@@ -1,0 +1,141 @@
+"""Checkpoints through real 2-process launches of scripts/train.py: a run killed mid-epoch (in the
+middle of writing a checkpoint) or preempted by SIGTERM resumes to exactly the parameters of an
+uninterrupted run; old checkpoints are pruned only after a new one is complete; a stuck or failing
+rank ends the launch; damaged checkpoints are refused clearly."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import AUDIT_HOOK_DIR, REPO, launch, make_tiny_model, train_args
+from safetensors.numpy import load_file
+
+from ddp_utils import EXIT_PREEMPTED, PREEMPTED_FILE
+
+TRAIN = REPO / "scripts" / "train.py"
+HOOKS = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}
+# 60 examples, global batch 8: 8 optimizer steps per epoch, 3 epochs = 24 steps.
+LAYOUTS = {"plain": ["--per_device_train_batch_size", 4], "accumulating": ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]}
+
+
+@pytest.fixture(scope="module")
+def dropout_model(tmp_path_factory):
+    """With dropout, a resumed run matches only if every rank's RNG state was restored."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-bert-dropout"), dropout=0.1)
+
+
+def run_train(model, data, output_dir, layout, *extra, env=None):
+    args = train_args(model, data, output_dir, "--num_train_epochs", 3, "--seed", 7, *LAYOUTS[layout], *extra)
+    return launch(TRAIN, *args, num_processes=2, env={**HOOKS, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(dropout_model, tiny_data, tmp_path_factory):
+    """The reference runs, checkpointing every 2 steps and keeping 2."""
+    runs = {}
+    for layout in LAYOUTS:
+        output_dir = tmp_path_factory.mktemp(f"uninterrupted-{layout}")
+        result = run_train(dropout_model, tiny_data, output_dir, layout, "--checkpointing_steps", 2, "--checkpoints_total_limit", 2)
+        assert result.returncode == 0, result.output[-4000:]
+        runs[layout] = output_dir
+    return runs
+
+
+def assert_same_parameters(output_dir, reference_dir):
+    ours, reference = load_file(str(output_dir / "model.safetensors")), load_file(str(reference_dir / "model.safetensors"))
+    assert sorted(ours) == sorted(reference)
+    different = [key for key in reference if not np.array_equal(ours[key], reference[key])]
+    assert different == [], f"not bit for bit equal to the uninterrupted run: {different[:5]}"
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_killed_while_saving_resumes_bit_for_bit(layout, dropout_model, tiny_data, uninterrupted, tmp_path):
+    output_dir = tmp_path / "run"
+    # SIGKILL rank 0 as the checkpoint of step 15 is being written (its first Python-level write in the
+    # staging directory, trainer_state.json, comes after model, optimizer and RNG states); the
+    # launcher then kills rank 1. The staging directory is left half-written and never renamed.
+    crash = {"CRASH_ON_WRITE": ".tmp-checkpoint-15/"}
+    killed = run_train(dropout_model, tiny_data, output_dir, layout, "--checkpointing_steps", 3, env=crash)
+    assert killed.returncode != 0
+    entries = sorted(os.listdir(output_dir))
+    assert "checkpoint-15" not in entries and ".tmp-checkpoint-15" in entries, entries
+    assert "checkpoint-12" in entries, "the previous complete checkpoint must survive the crash"
+    state = json.loads((output_dir / "checkpoint-12" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["step_in_epoch"]) == (1, 4), "mid-epoch, in an epoch after the first"
+
+    resumed = run_train(dropout_model, tiny_data, output_dir, layout, "--checkpointing_steps", 3, "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "resumed from" in resumed.output and "checkpoint-12" in resumed.output
+    assert_same_parameters(output_dir, uninterrupted[layout])
+    scores, reference = json.loads((output_dir / "metrics.json").read_text()), json.loads((uninterrupted[layout] / "metrics.json").read_text())
+    assert scores["train_examples_seen"] == reference["train_examples_seen"] == 180, "nothing lost or repeated across the resume"
+    assert scores["eval_accuracy"] == reference["eval_accuracy"]
+
+
+def test_total_limit_keeps_the_newest_complete_checkpoints(uninterrupted):
+    entries = sorted(os.listdir(uninterrupted["plain"]))
+    assert [e for e in entries if "checkpoint" in e] == ["checkpoint-22", "checkpoint-24"], "12 saves, 2 kept, no staging left"
+
+
+@pytest.mark.parametrize("target", ["launcher", "workers"])
+def test_sigterm_saves_exits_75_and_resumes_exactly(target, dropout_model, tiny_data, uninterrupted, tmp_path):
+    output_dir = tmp_path / "run"
+    # While rank 0 writes the checkpoint of step 10, SIGTERM goes to the launcher (which forwards it
+    # to every rank, as when SLURM signals the job) or to every rank directly; the ranks finish the
+    # next optimizer step, save together and exit 75.
+    preempt = {"SIGTERM_ON_WRITE": ".tmp-checkpoint-10/", "SIGTERM_TARGET": target}
+    stopped = run_train(dropout_model, tiny_data, output_dir, "plain", "--checkpointing_steps", 2, env=preempt)
+    assert stopped.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}] preempted: stopped by SIGTERM" in stopped.output, stopped.output[-3000:]
+    if target == "workers":  # torchrun reports the workers' exit codes only when it was not signalled itself
+        assert stopped.output.count(f"exitcode  : {EXIT_PREEMPTED}") == 2, "every training process exits 75"
+    marker = json.loads((output_dir / PREEMPTED_FILE).read_text())
+    saved = os.path.basename(marker["checkpoint"])
+    assert saved == "checkpoint-11" and saved in os.listdir(output_dir), "saved after the step in flight"
+    assert not (output_dir / "model.safetensors").exists(), "a preempted run has not finished"
+
+    resumed = run_train(dropout_model, tiny_data, output_dir, "plain", "--checkpointing_steps", 2, "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert not (output_dir / PREEMPTED_FILE).exists(), "the marker goes once the run has finished"
+    assert_same_parameters(output_dir, uninterrupted["plain"])
+
+
+def test_resume_latest_without_checkpoints_starts_fresh(tiny_model, tiny_data, tmp_path):
+    result = launch(TRAIN, *train_args(tiny_model, tiny_data, tmp_path / "new", "--max_train_steps", 2, "--resume_from_checkpoint", "latest"))
+    assert result.returncode == 0, result.output[-3000:]
+    assert "starting from scratch" in result.output
+
+
+@pytest.mark.parametrize("damage", ["truncated_weights", "no_trainer_state", "other_model"])
+def test_damaged_or_foreign_checkpoint_is_refused_clearly(damage, dropout_model, tiny_data, uninterrupted, tmp_path):
+    checkpoint = tmp_path / "checkpoint-24"
+    shutil.copytree(uninterrupted["plain"] / "checkpoint-24", checkpoint)
+    model, expected = dropout_model, "is damaged and could not be loaded"
+    if damage == "truncated_weights":
+        weights = checkpoint / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "no_trainer_state":
+        (checkpoint / "trainer_state.json").unlink()
+        expected = "is not a complete checkpoint"
+    else:
+        model, expected = make_tiny_model(tmp_path / "wider", hidden_size=48), "is from a different run (model: checkpoint"
+    result = run_train(model, tiny_data, tmp_path / "out", "plain", "--resume_from_checkpoint", checkpoint)
+    assert result.returncode != 0 and result.seconds < 60
+    for rank in (0, 1):
+        assert f"[rank {rank}] error:" in result.output, result.output[-3000:]
+    assert expected in result.output
+    assert "Traceback" not in result.output.split("[rank 0] error:")[0][-2000:], "no stack trace from inside torch"
+
+
+@pytest.mark.parametrize("mode", ["raise", "stuck"])
+def test_one_failing_or_stuck_rank_ends_the_launch(mode):
+    result = launch(REPO / "tests" / "launched" / "fail_one_rank.py", mode, 10, num_processes=2, timeout=120)
+    assert result.returncode != 0
+    assert "rank 0 passed the barrier" not in result.output
+    if mode == "raise":
+        assert "boom on rank 1" in result.output and result.seconds < 30
+    else:  # rank 0 waits in a collective that rank 1 never reaches: the 10 s timeout ends it
+        assert result.seconds < 45, f"took {result.seconds:.0f}s with a 10s --ddp_timeout"
