@@ -18,6 +18,7 @@ test: $(STAMP)  ## install if needed, then run the whole test suite
 
 bench: $(STAMP)  ## ours vs a hand-written DDP loop vs transformers.Trainer (minutes; not a test)
 	$(BIN)/python bench/bench_train.py
+	$(BIN)/accelerate launch --config_file $(CONFIG) bench/bench_checkpoint.py
 
 install: $(STAMP)
 

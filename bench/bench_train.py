@@ -46,7 +46,8 @@ def contenders(args, workdir: Path):
             [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
              "--main_process_port", "29611", str(REPO / "scripts" / "train.py"),
              "--num_train_epochs", args.epochs, "--per_device_train_batch_size", args.batch_size, "--learning_rate", args.lr,
-             "--max_length", args.max_length, "--output_dir", workdir / "ours", "--overwrite_output_dir"],
+             "--max_length", args.max_length, "--output_dir", workdir / "ours", "--overwrite_output_dir",
+             "--checkpointing_steps", "no"],  # the baselines save no checkpoints either; their cost: bench_checkpoint.py
         ),
         "ddp": (
             workdir / "ddp.json",
