@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 
+import torch
 from accelerate import Accelerator
 
 from .io import write_json
@@ -147,8 +148,6 @@ class PreemptionHandler:
     def requested(self) -> bool:
         """True on every rank if any rank received a signal. All ranks call it once per optimizer
         step (one scalar all-reduce), so they all stop after the same step."""
-        import torch
-
         flag = torch.tensor(1.0 if self.received is not None else 0.0, device=self.accelerator.device)
         return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
 

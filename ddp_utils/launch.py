@@ -164,9 +164,8 @@ def run(main, *args) -> None:
 
     A `UsageError` (bad input, bad launch) is printed as one line naming the rank, with exit
     code 2; `Preempted` exits with EXIT_PREEMPTED (75); any other exception prints its
-    traceback and exits 1. Either way the launcher
-    then stops the other ranks, and the process group is torn down in an order that cannot
-    hang at interpreter exit.
+    traceback and exits 1. Either way the launcher then stops the other ranks, and the process
+    ends without the interpreter teardown that can hang in the gloo destructor.
     """
     rank = os.environ.get("RANK", "0")
     exit_code = 0

@@ -274,7 +274,7 @@ def main():
         tick = time.perf_counter()
         # One optimizer step per iteration: its micro-batches, and how many real examples they hold on all ranks.
         for micro_batches, step_examples in ddp_utils.optimizer_step_batches(batches, accelerator):
-            step_loss = 0.0
+            step_loss_sum = 0.0  # this rank's weighted loss sum; over all ranks / step_examples = the step's mean
             for batch in micro_batches:
                 with accelerator.accumulate(model):
                     weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
@@ -285,7 +285,7 @@ def main():
                         accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     optimizer.step()
                     optimizer.zero_grad()
-                step_loss += loss.detach() / (accelerator.num_processes * args.gradient_accumulation_steps)
+                step_loss_sum += (per_example.detach() * weights).sum()
             lr_scheduler.step()
             progress["step"] += 1
             progress["step_in_epoch"] += 1
@@ -293,7 +293,7 @@ def main():
             progress["train_time_s"] += time.perf_counter() - tick
             bar.update(1)
             if progress["step"] % args.logging_steps == 0:  # the step's mean loss over all ranks
-                bar.set_postfix(loss=f"{accelerator.reduce(step_loss, 'sum').item():.4f}")
+                bar.set_postfix(loss=f"{(accelerator.reduce(step_loss_sum, 'sum') / step_examples).item():.4f}")
             if preemption.requested():  # a signal on any rank: save together after this step, then exit 75
                 preemption.stop(args.output_dir, checkpoint())
             if args.checkpointing_steps.isdigit() and progress["step"] % int(args.checkpointing_steps) == 0:
