@@ -92,23 +92,26 @@ def run_one(command, result_file: Path, log_file: Path, env) -> dict:
     log.close()
     if not result_file.exists():
         raise SystemExit(f"{command[0]} ... failed (exit {process.returncode}); see {log_file}")
-    data = json.loads(result_file.read_text())
     return {
-        "samples_per_s": data.get("train_samples_per_second") or data["train_samples"] / data["train_time_s"],
+        "data": json.loads(result_file.read_text()),
         "wall_s": wall - (HANG_GRACE_S if hung else 0.0),
         "peak_rss_mib": max(peak_rss.values()) / 2**20 if peak_rss else float("nan"),
         "workers_seen": len(peak_rss),
-        "accuracy": data["eval_accuracy"],
         "exit": f"hung at exit (killed after {HANG_GRACE_S}s)" if hung else ("clean" if process.returncode == 0 else f"exit {process.returncode}"),
     }
+
+
+def bench_env() -> dict:
+    """One thread per process, offline, the repo and the baselines importable."""
+    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+                PYTHONPATH=os.pathsep.join([str(REPO), str(HERE / "baselines")]))
 
 
 def main():
     args = parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(HERE / "baselines")]))
+    env = bench_env()
     names = {"ours": "scripts/train.py (ours)", "ddp": "hand-written DDP loop", "trainer": "transformers.Trainer"}
     results = {}
     for key, (result_file, command) in contenders(args, workdir).items():
@@ -116,6 +119,9 @@ def main():
             continue
         print(f"running {names[key]} ...", flush=True)
         results[key] = run_one(command, result_file, workdir / f"{key}.log", env)
+        data = results[key]["data"]
+        results[key]["samples_per_s"] = data.get("train_examples_per_second") or data["train_samples"] / data["train_time_s"]
+        results[key]["accuracy"] = data["eval_accuracy"]
         print(f"  {results[key]}", flush=True)
 
     base = results.get("ddp")

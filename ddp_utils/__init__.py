@@ -1,12 +1,15 @@
 """The distributed chores every training script shares. Each function's docstring says which ranks call it.
 
 - launch:  `make_accelerator` (with the launch guard), `run` (clean exit), `UsageError`, `Preempted`
+- args:    `add_training_args`, `check_training_args`, `check_positive` (the options every script shares)
+- loop:    `start_run`, `train_step` (one exact optimizer step), `TrainingRun` (progress, logging,
+           checkpoints, preemption, resume), `describe`
 - checkpoint: atomic `save_checkpoint`, `load_checkpoint`, `resolve_resume_path`, `PreemptionHandler`
 - data:    `load_on_main_first`, `read_data_files`, `make_train_dataloader`, `epoch_dataloader`,
            `optimizer_step_batches`, `global_mean_loss`,
            `make_adamw`, `weight_decay_groups`
 - metrics: `load_metric` (local evaluate modules), `gather_for_eval`
-- io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`
+- io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`, `load_model_config`
 - demo:    the offline demo model and data shipped by PyPI packages
 """
 
@@ -22,7 +25,9 @@ from .data import (
     read_data_files,
     weight_decay_groups,
 )
-from .io import check_output_dir, prepare_output_dir, save_model, write_json
+from .io import check_output_dir, load_model_config, prepare_output_dir, save_model, write_json
+from .args import add_training_args, check_positive, check_training_args
+from .loop import TrainingRun, describe, start_run, train_step
 from . import demo
 from .checkpoint import (
     PREEMPTED_FILE,
@@ -38,6 +43,14 @@ from .launch import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UsageError, check_lau
 from .metrics import gather_for_eval, load_metric
 
 __all__ = [
+    "TrainingRun",
+    "add_training_args",
+    "check_positive",
+    "check_training_args",
+    "describe",
+    "load_model_config",
+    "start_run",
+    "train_step",
     "EXIT_PREEMPTED",
     "EXIT_USAGE",
     "PREEMPTED_FILE",

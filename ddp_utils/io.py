@@ -76,3 +76,22 @@ def save_model(accelerator: Accelerator, model, output_dir: str, *processors) ->
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def load_model_config(model_name_or_path: str, **overrides):
+    """`AutoConfig.from_pretrained(model_name_or_path, **overrides)`, or a `UsageError` that names
+    the model when it is neither a local directory nor a reachable Hub model. Any rank may call it."""
+    from transformers import AutoConfig
+
+    path = model_name_or_path
+    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise UsageError(f"--model_name_or_path {path!r} is neither a local model directory nor a Hub model id; check the path")
+    try:
+        return AutoConfig.from_pretrained(path, **overrides)
+    except (OSError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(
+            f"--model_name_or_path {path!r} is neither a local model directory nor a reachable Hub model ({reason}); "
+            "give a directory with config.json or a Hub model id"
+        ) from exc

@@ -1,0 +1,59 @@
+"""The command-line options every training script shares: training, checkpoints, output.
+
+Each script declares its own model and data options at its top, then calls `add_training_args`
+with its own defaults for the values that differ between tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .launch import UsageError
+
+
+def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float, per_device_train_batch_size: int,
+                      per_device_eval_batch_size: int, num_train_epochs: int, output_dir: str) -> None:
+    """Add the shared options to `parser`; the keyword arguments are the script's defaults."""
+    p = parser.add_argument_group("training")
+    p.add_argument("--per_device_train_batch_size", type=int, default=per_device_train_batch_size, help="examples per process per micro-batch")
+    p.add_argument("--per_device_eval_batch_size", type=int, default=per_device_eval_batch_size, help="examples per process per eval batch")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--learning_rate", type=float, default=learning_rate, help=f"peak AdamW learning rate (default: {learning_rate or 'see the script'})")
+    p.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not applied to biases and norms)")
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
+    p.add_argument("--num_train_epochs", type=int, default=num_train_epochs, help="passes over the training data")
+    p.add_argument("--max_train_steps", type=int, default=None, help="stop after this many optimizer steps (overrides epochs)")
+    p.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear LR warm-up")
+    p.add_argument("--seed", type=int, default=42, help="seed for initialisation, shuffling and dropout")
+    p.add_argument("--logging_steps", type=int, default=10, help="show the loss every N optimizer steps")
+    p.add_argument("--ddp_timeout", type=int, default=1800, help="seconds a collective may wait before the run fails")
+    p = parser.add_argument_group("checkpoints: resume exactly after a crash or preemption (SIGTERM/SIGUSR1 save one and exit 75)")
+    p.add_argument("--checkpointing_steps", default="epoch", help="checkpoint every N optimizer steps, every 'epoch', or 'no'")
+    p.add_argument("--checkpoints_total_limit", type=int, default=2, help="keep only the K newest checkpoints")
+    p.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint-<step> dir, or 'latest' in output_dir (fresh if none)")
+    p = parser.add_argument_group("output")
+    p.add_argument("--output_dir", default=output_dir, help="where the model, tokenizer and metrics.json go")
+    p.add_argument("--overwrite_output_dir", action="store_true", help="replace an output_dir that holds another run")
+
+
+def check_positive(args, *names: str) -> None:
+    """Refuse a value below 1 for each named option that is set."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name} must be at least 1, got {value}")
+
+
+def check_training_args(args) -> None:
+    """Refuse shared option values that cannot work, naming the option. Every rank calls it."""
+    check_positive(args, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                   "num_train_epochs", "max_train_steps", "logging_steps", "ddp_timeout")
+    steps = args.checkpointing_steps
+    if steps not in ("epoch", "no") and not (steps.isdigit() and int(steps) > 0):
+        raise UsageError(f"--checkpointing_steps takes a positive number, 'epoch' or 'no', got {steps!r}")
+    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:
+        raise UsageError(f"--checkpoints_total_limit must be at least 1, got {args.checkpoints_total_limit}")
+    if not 0.0 <= args.warmup_ratio < 1.0:
+        raise UsageError(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
+    if args.max_grad_norm < 0:
+        raise UsageError(f"--max_grad_norm must be 0 (no clipping) or positive, got {args.max_grad_norm}")
