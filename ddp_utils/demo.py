@@ -50,3 +50,9 @@ def load_demo_reviews():
             text = [html.unescape(review).strip().strip('"').strip() for review in frame["review"]]
             splits[split] = datasets.Dataset.from_dict({"text": text, "label": frame["rating"].tolist()})
     return datasets.DatasetDict(splits)
+
+
+def demo_decoder_config_path() -> str:
+    """The repo's small Llama-architecture config (4 layers, hidden 256, 11M parameters, the demo
+    tokenizer's vocabulary): the offline default of train_clm.py, trained from random weights."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "demo-decoder")

@@ -153,3 +153,93 @@ def train_args(tiny_model, tiny_data, output_dir, *extra) -> list:
         "--max_length", 32, "--output_dir", output_dir, "--learning_rate", 5e-3, "--warmup_ratio", 0.0,
         "--per_device_eval_batch_size", 4, *extra,
     ]
+
+
+# --- causal language models -------------------------------------------------------------------
+
+LM_WORDS = [f"w{i}" for i in range(300)]  # a corpus of unique words: every token can be traced
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<s> ' if loop.first else '' }}{{ m['role'] }}: {{ m['content'] }}"
+    "{{ ' </s> ' if m['role'] == 'assistant' else ' ' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def make_tiny_causal_lm(directory: Path, chat_template: bool = False) -> Path:
+    """A 2-layer Llama (hidden 32, context 64) with a whitespace word-level tokenizer that has BOS
+    and EOS but no pad token (as Llama's own), built from a config: no Hub."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokens = ["<unk>", "<s>", "</s>", "user:", "assistant:"] + sorted({w for ws in WORDS.values() for w in ws} | set(FILLER)) + LM_WORDS
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", model_max_length=64)
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(tokens), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_sft_records(path: Path, n: int, seed: int) -> Path:
+    """n prompt/response records with very uneven response lengths (1 to 30 words): averaging
+    per-micro-batch means would weight the short responses' tokens far more than the long ones'."""
+    import json
+
+    rng = random.Random(seed)
+    with open(path, "w") as handle:
+        for i in range(n):
+            prompt = " ".join(rng.choices(FILLER, k=rng.randint(2, 8)))
+            response = " ".join(rng.choices(LM_WORDS[:50], k=1 if i % 3 == 0 else rng.randint(10, 30)))
+            handle.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
+    return path
+
+
+def write_text_corpus(path: Path, words=LM_WORDS, seed: int = 0) -> Path:
+    """Lines of 1 to 25 words of `words`, each word exactly once in the file."""
+    rng = random.Random(seed)
+    words, lines = list(words), []
+    while words:
+        k = rng.randint(1, 25)
+        lines.append(" ".join(words[:k]))
+        words = words[k:]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory) -> Path:
+    return make_tiny_causal_lm(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory) -> dict:
+    """24 training records and 7 validation records (7: not a multiple of processes x eval batch)."""
+    directory = tmp_path_factory.mktemp("sft")
+    return {"train": write_sft_records(directory / "train.jsonl", 24, seed=1),
+            "validation": write_sft_records(directory / "validation.jsonl", 7, seed=2)}
+
+
+def clm_args(model, data, output_dir, *extra) -> list:
+    return [
+        "--model_name_or_path", model, "--data_mode", "sft", "--train_file", data["train"], "--validation_file", data["validation"],
+        "--block_size", 48, "--output_dir", output_dir, "--learning_rate", 1e-2, "--warmup_ratio", 0.0,
+        "--per_device_eval_batch_size", 2, "--checkpointing_steps", "no", "--sample_prompt", "the movie", *extra,
+    ]
+
+
+def load_script(name: str):
+    """Import scripts/<name>.py as a module, to test its functions directly."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

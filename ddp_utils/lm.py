@@ -1,0 +1,124 @@
+"""Language-model data chores: blocks of raw text, packed prompt/response sequences, the collator
+that pads them and counts target tokens, and perplexity over all ranks.
+
+Labels follow the `transformers` convention: `labels[i]` is the token at position i, predicted
+from positions < i, and -100 marks a position that is not a target (prompt, padding, a filler
+that evens out the shards, the first token of a packed sequence).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .data import SAMPLE_WEIGHT
+
+IGNORE_INDEX = -100
+TARGET_TOKENS = "target_tokens"  # per row: how many positions the loss counts (the step weight of a language model)
+
+
+def group_text_blocks(batch: dict, block_size: int) -> dict:
+    """For `datasets.map(batched=True)`: concatenate the batch's token sequences and cut them into
+    blocks of `block_size` tokens. The tail that does not fill a block is dropped; the caller
+    reports it (total tokens before and after). Every block is trained on whole: labels = input_ids."""
+    stream = [token for ids in batch["input_ids"] for token in ids]
+    usable = len(stream) - len(stream) % block_size
+    blocks = [stream[i:i + block_size] for i in range(0, usable, block_size)]
+    return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
+
+
+def pack_sequences(batch: dict, block_size: int) -> dict:
+    """For `datasets.map(batched=True)`: pack whole tokenized examples (`input_ids`, `labels`) into
+    rows of at most `block_size` tokens, first fit in order, never splitting an example.
+
+    Each row gets `position_ids` that restart at 0 for every example. Given position_ids and no
+    attention_mask, `transformers` models build a block-diagonal causal mask from them (and
+    flash-attention uses them for variable-length kernels), so an example never attends to the
+    one packed before it. The first label of each example is -100: it is not predicted from the
+    previous example's last token.
+    """
+    rows = {"input_ids": [], "labels": [], "position_ids": []}
+    current = {key: [] for key in rows}
+    for ids, labels in zip(batch["input_ids"], batch["labels"]):
+        if current["input_ids"] and len(current["input_ids"]) + len(ids) > block_size:
+            for key in rows:
+                rows[key].append(current[key])
+            current = {key: [] for key in rows}
+        current["input_ids"] += ids
+        current["labels"] += [IGNORE_INDEX] + list(labels[1:])
+        current["position_ids"] += list(range(len(ids)))
+    if current["input_ids"]:
+        for key in rows:
+            rows[key].append(current[key])
+    return rows
+
+
+class CausalLMCollator:
+    """Pad rows of `input_ids` / `labels` (and `position_ids` when packed) to the longest in the batch.
+
+    - Padding gets label -100 and is masked out of attention (attention_mask 0, or for packed rows
+      position_ids that start a separate sequence), so a pad token equal to EOS is harmless: the
+      EOS that ends a response is still learned, only padding positions are ignored.
+    - A filler row (sample_weight 0.0, added by `make_train_dataloader`) gets all labels -100.
+    - `target_tokens` counts each row's targets, the weight `optimizer_step_batches` sums per step.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, rows: list[dict]) -> dict:
+        length = max(len(row["input_ids"]) for row in rows)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        packed = "position_ids" in rows[0]
+        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+        mask_or_positions = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            input_ids[i, :n] = torch.tensor(row["input_ids"])
+            if row.get(SAMPLE_WEIGHT, 1.0) > 0:
+                labels[i, :n] = torch.tensor(row["labels"])
+            if packed:
+                mask_or_positions[i, :n] = torch.tensor(row["position_ids"])
+                mask_or_positions[i, n:] = torch.arange(length - n)  # padding: a sequence of its own
+            else:
+                mask_or_positions[i, :n] = 1
+        batch = {"input_ids": input_ids, "labels": labels, "position_ids" if packed else "attention_mask": mask_or_positions}
+        batch[TARGET_TOKENS] = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+        return batch
+
+
+def padding_waste(dataset, batch_size: int, seed: int = 0) -> float:
+    """Padded positions / real tokens when `dataset`'s rows, shuffled, are batched `batch_size` at a
+    time and padded to the longest row of each batch, as training does. Any rank may call it."""
+    lengths = np.random.default_rng(seed).permutation([len(ids) for ids in dataset["input_ids"]])
+    padded = sum(int(chunk.max()) * len(chunk) - int(chunk.sum()) for chunk in np.array_split(lengths, math.ceil(len(lengths) / batch_size)))
+    return padded / max(int(lengths.sum()), 1)
+
+
+def perplexity(loss_sums: np.ndarray, token_counts: np.ndarray) -> tuple[float, float]:
+    """(token-weighted mean loss, perplexity) from per-example loss sums and target-token counts
+    gathered from all ranks: exp(total loss / total tokens), not a mean of per-batch means."""
+    mean_loss = float(np.sum(loss_sums, dtype=np.float64) / max(int(np.sum(token_counts)), 1))
+    return mean_loss, math.exp(min(mean_loss, 700.0))
+
+
+@torch.no_grad()
+def packing_is_masked(model) -> bool:
+    """Does `model` keep packed sequences apart? Compares a second sequence's logits packed
+    behind a first one with its logits alone. Models that build their attention mask with
+    `transformers`' `create_causal_mask` do; others would let packed examples attend to each
+    other silently. Any rank may call it (a forward pass of 8 tokens, no communication)."""
+    was_training = model.training
+    model.eval()
+    first, second = torch.arange(3, 7), torch.arange(7, 11)
+    device = next(model.parameters()).device
+    packed = model(input_ids=torch.cat([first, second])[None].to(device), use_cache=False,
+                   position_ids=torch.cat([torch.arange(4), torch.arange(4)])[None].to(device)).logits[0, 4:]
+    alone = model(input_ids=second[None].to(device), use_cache=False).logits[0]
+    model.train(was_training)
+    return torch.allclose(packed.float(), alone.float(), rtol=1e-3, atol=1e-3)

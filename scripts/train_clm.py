@@ -1,0 +1,372 @@
+#!/usr/bin/env python
+"""Fine-tune a causal language model, on one process or many, with Accelerate: continued
+pre-training on raw text, or supervised fine-tuning (SFT) on prompt/response pairs, optionally with LoRA.
+
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_clm.py
+    accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml scripts/train_clm.py \\
+        --model_name_or_path Qwen/Qwen2.5-0.5B --data_mode sft --train_file chats.jsonl --chat_template --lora_r 16
+
+The loss of every optimizer step is exact: the sum of its token losses divided by the number of
+target tokens in the whole step (all micro-batches, all processes), so N processes or gradient
+accumulation train the same model as one big batch.
+
+With no arguments it runs the offline demo: a small Llama-architecture decoder built from
+models/demo-decoder/config.json (random weights, the packaged all-MiniLM-L6-v2 tokenizer) trained
+on the text of the 600 packaged drug reviews (with --data_mode sft: "Write a <rating> drug
+review:" -> the review). For your own data, pass --train_file (and
+--validation_file), or edit `load_raw_datasets` in the DATA section below.
+"""
+
+import argparse
+
+import datasets
+import torch
+import torch.nn.functional as F
+from accelerate.logging import get_logger
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_linear_schedule_with_warmup
+
+import ddp_utils
+from ddp_utils import UsageError
+from ddp_utils.demo import demo_decoder_config_path, demo_model_path, load_demo_reviews
+from ddp_utils.lm import IGNORE_INDEX, TARGET_TOKENS, CausalLMCollator, group_text_blocks, pack_sequences, packing_is_masked, padding_waste, perplexity
+
+logger = get_logger(__name__)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Model and data. Nothing given: the offline demo decoder and the demo reviews' text.
+    p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo decoder, from scratch)")
+    p.add_argument("--data_mode", choices=["text", "sft"], default="text", help="text: raw text in blocks; sft: prompt/response pairs")
+    p.add_argument("--dataset_name", default=None, help="Hub dataset name")
+    p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration")
+    p.add_argument("--train_file", default=None, help="local training data: .txt, .csv, .json, .jsonl or .parquet")
+    p.add_argument("--validation_file", default=None, help="local validation data (default: split off the training data)")
+    p.add_argument("--validation_split_percentage", type=int, default=5, help="%% of the training data held out when there is no validation split")
+    p.add_argument("--text_column", default="text", help="text mode: the column of raw text")
+    p.add_argument("--prompt_column", default="prompt", help="sft mode: the prompt column (not learned)")
+    p.add_argument("--response_column", default="response", help="sft mode: the response column (learned)")
+    p.add_argument("--chat_template", action="store_true", help="sft mode: format prompt and response with the tokenizer's chat template")
+    p.add_argument("--block_size", type=int, default=None, help="tokens per sequence (default: the model's context, at most 1024)")
+    p.add_argument("--packing", action="store_true", help="sft mode: pack several examples per sequence (masked apart) instead of padding")
+    p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training records (quick runs)")
+    p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation records")
+    # Model options.
+    p.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains all weights")
+    p.add_argument("--lora_alpha", type=float, default=16, help="LoRA scaling numerator (the update is scaled by alpha / r)")
+    p.add_argument("--lora_dropout", type=float, default=0.05, help="dropout on the LoRA input")
+    p.add_argument("--lora_target_modules", default="all-linear", help="comma-separated module names to adapt, or 'all-linear'")
+    p.add_argument("--merge_lora", action="store_true", help="also save the LoRA-merged full model in output_dir/merged")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in the backward pass: less memory, ~30%% slower")
+    p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
+    p.add_argument("--sample_prompt", default=None, help="prompt for the generation shown at the end (default: from the eval data; '' for none)")
+    p.add_argument("--sample_max_new_tokens", type=int, default=40, help="length of that generation")
+    ddp_utils.add_training_args(p, learning_rate=None, per_device_train_batch_size=8, per_device_eval_batch_size=16,
+                                num_train_epochs=3, output_dir="outputs/train_clm")
+    args = p.parse_args(argv)
+
+    ddp_utils.check_training_args(args)
+    ddp_utils.check_positive(args, "block_size", "max_train_samples", "max_eval_samples", "sample_max_new_tokens")
+    if args.lora_r < 0:
+        raise UsageError(f"--lora_r must be 0 (no LoRA) or positive, got {args.lora_r}")
+    if args.merge_lora and not args.lora_r:
+        raise UsageError("--merge_lora needs LoRA: give --lora_r as well")
+    if args.lora_r and args.model_name_or_path is None:
+        raise UsageError("LoRA adapts a pretrained model, but the offline default decoder starts from random weights; "
+                         "give --model_name_or_path, or drop --lora_r")
+    if (args.chat_template or args.packing) and args.data_mode != "sft":
+        raise UsageError("--chat_template and --packing apply to --data_mode sft (text mode always packs into blocks)")
+    if not 0 < args.validation_split_percentage < 100:
+        raise UsageError(f"--validation_split_percentage must be between 1 and 99, got {args.validation_split_percentage}")
+    if args.validation_file and not args.train_file:
+        raise UsageError("--validation_file needs --train_file")
+    if args.dataset_name and args.train_file:
+        raise UsageError("give either --dataset_name or --train_file, not both")
+    args.demo_decoder = args.model_name_or_path is None
+    if args.learning_rate is None:  # what usually works: full fine-tuning, LoRA, or training the demo from scratch
+        args.learning_rate = 2e-4 if args.lora_r else 2e-5 if args.model_name_or_path else 1e-3
+    return args
+
+
+# ==================================== DATA ====================================
+# The one place to edit for your own dataset: return a DatasetDict with a "train" split (and
+# "validation" if you have one) holding the text column (text mode) or the prompt and response
+# columns (sft mode).
+def load_raw_datasets(args):
+    if args.train_file:
+        files = {"train": args.train_file, **({"validation": args.validation_file} if args.validation_file else {})}
+        return ddp_utils.read_data_files(files)
+    if args.dataset_name:
+        return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+    reviews = load_demo_reviews()  # offline demo: 600 train / 379 validation drug reviews
+    if args.data_mode == "sft":  # prompt: the review's rating; response: the review
+        return reviews.map(lambda r: {args.prompt_column: f"Write a {r['label']} drug review:", args.response_column: r["text"]},
+                           remove_columns=["label", "text"])
+    return reviews  # text mode: the reviews' text; their labels are not used
+# ==============================================================================
+
+
+def check_and_split(raw, args):
+    """Refuse data the run cannot use, with the fix; hold out a validation split if none was given."""
+    if "train" not in raw:
+        raise UsageError(f"the data has no 'train' split (it has {sorted(raw)}); give --train_file")
+    columns = [args.text_column] if args.data_mode == "text" else [args.prompt_column, args.response_column]
+    splits = {}
+    for split in ("train", "validation"):
+        if split not in raw:
+            continue
+        for column in columns:
+            if column not in raw[split].column_names:
+                option = {args.text_column: "--text_column", args.prompt_column: "--prompt_column"}.get(column, "--response_column")
+                raise UsageError(f"the {split} data has no column {column!r}; its columns are {raw[split].column_names}. "
+                                 f"Name the right one with {option}")
+            empty = [i for i, value in enumerate(raw[split][column]) if value is None or (args.data_mode == "sft" and not str(value).strip())]
+            if empty:
+                raise UsageError(f"{len(empty)} {split} records have an empty or missing {column!r} (first: record {empty[0]}); "
+                                 "fill or drop them")
+        splits[split] = raw[split]
+        if args.data_mode == "text":  # blank lines are normal in .txt files; skip them
+            splits[split] = splits[split].filter(lambda row: bool(row[args.text_column].strip()))
+        if len(splits[split]) == 0:
+            raise UsageError(f"the {split} data holds no text")
+    if "validation" not in splits:
+        held_out = max(1, round(len(splits["train"]) * args.validation_split_percentage / 100))
+        if len(splits["train"]) - held_out < 1:
+            raise UsageError(f"{len(splits['train'])} training record(s) are too few to hold out a validation split; "
+                             "give more data or a --validation_file")
+        parts = splits["train"].train_test_split(test_size=held_out, seed=args.seed)
+        splits = {"train": parts["train"], "validation": parts["test"]}
+    limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
+    return datasets.DatasetDict({s: splits[s].select(range(min(len(splits[s]), limits[s] or len(splits[s])))) for s in splits})
+
+
+def load_tokenizer(args):
+    """The tokenizer, with an end-of-sequence and a pad token (set, and said so, when missing)."""
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if tokenizer.eos_token is None:
+        if tokenizer.sep_token is None:
+            raise UsageError(f"the tokenizer of {args.model_name_or_path!r} has no end-of-sequence token; "
+                             "add one (tokenizer.eos_token = ...) and save it with the model")
+        logger.warning(f"the tokenizer has no EOS token: using its separator {tokenizer.sep_token!r} to end sequences")
+        tokenizer.eos_token = tokenizer.sep_token
+    if tokenizer.pad_token is None:
+        # Safe here: padding is masked out by position (CausalLMCollator), never by token id,
+        # so the EOS that ends each sequence is still learned.
+        logger.warning(f"the tokenizer has no pad token: padding with EOS {tokenizer.eos_token!r} (padding is masked out of the loss)")
+        tokenizer.pad_token = tokenizer.eos_token
+    if args.chat_template and not tokenizer.chat_template:
+        raise UsageError(f"--chat_template: the tokenizer of {args.model_name_or_path!r} has no chat template; "
+                         "use an instruct model's tokenizer, or drop --chat_template and put the prompt format in the data")
+    return tokenizer
+
+
+def prompt_and_response_text(tokenizer, prompt, response, chat_template):
+    """The prompt as the model sees it before its answer, and the answer with its end marker."""
+    if not chat_template:
+        return prompt, response
+    messages = [{"role": "user", "content": prompt}]
+    prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": response}], tokenize=False)
+    if not full.startswith(prompt_text):
+        raise UsageError("this tokenizer's chat template renders the prompt differently once an answer follows; "
+                         "drop --chat_template and format the prompt in the data")
+    return prompt_text, full[len(prompt_text):]
+
+
+def tokenize(raw, tokenizer, args, block_size):
+    """Text mode: blocks of `block_size` tokens. SFT mode: one sequence per record (or packed),
+    with the prompt's labels set to -100 so only response tokens are learned."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    report = {}
+    if args.data_mode == "text":
+        def encode(batch):
+            ids = tokenizer(batch[args.text_column], add_special_tokens=False)["input_ids"]
+            return {"input_ids": [bos + x + [tokenizer.eos_token_id] for x in ids]}
+
+        encoded = raw.map(encode, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing")
+        tokenized = encoded.map(group_text_blocks, batched=True, batch_size=10_000, fn_kwargs={"block_size": block_size},
+                                desc=f"Blocks of {block_size}")
+        for split in ("train", "validation"):
+            total = sum(len(x) for x in encoded[split]["input_ids"])
+            if len(tokenized[split]) == 0:
+                raise UsageError(f"the {split} data holds {total} tokens, fewer than one block of {block_size}; "
+                                 "give more text or lower --block_size")
+            report[f"{split}_tokens_dropped"] = total - len(tokenized[split]) * block_size
+            logger.info(f"{split}: {total} tokens -> {len(tokenized[split])} blocks of {block_size}; "
+                        f"{report[f'{split}_tokens_dropped']} tokens dropped (the tail that does not fill a block)")
+        return tokenized, report
+
+    def encode(batch):
+        out = {"input_ids": [], "labels": []}
+        for prompt, response in zip(batch[args.prompt_column], batch[args.response_column]):
+            prompt_text, response_text = prompt_and_response_text(tokenizer, prompt, response, args.chat_template)
+            prompt_ids = (bos if not args.chat_template else []) + tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+            response_ids = tokenizer(response_text, add_special_tokens=False)["input_ids"]
+            response_ids += [] if args.chat_template else [tokenizer.eos_token_id]
+            out["input_ids"].append((prompt_ids + response_ids)[:block_size])
+            out["labels"].append(([IGNORE_INDEX] * len(prompt_ids) + response_ids)[:block_size])
+        return out
+
+    tokenized = raw.map(encode, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing")
+    for split in ("train", "validation"):
+        before = len(tokenized[split])
+        tokenized[split] = tokenized[split].filter(lambda row: any(label != IGNORE_INDEX for label in row["labels"][1:]))
+        report[f"{split}_records_dropped"] = before - len(tokenized[split])
+        if report[f"{split}_records_dropped"]:
+            logger.warning(f"{split}: {report[f'{split}_records_dropped']} records dropped: the prompt fills all "
+                           f"{block_size} tokens, nothing of the response is left; raise --block_size")
+        if len(tokenized[split]) == 0:
+            raise UsageError(f"no {split} record has a response token within --block_size {block_size}; raise --block_size")
+    if args.packing:
+        tokenized["train"] = tokenized["train"].map(pack_sequences, batched=True, batch_size=10_000,
+                                                    fn_kwargs={"block_size": block_size}, desc="Packing")
+    return tokenized, report
+
+
+def load_model(args, config):
+    """The model (or the demo decoder from its config), with gradient checkpointing and LoRA if asked."""
+    if args.demo_decoder:
+        model = AutoModelForCausalLM.from_config(config)  # random weights: same on every rank (same seed)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if not args.lora_r:
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UsageError("--lora_r needs the peft package: pip install -r requirements.txt") from None
+    targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else [m.strip() for m in args.lora_target_modules.split(",")]
+    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise UsageError(f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({str(exc).splitlines()[0][:160]}); "
+                         f"its linear layers are {linear}") from None
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info(f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters")
+    return model
+
+
+def prepare_data_and_model(args):
+    """Load, check and tokenize the data; load tokenizer and model. Runs on the main process first."""
+    raw = check_and_split(load_raw_datasets(args), args)
+    if args.demo_decoder:  # the demo: the repo's decoder config, the packaged tokenizer
+        config = AutoConfig.from_pretrained(demo_decoder_config_path())
+    else:
+        config = ddp_utils.load_model_config(args.model_name_or_path)
+    tokenizer = load_tokenizer(args)
+    context = getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length
+    block_size = args.block_size or min(context, 1024)
+    if block_size > context:
+        raise UsageError(f"--block_size {block_size} is above this model's context of {context} tokens; lower it")
+    tokenized, report = tokenize(raw, tokenizer, args, block_size)
+    report["train_padding_waste"] = padding_waste(tokenized["train"], args.per_device_train_batch_size)  # padded / real tokens
+    model = load_model(args, config)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if args.packing and not packing_is_masked(model):
+        raise UsageError(f"{type(model).__name__} does not keep packed examples apart (its attention ignores the restarting "
+                         "position_ids); drop --packing")
+    return tokenized, tokenizer, model, {"block_size": block_size, **report}, raw["validation"]
+
+
+def causal_lm_loss(model, batch):
+    """Per-token losses and weights, shape (batch, length): weight 1.0 where a token is a target
+    (response or text; not prompt, padding or a filler row)."""
+    batch.pop(ddp_utils.SAMPLE_WEIGHT, None)
+    batch.pop(TARGET_TOKENS, None)
+    labels = batch.pop("labels")
+    # use_cache=False: with a cache object, transformers ignores packed position_ids and lets
+    # packed examples attend to each other (measured with transformers 5.23).
+    logits = model(**batch, use_cache=False).logits
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # position i predicts token i + 1
+    losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return losses.view_as(targets), (targets != IGNORE_INDEX).float()
+
+
+def run_evaluation(accelerator, model, eval_dataloader):
+    """Perplexity over the whole eval set: loss sums and token counts from all ranks, added up."""
+    def sums(model, batch):
+        losses, weights = causal_lm_loss(model, batch)
+        return {"loss_sum": (losses * weights).sum(dim=1), "tokens": weights.sum(dim=1)}
+
+    results = ddp_utils.gather_for_eval(accelerator, model, eval_dataloader, sums)
+    mean_loss, ppl = perplexity(results["loss_sum"], results["tokens"])
+    return {"eval_loss": mean_loss, "eval_perplexity": ppl, "eval_tokens": int(results["tokens"].sum()),
+            "eval_sequences": len(results["tokens"])}
+
+
+def show_sample(accelerator, model, tokenizer, args, validation):
+    """Greedy generation for --sample_prompt on the main process, so the user sees what the model learned."""
+    if args.sample_prompt == "" or not accelerator.is_main_process:
+        return
+    if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        logger.info("sample generation skipped: with sharded weights every rank would have to take part")
+        return
+    prompt = args.sample_prompt
+    if prompt is None:  # the first validation prompt, or the first words of the first validation text
+        prompt = validation[0][args.prompt_column] if args.data_mode == "sft" else " ".join(validation[0][args.text_column].split()[:8])
+    text = prompt_and_response_text(tokenizer, prompt, "", args.chat_template)[0] if args.chat_template else prompt
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and not args.chat_template else []
+    input_ids = torch.tensor([bos + tokenizer(text, add_special_tokens=False)["input_ids"]], device=accelerator.device)
+    generator = accelerator.unwrap_model(model)
+    generator.eval()
+    with torch.no_grad():
+        output = generator.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                    max_new_tokens=args.sample_max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    completion = tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+    print(f"\n--- sample ---\nprompt: {prompt}\nmodel:  {completion}\n--------------", flush=True)
+
+
+def main():
+    args = parse_args()
+    accelerator = ddp_utils.start_run(args, dynamo_backend="inductor" if args.torch_compile else "no")
+    if args.demo_decoder:
+        args.model_name_or_path = demo_model_path()  # for its tokenizer; the model comes from models/demo-decoder
+
+    tokenized, tokenizer, model, data_report, validation = ddp_utils.load_on_main_first(accelerator, prepare_data_and_model, args)
+    collate = CausalLMCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
+    train_dataloader = ddp_utils.make_train_dataloader(
+        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate
+    )
+    eval_dataloader = torch.utils.data.DataLoader(tokenized["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=collate)
+    logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval sequences of at most {data_report['block_size']} tokens")
+
+    optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # trainable parameters only
+    run = ddp_utils.TrainingRun(accelerator, args, model, train_dataloader, unit="tokens", weight_key=TARGET_TOKENS)
+    lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * run.max_train_steps), run.max_train_steps)
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
+    ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
+    run.start()
+
+    for epoch in run.epochs():
+        model.train()
+        # One optimizer step per iteration: its micro-batches, and how many target tokens they hold on all ranks.
+        for micro_batches, step_tokens in run.optimizer_steps(train_dataloader, epoch):
+            loss_sum = ddp_utils.train_step(accelerator, model, optimizer, micro_batches, step_tokens,
+                                            causal_lm_loss, args.max_grad_norm)
+            lr_scheduler.step()
+            if run.end_step(step_tokens, loss_sum):  # logging, checkpoints, preemption
+                break
+        run.end_epoch(run_evaluation(accelerator, model, eval_dataloader))
+        if run.done:
+            break
+
+    # The model (or with LoRA the adapter), unwrapped, as safetensors, with config and tokenizer.
+    ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer)
+    if args.merge_lora:  # a full model that loads with AutoModelForCausalLM alone, without peft
+        merged = accelerator.unwrap_model(model).merge_and_unload()
+        ddp_utils.save_model(accelerator, merged, f"{args.output_dir}/merged", tokenizer)
+        model = merged
+    run.finish(data_report)
+    show_sample(accelerator, model, tokenizer, args, validation)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    ddp_utils.run(main)

@@ -1,0 +1,341 @@
+"""scripts/train_clm.py: the exact token-level loss (N processes and accumulation train the same
+model as one big batch), perplexity over the whole eval set, prompt masking, packing, LoRA, the
+offline default, and bad input."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO, clm_args, launch, launch_env, load_script, make_tiny_causal_lm, write_text_corpus
+from safetensors.numpy import load_file
+
+TRAIN_CLM = REPO / "scripts" / "train_clm.py"
+COUNT_TOKENS = REPO / "tests" / "launched" / "count_tokens.py"
+
+# The same SFT training three ways, global batch 4 (B = 2): 24 records, 2 epochs, 12 optimizer steps.
+LAYOUTS = {
+    "one_process_batch_2B": (1, ["--per_device_train_batch_size", 4]),
+    "two_processes_batch_B": (2, ["--per_device_train_batch_size", 2]),
+    "one_process_batch_B_accumulating_2": (1, ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]),
+}
+
+
+@pytest.fixture(scope="module")
+def sft_runs(tiny_lm, sft_data, tmp_path_factory):
+    base = tmp_path_factory.mktemp("clm-runs")
+    runs = {}
+    for name, (num_processes, extra) in LAYOUTS.items():
+        output_dir = base / name
+        result = launch(TRAIN_CLM, *clm_args(tiny_lm, sft_data, output_dir, "--num_train_epochs", 2, *extra), num_processes=num_processes)
+        assert result.returncode == 0, result.output[-4000:]
+        runs[name] = {"dir": output_dir, "output": result.output, "metrics": json.loads((output_dir / "metrics.json").read_text())}
+    return runs
+
+
+def records(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def direct_perplexity(model, tokenizer, eval_records):
+    """exp(total response-token loss / total response tokens), one record at a time, in float64."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for record in eval_records:
+            prompt = [tokenizer.bos_token_id] + tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+            response = tokenizer(record["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids = torch.tensor([prompt + response])
+            logits = model(input_ids=ids).logits[0].double()
+            # The response tokens, predicted from the position before each.
+            predicted_from = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+            total += F.cross_entropy(logits[predicted_from], torch.tensor(response), reduction="sum").item()
+            count += len(response)
+    return math.exp(total / count)
+
+
+def test_two_processes_and_accumulation_train_the_same_model_as_one_big_batch(sft_runs, tiny_lm, sft_data):
+    lengths = [len(r["response"].split()) for r in records(sft_data["train"])]
+    assert min(lengths) == 1 and max(lengths) >= 25, "the responses must be very uneven for this test to mean anything"
+    reference = load_file(str(sft_runs["one_process_batch_2B"]["dir"] / "model.safetensors"))
+    initial = load_file(str(tiny_lm / "model.safetensors"))
+    assert sum(not np.allclose(initial[k], reference[k]) for k in initial) > len(initial) // 2, "training barely changed the model"
+    for name in ("two_processes_batch_B", "one_process_batch_B_accumulating_2"):
+        other = load_file(str(sft_runs[name]["dir"] / "model.safetensors"))
+        assert sorted(other) == sorted(reference)
+        for key in reference:
+            # atol 1e-4 against a typical change of 2e-2: Adam divides by sqrt(v), so float rounding
+            # in near-zero gradients (summed in another order) moves some weights by ~1e-5.
+            np.testing.assert_allclose(other[key], reference[key], rtol=1e-4, atol=1e-4, err_msg=f"{name}: {key}")
+    seen = {name: run["metrics"]["train_tokens_seen"] for name, run in sft_runs.items()}
+    assert len(set(seen.values())) == 1, f"every layout trains on the same target tokens: {seen}"
+    assert {run["metrics"]["optimizer_steps"] for run in sft_runs.values()} == {12}
+
+
+def test_per_micro_batch_mean_losses_would_not_be_exact(tiny_lm):
+    """Why the exact loss matters on this data: two micro-batches with 1 and 20 target tokens. The
+    mean of their mean losses weights the lone token 20 times more; the exact loss equals the big batch."""
+    from transformers import AutoModelForCausalLM
+
+    module = load_script("train_clm")
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    collate = module.CausalLMCollator(pad_token_id=2)
+    short = {"input_ids": [1, 40, 41, 100], "labels": [-100, -100, -100, 100]}
+    long = {"input_ids": [1, 40] + list(range(100, 120)), "labels": [-100, -100] + list(range(100, 120))}
+
+    def gradient(loss_fn):
+        model.zero_grad()
+        loss_fn().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    def token_losses(rows):
+        losses, weights = module.causal_lm_loss(model, collate(rows))
+        return (losses * weights).sum(), weights.sum()
+
+    def exact():
+        (a, na), (b, nb) = token_losses([short]), token_losses([long])
+        return (a + b) / (na + nb)
+
+    def naive():
+        (a, na), (b, nb) = token_losses([short]), token_losses([long])
+        return (a / na + b / nb) / 2
+
+    big_batch = gradient(lambda: (lambda s, n: s / n)(*token_losses([short, long])))
+    torch.testing.assert_close(gradient(exact), big_batch, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(gradient(naive), big_batch, rtol=1e-2, atol=1e-4)
+
+
+def test_perplexity_is_the_same_for_one_and_two_processes_and_matches_a_direct_computation(sft_runs, tiny_lm, sft_data):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    eval_records = records(sft_data["validation"])
+    scores = {name: run["metrics"] for name, run in sft_runs.items()}
+    for name, metrics in scores.items():
+        assert metrics["eval_sequences"] == 7, f"{name}: 7 eval records, each counted once"
+    one, two = scores["one_process_batch_2B"], scores["two_processes_batch_B"]
+    assert two["eval_perplexity"] == pytest.approx(one["eval_perplexity"], rel=1e-5)
+    assert two["eval_tokens"] == one["eval_tokens"] == sum(len(r["response"].split()) + 1 for r in eval_records)
+
+    model = AutoModelForCausalLM.from_pretrained(sft_runs["two_processes_batch_B"]["dir"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(sft_runs["two_processes_batch_B"]["dir"])
+    assert two["eval_perplexity"] == pytest.approx(direct_perplexity(model, tokenizer, eval_records), rel=1e-5)
+
+
+def test_the_run_says_it_set_a_pad_token_and_shows_a_sample(sft_runs):
+    output = sft_runs["two_processes_batch_B"]["output"]
+    assert "the tokenizer has no pad token: padding with EOS '</s>'" in output
+    assert output.count("--- sample ---") == 1, "the sample is printed once, by the main process"
+    assert "prompt: the movie" in output
+
+
+def test_prompt_tokens_never_contribute_to_the_loss(tiny_lm, tmp_path):
+    import datasets
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM
+
+    PartialState(cpu=True)  # the script logs through Accelerate's logger
+    module = load_script("train_clm")
+    for chat_template in (False, True):
+        model_dir = make_tiny_causal_lm(tmp_path / f"chat-{chat_template}", chat_template=chat_template)
+        argv = ["--model_name_or_path", str(model_dir), "--data_mode", "sft", "--train_file", "x.jsonl"]
+        args = module.parse_args(argv + (["--chat_template"] if chat_template else []))
+        tokenizer = module.load_tokenizer(args)
+        record = {"prompt": "the movie was not good", "response": "w1 w2 w3"}
+        raw = datasets.DatasetDict({split: datasets.Dataset.from_list([record]) for split in ("train", "validation")})
+        row = module.tokenize(raw, tokenizer, args, block_size=48)[0]["train"][0]
+        words = tokenizer.convert_ids_to_tokens(row["input_ids"])
+        learned = [w for w, label in zip(words, row["labels"]) if label != -100]
+        assert learned == ["w1", "w2", "w3", "</s>"], (chat_template, words, row["labels"])
+        assert "the" in words and "good" in words
+        if chat_template:
+            assert words[:3] == ["<s>", "user:", "the"] and "assistant:" in words
+
+        # The loss: only the response tokens (and EOS) are targets, and it equals a direct computation.
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        batch = module.CausalLMCollator(tokenizer.pad_token_id)([row])
+        ids = batch["input_ids"][0]
+        losses, weights = module.causal_lm_loss(model, dict(batch))
+        prompt_length = len(words) - 4
+        assert weights[0, : prompt_length - 1].sum() == 0 and weights[0, prompt_length - 1 : -1].sum() == 4
+        logits = model(input_ids=ids[None]).logits[0]
+        direct = F.cross_entropy(logits[prompt_length - 1 : -1], ids[prompt_length:], reduction="sum")
+        torch.testing.assert_close((losses * weights).sum(), direct)
+        # A different prompt changes the context, never which tokens count.
+        assert int(batch["target_tokens"][0]) == 4
+
+
+def test_packed_sequences_are_masked_apart(tiny_lm):
+    """Two examples packed in one row give exactly the token losses they give apart: no
+    attention across the boundary, positions restarting, the second's first token not predicted."""
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.lm import CausalLMCollator, pack_sequences
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    a = {"input_ids": [1, 40, 41, 100, 101, 2], "labels": [-100, -100, -100, 100, 101, 2]}
+    b = {"input_ids": [1, 42, 102, 103, 104, 105, 2], "labels": [-100, -100, 102, 103, 104, 105, 2]}
+    packed = pack_sequences({"input_ids": [a["input_ids"], b["input_ids"]], "labels": [a["labels"], b["labels"]]}, block_size=16)
+    assert len(packed["input_ids"]) == 1 and packed["position_ids"][0] == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6]
+    module = load_script("train_clm")
+    collate = CausalLMCollator(pad_token_id=2)
+    packed_batch = collate([{key: values[0] for key, values in packed.items()}, {**b, "position_ids": list(range(7))}])
+    assert "attention_mask" not in packed_batch and packed_batch["position_ids"][1, 7:].tolist() == [0, 1, 2, 3, 4, 5]
+    packed_losses, packed_weights = module.causal_lm_loss(model, packed_batch)
+    apart_losses, apart_weights = module.causal_lm_loss(model, collate([a, b]))
+    torch.testing.assert_close(packed_losses[0, :6] * packed_weights[0, :6], apart_losses[0, :6] * apart_weights[0, :6], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed_losses[0, 6:13] * packed_weights[0, 6:13], apart_losses[1, :7] * apart_weights[1, :7], rtol=1e-5, atol=1e-6)
+    assert packed_weights[0].sum() == apart_weights.sum() == 3 + 5
+
+
+@pytest.mark.parametrize("mode", ["text", "sft_packing"])
+def test_every_token_trained_exactly_once_per_epoch_across_ranks(mode, tiny_lm, sft_data, tmp_path):
+    if mode == "text":
+        corpus = write_text_corpus(tmp_path / "corpus.txt")
+        args = ["--train_file", corpus, "--data_mode", "text", "--block_size", 16]
+    else:
+        args = ["--train_file", sft_data["train"], "--validation_file", sft_data["validation"], "--data_mode", "sft",
+                "--packing", "--block_size", 48]
+    out = tmp_path / "tokens.json"
+    result = launch(COUNT_TOKENS, out, "--model_name_or_path", tiny_lm, "--per_device_train_batch_size", 2, "--validation_split_percentage", 20,
+                    *args, num_processes=2)
+    assert result.returncode == 0, result.output[-4000:]
+    seen = json.loads(out.read_text())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
+    for epoch in seen["epochs"]:
+        assert len(epoch) == 2, "two ranks"
+        rows = [row for rank in epoch for row in rank]
+        if mode == "text":
+            trained = [word for row in rows for word in tokenizer.convert_ids_to_tokens(row["input_ids"]) if word.startswith("w")]
+            # Each word once in the corpus: once across both ranks' blocks, apart from the dropped tail.
+            assert len(trained) == len(set(trained))
+            expected = {w for line in seen["train_text"] for w in line.split()}
+            missing = expected - set(trained)
+            assert len(missing) <= seen["report"]["train_tokens_dropped"] < 16
+        else:
+            responses = [tokenizer.decode([t for t in row["labels"] if t != -100]) for row in rows]
+            trained = sorted(" ".join(r.split()) for r in " ".join(responses).split("</s>") if r.strip())
+            assert trained == sorted(r["response"] for r in seen["train_records"])
+        assert len({tuple(row["input_ids"]) for rank in epoch for row in rank}) == len(rows), "no block twice"
+    assert seen["epochs"][0] != seen["epochs"][1], "reshuffled each epoch"
+
+
+def test_lora_adapter_and_merged_model_reload_with_the_same_logits(tiny_lm, sft_data, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    output_dir = tmp_path / "lora"
+    result = launch(TRAIN_CLM, *clm_args(tiny_lm, sft_data, output_dir, "--lora_r", 4, "--merge_lora", "--max_train_steps", 6,
+                                         "--per_device_train_batch_size", 2, "--lora_target_modules", "q_proj,v_proj"), num_processes=2)
+    assert result.returncode == 0, result.output[-4000:]
+    assert "LoRA r=4:" in result.output
+    assert (output_dir / "adapter_model.safetensors").exists() and (output_dir / "adapter_config.json").exists()
+    assert not (output_dir / "model.safetensors").exists(), "with LoRA the output is the adapter (the merged model is in merged/)"
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    ids = torch.tensor([[1, 27, 18, 40, 41, 42, 43, 44]])
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_lm), output_dir).eval()
+    with torch.no_grad():
+        adapter_logits = adapted(input_ids=ids).logits
+    assert not torch.allclose(adapter_logits, base_logits, atol=1e-3), "the adapter learned nothing"
+    # The reloaded adapter is the trained model: it gives the perplexity the run measured at its end.
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    reloaded_ppl = direct_perplexity(adapted, tokenizer, records(sft_data["validation"]))
+    assert metrics["eval_perplexity"] == pytest.approx(reloaded_ppl, rel=1e-5)
+
+    # The merged model loads with transformers alone: peft made unimportable in a fresh interpreter.
+    check = (
+        "import sys, torch; sys.modules['peft'] = None\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(output_dir / 'merged')!r}).eval()\n"
+        f"torch.save(m(input_ids=torch.tensor({ids.tolist()})).logits.detach(), {str(tmp_path / 'merged.pt')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", check], check=True, env=launch_env(), cwd=REPO, timeout=120)
+    torch.testing.assert_close(torch.load(tmp_path / "merged.pt"), adapter_logits, rtol=1e-4, atol=1e-5)
+    assert not any("lora" in key for key in load_file(str(output_dir / "merged" / "model.safetensors")))
+
+
+def test_offline_default_runs_a_few_steps(tmp_path):
+    output_dir = tmp_path / "default"
+    result = launch(TRAIN_CLM, "--output_dir", output_dir, "--max_train_steps", 3, "--max_eval_samples", 20,
+                    "--checkpointing_steps", "no", "--sample_max_new_tokens", 5, num_processes=2)
+    assert result.returncode == 0, result.output[-4000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["optimizer_steps"] == 3 and metrics["world_size"] == 2 and metrics["block_size"] == 128
+    assert 1 < metrics["eval_perplexity"] < 2 * 30522, "a from-scratch model starts near the vocabulary size"
+    assert json.loads((output_dir / "config.json").read_text())["model_type"] == "llama"
+    assert (output_dir / "model.safetensors").exists() and (output_dir / "tokenizer.json").exists()
+    assert "--- sample ---" in result.output
+
+
+# --- bad input: a clear error on every rank within 60 s, no output directory left behind ----------
+
+def sft_without_response(d):
+    (d / "bad.jsonl").write_text('{"prompt": "the movie"}\n{"prompt": "a film"}\n')
+    return ["--train_file", d / "bad.jsonl"]
+
+
+def sft_with_empty_record(d, sft_data):
+    lines = open(sft_data["train"]).read().splitlines()
+    (d / "bad.jsonl").write_text("\n".join(lines[:5] + ['{"prompt": "the movie", "response": ""}'] + lines[5:]) + "\n")
+    return ["--train_file", d / "bad.jsonl"]
+
+
+BAD_INPUT = {
+    "missing_text_column": (lambda d, s: ["--data_mode", "text", "--text_column", "body"], "has no column 'body'"),
+    "missing_response_field": (lambda d, s: sft_without_response(d), "has no column 'response'"),
+    "empty_record": (sft_with_empty_record, "1 train records have an empty or missing 'response' (first: record 5)"),
+    "fewer_tokens_than_a_block": (
+        lambda d, s: ["--data_mode", "text", "--train_file", write_text_corpus(d / "c.txt"),
+                      "--validation_file", write_text_corpus(d / "v.txt", ["w1", "w2"])],
+        "the validation data holds 4 tokens, fewer than one block of 48",
+    ),
+    "block_size_above_context": (lambda d, s: ["--block_size", 100], "--block_size 100 is above this model's context of 64"),
+    "lora_modules_missing": (lambda d, s: ["--lora_r", 4, "--lora_target_modules", "c_attn"], "its linear layers are ['down_proj'"),
+    "chat_template_missing": (lambda d, s: ["--chat_template"], "has no chat template"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, sft_data, tmp_path):
+    change, expected = BAD_INPUT[case]
+    output_dir = tmp_path / "out"
+    args = clm_args(tiny_lm, sft_data, output_dir, "--max_train_steps", 2)
+    extra = [str(a) for a in change(tmp_path, sft_data)]
+    if "--train_file" in extra:  # replaces the good data files
+        i = args.index("--train_file")
+        del args[i:i + 4]
+    result = launch(TRAIN_CLM, *args, *extra, num_processes=2, timeout=120)
+    assert result.returncode != 0
+    assert result.seconds < 60
+    for rank in (0, 1):
+        assert f"[rank {rank}] error:" in result.output, f"rank {rank} did not report the error:\n{result.output[-3000:]}"
+    assert expected in result.output, result.output[-3000:]
+    assert not output_dir.exists(), "bad input must not leave an output directory behind"
+
+
+def test_packing_check_catches_a_model_that_lets_packed_examples_attend_to_each_other(tiny_lm):
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.lm import packing_is_masked
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    assert packing_is_masked(model)
+
+    class IgnoresPositions(torch.nn.Module):  # what a model without position_ids-based masking does
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, position_ids=None, **kwargs):
+            return self.inner(input_ids=input_ids, **kwargs)
+
+    assert not packing_is_masked(IgnoresPositions(model))
