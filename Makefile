@@ -8,16 +8,20 @@ PYTEST_ARGS ?=
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test bench install clean
+.PHONY: train train-clm test bench install clean
 
 train: $(STAMP)  ## install if needed, then fine-tune the demo model on 2 CPU processes
 	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train.py $(TRAIN_ARGS)
+
+train-clm: $(STAMP)  ## install if needed, then train the demo decoder (causal LM) on 2 CPU processes
+	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir
 
 test: $(STAMP)  ## install if needed, then run the whole test suite
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 bench: $(STAMP)  ## ours vs a hand-written DDP loop vs transformers.Trainer (minutes; not a test)
 	$(BIN)/python bench/bench_train.py
+	$(BIN)/python bench/bench_clm.py
 	$(BIN)/accelerate launch --config_file $(CONFIG) bench/bench_checkpoint.py
 
 install: $(STAMP)
@@ -32,4 +36,4 @@ $(STAMP): requirements.txt requirements-demo.txt pyproject.toml
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) outputs bench/runs .pytest_cache
+	rm -rf $(VENV) outputs bench/runs bench/runs_clm .pytest_cache

@@ -59,9 +59,8 @@ def make_accelerator(
 
     - `cpu=True` when this process sees no GPU, so a torchrun-style launch on a CPU machine
       forms one gloo group instead of N separate worlds.
-    - A seedable sampler with a data seed shared by all ranks: every rank draws the same
-      shuffle (so the shards partition it), each epoch reshuffles via `set_epoch`, and the
-      order does not depend on the number of processes.
+    - A data seed shared by all ranks: every rank draws the same shuffle (so the shards
+      partition it; see `make_train_dataloader`), and each epoch reshuffles via `set_epoch`.
     - `ddp_timeout` seconds for collectives, so a rank stuck in one fails instead of waiting
       gloo's default 30 minutes.
     - The LR scheduler is not tied to the optimizer: by default Accelerate steps a prepared

@@ -24,7 +24,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .data import SAMPLE_WEIGHT, epoch_dataloader, global_mean_loss, optimizer_step_batches
-from .io import check_output_dir, write_json
+from .io import check_output_dir, prepare_output_dir, write_json
 from .launch import make_accelerator
 
 logger = get_logger(__name__)
@@ -86,7 +86,7 @@ class TrainingRun:
 
         run = TrainingRun(accelerator, args, model, train_dataloader)   # before accelerator.prepare
         model, ... = accelerator.prepare(...)
-        run.start()                                                     # resumes if asked to
+        run.start()                                       # output dir; resumes if asked to
         for epoch in run.epochs():
             for micro_batches, step_weight in run.optimizer_steps(train_dataloader, epoch):
                 loss_sum = train_step(...); lr_scheduler.step()
@@ -117,9 +117,11 @@ class TrainingRun:
         self._tick = None
 
     def start(self) -> None:
-        """After `accelerator.prepare` (and `prepare_output_dir`): resume from the checkpoint named
-        by --resume_from_checkpoint, if any, and start listening for preemption signals."""
+        """After `accelerator.prepare`, once the inputs are validated: create the output directory
+        (emptied first with --overwrite_output_dir, unless resuming), resume from the checkpoint
+        named by --resume_from_checkpoint, if any, and start listening for preemption signals."""
         args = self.args
+        prepare_output_dir(self.accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
         resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
         if resume_path:
             self.progress = load_checkpoint(self.accelerator, resume_path, self.identity)

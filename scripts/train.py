@@ -184,8 +184,7 @@ def main():
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
-    run.start()
+    run.start()  # creates the output dir, resumes from a checkpoint if asked to
 
     for epoch in run.epochs():
         model.train()

@@ -28,7 +28,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_li
 import ddp_utils
 from ddp_utils import UsageError
 from ddp_utils.demo import demo_decoder_config_path, demo_model_path, load_demo_reviews
-from ddp_utils.lm import IGNORE_INDEX, TARGET_TOKENS, CausalLMCollator, group_text_blocks, pack_sequences, packing_is_masked, padding_waste, perplexity
+from ddp_utils.lm import (
+    IGNORE_INDEX,
+    TARGET_TOKENS,
+    CausalLMCollator,
+    group_text_blocks,
+    pack_sequences,
+    packing_is_masked,
+    padding_waste,
+    perplexity,
+)
 
 logger = get_logger(__name__)
 
@@ -315,7 +324,7 @@ def show_sample(accelerator, model, tokenizer, args, validation):
     generator = accelerator.unwrap_model(model)
     generator.eval()
     with torch.no_grad():
-        output = generator.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+        output = generator.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, no_repeat_ngram_size=3,
                                     max_new_tokens=args.sample_max_new_tokens, pad_token_id=tokenizer.pad_token_id)
     completion = tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
     print(f"\n--- sample ---\nprompt: {prompt}\nmodel:  {completion}\n--------------", flush=True)
@@ -341,8 +350,7 @@ def main():
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
-    run.start()
+    run.start()  # creates the output dir, resumes from a checkpoint if asked to
 
     for epoch in run.epochs():
         model.train()

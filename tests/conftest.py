@@ -90,6 +90,16 @@ def launch(script, *args, num_processes=2, launcher_args=(), env=None, timeout=3
     return LaunchResult(process.returncode, "".join(t for _, t in lines), end - start, end - last_line_at, lines)
 
 
+def assert_fails_cleanly(result: LaunchResult, expected: str, output_dir: Path) -> None:
+    """Bad input: a non-zero exit within 60 s, the error on every rank, no output directory."""
+    assert result.returncode != 0
+    assert result.seconds < 60
+    for rank in (0, 1):
+        assert f"[rank {rank}] error:" in result.output, f"rank {rank} did not report the error:\n{result.output[-3000:]}"
+    assert expected in result.output, result.output[-3000:]
+    assert not output_dir.exists(), "bad input must not leave an output directory behind"
+
+
 def make_tiny_model(directory: Path, dropout: float = 0.0, hidden_size: int = 32) -> Path:
     """A 2-layer BERT (hidden 32) with a word-level vocabulary, built from a config: no Hub."""
     from transformers import BertConfig, BertModel, BertTokenizer

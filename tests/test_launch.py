@@ -49,7 +49,9 @@ def test_every_example_used_exactly_once_per_epoch_and_reshuffled(tmp_path):
         real = Counter(i for rank in epoch for ids, ws in rank for i, w in zip(ids, ws) if w == 1.0)
         assert real == Counter(range(37)), "each example exactly once per epoch, across ranks"
         fillers = [w for rank in epoch for _, ws in rank for w in ws if w == 0.0]
-        assert len(fillers) == 3, "37 examples padded to 40 = 5 global batches of 2 x 4"
+        assert not fillers, "37 = 4 steps of 2 x 4 + 5: the 3 fillers of the last step are never computed"
+        last = [sum(w == 1.0 for w in rank[-1][1]) for rank in epoch]
+        assert sorted(last) == [2, 3], "the last step's 5 real examples are shared out evenly over the ranks"
         orders.append([i for step in global_steps(epoch) for i in step])
     assert orders[0] != orders[1] != orders[2], "the shuffle must change between epochs"
 

@@ -6,13 +6,12 @@ usage: torchrun --nproc_per_node 2 bench/baselines/ddp_loop.py OUT.json EPOCHS B
 
 import json
 import math
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-from common import LABELS, demo_data
+from common import init_distributed, LABELS, demo_data
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForSequenceClassification, get_linear_schedule_with_warmup
@@ -23,10 +22,7 @@ from ddp_utils.demo import demo_model_path
 
 def main():
     out, epochs, batch_size, lr, max_length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank()
-    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(42)
+    rank, device = init_distributed()
 
     tokenized, _, collate = demo_data(max_length)
     model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=len(LABELS)).to(device)
