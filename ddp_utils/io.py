@@ -60,7 +60,9 @@ def save_model(accelerator: Accelerator, model, output_dir: str, *processors) ->
     moving each finished file into place, so a crash never leaves a half-written weights file.
     """
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
+    # A torch.compile'd model's state dict names every weight "_orig_mod.<name>"; saved as is,
+    # from_pretrained would find none of them and silently start from random weights.
+    state_dict = {key.replace("_orig_mod.", ""): value for key, value in accelerator.get_state_dict(model).items()}
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)

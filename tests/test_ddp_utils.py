@@ -65,3 +65,40 @@ def test_demo_data_is_the_documented_subset():
     assert sorted(set(labels)) == ["negative", "neutral", "positive"]
     assert round(labels.count("positive") / len(labels), 3) == 0.654, "the majority-class baseline the README quotes"
     assert "&#039;" not in " ".join(data["train"]["text"]), "HTML entities are decoded"
+
+
+def test_save_model_of_a_compiled_model_reloads_its_trained_weights(tiny_lm, tmp_path):
+    """--torch_compile: the compiled wrapper prefixes every key with "_orig_mod."; saved as is,
+    from_pretrained would load none of them and silently start from random weights."""
+    import torch
+    from accelerate import Accelerator
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    accelerator = Accelerator(cpu=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(3.0)  # a change the reload must carry
+    compiled = accelerator.prepare(torch.compile(model))  # compiling is lazy: nothing runs here
+    ddp_utils.save_model(accelerator, compiled, str(tmp_path / "out"))
+    assert not [key for key in load_file(str(tmp_path / "out" / "model.safetensors")) if "_orig_mod" in key]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for (name, expected), (_, actual) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(expected, actual), name
+
+
+def test_step_aligned_sampler_spreads_the_last_step_over_ranks_and_micro_batches():
+    from ddp_utils.data import StepAlignedSampler
+
+    # 13 real examples, 3 fillers; steps of 2 ranks x 2 micro-batches x batch 2 = 8.
+    sampler = StepAlignedSampler(13, 16, batch_size=2, num_processes=2, accumulation=2, seed=1)
+    order = list(sampler)
+    assert sorted(order) == list(range(16))
+    assert all(i < 13 for i in order[:8]), "full steps hold only real examples"
+    last_step_batches = [order[8 + 2 * k: 10 + 2 * k] for k in range(4)]
+    # The last step's 5 real examples dealt out over its 4 micro-batches (ranks 0, 1, 0, 1), not 2, 2, 1, 0.
+    assert [sum(i < 13 for i in batch) for batch in last_step_batches] == [2, 1, 1, 1]
+    sampler.set_epoch(1)
+    assert list(sampler) != order, "a new order each epoch"
+    sampler.set_epoch(0)
+    assert list(sampler) == order, "the order depends on seed and epoch alone"
