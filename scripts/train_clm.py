@@ -206,7 +206,7 @@ def tokenize(raw, tokenizer, args, block_size):
         return tokenized, report
 
     def encode(batch):
-        out = {"input_ids": [], "labels": []}
+        out = {"input_ids": [], "labels": [], "truncated": []}
         for prompt, response in zip(batch[args.prompt_column], batch[args.response_column]):
             prompt_text, response_text = prompt_and_response_text(tokenizer, prompt, response, args.chat_template)
             prompt_ids = (bos if not args.chat_template else []) + tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
@@ -214,10 +214,16 @@ def tokenize(raw, tokenizer, args, block_size):
             response_ids += [] if args.chat_template else [tokenizer.eos_token_id]
             out["input_ids"].append((prompt_ids + response_ids)[:block_size])
             out["labels"].append(([IGNORE_INDEX] * len(prompt_ids) + response_ids)[:block_size])
+            out["truncated"].append(len(prompt_ids) + len(response_ids) > block_size)
         return out
 
     tokenized = raw.map(encode, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing")
     for split in ("train", "validation"):
+        report[f"{split}_records_truncated"] = sum(tokenized[split]["truncated"])
+        if report[f"{split}_records_truncated"]:
+            logger.info(f"{split}: {report[f'{split}_records_truncated']} of {len(tokenized[split])} records cut at "
+                        f"--block_size {block_size}")
+        tokenized[split] = tokenized[split].remove_columns("truncated")
         before = len(tokenized[split])
         tokenized[split] = tokenized[split].filter(lambda row: any(label != IGNORE_INDEX for label in row["labels"][1:]))
         report[f"{split}_records_dropped"] = before - len(tokenized[split])

@@ -225,12 +225,14 @@ def test_every_token_trained_exactly_once_per_epoch_across_ranks(mode, tiny_lm, 
 
 
 def test_lora_adapter_and_merged_model_reload_with_the_same_logits(tiny_lm, sft_data, tmp_path):
+    """LoRA on q_proj/v_proj with gradient checkpointing, 2 processes: the adapter and the merged model."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     output_dir = tmp_path / "lora"
     result = launch(TRAIN_CLM, *clm_args(tiny_lm, sft_data, output_dir, "--lora_r", 4, "--merge_lora", "--max_train_steps", 6,
-                                         "--per_device_train_batch_size", 2, "--lora_target_modules", "q_proj,v_proj"), num_processes=2)
+                                         "--per_device_train_batch_size", 2, "--lora_target_modules", "q_proj,v_proj",
+                                         "--gradient_checkpointing"), num_processes=2)
     assert result.returncode == 0, result.output[-4000:]
     assert "LoRA r=4:" in result.output
     assert (output_dir / "adapter_model.safetensors").exists() and (output_dir / "adapter_config.json").exists()
