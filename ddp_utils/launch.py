@@ -79,6 +79,22 @@ def make_accelerator(
         **accelerator_kwargs,
     )
     check_launch(accelerator)
+    sharded = [name for name in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() in ("1", "true")]
+    if sharded and not _gpu_visible():
+        # Measured with Accelerate 1.15: with cpu=True it quietly trains plain DDP (every rank a full
+        # copy, the plugin ignored); without it, every process runs alone. Checked once the process
+        # group exists, so that every rank reports it.
+        raise UsageError(
+            f"this launch config asks for {sharded[0]}, which Accelerate runs on GPUs only, and no GPU is visible; "
+            "on this machine use accelerate_configs/cpu_2proc.yaml"
+        )
+    deepspeed = accelerator.state.deepspeed_plugin
+    if deepspeed is not None and deepspeed.gradient_accumulation_steps not in (gradient_accumulation_steps, "auto"):
+        raise UsageError(
+            f"the DeepSpeed config accumulates {deepspeed.gradient_accumulation_steps} micro-batches per step, the script "
+            f"{gradient_accumulation_steps}; set deepspeed_config.gradient_accumulation_steps to the script's "
+            "--gradient_accumulation_steps"
+        )
     return accelerator
 
 
