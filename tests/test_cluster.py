@@ -6,9 +6,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
+import pytest
 from conftest import CPU_CONFIG, REPO, assert_fails_cleanly, free_port, launch, launch_env, train_args
 from safetensors.numpy import load_file
 
@@ -16,13 +16,33 @@ TRAIN = REPO / "scripts" / "train.py"
 CHECK_ENV = REPO / "scripts" / "check_env.py"
 
 
-def test_two_nodes_on_loopback_train_the_same_model_as_one_node(tiny_model, tiny_data, tmp_path):
+FAKE_SLURM = REPO / "tests" / "fake_slurm"
+SBATCH = REPO / "slurm" / "train.sbatch"
+STEPS = ["--max_train_steps", 6, "--per_device_train_batch_size", 4, "--checkpointing_steps", "no"]
+
+
+@pytest.fixture(scope="module")
+def one_node(tiny_model, tiny_data, tmp_path_factory):
+    """The reference: one node, 2 processes, 6 optimizer steps."""
+    output_dir = tmp_path_factory.mktemp("one-node") / "out"
+    result = launch(TRAIN, *train_args(tiny_model, tiny_data, output_dir, *STEPS), num_processes=2)
+    assert result.returncode == 0, result.output[-3000:]
+    return load_file(str(output_dir / "model.safetensors"))
+
+
+def assert_same_model(output_dir, reference):
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["optimizer_steps"] == 6
+    other = load_file(str(output_dir / "model.safetensors"))
+    assert sorted(reference) == sorted(other)
+    for key in reference:
+        np.testing.assert_allclose(other[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_two_nodes_on_loopback_train_the_same_model_as_one_node(one_node, tiny_model, tiny_data, tmp_path):
     """Two `accelerate launch` commands, --num_machines 2 and --machine_rank 0 / 1, one process each,
     rendezvous on 127.0.0.1: the same parameters as one node with 2 processes."""
-    args = ["--max_train_steps", 6, "--per_device_train_batch_size", 4, "--checkpointing_steps", "no"]
-    one_node = launch(TRAIN, *train_args(tiny_model, tiny_data, tmp_path / "one_node", *args), num_processes=2)
-    assert one_node.returncode == 0, one_node.output[-3000:]
-
+    args = STEPS
     port, output_dir = free_port(), tmp_path / "two_nodes"
     nodes = []
     for machine_rank in (0, 1):
@@ -36,12 +56,87 @@ def test_two_nodes_on_loopback_train_the_same_model_as_one_node(tiny_model, tiny
         assert node.returncode == 0, output[-3000:]
     assert "2 process(es), MULTI_CPU" in outputs[0], "node 0 must lead a 2-process world"
 
-    metrics = json.loads((output_dir / "metrics.json").read_text())
-    assert metrics["world_size"] == 2 and metrics["optimizer_steps"] == 6
-    reference, other = load_file(str(tmp_path / "one_node" / "model.safetensors")), load_file(str(output_dir / "model.safetensors"))
-    assert sorted(reference) == sorted(other)
-    for key in reference:
-        np.testing.assert_allclose(other[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    assert_same_model(output_dir, one_node)
+
+
+def slurm_env(tmp_path, **extra) -> dict:
+    """A fake 2-node job: srun and scontrol test doubles first on the PATH."""
+    env = launch_env({
+        "PATH": os.pathsep.join([str(FAKE_SLURM / "bin"), os.path.dirname(sys.executable), os.environ["PATH"]]),
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "test", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_GPUS_ON_NODE": "8", "FAKE_HOSTNAMES": "node-a node-b", "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
+        "OUTPUT_DIR": str(tmp_path / "out"),
+    })
+    env.update(extra)
+    return env
+
+
+def run_sbatch(env, *args):
+    return subprocess.run(["bash", str(SBATCH), *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def recorded(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "slurm.log").read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_slurm_script_gives_each_node_its_own_rank_and_the_same_main_address(launcher, tmp_path):
+    recording = os.pathsep.join([str(FAKE_SLURM / "recording"), str(FAKE_SLURM / "bin"), os.environ["PATH"]])
+    result = run_sbatch(slurm_env(tmp_path, PATH=recording, LAUNCHER=launcher), "scripts/train_clm.py", "--max_train_steps", 5)
+    assert result.returncode == 0, result.stderr + result.stdout
+    calls = sorted(recorded(tmp_path), key=lambda call: call["node_id"])
+    assert [call["node_id"] for call in calls] == ["0", "1"], "one launcher per node"
+    out = str(tmp_path / "out")
+    for node, call in enumerate(calls):
+        # Exactly the command README.md documents, with this node's rank.
+        if launcher == "accelerate":
+            expected = ["launch", "--config_file", "accelerate_configs/multi_node_ddp.yaml", "--num_machines", "2",
+                        "--num_processes", "16", "--machine_rank", str(node), "--main_process_ip", "node-a",
+                        "--main_process_port", "24242"]
+        else:
+            expected = ["--nnodes", "2", "--nproc_per_node", "8", "--node_rank", str(node), "--master_addr", "node-a",
+                        "--master_port", "24242"]
+        assert call["argv"] == expected + ["scripts/train_clm.py", "--output_dir", out, "--resume_from_checkpoint", "latest",
+                                           "--max_train_steps", "5"]
+    assert "requeue" not in (tmp_path / "slurm.log").read_text()
+
+
+def test_slurm_script_runs_check_env_without_training_arguments(tmp_path):
+    recording = os.pathsep.join([str(FAKE_SLURM / "recording"), str(FAKE_SLURM / "bin"), os.environ["PATH"]])
+    result = run_sbatch(slurm_env(tmp_path, PATH=recording), "scripts/check_env.py")
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert [call["argv"][-1] for call in recorded(tmp_path)] == ["scripts/check_env.py"] * 2
+
+
+def test_check_env_reports_every_rank_and_a_correct_all_reduce():
+    result = launch(CHECK_ENV, "--sizes_mib", "1,4", "--iterations", 2, num_processes=2)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "rank 0/2  local rank 0" in result.output and "rank 1/2  local rank 1" in result.output
+    assert "backend gloo" in result.output
+    assert "all-reduce correctness over 2 processes: OK" in result.output
+    assert "| 4 |" in result.output and "bus GB/s" in result.output
+    assert result.output.count("check_env: all checks passed") == 1
+
+
+def test_slurm_script_requeues_a_preempted_run(tmp_path):
+    recording = os.pathsep.join([str(FAKE_SLURM / "recording"), str(FAKE_SLURM / "bin"), os.environ["PATH"]])
+    result = run_sbatch(slurm_env(tmp_path, PATH=recording, FAKE_PREEMPT="1"))
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "requeue 4242" in (tmp_path / "slurm.log").read_text().splitlines()
+    assert "preempted: requeueing job 4242" in result.stdout
+
+
+def test_slurm_script_runs_a_real_two_node_training_on_loopback(one_node, tiny_model, tiny_data, tmp_path):
+    """The job script itself, with real `accelerate launch`es: 2 fake nodes x 1 CPU process, on 127.0.0.1."""
+    port = next(p for p in iter(free_port, None) if 20000 <= p < 40000)
+    env = slurm_env(tmp_path, CONFIG="accelerate_configs/cpu_2proc.yaml", SLURM_GPUS_ON_NODE="1",
+                    FAKE_HOSTNAMES="127.0.0.1 localhost", SLURM_JOB_ID=str(port - 20000))  # the port is 20000 + id % 20000
+    args = train_args(tiny_model, tiny_data, "unused", *STEPS)
+    i = args.index("--output_dir")
+    del args[i:i + 2]  # the job script chooses the output dir
+    result = run_sbatch(env, "scripts/train.py", *args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_same_model(tmp_path / "out", one_node)
 
 
 def test_fsdp_and_deepspeed_configs_are_refused_on_a_machine_without_gpus(tiny_model, tiny_data, tmp_path):
