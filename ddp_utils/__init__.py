@@ -9,7 +9,7 @@
            `optimizer_step_batches`, `global_mean_loss`,
            `make_adamw`, `weight_decay_groups`
 - metrics: `load_metric` (local evaluate modules), `gather_for_eval`
-- io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`, `load_model_config`
+- io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`, `write_pretrained`, `load_model_config`
 - demo:    the offline demo model and data shipped by PyPI packages
 """
 
@@ -25,7 +25,7 @@ from .data import (
     read_data_files,
     weight_decay_groups,
 )
-from .io import check_output_dir, load_model_config, prepare_output_dir, save_model, write_json
+from .io import check_output_dir, load_model_config, prepare_output_dir, save_model, write_json, write_pretrained
 from .args import add_training_args, check_positive, check_training_args
 from .loop import TrainingRun, describe, start_run, train_step
 from . import demo
@@ -82,4 +82,5 @@ __all__ = [
     "save_model",
     "weight_decay_groups",
     "write_json",
+    "write_pretrained",
 ]

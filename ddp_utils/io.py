@@ -55,29 +55,36 @@ def save_model(accelerator: Accelerator, model, output_dir: str, *processors) ->
     that `from_pretrained(output_dir)` and `pipeline(..., model=output_dir)` load it.
 
     All ranks must call it: `accelerator.get_state_dict` is a collective under FSDP and
-    DeepSpeed ZeRO-3 (saving `model.state_dict()` there writes empty or partial weights).
-    Only the main process writes, first into a staging directory inside `output_dir`, then
-    moving each finished file into place, so a crash never leaves a half-written weights file.
+    DeepSpeed ZeRO-3 (saving `model.state_dict()` there writes empty or partial weights); it
+    gathers the full weights to CPU on the main process only. Only the main process writes.
     """
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        write_pretrained(accelerator.unwrap_model(model), state_dict, output_dir, *processors)
+    accelerator.wait_for_everyone()
+
+
+def write_pretrained(model, state_dict: dict, output_dir: str, *processors) -> None:
+    """Write `model.save_pretrained` with the gathered full `state_dict`, and the processors, first
+    into a staging directory inside `output_dir`, then moving each finished file into place, so
+    a crash never leaves a half-written weights file. One process calls it (the main one)."""
     # A torch.compile'd model's state dict names every weight "_orig_mod.<name>"; saved as is,
     # from_pretrained would find none of them and silently start from random weights.
-    state_dict = {key.replace("_orig_mod.", ""): value for key, value in accelerator.get_state_dict(model).items()}
-    if accelerator.is_main_process:
-        os.makedirs(output_dir, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)
-        try:
-            accelerator.unwrap_model(model).save_pretrained(staging, state_dict=state_dict, is_main_process=True)
-            for processor in processors:
-                processor.save_pretrained(staging)
-            for name in os.listdir(staging):
-                target = os.path.join(output_dir, name)
-                if os.path.isdir(target) and not os.path.islink(target):
-                    shutil.rmtree(target)
-                os.replace(os.path.join(staging, name), target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    state_dict = {key.replace("_orig_mod.", ""): value for key, value in state_dict.items()}
+    os.makedirs(output_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)
+    try:
+        model.save_pretrained(staging, state_dict=state_dict, is_main_process=True)
+        for processor in processors:
+            processor.save_pretrained(staging)
+        for name in os.listdir(staging):
+            target = os.path.join(output_dir, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            os.replace(os.path.join(staging, name), target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_model_config(model_name_or_path: str, **overrides):

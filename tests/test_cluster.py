@@ -147,3 +147,26 @@ def test_fsdp_and_deepspeed_configs_are_refused_on_a_machine_without_gpus(tiny_m
                     launcher_args=["--config_file", str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2",
                                    "--mixed_precision", "no"])
     assert_fails_cleanly(result, "asks for FSDP, which Accelerate runs on GPUs only", output_dir)
+
+
+def test_fsdp2_full_state_dict_save_reloads_the_gathered_parameters_on_cpu(tiny_model, tmp_path):
+    """FSDP on CPU, as far as it goes: Accelerate will not run FSDP without GPUs, so the helper
+    shards with torch's fully_shard over gloo, gathers as accelerator.get_state_dict does under
+    FSDP2, and writes with ddp_utils.write_pretrained. The file holds the full parameters; the
+    plain state_dict would have held half of each sharded one."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    result = launch(REPO / "tests" / "launched" / "fsdp_save.py", tiny_model, tmp_path / "saved", num_processes=2)
+    assert result.returncode == 0, result.output[-3000:]
+    reference = json.loads((tmp_path / "fsdp_reference.json").read_text())
+    shards = reference["rank0_shards"]
+    rows = len(reference["full"]["bert.embeddings.word_embeddings.weight"])
+    assert shards["bert.embeddings.word_embeddings.weight"][0] == -(-rows // 2) < rows, \
+        "model.state_dict() under FSDP holds each rank's shard: half the rows"
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "saved")
+    for name, param in reloaded.named_parameters():
+        torch.testing.assert_close(param.detach(), torch.tensor(reference["full"][name]), msg=name)
+    initial = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=3)
+    assert not torch.equal(initial.bert.encoder.layer[0].attention.self.query.weight,
+                           reloaded.bert.encoder.layer[0].attention.self.query.weight), "training changed the weights"
