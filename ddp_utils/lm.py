@@ -112,7 +112,11 @@ def packing_is_masked(model) -> bool:
     """Does `model` keep packed sequences apart? Compares a second sequence's logits packed
     behind a first one with its logits alone. Models that build their attention mask with
     `transformers`' `create_causal_mask` do; others would let packed examples attend to each
-    other silently. Any rank may call it (a forward pass of 8 tokens, no communication)."""
+    other silently. Any rank may call it (a forward pass of 8 tokens, no communication); a rank
+    that holds no weights yet (meta tensors, under FSDP's CPU-RAM-efficient loading) answers True
+    and leaves the check to the main process, which loads the weights."""
+    if any(p.is_meta for p in model.parameters()):
+        return True
     was_training = model.training
     model.eval()
     first, second = torch.arange(3, 7), torch.arange(7, 11)

@@ -339,6 +339,9 @@ def show_sample(accelerator, model, tokenizer, args, validation):
 def main():
     args = parse_args()
     accelerator = ddp_utils.start_run(args, dynamo_backend="inductor" if args.torch_compile else "no")
+    if args.merge_lora and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        raise UsageError("--merge_lora needs the whole model on one process, not shards (FSDP/DeepSpeed); train without it, "
+                         "then merge: PeftModel.from_pretrained(base_model, output_dir).merge_and_unload().save_pretrained(...)")
     if args.demo_decoder:
         args.model_name_or_path = demo_model_path()  # for its tokenizer; the model comes from models/demo-decoder
 
