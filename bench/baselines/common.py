@@ -47,3 +47,43 @@ def init_distributed():
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(42)
     return dist.get_rank(), device
+
+
+def tutorial_ddp_training(model, train_dataset, batch_size, collate_fn, lr, epochs, device):
+    """What the DDP tutorials write around a model: DistributedDataParallel, a DistributedSampler,
+    PyTorch's default AdamW (no decay on biases and norms) and linear warm-up over 10% of the steps.
+    Returns (ddp_model, sampler, loader, optimizer, scheduler)."""
+    import math
+
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+    from transformers import get_linear_schedule_with_warmup
+
+    from ddp_utils import weight_decay_groups
+
+    model = DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    sampler = DistributedSampler(train_dataset, shuffle=True, seed=42)
+    loader = DataLoader(train_dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.01), lr=lr)
+    total_steps = epochs * len(loader)
+    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(0.1 * total_steps), total_steps)
+    return model, sampler, loader, optimizer, scheduler
+
+
+def tutorial_train_epoch(model, sampler, loader, optimizer, scheduler, device, epoch) -> float:
+    """One epoch of the tutorials' loop: the model's own (per-batch mean) loss, clipping at 1.0.
+    Returns its seconds."""
+    import time
+
+    sampler.set_epoch(epoch)
+    model.train()
+    start = time.perf_counter()
+    for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return time.perf_counter() - start

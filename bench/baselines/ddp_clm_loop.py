@@ -8,16 +8,13 @@ usage: torchrun --nproc_per_node 2 bench/baselines/ddp_clm_loop.py OUT.json EPOC
 import json
 import math
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-from common import init_distributed, demo_text_blocks
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
-from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator, get_linear_schedule_with_warmup
+from common import demo_text_blocks, init_distributed, tutorial_ddp_training, tutorial_train_epoch
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator
 
-from ddp_utils import weight_decay_groups
 from ddp_utils.demo import demo_decoder_config_path
 
 
@@ -26,28 +23,13 @@ def main():
     rank, device = init_distributed()
 
     blocks, _ = demo_text_blocks(block_size)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(demo_decoder_config_path())).to(device)
-    model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = DistributedSampler(blocks["train"], shuffle=True, seed=42)
-    loader = DataLoader(blocks["train"], batch_size=batch_size, sampler=sampler, collate_fn=default_data_collator)
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.01), lr=lr)
-    total_steps = epochs * len(loader)
-    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(0.1 * total_steps), total_steps)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(demo_decoder_config_path()))
+    model, sampler, loader, optimizer, scheduler = tutorial_ddp_training(
+        model, blocks["train"], batch_size, default_data_collator, lr, epochs, device)
 
     train_time, perplexity = 0.0, None
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        model.train()
-        start = time.perf_counter()
-        for batch in loader:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            loss = model(**batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        train_time += time.perf_counter() - start
+        train_time += tutorial_train_epoch(model, sampler, loader, optimizer, scheduler, device, epoch)
         if rank == 0:  # the usual evaluation: rank 0 alone, exp of the mean of batch mean losses
             model.eval()
             losses = []

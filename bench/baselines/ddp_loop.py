@@ -5,18 +5,14 @@ usage: torchrun --nproc_per_node 2 bench/baselines/ddp_loop.py OUT.json EPOCHS B
 """
 
 import json
-import math
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-from common import init_distributed, LABELS, demo_data
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
-from transformers import AutoModelForSequenceClassification, get_linear_schedule_with_warmup
+from common import LABELS, demo_data, init_distributed, tutorial_ddp_training, tutorial_train_epoch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForSequenceClassification
 
-from ddp_utils import weight_decay_groups
 from ddp_utils.demo import demo_model_path
 
 
@@ -25,28 +21,12 @@ def main():
     rank, device = init_distributed()
 
     tokenized, _, collate = demo_data(max_length)
-    model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=len(LABELS)).to(device)
-    model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = DistributedSampler(tokenized["train"], shuffle=True, seed=42)
-    loader = DataLoader(tokenized["train"], batch_size=batch_size, sampler=sampler, collate_fn=collate)
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.01), lr=lr)
-    total_steps = epochs * len(loader)
-    scheduler = get_linear_schedule_with_warmup(optimizer, math.ceil(0.1 * total_steps), total_steps)
+    model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=len(LABELS))
+    model, sampler, loader, optimizer, scheduler = tutorial_ddp_training(model, tokenized["train"], batch_size, collate, lr, epochs, device)
 
     train_time, accuracy = 0.0, None
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        model.train()
-        start = time.perf_counter()
-        for batch in loader:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            loss = model(**batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        train_time += time.perf_counter() - start
+        train_time += tutorial_train_epoch(model, sampler, loader, optimizer, scheduler, device, epoch)
         if rank == 0:  # the tutorials' evaluation: rank 0 alone, over the whole eval set
             model.eval()
             correct = 0
