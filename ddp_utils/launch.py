@@ -73,7 +73,8 @@ def make_accelerator(
         # Optimizer steps are always whole (see make_train_dataloader), so syncing at the end of the
         # dataloader is not needed, and would fire early when optimizer_step_batches prefetches.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=gradient_accumulation_steps, sync_with_dataloader=False),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+        # The data seed for make_train_dataloader's StepAlignedSampler (it reads it back from here).
+        dataloader_config=DataLoaderConfiguration(data_seed=seed),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))],
         step_scheduler_with_optimizer=False,
         **accelerator_kwargs,

@@ -291,7 +291,6 @@ def prepare_data_and_model(args):
 def causal_lm_loss(model, batch):
     """Per-token losses and weights, shape (batch, length): weight 1.0 where a token is a target
     (response or text; not prompt, padding or a filler row)."""
-    batch.pop(ddp_utils.SAMPLE_WEIGHT, None)
     batch.pop(TARGET_TOKENS, None)
     labels = batch.pop("labels")
     # use_cache=False: with a cache object, transformers ignores packed position_ids and lets
