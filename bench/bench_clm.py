@@ -66,7 +66,7 @@ def main():
         print(f"running {names[key]} ...", flush=True)
         result = run_one(command, result_file, workdir / f"{key}.log", bench_env())
         data = result["data"]
-        result["tokens_per_s"] = data.get("train_tokens_per_second") or data["train_tokens"] / data["train_time_s"]
+        result["tokens_per_s"] = data.get("train_target_tokens_per_second") or data["train_tokens"] / data["train_time_s"]
         result["perplexity"] = data["eval_perplexity"]
         result["padding_waste"] = data.get("train_padding_waste")
         results[key] = result

@@ -120,7 +120,7 @@ def main():
         print(f"running {names[key]} ...", flush=True)
         results[key] = run_one(command, result_file, workdir / f"{key}.log", env)
         data = results[key]["data"]
-        results[key]["samples_per_s"] = data.get("train_examples_per_second") or data["train_samples"] / data["train_time_s"]
+        results[key]["samples_per_s"] = data.get("train_samples_per_second") or data["train_samples"] / data["train_time_s"]
         results[key]["accuracy"] = data["eval_accuracy"]
         print(f"  {results[key]}", flush=True)
 

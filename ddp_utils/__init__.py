@@ -3,10 +3,13 @@
 - launch:  `make_accelerator` (with the launch guard), `run` (clean exit), `UsageError`, `Preempted`
 - args:    `add_training_args`, `check_training_args`, `check_positive` (the options every script shares)
 - loop:    `start_run`, `train_step` (one exact optimizer step), `TrainingRun` (progress, logging,
-           checkpoints, preemption, resume), `describe`
+           checkpoints, preemption, resume, the report), `describe`
+- tracking: `parse_report_to` (--report_to), `RunLog` (trackers + train_log.jsonl), `read_train_log`,
+           `peak_memory_mb`, secrets kept out of logs (`loggable_args`, `scrub`)
+- report:  `write_report` (plots + summary in report/), `confusion_matrix`, `plot_runs`
 - checkpoint: atomic `save_checkpoint`, `load_checkpoint`, `resolve_resume_path`, `PreemptionHandler`
 - data:    `load_on_main_first`, `read_data_files`, `make_train_dataloader`, `epoch_dataloader`,
-           `optimizer_step_batches`, `global_mean_loss`,
+           `optimizer_step_batches` (-> `StepSize`), `global_mean_loss`,
            `make_adamw`, `weight_decay_groups`
 - metrics: `load_metric` (local evaluate modules), `gather_for_eval`
 - io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`, `write_pretrained`, `load_model_config`
@@ -14,7 +17,9 @@
 """
 
 from .data import (
+    INPUT_TOKENS,
     SAMPLE_WEIGHT,
+    StepSize,
     epoch_dataloader,
     global_mean_loss,
     load_on_main_first,
@@ -27,7 +32,9 @@ from .data import (
 )
 from .io import check_output_dir, load_model_config, prepare_output_dir, save_model, write_json, write_pretrained
 from .args import add_training_args, check_positive, check_training_args
-from .loop import TrainingRun, describe, start_run, train_step
+from .loop import StepStats, TrainingRun, describe, start_run, train_step
+from .report import confusion_matrix, plot_runs, write_report
+from .tracking import RunLog, loggable_args, parse_report_to, peak_memory_mb, read_train_log, scrub
 from . import demo
 from .checkpoint import (
     PREEMPTED_FILE,
@@ -43,7 +50,19 @@ from .launch import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UsageError, check_lau
 from .metrics import gather_for_eval, load_metric
 
 __all__ = [
+    "INPUT_TOKENS",
+    "RunLog",
+    "StepSize",
+    "StepStats",
     "TrainingRun",
+    "confusion_matrix",
+    "loggable_args",
+    "parse_report_to",
+    "peak_memory_mb",
+    "plot_runs",
+    "read_train_log",
+    "scrub",
+    "write_report",
     "add_training_args",
     "check_positive",
     "check_training_args",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .launch import UsageError
+from .tracking import parse_report_to
 
 
 def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float, per_device_train_batch_size: int,
@@ -31,9 +32,13 @@ def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float, 
     p.add_argument("--checkpointing_steps", default="epoch", help="checkpoint every N optimizer steps, every 'epoch', or 'no'")
     p.add_argument("--checkpoints_total_limit", type=int, default=2, help="keep only the K newest checkpoints")
     p.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint-<step> dir, or 'latest' in output_dir (fresh if none)")
-    p = parser.add_argument_group("output")
-    p.add_argument("--output_dir", default=output_dir, help="where the model, tokenizer and metrics.json go")
+    p = parser.add_argument_group("output and tracking")
+    p.add_argument("--output_dir", default=output_dir, help="where the model, tokenizer, metrics.json, train_log.jsonl and report/ go")
     p.add_argument("--overwrite_output_dir", action="store_true", help="replace an output_dir that holds another run")
+    p.add_argument("--report_to", default="tensorboard", help="trackers, comma-separated: tensorboard, trackio, wandb, mlflow, all or none")
+    p.add_argument("--project_name", default=None, help="tracker project / experiment name (default: the script's name)")
+    p.add_argument("--run_name", default=None, help="tracker run name (default: the output_dir's name)")
+    p.add_argument("--hub_token", default=None, help="Hub token for private models and data (default: HF_TOKEN or `hf auth login`); never logged")
 
 
 def check_positive(args, *names: str) -> None:
@@ -55,5 +60,6 @@ def check_training_args(args) -> None:
         raise UsageError(f"--checkpoints_total_limit must be at least 1, got {args.checkpoints_total_limit}")
     if not 0.0 <= args.warmup_ratio < 1.0:
         raise UsageError(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
+    args.trackers = parse_report_to(args.report_to)
     if args.max_grad_norm < 0:
         raise UsageError(f"--max_grad_norm must be 0 (no clipping) or positive, got {args.max_grad_norm}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
@@ -15,6 +16,7 @@ from .launch import UsageError
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 SAMPLE_WEIGHT = "sample_weight"  # 1.0 for a real example, 0.0 for a filler that evens out the shards
+INPUT_TOKENS = "input_tokens"  # per row: its non-padding tokens, for batches without an attention_mask
 
 
 def load_on_main_first(accelerator: Accelerator, load, *args, **kwargs):
@@ -193,22 +195,47 @@ def epoch_dataloader(accelerator: Accelerator, dataloader, epoch: int, steps_don
     return dataloader
 
 
-def optimizer_step_batches(dataloader, accelerator: Accelerator, weight_key: str = SAMPLE_WEIGHT):
-    """Yield `(micro_batches, step_weight)` once per optimizer step: this rank's
-    `gradient_accumulation_steps` micro-batches, and the total weight (real examples, or target
-    tokens) in the step's micro-batches on all ranks. All ranks call it, in step.
+@dataclass
+class StepSize:
+    """What one optimizer step holds on all ranks together (float tensors on the device)."""
 
-    Knowing the step's total before the first backward pass is what makes the loss exact:
-    `global_mean_loss` divides by it, so the step's gradient is the mean over all its real
-    examples, however they are split over ranks and micro-batches.
+    weight: torch.Tensor  # the loss's denominator: real examples, or target tokens
+    examples: torch.Tensor  # real rows (fillers not counted)
+    tokens: torch.Tensor  # their non-padding input tokens (0 for inputs that are not tokens)
+
+
+def _local_step_size(micro_batches: list[dict], weight_key: str) -> torch.Tensor:
+    """[weight, examples, tokens] of this rank's micro-batches."""
+    totals = []
+    for batch in micro_batches:
+        row_weight = batch[weight_key]
+        real = row_weight > 0
+        if "attention_mask" in batch:
+            tokens = batch["attention_mask"][real].sum()
+        elif INPUT_TOKENS in batch:
+            tokens = batch[INPUT_TOKENS][real].sum()
+        else:
+            tokens = torch.zeros((), device=row_weight.device)
+        totals.append(torch.stack([row_weight.sum().float(), real.sum().float(), tokens.float()]))
+    return torch.stack(totals).sum(dim=0)
+
+
+def optimizer_step_batches(dataloader, accelerator: Accelerator, weight_key: str = SAMPLE_WEIGHT):
+    """Yield `(micro_batches, step_size)` once per optimizer step: this rank's
+    `gradient_accumulation_steps` micro-batches, and the `StepSize` of the step on all ranks (one
+    all-reduce). All ranks call it, in step.
+
+    Knowing the step's total weight (real examples, or target tokens) before the first backward
+    pass is what makes the loss exact: `global_mean_loss` divides by it, so the step's gradient is
+    the mean over all its real examples, however they are split over ranks and micro-batches.
     """
     steps = accelerator.gradient_accumulation_steps
     micro_batches = []
     for batch in dataloader:
         micro_batches.append(batch)
         if len(micro_batches) == steps:
-            local_weight = sum(batch[weight_key].sum() for batch in micro_batches)
-            yield micro_batches, accelerator.reduce(local_weight.detach().float(), reduction="sum")
+            weight, examples, tokens = accelerator.reduce(_local_step_size(micro_batches, weight_key), reduction="sum")
+            yield micro_batches, StepSize(weight, examples, tokens)
             micro_batches = []
     if micro_batches:
         raise RuntimeError(
@@ -219,8 +246,8 @@ def optimizer_step_batches(dataloader, accelerator: Accelerator, weight_key: str
 
 def global_mean_loss(per_example_loss: torch.Tensor, weights: torch.Tensor, step_weight: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
     """This rank's share of the mean loss over the optimizer step's real examples (or tokens), for
-    `accelerator.backward`. Every rank calls it on each micro-batch, with `step_weight` from
-    `optimizer_step_batches`; no communication.
+    `accelerator.backward`. Every rank calls it on each micro-batch, with the step's total weight
+    (`StepSize.weight` from `optimizer_step_batches`); no communication.
 
     Accelerate divides each micro-batch's loss by the accumulation steps and DDP averages the
     gradients over the ranks: both are undone here, so the summed gradient is exactly

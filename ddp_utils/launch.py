@@ -190,6 +190,7 @@ def run(main, *args) -> None:
     except UsageError as error:
         print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
         exit_code = EXIT_USAGE
+        _meet_the_other_ranks()
     except Preempted as stop:
         print(f"[rank {rank}] preempted: {stop}", file=sys.stderr, flush=True)
         exit_code = EXIT_PREEMPTED
@@ -198,6 +199,20 @@ def run(main, *args) -> None:
         print(f"[rank {rank}] failed, see the traceback above", file=sys.stderr, flush=True)
         exit_code = 1
     _shutdown(exit_code)
+
+
+def _meet_the_other_ranks(timeout_s: int = 30) -> None:
+    """Before a rank leaves over an error found before the ranks met (a bad option, checked while
+    parsing the arguments), let it wait until every rank has joined a process group: the launcher
+    stops all ranks once the first one exits, so the others would otherwise be killed before
+    they could report the same error. Each rank prints first, then waits here, at most `timeout_s`."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size < 2 or not os.environ.get("MASTER_ADDR") or torch.distributed.is_initialized():
+        return
+    try:  # the ranks that fail the same check all arrive here; a rank that did not fail joins in make_accelerator
+        torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    except Exception:  # a rank never came: leave anyway
+        pass
 
 
 def _shutdown(exit_code: int) -> None:

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from .data import SAMPLE_WEIGHT
+from .data import INPUT_TOKENS, SAMPLE_WEIGHT
 
 IGNORE_INDEX = -100
 TARGET_TOKENS = "target_tokens"  # per row: how many positions the loss counts (the step weight of a language model)
@@ -62,7 +62,8 @@ class CausalLMCollator:
       position_ids that start a separate sequence), so a pad token equal to EOS is harmless: the
       EOS that ends a response is still learned, only padding positions are ignored.
     - A filler row (sample_weight 0.0, added by `make_train_dataloader`) gets all labels -100.
-    - `target_tokens` counts each row's targets, the weight `optimizer_step_batches` sums per step.
+    - `target_tokens` counts each row's targets, the weight `optimizer_step_batches` sums per step;
+      packed rows (no attention_mask) also carry `input_tokens`, their length before padding.
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
@@ -89,6 +90,8 @@ class CausalLMCollator:
                 mask_or_positions[i, :n] = 1
         batch = {"input_ids": input_ids, "labels": labels, "position_ids" if packed else "attention_mask": mask_or_positions}
         batch[TARGET_TOKENS] = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+        if packed:
+            batch[INPUT_TOKENS] = torch.tensor([len(row["input_ids"]) for row in rows])
         return batch
 
 

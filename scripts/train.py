@@ -149,12 +149,14 @@ def classification_outputs(model, batch):
 
 
 def run_evaluation(accelerator, model, eval_dataloader, metrics):
+    """The task's scores over the whole eval set, and its confusion matrix (each example once)."""
     results = ddp_utils.gather_for_eval(accelerator, model, eval_dataloader, classification_outputs)
     scores = {"eval_loss": float(results["loss"].mean()), "eval_examples": len(results["references"])}
     for metric in metrics:
         for name, value in metric.compute(predictions=results["predictions"], references=results["references"]).items():
             scores[f"eval_{name}"] = value
-    return scores
+    num_labels = accelerator.unwrap_model(model).config.num_labels
+    return scores, ddp_utils.confusion_matrix(results["predictions"], results["references"], num_labels)
 
 
 def classification_loss(model, batch):
@@ -176,6 +178,7 @@ def main():
     )
     eval_dataloader = torch.utils.data.DataLoader(tokenized["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=collate)
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
+    model_config = model.config
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval examples")
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # no decay on biases and norms
@@ -184,23 +187,26 @@ def main():
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    run.start()  # creates the output dir, resumes from a checkpoint if asked to
+    run.start()  # creates the output dir, starts the trackers, resumes from a checkpoint if asked to
 
+    confusion = None
     for epoch in run.epochs():
         model.train()
         # One optimizer step per iteration: its micro-batches, and how many real examples they hold on all ranks.
-        for micro_batches, step_examples in run.optimizer_steps(train_dataloader, epoch):
-            loss_sum = ddp_utils.train_step(accelerator, model, optimizer, micro_batches, step_examples,
-                                            classification_loss, args.max_grad_norm)
+        for micro_batches, step_size in run.optimizer_steps(train_dataloader, epoch):
+            step = ddp_utils.train_step(accelerator, model, optimizer, micro_batches, step_size,
+                                        classification_loss, args.max_grad_norm)
             lr_scheduler.step()
-            if run.end_step(step_examples, loss_sum):  # logging, checkpoints, preemption
+            if run.end_step(step):  # logging, checkpoints, preemption
                 break
-        run.end_epoch(run_evaluation(accelerator, model, eval_dataloader, metrics))
+        scores, confusion = run_evaluation(accelerator, model, eval_dataloader, metrics)
+        run.end_epoch(scores)
         if run.done:
             break
 
     ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer)
-    run.finish()
+    label_names = [model_config.id2label[i] for i in range(model_config.num_labels)]
+    run.finish(confusion=confusion, label_names=label_names)  # metrics.json, report/ with plots
     accelerator.end_training()
 
 

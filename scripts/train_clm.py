@@ -26,7 +26,7 @@ from accelerate.logging import get_logger
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_linear_schedule_with_warmup
 
 import ddp_utils
-from ddp_utils import UsageError
+from ddp_utils import INPUT_TOKENS, UsageError
 from ddp_utils.demo import demo_decoder_config_path, demo_model_path, load_demo_reviews
 from ddp_utils.lm import (
     IGNORE_INDEX,
@@ -291,7 +291,7 @@ def prepare_data_and_model(args):
 def causal_lm_loss(model, batch):
     """Per-token losses and weights, shape (batch, length): weight 1.0 where a token is a target
     (response or text; not prompt, padding or a filler row)."""
-    batch.pop(TARGET_TOKENS, None)
+    batch.pop(TARGET_TOKENS, None), batch.pop(INPUT_TOKENS, None)
     labels = batch.pop("labels")
     # use_cache=False: with a cache object, transformers ignores packed position_ids and lets
     # packed examples attend to each other (measured with transformers 5.23).
@@ -353,21 +353,21 @@ def main():
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval sequences of at most {data_report['block_size']} tokens")
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # trainable parameters only
-    run = ddp_utils.TrainingRun(accelerator, args, model, train_dataloader, unit="tokens", weight_key=TARGET_TOKENS)
+    run = ddp_utils.TrainingRun(accelerator, args, model, train_dataloader, unit="target_tokens", weight_key=TARGET_TOKENS)
     lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * run.max_train_steps), run.max_train_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    run.start()  # creates the output dir, resumes from a checkpoint if asked to
+    run.start()  # creates the output dir, starts the trackers, resumes from a checkpoint if asked to
 
     for epoch in run.epochs():
         model.train()
         # One optimizer step per iteration: its micro-batches, and how many target tokens they hold on all ranks.
-        for micro_batches, step_tokens in run.optimizer_steps(train_dataloader, epoch):
-            loss_sum = ddp_utils.train_step(accelerator, model, optimizer, micro_batches, step_tokens,
-                                            causal_lm_loss, args.max_grad_norm)
+        for micro_batches, step_size in run.optimizer_steps(train_dataloader, epoch):
+            step = ddp_utils.train_step(accelerator, model, optimizer, micro_batches, step_size,
+                                        causal_lm_loss, args.max_grad_norm)
             lr_scheduler.step()
-            if run.end_step(step_tokens, loss_sum):  # logging, checkpoints, preemption
+            if run.end_step(step):  # logging, checkpoints, preemption
                 break
         run.end_epoch(run_evaluation(accelerator, model, eval_dataloader))
         if run.done:
@@ -379,7 +379,7 @@ def main():
         merged = accelerator.unwrap_model(model).merge_and_unload()
         ddp_utils.save_model(accelerator, merged, f"{args.output_dir}/merged", tokenizer)
         model = merged
-    run.finish(data_report)
+    run.finish(data_report)  # metrics.json, report/ with plots
     show_sample(accelerator, model, tokenizer, args, validation)
     accelerator.end_training()
 

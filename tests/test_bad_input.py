@@ -38,6 +38,8 @@ CASES = {
     ),
     "model_path_missing": (lambda a, d, m: swap(a, "--model_name_or_path", d / "no-such-model"), "neither a local model directory"),
     "max_length_too_long": (lambda a, d, m: swap(a, "--max_length", 100), "above this model's limit of 64"),
+    # Refused while parsing the options, before the ranks have met: every rank must still report it.
+    "unknown_tracker": (lambda a, d, m: a + ["--report_to", "neptune"], "--report_to 'neptune' is not a tracker this project supports"),
 }
 
 

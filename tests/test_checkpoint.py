@@ -70,8 +70,21 @@ def test_killed_while_saving_resumes_bit_for_bit(layout, dropout_model, tiny_dat
     assert "resumed from" in resumed.output and "checkpoint-12" in resumed.output
     assert_same_parameters(output_dir, uninterrupted[layout])
     scores, reference = json.loads((output_dir / "metrics.json").read_text()), json.loads((uninterrupted[layout] / "metrics.json").read_text())
-    assert scores["train_examples_seen"] == reference["train_examples_seen"] == 180, "nothing lost or repeated across the resume"
+    assert scores["train_samples_seen"] == reference["train_samples_seen"] == 180, "nothing lost or repeated across the resume"
     assert scores["eval_accuracy"] == reference["eval_accuracy"]
+
+    # train_log.jsonl: each logged step once (the crashed run had logged step 10; the resumed one
+    # retook steps 13-15). The record at step 20 covers steps 13-20 only, so compare step 24's.
+    logs = [train_log(d) for d in (output_dir, uninterrupted[layout])]
+    for records in logs:
+        assert [r["step"] for r in records if "train/loss" in r] == [10, 20, 24]
+        assert [r["step"] for r in records if "eval/accuracy" in r] == [8, 16, 24]
+    (last, *_), (reference_last, *_) = ([r for r in records if r["step"] == 24 and "train/loss" in r] for records in logs)
+    assert last["train/loss"] == pytest.approx(reference_last["train/loss"], rel=1e-6)
+
+
+def train_log(output_dir):
+    return [json.loads(line) for line in (output_dir / "train_log.jsonl").read_text().splitlines()]
 
 
 def test_total_limit_keeps_the_newest_complete_checkpoints(uninterrupted):

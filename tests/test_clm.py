@@ -70,7 +70,7 @@ def test_two_processes_and_accumulation_train_the_same_model_as_one_big_batch(sf
             # atol 1e-4 against a typical change of 2e-2: Adam divides by sqrt(v), so float rounding
             # in near-zero gradients (summed in another order) moves some weights by ~1e-5.
             np.testing.assert_allclose(other[key], reference[key], rtol=1e-4, atol=1e-4, err_msg=f"{name}: {key}")
-    seen = {name: run["metrics"]["train_tokens_seen"] for name, run in sft_runs.items()}
+    seen = {name: run["metrics"]["train_target_tokens_seen"] for name, run in sft_runs.items()}
     assert len(set(seen.values())) == 1, f"every layout trains on the same target tokens: {seen}"
     assert {run["metrics"]["optimizer_steps"] for run in sft_runs.values()} == {12}
 

@@ -66,7 +66,7 @@ def test_n_processes_train_the_same_model_as_one(runs, tiny_model):
 def test_every_training_example_counted_once_per_epoch(runs):
     for name, run in runs.items():
         # 60 examples x 3 epochs: the fillers that even out the shards are not counted.
-        assert metrics(run["dir"])["train_examples_seen"] == 180, name
+        assert metrics(run["dir"])["train_samples_seen"] == 180, name
 
 
 def test_evaluation_counts_each_example_once_and_matches_one_process(runs):
@@ -93,7 +93,8 @@ def test_only_the_main_process_writes(runs):
             assert outside == [], f"{name}: {other.name} wrote outside checkpoint staging: {outside[:5]}"
         files = sorted(os.listdir(run["dir"]))
         assert [f for f in files if not f.startswith("checkpoint-")] == [
-            "config.json", "metrics.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training_args.json",
+            "config.json", "metrics.json", "model.safetensors", "report", "runs", "tokenizer.json", "tokenizer_config.json",
+            "train_log.jsonl", "training_args.json",
         ]
         assert [f for f in files if f.startswith("checkpoint-")] == ["checkpoint-16", "checkpoint-24"], "epoch checkpoints, newest 2 kept"
 
