@@ -240,7 +240,9 @@ class TrainingRun:
         for i, name in enumerate(memory, start=1):
             record[f"train/{name}"] = everyone[:, i].max().item()
         self.log.log(record, step=self.progress["step"])
-        speed = f"{record['train/tokens_per_second']:,.0f} tok/s" if window["tokens"] else f"{record['train/samples_per_second']:,.1f} samples/s"
+        speed = f"{record['train/samples_per_second']:,.1f} samples/s"
+        if window["tokens"]:
+            speed += f", {record['train/tokens_per_second']:,.0f} tok/s"
         self.bar.set_postfix_str(f"loss {loss:.4f}, {speed}")
         self._window = self._empty_window()
 

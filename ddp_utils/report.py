@@ -14,6 +14,7 @@ import shutil
 import tempfile
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from .tracking import read_train_log
 
@@ -87,6 +88,7 @@ def plot_eval(records: list[dict], path: str) -> bool:
         ax.plot(*_series(records, key, x="epoch"), marker="o")
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     figure.savefig(path)
     return True
@@ -203,6 +205,7 @@ def plot_runs(output_dirs: list[str], path: str, keys: list[str] | None = None, 
                 ax.plot(xs, ys, label=name, marker="o" if x == "epoch" else None)
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("epoch" if x == "epoch" else "optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     figure.savefig(path)

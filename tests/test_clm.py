@@ -75,6 +75,25 @@ def test_two_processes_and_accumulation_train_the_same_model_as_one_big_batch(sf
     assert {run["metrics"]["optimizer_steps"] for run in sft_runs.values()} == {12}
 
 
+def test_the_log_and_report_count_the_same_tokens_in_every_layout(sft_runs, sft_data):
+    """Tokens per second counts each record's tokens once (no padding, no fillers) whatever the
+    layout; the logged losses agree across layouts; the report shows the perplexity."""
+    tokens = 2 * sum(len(r["prompt"].split()) + len(r["response"].split()) + 2 for r in records(sft_data["train"]))  # + BOS, EOS
+    logs = {}
+    for name, run in sft_runs.items():
+        assert run["metrics"]["train_tokens_seen"] == tokens, name
+        logs[name] = records(run["dir"] / "train_log.jsonl")
+        steps = [r for r in logs[name] if "train/loss" in r]
+        assert [r["step"] for r in steps] == [10, 12] and all(r["train/tokens_per_second"] > 0 for r in steps)
+        assert [r["epoch"] for r in logs[name] if "eval/perplexity" in r] == [1, 2]
+        summary = (run["dir"] / "report" / "README.md").read_text()
+        assert "target tokens" in summary and "eval_perplexity" in summary and "(training.png)" in summary
+        assert not (run["dir"] / "report" / "confusion_matrix.png").exists(), "no confusion matrix for a language model"
+    reference = [r["train/loss"] for r in logs["one_process_batch_2B"] if "train/loss" in r]
+    for name in ("two_processes_batch_B", "one_process_batch_B_accumulating_2"):
+        np.testing.assert_allclose([r["train/loss"] for r in logs[name] if "train/loss" in r], reference, rtol=1e-4)
+
+
 def test_per_micro_batch_mean_losses_would_not_be_exact(tiny_lm):
     """Why the exact loss matters on this data: two micro-batches with 1 and 20 target tokens. The
     mean of their mean losses weights the lone token 20 times more; the exact loss equals the big batch."""

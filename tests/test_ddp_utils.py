@@ -102,3 +102,57 @@ def test_step_aligned_sampler_spreads_the_last_step_over_ranks_and_micro_batches
     assert list(sampler) != order, "a new order each epoch"
     sampler.set_epoch(0)
     assert list(sampler) == order, "the order depends on seed and epoch alone"
+
+
+def test_step_size_counts_real_rows_and_their_tokens_the_same_padded_or_packed():
+    """Throughput counts real rows and non-padding tokens: fillers and padding are not work done,
+    and packing the same examples must not change the tokens or the loss's weight."""
+    from accelerate import Accelerator
+
+    from ddp_utils.lm import TARGET_TOKENS, CausalLMCollator, pack_sequences
+
+    accelerator = Accelerator(cpu=True)
+    lengths = (5, 9, 3, 7)
+    rows = [{"input_ids": list(range(1, n + 1)), "labels": [-100, -100] + list(range(3, n + 1)), SAMPLE_WEIGHT: 1.0} for n in lengths]
+    filler = {**rows[0], SAMPLE_WEIGHT: 0.0}
+    collate = CausalLMCollator(pad_token_id=0)
+
+    def step_size(batches):
+        (_, size), = ddp_utils.optimizer_step_batches(batches, accelerator, TARGET_TOKENS)
+        return float(size.weight), float(size.examples), float(size.tokens)
+
+    # Padded: two optimizer steps of one micro-batch each, a filler in the first.
+    padded = [step_size([collate(rows[:2] + [filler])]), step_size([collate(rows[2:])])]
+    assert [p[1] for p in padded] == [2, 2], "the filler row is not counted"
+    assert sum(p[2] for p in padded) == sum(lengths), "padding is not counted"
+    columns = pack_sequences({key: [row[key] for row in rows] for key in ("input_ids", "labels")}, block_size=12)
+    packed_batch = collate([dict(zip(columns, values)) for values in zip(*columns.values())])
+    assert "attention_mask" not in packed_batch, "packed rows are told apart by position_ids, so the tokens come from input_tokens"
+    weight, examples, tokens = step_size([packed_batch])
+    assert (examples, tokens) == (3, sum(lengths)), "3 packed rows holding the same 24 tokens"
+    assert weight == sum(p[0] for p in padded) == sum(n - 2 for n in lengths), "the same target tokens"
+
+
+def test_report_to_and_secret_scrubbing(monkeypatch):
+    from ddp_utils.tracking import hide_secret_args, loggable_args, parse_report_to
+
+    assert parse_report_to("none") == [] and parse_report_to("") == []
+    assert parse_report_to("tensorboard, tensorboard") == ["tensorboard"]
+    assert "tensorboard" in parse_report_to("all")
+    with pytest.raises(UsageError, match="'neptune' is not a tracker"):
+        parse_report_to("tensorboard,neptune")
+
+    import argparse
+    import sys
+
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-0123456789")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # named like "token" but not a credential
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--hub_token=hf_abcdefgh123", "--run_name", "x-wandb-secret-0123456789"])
+    args = argparse.Namespace(hub_token="hf_abcdefgh123", run_name="x-wandb-secret-0123456789", sample_max_new_tokens=40,
+                              text_columns=["a", "b"], output_dir="out")
+    hide_secret_args(args)
+    assert os.environ["HF_TOKEN"] == "hf_abcdefgh123", "--hub_token is the Hub credential of the run"
+    assert sys.argv == ["train.py", "--hub_token=<redacted>", "--run_name", "x-<redacted>"]
+    assert loggable_args(args) == {"hub_token": "<redacted>", "run_name": "x-<redacted>", "sample_max_new_tokens": 40,
+                                   "text_columns": ["a", "b"], "output_dir": "out"}
