@@ -101,6 +101,30 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def check_splits(raw, columns: dict[str, str], limits: dict[str, int | None], data_options: str):
+    """Refuse data a run cannot use, naming the problem and the fix: a missing "train" or
+    "validation" split, a missing column (`columns` maps each needed column to the option that
+    names it), missing values, an empty split. Returns the two splits, each cut to its entry in
+    `limits` (None: all). Looks at the columns as Arrow data: images are not decoded. Any rank may call it."""
+    import datasets
+
+    for split in ("train", "validation"):
+        if split not in raw:
+            raise UsageError(f"the data has no {split!r} split (it has {sorted(raw)}); give {data_options}")
+        names = raw[split].column_names
+        for column, option in columns.items():
+            if column not in names:
+                raise UsageError(f"the {split} data has no column {column!r}; its columns are {names}. Name the right one with {option}")
+            missing = raw[split].with_format("arrow")[column].null_count
+            if missing:
+                raise UsageError(f"{missing} {split} examples have no value in column {column!r}; fill or drop them")
+        if len(raw[split]) == 0:
+            raise UsageError(f"the {split} data holds no examples")
+    return datasets.DatasetDict(
+        {split: raw[split].select(range(min(len(raw[split]), limits.get(split) or len(raw[split])))) for split in ("train", "validation")}
+    )
+
+
 def pad_to_even_shards(dataset, multiple: int):
     """Append filler examples (copies of the first ones, weight 0.0) so the dataset's length is
     a multiple of `multiple` = processes x per-device batch size, and add a `sample_weight` column.

@@ -56,3 +56,32 @@ def demo_decoder_config_path() -> str:
     """The repo's small Llama-architecture config (4 layers, hidden 256, 11M parameters, the demo
     tokenizer's vocabulary): the offline default of train_clm.py, trained from random weights."""
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "demo-decoder")
+
+
+def demo_resnet_path() -> str:
+    """The repo's small ResNet config and image processor (3 stages of basic blocks, BatchNorm
+    inside, 32x32 RGB input): the offline default of train_image.py, trained from random weights."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "demo-resnet")
+
+
+def load_demo_digits(test_fraction: float = 0.2, seed: int = 0):
+    """scikit-learn's 1,797 handwritten digits (8x8 grey levels 0-16, shipped inside the package,
+    no download) as a `DatasetDict`: `train` (1,437) and `validation` (360, stratified), columns
+    `image` (8x8 greyscale PIL images) and `label` (ClassLabel "0" to "9")."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    pixels = np.round(digits.images * (255 / 16)).astype(np.uint8)
+    train, test = train_test_split(np.arange(len(pixels)), test_size=test_fraction, random_state=seed, stratify=digits.target)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(d) for d in range(10)])})
+
+    def split(indices):
+        return datasets.Dataset.from_dict(
+            {"image": [Image.fromarray(pixels[i], mode="L") for i in indices], "label": digits.target[indices].tolist()}, features=features
+        )
+
+    return datasets.DatasetDict({"train": split(train), "validation": split(test)})

@@ -47,7 +47,7 @@ def start_run(args, **accelerator_options) -> Accelerator:
     hide_secret_args(args)  # --hub_token becomes HF_TOKEN; no secret stays in sys.argv
     accelerator = make_accelerator(
         seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps, ddp_timeout=args.ddp_timeout,
-        log_with=args.trackers,
+        log_with=args.trackers or None,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, TENSORBOARD_DIR)),
         **accelerator_options,
     )
@@ -262,7 +262,7 @@ class TrainingRun:
         """How the run went: world size, steps, what was trained on, throughput, time."""
         progress, accelerator = self.progress, self.accelerator
         seconds = max(progress["train_time_s"], 1e-9)
-        return {
+        facts = {
             "world_size": accelerator.num_processes,
             "distributed_type": accelerator.distributed_type.value,
             "mixed_precision": accelerator.mixed_precision,
@@ -277,6 +277,9 @@ class TrainingRun:
             "train_runtime_s": progress["train_time_s"],
             "wall_time_s": time.perf_counter() - self._start_time,
         }
+        if not progress["tokens_seen"]:  # inputs that are not tokens (images)
+            del facts["train_tokens_seen"], facts["train_tokens_per_second"]
+        return facts
 
     def finish(self, extra: dict | None = None, confusion=None, label_names: list[str] | None = None) -> dict:
         """Write metrics.json (last scores + run facts + peak memory per rank + `extra`),
@@ -292,7 +295,7 @@ class TrainingRun:
         write_json(self.accelerator, f"{output_dir}/metrics.json", metrics)
         write_json(self.accelerator, f"{output_dir}/training_args.json", loggable_args(self.args))
         if self.accelerator.is_main_process:
-            write_report(output_dir, summary_table(self.args, facts), self.scores, confusion, label_names)
+            write_report(output_dir, summary_table(self.args, facts, extra), self.scores, confusion, label_names)
         clear_preempted_marker(self.accelerator, output_dir)
         self.accelerator.wait_for_everyone()
         logger.info(f"saved to {output_dir}: {describe(self.facts())}; report in {output_dir}/report/README.md")

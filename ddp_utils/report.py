@@ -163,11 +163,14 @@ def write_report(output_dir: str, summary: dict, final_scores: dict, confusion: 
     return list(pictures)
 
 
-def summary_table(args, facts: dict) -> dict:
-    """The report's summary rows from the run's options and `TrainingRun.facts()`."""
+def summary_table(args, facts: dict, extra: dict | None = None) -> dict:
+    """The report's summary rows from the run's options, `TrainingRun.facts()` and what the
+    script reported about its data (`extra`: skipped images, dropped tokens, ...)."""
     dataset, config = getattr(args, "dataset_name", None), getattr(args, "dataset_config_name", None)
     data = getattr(args, "train_file", None) or (f"{dataset} ({config})" if config else dataset) or "the offline demo data"
-    trained = [f"{facts['train_samples_seen']:,} samples", f"{facts['train_tokens_seen']:,} tokens"]
+    trained = [f"{facts['train_samples_seen']:,} samples"]
+    if "train_tokens_seen" in facts:
+        trained.append(f"{facts['train_tokens_seen']:,} tokens")
     if "train_target_tokens_seen" in facts:
         trained.append(f"{facts['train_target_tokens_seen']:,} target tokens")
     rows = {
@@ -177,11 +180,15 @@ def summary_table(args, facts: dict) -> dict:
         "optimizer steps": f"{facts['optimizer_steps']} ({facts['epochs']} epochs)",
         "trained on": ", ".join(trained),
         "wall time": f"{_duration(facts['wall_time_s'])} (training steps {_duration(facts['train_runtime_s'])})",
-        "throughput": f"{facts['train_samples_per_second']:,.1f} samples/s, {facts['train_tokens_per_second']:,.0f} tokens/s (all processes)",
+        "throughput": f"{facts['train_samples_per_second']:,.1f} samples/s"
+                      + (f", {facts['train_tokens_per_second']:,.0f} tokens/s" if "train_tokens_per_second" in facts else "") + " (all processes)",
         "peak memory per process": ", ".join(f"{value:,.0f} MB" for value in facts["peak_memory_mb_per_rank"]) + " (host)",
     }
     if facts.get("peak_gpu_memory_mb_per_rank"):
         rows["peak GPU memory per process"] = ", ".join(f"{value:,.0f} MB" for value in facts["peak_gpu_memory_mb_per_rank"])
+    for name, value in (extra or {}).items():
+        if isinstance(value, (int, float, str)):
+            rows[name.replace("_", " ")] = _number(value)
     return rows
 
 

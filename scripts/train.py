@@ -14,7 +14,6 @@ import argparse
 
 import datasets
 import torch
-import torch.nn.functional as F
 from accelerate.logging import get_logger
 from transformers import (
     AutoModelForSequenceClassification,
@@ -24,7 +23,7 @@ from transformers import (
 )
 
 import ddp_utils
-from ddp_utils import SAMPLE_WEIGHT, UsageError
+from ddp_utils import UsageError
 from ddp_utils.demo import demo_model_path, load_demo_reviews
 
 logger = get_logger(__name__)
@@ -74,51 +73,12 @@ def load_raw_datasets(args):
 # ==============================================================================
 
 
-def check_and_trim(raw, args):
-    """Refuse data the run cannot use, with the fix; cut to max_*_samples."""
-    for split in ("train", "validation"):
-        if split not in raw:
-            raise UsageError(f"the data has no {split!r} split (it has {sorted(raw)}); give --train_file/--validation_file")
-        columns = raw[split].column_names
-        for column in [*args.text_columns, args.label_column]:
-            if column not in columns:
-                raise UsageError(
-                    f"the {split} data has no column {column!r}; its columns are {columns}. "
-                    "Name the right ones with --text_column and --label_column"
-                )
-            missing = sum(value is None for value in raw[split][column])
-            if missing:
-                raise UsageError(f"{missing} {split} examples have no value in column {column!r}; fill or drop them")
-        if len(raw[split]) == 0:
-            raise UsageError(f"the {split} data holds no examples")
-    limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
-    return datasets.DatasetDict(
-        {split: raw[split].select(range(min(len(raw[split]), limits[split] or len(raw[split])))) for split in ("train", "validation")}
-    )
-
-
-def label_mapping(raw, label_column):
-    """(label names in id order, function mapping a raw label value to its id)."""
-    feature = raw["train"].features[label_column]
-    if isinstance(feature, datasets.ClassLabel):
-        if min(raw["validation"][label_column]) < 0:
-            raise UsageError("the validation split has unlabelled examples (label -1); use a labelled split")
-        return feature.names, int
-    names = sorted(set(raw["train"][label_column]), key=lambda v: (isinstance(v, str), v))
-    unseen = sorted(set(raw["validation"][label_column]) - set(names), key=str)
-    if unseen:
-        raise UsageError(
-            f"validation labels {unseen[:10]} never occur in the training data (training labels: {names[:20]}); "
-            "fix the labels or give training data that covers them"
-        )
-    label_to_id = {value: i for i, value in enumerate(names)}
-    return [str(name) for name in names], label_to_id.__getitem__
-
-
 def prepare_data_and_model(args, accelerator):
     """Load, check and tokenize the data; load tokenizer and model. Runs on the main process first."""
-    raw = check_and_trim(load_raw_datasets(args), args)
-    label_names, to_label_id = label_mapping(raw, args.label_column)
+    columns = {**{c: "--text_column" for c in args.text_columns}, args.label_column: "--label_column"}
+    raw = ddp_utils.check_splits(load_raw_datasets(args), columns, {"train": args.max_train_samples, "validation": args.max_eval_samples},
+                                 "--train_file/--validation_file")
+    label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
     id2label = dict(enumerate(label_names))
     config = ddp_utils.load_model_config(
         args.model_name_or_path, num_labels=len(label_names), id2label=id2label, label2id={v: k for k, v in id2label.items()}
@@ -138,31 +98,6 @@ def prepare_data_and_model(args, accelerator):
         args.model_name_or_path, config=config, ignore_mismatched_sizes=True
     )
     return tokenized, tokenizer, model
-
-
-def classification_outputs(model, batch):
-    """Per-example predictions, references and losses for one eval batch."""
-    labels = batch.pop("labels")
-    logits = model(**batch).logits
-    loss = F.cross_entropy(logits.float(), labels, reduction="none")
-    return {"predictions": logits.argmax(dim=-1), "references": labels, "loss": loss}
-
-
-def run_evaluation(accelerator, model, eval_dataloader, metrics):
-    """The task's scores over the whole eval set, and its confusion matrix (each example once)."""
-    results = ddp_utils.gather_for_eval(accelerator, model, eval_dataloader, classification_outputs)
-    scores = {"eval_loss": float(results["loss"].mean()), "eval_examples": len(results["references"])}
-    for metric in metrics:
-        for name, value in metric.compute(predictions=results["predictions"], references=results["references"]).items():
-            scores[f"eval_{name}"] = value
-    num_labels = accelerator.unwrap_model(model).config.num_labels
-    return scores, ddp_utils.confusion_matrix(results["predictions"], results["references"], num_labels)
-
-
-def classification_loss(model, batch):
-    """Per-example losses and weights (0.0 for the fillers that even out the shards)."""
-    weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
-    return F.cross_entropy(model(**batch).logits.float(), labels, reduction="none"), weights
 
 
 def main():
@@ -195,11 +130,11 @@ def main():
         # One optimizer step per iteration: its micro-batches, and how many real examples they hold on all ranks.
         for micro_batches, step_size in run.optimizer_steps(train_dataloader, epoch):
             step = ddp_utils.train_step(accelerator, model, optimizer, micro_batches, step_size,
-                                        classification_loss, args.max_grad_norm)
+                                        ddp_utils.classification_loss, args.max_grad_norm)
             lr_scheduler.step()
             if run.end_step(step):  # logging, checkpoints, preemption
                 break
-        scores, confusion = run_evaluation(accelerator, model, eval_dataloader, metrics)
+        scores, confusion = ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)
         run.end_epoch(scores)
         if run.done:
             break

@@ -1,0 +1,65 @@
+"""What the classification scripts (text and images) share: label ids, the per-example loss for
+`train_step`, and evaluation over the whole eval set with a confusion matrix."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from .data import SAMPLE_WEIGHT
+from .launch import UsageError
+from .metrics import gather_for_eval
+from .report import confusion_matrix
+
+
+def label_mapping(raw, label_column: str):
+    """(label names in id order, function mapping a raw label value to its id), from the "train"
+    split of `raw`; a UsageError if a validation label never occurs in training. Any rank may call it."""
+    import datasets
+
+    feature = raw["train"].features[label_column]
+    if isinstance(feature, datasets.ClassLabel):
+        if min(raw["validation"][label_column]) < 0:
+            raise UsageError("the validation split has unlabelled examples (label -1); use a labelled split")
+        unseen = sorted(set(raw["validation"][label_column]) - set(raw["train"][label_column]))
+        if unseen:
+            raise UsageError(f"validation labels {[feature.names[i] for i in unseen][:10]} never occur in the training data; "
+                             "add training examples of them or drop them from the validation data")
+        return feature.names, int
+    names = sorted(set(raw["train"][label_column]), key=lambda v: (isinstance(v, str), v))
+    unseen = sorted(set(raw["validation"][label_column]) - set(names), key=str)
+    if unseen:
+        raise UsageError(
+            f"validation labels {unseen[:10]} never occur in the training data (training labels: {names[:20]}); "
+            "fix the labels or give training data that covers them"
+        )
+    label_to_id = {value: i for i, value in enumerate(names)}
+    return [str(name) for name in names], label_to_id.__getitem__
+
+
+def classification_loss(model, batch):
+    """For `train_step`: per-example losses and weights (0.0 for the fillers that even out the shards)."""
+    weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
+    return F.cross_entropy(model(**batch).logits.float(), labels, reduction="none"), weights
+
+
+def classification_outputs(model, batch):
+    """Per-example predictions, references and losses for one eval batch."""
+    labels = batch.pop("labels")
+    batch.pop(SAMPLE_WEIGHT, None)
+    logits = model(**batch).logits
+    loss = F.cross_entropy(logits.float(), labels, reduction="none")
+    return {"predictions": logits.argmax(dim=-1), "references": labels, "loss": loss}
+
+
+def evaluate_classification(accelerator: Accelerator, model, eval_dataloader, metrics):
+    """(scores, confusion matrix) over the whole eval set, each example counted once whatever the
+    number of processes: eval loss and count, and each `evaluate` metric (accuracy, macro-F1, ...).
+    All ranks call it; every rank gets the same result."""
+    results = gather_for_eval(accelerator, model, eval_dataloader, classification_outputs)
+    scores = {"eval_loss": float(results["loss"].mean()), "eval_examples": len(results["references"])}
+    for metric in metrics:
+        for name, value in metric.compute(predictions=results["predictions"], references=results["references"]).items():
+            scores[f"eval_{name}"] = value
+    num_labels = accelerator.unwrap_model(model).config.num_labels
+    return scores, confusion_matrix(results["predictions"], results["references"], num_labels)

@@ -1,0 +1,231 @@
+"""scripts/train_image.py through the real launcher: a model without BatchNorm trains the same on
+2 processes x B as on 1 x 2B (augmentation included); one with BatchNorm does not, and the test
+shows by how much; --sync_batchnorm; evaluation counts each image once; the saved model reloads
+through `pipeline`; unreadable images; the offline default."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, assert_fails_cleanly, launch
+from PIL import Image
+from safetensors.numpy import load_file
+
+TRAIN_IMAGE = REPO / "scripts" / "train_image.py"
+CLASSES = ("dark", "bright", "striped")
+
+
+def class_image(kind: str, rng: random.Random) -> Image.Image:
+    """A 10-14 px image whose class shows in its pixels, saved in a mode that varies by image."""
+    size = rng.randint(10, 14)
+    noise = np.array([[rng.randint(0, 40) for _ in range(size)] for _ in range(size)])
+    pixels = {"dark": noise, "bright": 215 + noise, "striped": np.where(np.arange(size)[None, :] % 4 < 2, 230, 20) + noise // 2}.get(kind, 120 + noise)
+    image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), mode="L")
+    return {0: image, 1: image.convert("RGB"), 2: image.convert("RGBA"), 3: image.convert("P")}[rng.randint(0, 3)]
+
+
+def write_image_folder(root, counts: dict, seed: int):
+    """root/<class>/<i>.png for each class and count, in mixed modes (L, RGB, RGBA, P)."""
+    rng = random.Random(seed)
+    for kind, count in counts.items():
+        (root / kind).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            class_image(kind, rng).save(root / kind / f"{i}.png")
+    return root
+
+
+def make_tiny_vit(directory):
+    """A 2-layer ViT (LayerNorm, no BatchNorm) for 16x16 RGB images, with its image processor."""
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ViTForImageClassification(config).save_pretrained(directory)
+    ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(directory)
+    return directory
+
+
+def make_tiny_resnet(directory):
+    """A 2-stage ResNet (BatchNorm after every convolution) for 16x16 RGB images, with its image processor."""
+    from transformers import ResNetConfig, ResNetForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(0)
+    config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+    ResNetForImageClassification(config).save_pretrained(directory)
+    ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    base = tmp_path_factory.mktemp("images")
+    return {"train": write_image_folder(base / "train", {"dark": 14, "bright": 13, "striped": 13}, seed=1),  # 40 images
+            "validation": write_image_folder(base / "validation", {"dark": 5, "bright": 4, "striped": 4}, seed=2)}  # 13: a prime
+
+
+def image_args(model, images, output_dir, *extra):
+    return ["--model_name_or_path", model, "--train_dir", images["train"], "--validation_dir", images["validation"],
+            "--output_dir", output_dir, "--learning_rate", 3e-3, "--warmup_ratio", 0.0, "--num_train_epochs", 3,
+            "--per_device_eval_batch_size", 4, "--checkpointing_steps", "no", "--report_to", "none", *extra]
+
+
+# The same training two ways: 1 process x batch 8, and 2 processes x batch 4.
+LAYOUTS = {"one_process": (1, ["--per_device_train_batch_size", 8]), "two_processes": (2, ["--per_device_train_batch_size", 4])}
+
+
+@pytest.fixture(scope="module")
+def runs(images, tmp_path_factory):
+    base = tmp_path_factory.mktemp("image-runs")
+    models = {"vit": make_tiny_vit(base / "vit"), "resnet": make_tiny_resnet(base / "resnet")}
+    results = {}
+    for model_name, model in models.items():
+        for layout, (num_processes, extra) in LAYOUTS.items():
+            output_dir = base / f"{model_name}-{layout}"
+            result = launch(TRAIN_IMAGE, *image_args(model, images, output_dir, *extra), num_processes=num_processes)
+            assert result.returncode == 0, result.output[-4000:]
+            results[model_name, layout] = output_dir
+    return {"runs": results, "models": models}
+
+
+def weights(output_dir):
+    return load_file(str(output_dir / "model.safetensors"))
+
+
+def test_without_batchnorm_two_processes_train_the_same_model_as_one(runs):
+    """Augmentation included: each image's random shift depends on (seed, epoch, image) only."""
+    reference, other = weights(runs["runs"]["vit", "one_process"]), weights(runs["runs"]["vit", "two_processes"])
+    initial = weights(runs["models"]["vit"])
+    same_shape = [k for k in initial if k in reference and initial[k].shape == reference[k].shape]
+    assert sum(not np.allclose(initial[k], reference[k]) for k in same_shape) > len(same_shape) // 2, "training barely changed the model"
+    for key in reference:
+        if key.endswith("attention.key.bias"):
+            # Its exact gradient is zero (a constant added to every key score leaves the softmax
+            # unchanged), so Adam turns rounding noise into steps: only check it stays noise.
+            assert np.abs(other[key]).max() < 1e-3 and np.abs(reference[key]).max() < 1e-3, key
+            continue
+        np.testing.assert_allclose(other[key], reference[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_with_batchnorm_each_process_normalises_its_own_batch(runs):
+    """Without SyncBatchNorm, each process normalises over its own 4 images, not the global 8, and
+    DDP copies rank 0's running statistics to the others: the model differs from the 1-process
+    one. The running means and variances move by far more than rounding (which stays below 1e-5
+    in the ViT comparison above), and so do the weights they feed. This is the difference
+    --sync_batchnorm removes on GPUs."""
+    reference, other = weights(runs["runs"]["resnet", "one_process"]), weights(runs["runs"]["resnet", "two_processes"])
+    statistics = [k for k in reference if k.endswith(("running_mean", "running_var"))]
+    assert len(statistics) >= 10, "every BatchNorm layer has running statistics"
+    gaps = {k: float(np.abs(other[k] - reference[k]).max() / (np.abs(reference[k]).max() + 1e-8)) for k in statistics}
+    assert min(gaps.values()) > 1e-3, f"every layer's running statistics differ: {sorted(gaps.items(), key=lambda kv: kv[1])[:3]}"
+    convolution = [k for k in reference if k.endswith("convolution.weight")]
+    assert any(not np.allclose(other[k], reference[k], rtol=1e-4, atol=1e-5) for k in convolution), "and so do the weights"
+
+
+def test_evaluation_counts_each_image_once(runs):
+    for model_name in ("vit", "resnet"):
+        scores = {layout: json.loads((runs["runs"][model_name, layout] / "metrics.json").read_text()) for layout in LAYOUTS}
+        assert scores["one_process"]["eval_examples"] == scores["two_processes"]["eval_examples"] == 13
+        confusion = json.loads((runs["runs"][model_name, "two_processes"] / "report" / "confusion_matrix.json").read_text())
+        assert np.sum(confusion["counts"]) == 13, "13 is prime: a duplicated padding image would show up here"
+        assert confusion["labels"] == sorted(CLASSES)
+    vit = {layout: json.loads((runs["runs"]["vit", layout] / "metrics.json").read_text()) for layout in LAYOUTS}
+    assert vit["two_processes"]["eval_accuracy"] == vit["one_process"]["eval_accuracy"] > 0.5, "the ViT learned the classes"
+
+
+def test_saved_model_reloads_through_pipeline_with_the_same_predictions(runs, images):
+    from transformers import AutoImageProcessor, AutoModelForImageClassification, pipeline
+
+    output_dir = runs["runs"]["resnet", "two_processes"]
+    assert not any(k.startswith("module.") for k in weights(output_dir))
+    model = AutoModelForImageClassification.from_pretrained(output_dir).eval()
+    processor = AutoImageProcessor.from_pretrained(output_dir)
+    assert sorted(model.config.id2label.values()) == sorted(CLASSES)
+    classifier = pipeline("image-classification", model=str(output_dir), device=-1)
+    pictures = [Image.open(path).convert("RGB") for path in sorted(images["validation"].rglob("*.png"))]
+    with torch.no_grad():
+        logits = model(**processor(pictures, return_tensors="pt")).logits
+    for picture, row in zip(pictures, logits):
+        scores = {item["label"]: item["score"] for item in classifier(picture, top_k=None, function_to_apply="none")}
+        np.testing.assert_allclose([scores[model.config.id2label[i]] for i in range(len(row))], row.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_sync_batchnorm_is_refused_on_cpu_and_converts_every_batchnorm(runs, images, tmp_path):
+    output_dir = tmp_path / "out"
+    result = launch(TRAIN_IMAGE, *image_args(runs["models"]["resnet"], images, output_dir, "--sync_batchnorm"), num_processes=2, timeout=120)
+    assert_fails_cleanly(result, "--sync_batchnorm needs GPUs: torch's SyncBatchNorm refuses CPU tensors", output_dir)
+
+    from accelerate import PartialState
+    from transformers import AutoModelForImageClassification
+
+    from ddp_utils.vision import convert_sync_batchnorm
+
+    PartialState(cpu=True)  # ddp_utils logs through Accelerate
+    model = AutoModelForImageClassification.from_pretrained(runs["models"]["resnet"])
+    before = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.BatchNorm2d)}
+    converted = convert_sync_batchnorm(model)
+    after = dict(converted.named_modules())
+    assert len(before) >= 5
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm) for m in after.values())
+    for name, old in before.items():
+        assert isinstance(after[name], torch.nn.SyncBatchNorm), name
+        torch.testing.assert_close(after[name].running_var, old.running_var)
+
+
+def test_an_unreadable_image_is_named_or_skipped_and_counted(runs, images, tmp_path):
+    train = tmp_path / "train"
+    write_image_folder(train, {"dark": 6, "bright": 6, "striped": 6}, seed=3)
+    (train / "bright" / "notes.png").write_bytes(b"this is not a PNG")
+    whole = (train / "dark" / "0.png").read_bytes()
+    (train / "dark" / "cut.png").write_bytes(whole[: len(whole) // 2])  # a truncated download
+    data = {"train": train, "validation": images["validation"]}
+    failed = launch(TRAIN_IMAGE, *image_args(runs["models"]["vit"], data, tmp_path / "refused"), num_processes=2, timeout=120)
+    assert_fails_cleanly(failed, "2 train image(s) cannot be read: ", tmp_path / "refused")
+    assert "cut.png" in failed.output and "notes.png" in failed.output and "--skip_bad_images" in failed.output
+
+    output_dir = tmp_path / "skipped"
+    result = launch(TRAIN_IMAGE, *image_args(runs["models"]["vit"], data, output_dir, "--skip_bad_images", "--num_train_epochs", 1),
+                    num_processes=2)
+    assert result.returncode == 0, result.output[-4000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert (metrics["train_images_skipped"], metrics["validation_images_skipped"], metrics["train_samples_seen"]) == (2, 0, 18)
+    assert "| train images skipped | 2 |" in (output_dir / "report" / "README.md").read_text()
+
+
+def one_class_folder(tmp_path, images):
+    return ["--train_dir", write_image_folder(tmp_path / "one", {"dark": 6}, seed=4) / "dark"]
+
+
+def unseen_validation_class(tmp_path, images):
+    validation = write_image_folder(tmp_path / "val", {"dark": 2, "bright": 2, "blurred": 2}, seed=5)
+    return ["--validation_dir", validation]
+
+
+BAD_INPUT = {
+    "one_class": (one_class_folder, "holds images of one class only"),
+    "unseen_validation_class": (unseen_validation_class, "validation labels ['blurred'] never occur in the training data"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_fails_fast_on_every_rank(case, runs, images, tmp_path):
+    change, expected = BAD_INPUT[case]
+    output_dir = tmp_path / "out"
+    args = image_args(runs["models"]["vit"], images, output_dir)
+    for flag, value in zip(*[iter(change(tmp_path, images))] * 2):
+        args[args.index(flag) + 1] = value
+    result = launch(TRAIN_IMAGE, *args, num_processes=2, timeout=120)
+    assert_fails_cleanly(result, expected, output_dir)
+
+
+def test_offline_default_runs_a_few_steps(tmp_path):
+    output_dir = tmp_path / "out"
+    result = launch(TRAIN_IMAGE, "--output_dir", output_dir, "--max_train_steps", 3, "--max_eval_samples", 50, num_processes=2)
+    assert result.returncode == 0, result.output[-4000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert (metrics["optimizer_steps"], metrics["eval_examples"], metrics["train_samples_seen"]) == (3, 50, 3 * 64)
+    config = json.loads((output_dir / "config.json").read_text())
+    assert config["model_type"] == "resnet" and config["id2label"]["7"] == "7"
+    assert (output_dir / "preprocessor_config.json").is_file() and (output_dir / "report" / "confusion_matrix.png").is_file()
