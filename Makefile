@@ -8,13 +8,16 @@ PYTEST_ARGS ?=
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train train-clm test bench install clean
+.PHONY: train train-clm train-image test bench install clean
 
 train: $(STAMP)  ## install if needed, then fine-tune the demo model on 2 CPU processes
 	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train.py $(TRAIN_ARGS)
 
 train-clm: $(STAMP)  ## install if needed, then train the demo decoder (causal LM) on 2 CPU processes
 	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir
+
+train-image: $(STAMP)  ## install if needed, then train the demo ResNet on scikit-learn's digits on 2 CPU processes
+	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train_image.py --output_dir outputs/demo_image --overwrite_output_dir
 
 test: $(STAMP)  ## install if needed, then run the whole test suite
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)

@@ -6,7 +6,7 @@
            checkpoints, preemption, resume, the report), `describe`
 - tracking: `parse_report_to` (--report_to), `RunLog` (trackers + train_log.jsonl), `read_train_log`,
            `peak_memory_mb`, secrets kept out of logs (`loggable_args`, `scrub`)
-- classification: `label_mapping`, `classification_loss`, `evaluate_classification` (scores + confusion matrix)
+- classification: `label_mapping`, `label_config`, `classification_loss`, `evaluate_classification` (scores + confusion matrix)
 - report:  `write_report` (plots + summary in report/), `confusion_matrix`, `plot_runs`
 - checkpoint: atomic `save_checkpoint`, `load_checkpoint`, `resolve_resume_path`, `PreemptionHandler`
 - data:    `load_on_main_first`, `read_data_files`, `check_splits`, `make_train_dataloader`, `epoch_dataloader`,
@@ -35,7 +35,7 @@ from .data import (
 from .io import check_output_dir, load_model_config, prepare_output_dir, save_model, write_json, write_pretrained
 from .args import add_training_args, check_positive, check_training_args
 from .loop import StepStats, TrainingRun, describe, start_run, train_step
-from .classification import classification_loss, evaluate_classification, label_mapping
+from .classification import classification_loss, evaluate_classification, label_config, label_mapping
 from .report import confusion_matrix, plot_runs, write_report
 from .tracking import RunLog, loggable_args, parse_report_to, peak_memory_mb, read_train_log, scrub
 from . import demo
@@ -62,6 +62,7 @@ __all__ = [
     "classification_loss",
     "confusion_matrix",
     "evaluate_classification",
+    "label_config",
     "label_mapping",
     "loggable_args",
     "parse_report_to",

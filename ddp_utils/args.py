@@ -12,9 +12,10 @@ from .launch import UsageError
 from .tracking import parse_report_to
 
 
-def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float, per_device_train_batch_size: int,
-                      per_device_eval_batch_size: int, num_train_epochs: int, output_dir: str) -> None:
-    """Add the shared options to `parser`; the keyword arguments are the script's defaults."""
+def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float | None, per_device_train_batch_size: int,
+                      per_device_eval_batch_size: int, num_train_epochs: int | None, output_dir: str) -> None:
+    """Add the shared options to `parser`; the keyword arguments are the script's defaults (None: the
+    script sets one after parsing, e.g. one for its offline demo and one for a pretrained model)."""
     p = parser.add_argument_group("training")
     p.add_argument("--per_device_train_batch_size", type=int, default=per_device_train_batch_size, help="examples per process per micro-batch")
     p.add_argument("--per_device_eval_batch_size", type=int, default=per_device_eval_batch_size, help="examples per process per eval batch")
@@ -22,7 +23,7 @@ def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float, 
     p.add_argument("--learning_rate", type=float, default=learning_rate, help=f"peak AdamW learning rate (default: {learning_rate or 'see the script'})")
     p.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not applied to biases and norms)")
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
-    p.add_argument("--num_train_epochs", type=int, default=num_train_epochs, help="passes over the training data")
+    p.add_argument("--num_train_epochs", type=int, default=num_train_epochs, help=f"passes over the training data (default: {num_train_epochs or 'see the script'})")
     p.add_argument("--max_train_steps", type=int, default=None, help="stop after this many optimizer steps (overrides epochs)")
     p.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear LR warm-up")
     p.add_argument("--seed", type=int, default=42, help="seed for initialisation, shuffling and dropout")

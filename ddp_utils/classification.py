@@ -9,12 +9,27 @@ from accelerate import Accelerator
 from .data import SAMPLE_WEIGHT
 from .launch import UsageError
 from .metrics import gather_for_eval
-from .report import confusion_matrix
+from .report import ConfusionMatrix, confusion_matrix
 
 
 def label_mapping(raw, label_column: str):
     """(label names in id order, function mapping a raw label value to its id), from the "train"
-    split of `raw`; a UsageError if a validation label never occurs in training. Any rank may call it."""
+    split of `raw`; a UsageError if training holds fewer than two classes or a validation label
+    never occurs in training. Any rank may call it."""
+    names, to_id = _label_mapping(raw, label_column)
+    if len(set(raw["train"][label_column])) < 2:
+        raise UsageError(f"the training data holds one class only ({names[to_id(raw['train'][0][label_column])]!r}); "
+                         "a classifier needs examples of at least two")
+    return [str(name) for name in names], to_id
+
+
+def label_config(label_names: list[str]) -> dict:
+    """The config entries of a classifier for these labels: num_labels, id2label, label2id."""
+    id2label = dict(enumerate(label_names))
+    return {"num_labels": len(label_names), "id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
+
+
+def _label_mapping(raw, label_column: str):
     import datasets
 
     feature = raw["train"].features[label_column]
@@ -34,7 +49,7 @@ def label_mapping(raw, label_column: str):
             "fix the labels or give training data that covers them"
         )
     label_to_id = {value: i for i, value in enumerate(names)}
-    return [str(name) for name in names], label_to_id.__getitem__
+    return names, label_to_id.__getitem__
 
 
 def classification_loss(model, batch):
@@ -53,13 +68,15 @@ def classification_outputs(model, batch):
 
 
 def evaluate_classification(accelerator: Accelerator, model, eval_dataloader, metrics):
-    """(scores, confusion matrix) over the whole eval set, each example counted once whatever the
-    number of processes: eval loss and count, and each `evaluate` metric (accuracy, macro-F1, ...).
-    All ranks call it; every rank gets the same result."""
+    """(scores, confusion) over the whole eval set, each example counted once whatever the number
+    of processes: eval loss and count, each `evaluate` metric (accuracy, macro-F1, ...), and the
+    `ConfusionMatrix` with the model's label names (for `TrainingRun.finish`). All ranks call it;
+    every rank gets the same result."""
     results = gather_for_eval(accelerator, model, eval_dataloader, classification_outputs)
     scores = {"eval_loss": float(results["loss"].mean()), "eval_examples": len(results["references"])}
     for metric in metrics:
         for name, value in metric.compute(predictions=results["predictions"], references=results["references"]).items():
             scores[f"eval_{name}"] = value
-    num_labels = accelerator.unwrap_model(model).config.num_labels
-    return scores, confusion_matrix(results["predictions"], results["references"], num_labels)
+    config = accelerator.unwrap_model(model).config
+    labels = [config.id2label[i] for i in range(config.num_labels)]
+    return scores, ConfusionMatrix(confusion_matrix(results["predictions"], results["references"], len(labels)), labels)

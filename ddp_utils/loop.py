@@ -30,7 +30,7 @@ from .checkpoint import (
 from .data import SAMPLE_WEIGHT, StepSize, epoch_dataloader, global_mean_loss, optimizer_step_batches
 from .io import check_output_dir, prepare_output_dir, write_json
 from .launch import make_accelerator
-from .report import summary_table, write_report
+from .report import ConfusionMatrix, summary_table, write_report
 from .tracking import TENSORBOARD_DIR, RunLog, hide_secret_args, loggable_args, peak_memory_mb, tracker_config
 
 logger = get_logger(__name__)
@@ -281,10 +281,10 @@ class TrainingRun:
             del facts["train_tokens_seen"], facts["train_tokens_per_second"]
         return facts
 
-    def finish(self, extra: dict | None = None, confusion=None, label_names: list[str] | None = None) -> dict:
+    def finish(self, extra: dict | None = None, confusion: ConfusionMatrix | None = None) -> dict:
         """Write metrics.json (last scores + run facts + peak memory per rank + `extra`),
-        training_args.json (secrets redacted) and the report (plots, summary; with `confusion`,
-        a confusion-matrix counts array, its picture too), and clear a preemption marker, on the
+        training_args.json (secrets redacted) and the report (plots, summary; with `confusion`
+        from the last evaluation, its picture too), and clear a preemption marker, on the
         main process. Every rank calls it (it gathers each rank's peak memory); returns the metrics."""
         self.bar.close()
         memory = peak_memory_mb(self.accelerator.device)
@@ -295,7 +295,7 @@ class TrainingRun:
         write_json(self.accelerator, f"{output_dir}/metrics.json", metrics)
         write_json(self.accelerator, f"{output_dir}/training_args.json", loggable_args(self.args))
         if self.accelerator.is_main_process:
-            write_report(output_dir, summary_table(self.args, facts, extra), self.scores, confusion, label_names)
+            write_report(output_dir, summary_table(self.args, facts, extra), self.scores, confusion)
         clear_preempted_marker(self.accelerator, output_dir)
         self.accelerator.wait_for_everyone()
         logger.info(f"saved to {output_dir}: {describe(self.facts())}; report in {output_dir}/report/README.md")

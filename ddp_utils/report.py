@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from typing import NamedTuple
 
 import numpy as np
 from matplotlib.ticker import MaxNLocator
@@ -31,6 +32,11 @@ TRAINING_PANELS = {
 }
 # Evaluation values that are counts, not scores: not plotted.
 _EVAL_COUNTS = ("eval/examples", "eval/tokens", "eval/sequences")
+
+
+class ConfusionMatrix(NamedTuple):
+    counts: np.ndarray  # counts[true label, predicted label]
+    labels: list[str]  # the label names, in id order
 
 
 def confusion_matrix(predictions, references, num_labels: int) -> np.ndarray:
@@ -124,8 +130,7 @@ def _number(value) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def write_report(output_dir: str, summary: dict, final_scores: dict, confusion: np.ndarray | None = None,
-                 label_names: list[str] | None = None) -> list[str]:
+def write_report(output_dir: str, summary: dict, final_scores: dict, confusion: ConfusionMatrix | None = None) -> list[str]:
     """Write `<output_dir>/report/`: training.png, eval.png, confusion_matrix.png (+ .json) when
     `confusion` is given, and README.md with `summary` (a label -> text table) and the final
     scores, pointing at the pictures. Built in a staging directory and moved into place whole.
@@ -139,9 +144,9 @@ def write_report(output_dir: str, summary: dict, final_scores: dict, confusion: 
         if plot_eval(records, os.path.join(staging, "eval.png")):
             pictures["eval.png"] = "Evaluation after each epoch"
         if confusion is not None:
-            plot_confusion_matrix(confusion, label_names, os.path.join(staging, "confusion_matrix.png"))
+            plot_confusion_matrix(confusion.counts, confusion.labels, os.path.join(staging, "confusion_matrix.png"))
             with open(os.path.join(staging, "confusion_matrix.json"), "w") as handle:
-                json.dump({"labels": label_names, "counts": confusion.tolist(), "rows": "true label", "columns": "predicted label"},
+                json.dump({"labels": confusion.labels, "counts": confusion.counts.tolist(), "rows": "true label", "columns": "predicted label"},
                           handle, indent=1)
             pictures["confusion_matrix.png"] = "Confusion matrix on the evaluation set (rows: true label; columns: predicted)"
         lines = [f"# Run report: {os.path.basename(os.path.abspath(output_dir))}", "", "| | |", "|---|---|"]

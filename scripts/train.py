@@ -79,10 +79,7 @@ def prepare_data_and_model(args, accelerator):
     raw = ddp_utils.check_splits(load_raw_datasets(args), columns, {"train": args.max_train_samples, "validation": args.max_eval_samples},
                                  "--train_file/--validation_file")
     label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
-    id2label = dict(enumerate(label_names))
-    config = ddp_utils.load_model_config(
-        args.model_name_or_path, num_labels=len(label_names), id2label=id2label, label2id={v: k for k, v in id2label.items()}
-    )
+    config = ddp_utils.load_model_config(args.model_name_or_path, **ddp_utils.label_config(label_names))
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     model_limit = tokenizer.model_max_length if tokenizer.model_max_length < 100_000 else config.max_position_embeddings
     if args.max_length > model_limit:
@@ -113,7 +110,6 @@ def main():
     )
     eval_dataloader = torch.utils.data.DataLoader(tokenized["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=collate)
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
-    model_config = model.config
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval examples")
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # no decay on biases and norms
@@ -140,8 +136,7 @@ def main():
             break
 
     ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer)
-    label_names = [model_config.id2label[i] for i in range(model_config.num_labels)]
-    run.finish(confusion=confusion, label_names=label_names)  # metrics.json, report/ with plots
+    run.finish(confusion=confusion)  # metrics.json, report/ with plots
     accelerator.end_training()
 
 

@@ -103,12 +103,9 @@ def prepare_data_and_model(args):
     raw = check_and_split(load_raw_datasets(args), args)
     skipped = drop_bad_images(raw, args.image_column, args.skip_bad_images)
     label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
-    if len(label_names) < 2:
-        raise UsageError(f"the training images hold one class ({label_names}); a classifier needs at least two")
     if to_label_id is not int:  # labels given as strings: their ids (reads the label column only, not the images)
         raw = raw.map(lambda label: {args.label_column: to_label_id(label)}, input_columns=[args.label_column], desc="Label ids")
-    id2label = dict(enumerate(map(str, label_names)))
-    labels = {"num_labels": len(label_names), "id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
+    labels = ddp_utils.label_config(label_names)
     processor_path = demo_resnet_path() if args.demo_model else args.model_name_or_path
     image_processor = AutoImageProcessor.from_pretrained(processor_path)
     if args.demo_model:  # random weights: the same on every rank (same seed)
@@ -139,7 +136,6 @@ def main():
     logger.info(f"{len(data['train'])} train / {len(data['validation'])} eval images, {model.config.num_labels} classes")
     if args.sync_batchnorm:
         model = convert_sync_batchnorm(model)  # before prepare, so DDP wraps the synchronised layers
-    model_config = model.config
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # no decay on biases and norms
     run = ddp_utils.TrainingRun(accelerator, args, model, train_dataloader)  # step plan, checkpoints, resume
@@ -166,8 +162,7 @@ def main():
             break
 
     ddp_utils.save_model(accelerator, model, args.output_dir, image_processor)
-    label_names = [model_config.id2label[i] for i in range(model_config.num_labels)]
-    run.finish(skipped, confusion=confusion, label_names=label_names)  # metrics.json, report/ with plots
+    run.finish(skipped, confusion=confusion)  # metrics.json, report/ with plots
     accelerator.end_training()
 
 

@@ -4,12 +4,13 @@ shows by how much; --sync_batchnorm; evaluation counts each image once; the save
 through `pipeline`; unreadable images; the offline default."""
 
 import json
+import os
 import random
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, assert_fails_cleanly, launch
+from conftest import AUDIT_HOOK_DIR, REPO, assert_fails_cleanly, launch
 from PIL import Image
 from safetensors.numpy import load_file
 
@@ -122,6 +123,21 @@ def test_with_batchnorm_each_process_normalises_its_own_batch(runs):
     assert min(gaps.values()) > 1e-3, f"every layer's running statistics differ: {sorted(gaps.items(), key=lambda kv: kv[1])[:3]}"
     convolution = [k for k in reference if k.endswith("convolution.weight")]
     assert any(not np.allclose(other[k], reference[k], rtol=1e-4, atol=1e-5) for k in convolution), "and so do the weights"
+
+
+def test_a_run_preempted_mid_epoch_resumes_to_the_same_model(runs, images, tmp_path):
+    """Augmented images included: after the resume, each image gets the shift it would have got."""
+    output_dir = tmp_path / "run"
+    args = image_args(runs["models"]["vit"], images, output_dir, *LAYOUTS["two_processes"][1], "--checkpointing_steps", 3)
+    hooks = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}
+    # SIGTERM while the checkpoint of step 6 is written: the ranks save after step 7 (epoch 1, its 2nd step) and exit.
+    stopped = launch(TRAIN_IMAGE, *args, num_processes=2, env={**hooks, "SIGTERM_ON_WRITE": ".tmp-checkpoint-6/"})
+    assert stopped.returncode != 0 and "checkpoint-7" in os.listdir(output_dir), stopped.output[-3000:]
+    resumed = launch(TRAIN_IMAGE, *args, "--resume_from_checkpoint", "latest", num_processes=2)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    reference = weights(runs["runs"]["vit", "two_processes"])
+    ours = weights(output_dir)
+    assert [k for k in reference if not np.array_equal(ours[k], reference[k])] == [], "not bit for bit the uninterrupted run"
 
 
 def test_evaluation_counts_each_image_once(runs):
