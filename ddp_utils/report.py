@@ -71,12 +71,14 @@ def eval_keys(records: list[dict]) -> list[str]:
 def plot_training(records: list[dict], path: str) -> bool:
     """Loss, learning rate, gradient norm, throughput and memory against optimizer steps.
     Returns False (and writes nothing) when nothing was logged."""
-    keys = [k for k in TRAINING_PANELS if _series(records, k)[0]]
+    series = {key: _series(records, key) for key in TRAINING_PANELS}
+    keys = [key for key in TRAINING_PANELS if series[key][0]]
     if not keys:
         return False
     figure, axes = _figure(len(keys))
     for key, ax in zip(keys, axes):
-        ax.plot(*_series(records, key), marker="." if len(_series(records, key)[0]) < 30 else None)
+        steps, values = series[key]
+        ax.plot(steps, values, marker="." if len(steps) < 30 else None)
         ax.set_title(TRAINING_PANELS[key], fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
