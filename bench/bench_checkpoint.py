@@ -22,6 +22,8 @@ from accelerate.utils import broadcast_object_list
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import ddp_utils
+from ddp_utils.launch import make_accelerator
+from ddp_utils.checkpoint import load_checkpoint, save_checkpoint
 from ddp_utils.demo import demo_model_path, load_demo_reviews
 
 
@@ -40,7 +42,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="median of this many saves, loads and step timings")
     args = parser.parse_args()
-    accelerator = ddp_utils.make_accelerator(seed=0)
+    accelerator = make_accelerator(seed=0)
     model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=3)
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     optimizer = ddp_utils.make_adamw(model, 1e-4, 0.01)
@@ -60,11 +62,11 @@ def main():
 
     workdir = broadcast_object_list([tempfile.mkdtemp(prefix="bench-ckpt-") if accelerator.is_main_process else None])[0]
     state = {"step": 1, "epoch": 0, "step_in_epoch": 1}
-    ours_save_s = timed(accelerator, lambda: ddp_utils.save_checkpoint(accelerator, workdir, state, total_limit=1), args.repeats)
+    ours_save_s = timed(accelerator, lambda: save_checkpoint(accelerator, workdir, state, total_limit=1), args.repeats)
     plain_dir = os.path.join(workdir, "plain")
     plain_save_s = timed(accelerator, lambda: accelerator.save_state(plain_dir), args.repeats)
     checkpoint = os.path.join(workdir, "checkpoint-1")
-    load_s = timed(accelerator, lambda: ddp_utils.load_checkpoint(accelerator, checkpoint, {}), args.repeats)
+    load_s = timed(accelerator, lambda: load_checkpoint(accelerator, checkpoint, {}), args.repeats)
 
     if accelerator.is_main_process:
         size_mib = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(checkpoint) for f in files) / 2**20

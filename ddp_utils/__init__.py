@@ -1,113 +1,68 @@
-"""The distributed chores every training script shares. Each function's docstring says which ranks call it.
+"""The distributed chores the training scripts share. Each function's docstring says which ranks
+call it; every one that takes part in a collective starts with "All ranks call this".
 
-- launch:  `make_accelerator` (with the launch guard), `run` (clean exit), `UsageError`, `Preempted`
-- args:    `add_training_args`, `check_training_args`, `check_positive` (the options every script shares)
-- loop:    `start_run`, `train_step` (one exact optimizer step), `TrainingRun` (progress, logging,
-           checkpoints, preemption, resume, the report), `describe`
-- tracking: `parse_report_to` (--report_to), `RunLog` (trackers + train_log.jsonl), `read_train_log`,
-           `peak_memory_mb`, secrets kept out of logs (`loggable_args`, `scrub`)
-- classification: `label_mapping`, `label_config`, `classification_loss`, `evaluate_classification` (scores + confusion matrix)
-- report:  `write_report` (plots + summary in report/), `confusion_matrix`, `plot_runs`
-- checkpoint: atomic `save_checkpoint`, `load_checkpoint`, `resolve_resume_path`, `PreemptionHandler`
-- data:    `load_on_main_first`, `read_data_files`, `check_splits`, `make_train_dataloader`, `epoch_dataloader`,
-           `optimizer_step_batches` (-> `StepSize`), `global_mean_loss`,
-           `make_adamw`, `weight_decay_groups`
-- metrics: `load_metric` (local evaluate modules), `gather_for_eval`
-- io:      `check_output_dir`, `prepare_output_dir`, `write_json`, `save_model`, `write_pretrained`, `load_model_config`
-- demo:    the offline demo model and data shipped by PyPI packages
+What the scripts use, by the order they use it in:
+
+- start:   `start_run` (the Accelerator, with the launch guard), `run` (a clean exit), `UsageError`;
+           `make_accelerator` alone for scripts without training options (check_env.py)
+- options: `add_training_args`, `check_training_args`, `check_positive`
+- data:    `load_on_main_first`, `read_data_files`, `check_splits`, `make_train_dataloader`, `load_metric`
+- model:   `load_model_config`, `train_in_fp32`, `make_adamw`, `describe_optimizer`, `refuse_together`
+- the run: `StepPlan` (steps, epochs, progress), `Checkpointer` (save, resume, preemption),
+           `TrainingLog` (trackers, train_log.jsonl, progress bar), `prepare_output_dir`
+- a step:  `count_step` (what the step holds on all ranks), `global_mean_loss` (the exact loss)
+- eval:    `evaluate_classification` (classification), `gather_for_eval` (any task)
+- the end: `save_model`, `write_results` (metrics.json, report/)
+
+Task helpers live in their own modules: `lm` (language models), `vision` (images), `demo` (the
+offline demo's model and data).
 """
 
-from .data import (
-    INPUT_TOKENS,
-    SAMPLE_WEIGHT,
-    StepSize,
-    check_splits,
-    epoch_dataloader,
-    global_mean_loss,
-    load_on_main_first,
-    make_adamw,
-    make_train_dataloader,
-    optimizer_step_batches,
-    pad_to_even_shards,
-    read_data_files,
-    weight_decay_groups,
-)
-from .io import check_output_dir, load_model_config, prepare_output_dir, save_model, write_json, write_pretrained
 from .args import add_training_args, check_positive, check_training_args
-from .loop import StepStats, TrainingRun, describe, start_run, train_step
-from .classification import classification_loss, evaluate_classification, label_config, label_mapping
-from .report import confusion_matrix, plot_runs, write_report
-from .tracking import RunLog, loggable_args, parse_report_to, peak_memory_mb, read_train_log, scrub
-from . import demo
-from .checkpoint import (
-    PREEMPTED_FILE,
-    PreemptionHandler,
-    clear_preempted_marker,
-    list_checkpoints,
-    load_checkpoint,
-    model_fingerprint,
-    resolve_resume_path,
-    save_checkpoint,
-)
-from .launch import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UsageError, check_launch, make_accelerator, run
+from .checkpoint import Checkpointer
+from .classification import evaluate_classification, label_config, label_mapping
+from .data import check_splits, read_data_files
+from .errors import UsageError
+from .exact_loss import count_step, global_mean_loss
+from .io import load_model_config, prepare_output_dir, save_model
+from .launch import make_accelerator, run, start_run
 from .metrics import gather_for_eval, load_metric
+from .optim import describe_optimizer, make_adamw, train_in_fp32
+from .plan import StepPlan
+from .ranks import load_on_main_first, refuse_together
+from .report import write_results
+from .sharding import SAMPLE_WEIGHT, make_train_dataloader
+from .tracking import TrainingLog
 
 __all__ = [
-    "INPUT_TOKENS",
-    "RunLog",
-    "StepSize",
-    "StepStats",
-    "TrainingRun",
-    "check_splits",
-    "classification_loss",
-    "confusion_matrix",
-    "evaluate_classification",
-    "label_config",
-    "label_mapping",
-    "loggable_args",
-    "parse_report_to",
-    "peak_memory_mb",
-    "plot_runs",
-    "read_train_log",
-    "scrub",
-    "write_report",
+    "SAMPLE_WEIGHT",
+    "Checkpointer",
+    "StepPlan",
+    "TrainingLog",
+    "UsageError",
     "add_training_args",
     "check_positive",
+    "check_splits",
     "check_training_args",
-    "describe",
-    "load_model_config",
-    "start_run",
-    "train_step",
-    "EXIT_PREEMPTED",
-    "EXIT_USAGE",
-    "PREEMPTED_FILE",
-    "Preempted",
-    "PreemptionHandler",
-    "SAMPLE_WEIGHT",
-    "UsageError",
-    "check_launch",
-    "check_output_dir",
-    "clear_preempted_marker",
-    "epoch_dataloader",
+    "count_step",
+    "describe_optimizer",
+    "evaluate_classification",
     "gather_for_eval",
     "global_mean_loss",
-    "list_checkpoints",
-    "load_checkpoint",
+    "label_config",
+    "label_mapping",
     "load_metric",
+    "load_model_config",
     "load_on_main_first",
     "make_accelerator",
     "make_adamw",
     "make_train_dataloader",
-    "model_fingerprint",
-    "optimizer_step_batches",
-    "pad_to_even_shards",
     "prepare_output_dir",
     "read_data_files",
-    "resolve_resume_path",
+    "refuse_together",
     "run",
-    "save_checkpoint",
     "save_model",
-    "weight_decay_groups",
-    "write_json",
-    "write_pretrained",
+    "start_run",
+    "train_in_fp32",
+    "write_results",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .launch import UsageError
+from .errors import UsageError
 from .tracking import parse_report_to
 
 
@@ -36,6 +36,8 @@ def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float |
     p = parser.add_argument_group("output and tracking")
     p.add_argument("--output_dir", default=output_dir, help="where the model, tokenizer, metrics.json, train_log.jsonl and report/ go")
     p.add_argument("--overwrite_output_dir", action="store_true", help="replace an output_dir that holds another run")
+    p.add_argument("--save_dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="dtype of the saved model; auto: the checkpoint's own (training is always in fp32 weights)")
     p.add_argument("--report_to", default="tensorboard", help="trackers, comma-separated: tensorboard, trackio, wandb, mlflow, all or none")
     p.add_argument("--project_name", default=None, help="tracker project / experiment name (default: the script's name)")
     p.add_argument("--run_name", default=None, help="tracker run name (default: the output_dir's name)")
@@ -51,7 +53,8 @@ def check_positive(args, *names: str) -> None:
 
 
 def check_training_args(args) -> None:
-    """Refuse shared option values that cannot work, naming the option. Every rank calls it."""
+    """Refuse shared option values that cannot work, naming the option. Every rank calls it while
+    parsing, before the ranks have met (no communication)."""
     check_positive(args, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                    "num_train_epochs", "max_train_steps", "logging_steps", "ddp_timeout")
     steps = args.checkpointing_steps

@@ -1,4 +1,5 @@
-"""Checkpoints that survive anything: exact resume, atomic saves, preemption.
+"""Checkpoints that survive anything: exact resume, atomic saves, preemption. `Checkpointer` is
+what the scripts use; the functions below it do the work.
 
 A checkpoint `<output_dir>/checkpoint-<step>/` holds what `accelerator.save_state` writes (model
 as safetensors, optimizer, LR scheduler, gradient scaler, sampler, and every process's Python /
@@ -21,9 +22,13 @@ import signal
 
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 
+from .errors import EXIT_PREEMPTED, Preempted, UsageError
 from .io import write_json
-from .launch import EXIT_PREEMPTED, Preempted, UsageError
+from .ranks import from_main_process
+
+logger = get_logger(__name__)
 
 STATE_FILE = "trainer_state.json"
 PREEMPTED_FILE = "preempted.json"  # in the output dir while a preempted run waits to be resumed
@@ -31,8 +36,9 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 def model_fingerprint(model) -> str:
-    """A digest of parameter names and shapes: a checkpoint of another model will not match."""
-    shapes = [(name.removeprefix("module."), tuple(p.shape)) for name, p in model.named_parameters()]
+    """A digest of parameter names and full shapes: a checkpoint of another model will not match.
+    Under DeepSpeed ZeRO-3 a parameter is an empty partition by now; its full shape is `ds_shape`."""
+    shapes = [(name.removeprefix("module."), tuple(getattr(p, "ds_shape", p.shape))) for name, p in model.named_parameters()]
     return hashlib.sha1(repr(sorted(shapes)).encode()).hexdigest()[:16]
 
 
@@ -65,7 +71,8 @@ def list_checkpoints(output_dir: str) -> list[str]:
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, state: dict, total_limit: int | None = None) -> str:
-    """Write a complete checkpoint of the run at `state["step"]`; all ranks must call it together.
+    """All ranks call this: write a complete checkpoint of the run at `state["step"]` (barriers,
+    and `accelerator.save_state`, a collective under FSDP and DeepSpeed).
 
     `state` is the script's progress (step, epoch, step_in_epoch, ...), stored as trainer_state.json.
     Returns the checkpoint's path.
@@ -94,7 +101,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, state: dict, tota
 
 def resolve_resume_path(output_dir: str, resume_from: str | None) -> str | None:
     """`--resume_from_checkpoint`: None, a checkpoint path, or "latest" (the newest complete
-    checkpoint in output_dir, or None if there is none). Any rank may call it."""
+    checkpoint in output_dir, or None if there is none). It reads this rank's view of the file
+    system: `Checkpointer.resume` calls it on the main process only and shares the answer."""
     if not resume_from:
         return None
     if resume_from == "latest":
@@ -106,8 +114,8 @@ def resolve_resume_path(output_dir: str, resume_from: str | None) -> str | None:
 
 
 def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict:
-    """Restore model, optimizer, scheduler, scaler and RNG states from `path`; all ranks call it.
-    Returns the saved trainer state. `expected` holds the values the checkpoint must match
+    """All ranks call this: restore model, optimizer, scheduler, scaler and RNG states from `path`
+    (`accelerator.load_state`, a collective under FSDP and DeepSpeed). Returns the saved trainer state. `expected` holds the values the checkpoint must match
     (model fingerprint, world size, batch sizes); a mismatch or a damaged checkpoint is a
     `UsageError` that says so, not a stack trace from inside torch."""
     state_file = os.path.join(path, STATE_FILE)
@@ -146,14 +154,15 @@ class PreemptionHandler:
         self.received = signum
 
     def requested(self) -> bool:
-        """True on every rank if any rank received a signal. All ranks call it once per optimizer
-        step (one scalar all-reduce), so they all stop after the same step."""
+        """All ranks call this once per optimizer step: True on every rank if any rank received a
+        signal (one scalar all-reduce), so they all stop after the same step."""
         flag = torch.tensor(1.0 if self.received is not None else 0.0, device=self.accelerator.device)
         return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
 
     def stop(self, output_dir: str, checkpoint: str) -> None:
-        """After the preemption checkpoint: leave `preempted.json` for the job script and raise
-        `Preempted` on every rank (ddp_utils.run then exits with EXIT_PREEMPTED)."""
+        """Every rank calls this after the preemption checkpoint: the main process leaves
+        `preempted.json` for the job script, and every rank raises `Preempted` (ddp_utils.run then
+        exits with EXIT_PREEMPTED). No communication."""
         name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
         write_json(self.accelerator, os.path.join(output_dir, PREEMPTED_FILE), {"signal": name, "checkpoint": checkpoint})
         raise Preempted(f"stopped by {name} after saving {checkpoint}; resume with --resume_from_checkpoint latest "
@@ -161,7 +170,63 @@ class PreemptionHandler:
 
 
 def clear_preempted_marker(accelerator: Accelerator, output_dir: str) -> None:
-    """Remove `preempted.json` once a resumed run has finished. Any rank may call it."""
+    """Remove a `preempted.json` left by an earlier attempt, on the main process: the marker tells
+    the job script that *this* attempt was preempted, so it must not outlive the attempt that wrote
+    it (a requeued run that then fails for another reason would otherwise be requeued for ever).
+    Any rank may call it; the others do nothing."""
     marker = os.path.join(output_dir, PREEMPTED_FILE)
     if accelerator.is_main_process and os.path.exists(marker):
         os.remove(marker)
+
+
+class Checkpointer:
+    """Saves the run's checkpoints (every --checkpointing_steps, and when the job is preempted) and
+    resumes from one.
+
+    Build it on every rank before `accelerator.prepare` (it fingerprints the unwrapped model).
+    From then on SIGTERM / SIGUSR1 do not kill the process: they ask for a checkpoint after the
+    optimizer step in flight, then every process exits with code 75.
+    """
+
+    def __init__(self, accelerator: Accelerator, args, model):
+        self.accelerator, self.output_dir = accelerator, args.output_dir
+        self.every, self.total_limit, self.resume_from = args.checkpointing_steps, args.checkpoints_total_limit, args.resume_from_checkpoint
+        # What a checkpoint must match to resume this run, saved with its progress.
+        self.identity = {"model": model_fingerprint(model), "world_size": accelerator.num_processes,
+                         "per_device_train_batch_size": args.per_device_train_batch_size,
+                         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
+        self.preemption = PreemptionHandler(accelerator)
+
+    def resume(self, plan) -> None:
+        """All ranks call this once, after `accelerator.prepare` and `prepare_output_dir`: clear an
+        earlier attempt's preemption marker, then resume from --resume_from_checkpoint if it names a
+        checkpoint. "latest" is resolved on the main process and sent to every rank (one
+        broadcast), so ranks with different views of a shared file system load the same one; the
+        load is a collective under FSDP and DeepSpeed. Restores `plan`'s progress."""
+        clear_preempted_marker(self.accelerator, self.output_dir)
+        path = from_main_process(self.accelerator, resolve_resume_path, self.output_dir, self.resume_from)
+        if path:
+            saved = load_checkpoint(self.accelerator, path, self.identity)
+            plan.progress.update({key: saved[key] for key in plan.progress if key in saved})
+            logger.info(f"resumed from {path}: epoch {plan.progress['epoch']}, step {plan.step}")
+        elif self.resume_from:
+            logger.info(f"no complete checkpoint in {self.output_dir}: starting from scratch")
+
+    def save(self, plan) -> str:
+        """All ranks call this: a checkpoint of the run as it stands. Returns its path."""
+        return save_checkpoint(self.accelerator, self.output_dir, {**self.identity, **plan.progress}, self.total_limit)
+
+    def step(self, plan) -> None:
+        """All ranks call this after every optimizer step: stop for a preemption signal on any rank
+        (one scalar all-reduce; then a checkpoint, preempted.json and `Preempted`), and save a
+        checkpoint when one is due every --checkpointing_steps steps."""
+        if self.preemption.requested():
+            self.preemption.stop(self.output_dir, self.save(plan))
+        if self.every.isdigit() and plan.step % int(self.every) == 0:
+            self.save(plan)
+
+    def epoch(self, plan) -> None:
+        """All ranks call this after each epoch (its evaluation done): a checkpoint when one is due
+        per epoch."""
+        if self.every == "epoch":
+            self.save(plan)

@@ -1,15 +1,29 @@
-"""What the classification scripts (text and images) share: label ids, the per-example loss for
-`train_step`, and evaluation over the whole eval set with a confusion matrix."""
+"""What the two classification scripts (text and images) share: label ids, and evaluation over the
+whole eval set with a confusion matrix. Their training loss is in each script's training step."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from .data import SAMPLE_WEIGHT
-from .launch import UsageError
+from .errors import UsageError
 from .metrics import gather_for_eval
-from .report import ConfusionMatrix, confusion_matrix
+from .sharding import SAMPLE_WEIGHT
+
+
+class ConfusionMatrix(NamedTuple):
+    counts: np.ndarray  # counts[true label, predicted label]
+    labels: list[str]  # the label names, in id order
+
+
+def confusion_matrix(predictions, references, num_labels: int) -> np.ndarray:
+    """counts[true label, predicted label] over all the examples given."""
+    counts = np.zeros((num_labels, num_labels), dtype=np.int64)
+    np.add.at(counts, (np.asarray(references, dtype=np.int64), np.asarray(predictions, dtype=np.int64)), 1)
+    return counts
 
 
 def label_mapping(raw, label_column: str):
@@ -52,12 +66,6 @@ def _label_mapping(raw, label_column: str):
     return names, label_to_id.__getitem__
 
 
-def classification_loss(model, batch):
-    """For `train_step`: per-example losses and weights (0.0 for the fillers that even out the shards)."""
-    weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
-    return F.cross_entropy(model(**batch).logits.float(), labels, reduction="none"), weights
-
-
 def classification_outputs(model, batch):
     """Per-example predictions, references and losses for one eval batch."""
     labels = batch.pop("labels")
@@ -68,10 +76,10 @@ def classification_outputs(model, batch):
 
 
 def evaluate_classification(accelerator: Accelerator, model, eval_dataloader, metrics):
-    """(scores, confusion) over the whole eval set, each example counted once whatever the number
-    of processes: eval loss and count, each `evaluate` metric (accuracy, macro-F1, ...), and the
-    `ConfusionMatrix` with the model's label names (for `TrainingRun.finish`). All ranks call it;
-    every rank gets the same result."""
+    """All ranks call this (it gathers every rank's predictions): (scores, confusion) over the
+    whole eval set, each example counted once whatever the number of processes: eval loss and
+    count, each `evaluate` metric (accuracy, macro-F1, ...), and the `ConfusionMatrix` with the
+    model's label names (for `write_results`). Every rank gets the same result."""
     results = gather_for_eval(accelerator, model, eval_dataloader, classification_outputs)
     scores = {"eval_loss": float(results["loss"].mean()), "eval_examples": len(results["references"])}
     for metric in metrics:

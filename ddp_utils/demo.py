@@ -14,7 +14,7 @@ import importlib.util
 import os
 import zipfile
 
-from .launch import UsageError
+from .errors import UsageError
 
 _INSTALL_HINT = "run `make install` (or: pip install --no-deps -r requirements-demo.txt)"
 

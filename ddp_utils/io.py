@@ -9,7 +9,8 @@ import tempfile
 
 from accelerate import Accelerator
 
-from .launch import UsageError
+from .errors import UsageError
+from .ranks import from_main_process
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool = False) -> None:
@@ -26,15 +27,20 @@ def check_output_dir(output_dir: str, overwrite: bool, resuming: bool = False) -
 
 
 def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite: bool, resuming: bool = False) -> None:
-    """Create the output directory (emptied first if `overwrite` and not `resuming`), on the main
-    process only. All ranks call it, once the inputs are validated, so bad input never leaves a
-    directory behind."""
-    check_output_dir(output_dir, overwrite, resuming)
-    if accelerator.is_main_process:
+    """All ranks call this, once the inputs are validated (so bad input never leaves a directory
+    behind): the main process checks the output directory again, empties it if `overwrite` and not
+    `resuming`, and creates it; the other ranks wait for it and share its verdict (one broadcast).
+
+    Only the main process looks at the directory here: another rank listing it while the main
+    process deletes it could fail with FileNotFoundError.
+    """
+    def replace_on_main():
+        check_output_dir(output_dir, overwrite, resuming)
         if overwrite and not resuming and os.path.isdir(output_dir):
             shutil.rmtree(output_dir)
         os.makedirs(output_dir, exist_ok=True)
-    accelerator.wait_for_everyone()
+
+    from_main_process(accelerator, replace_on_main)
 
 
 def write_json(accelerator: Accelerator, path: str, data) -> None:
@@ -50,32 +56,57 @@ def write_json(accelerator: Accelerator, path: str, data) -> None:
     os.replace(handle.name, path)
 
 
-def save_model(accelerator: Accelerator, model, output_dir: str, *processors) -> None:
-    """Save the unwrapped model (safetensors, with its config) and its tokenizer / processors so
-    that `from_pretrained(output_dir)` and `pipeline(..., model=output_dir)` load it.
+def save_model(accelerator: Accelerator, model, output_dir: str, *processors, dtype: str = "auto") -> None:
+    """All ranks call this: save the unwrapped model (safetensors, with its config) and its
+    tokenizer / processors so that `from_pretrained(output_dir)` and `pipeline(..., model=output_dir)`
+    load it. `dtype` ("auto", "float32", "bfloat16", "float16"): "auto" saves a model in the dtype
+    of the checkpoint it was loaded from (its config's), whatever it was trained in, and a LoRA
+    adapter as trained.
 
-    All ranks must call it: `accelerator.get_state_dict` is a collective under FSDP and
-    DeepSpeed ZeRO-3 (saving `model.state_dict()` there writes empty or partial weights); it
-    gathers the full weights to CPU on the main process only. Only the main process writes.
+    `accelerator.get_state_dict` is a collective under FSDP and DeepSpeed ZeRO-3 (saving
+    `model.state_dict()` there writes empty or partial weights); it gathers the full weights to
+    CPU on the main process only. Only the main process writes.
     """
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        write_pretrained(accelerator.unwrap_model(model), state_dict, output_dir, *processors)
+        unwrapped = accelerator.unwrap_model(model)
+        write_pretrained(unwrapped, state_dict, output_dir, *processors, dtype=saved_dtype(unwrapped, dtype))
     accelerator.wait_for_everyone()
 
 
-def write_pretrained(model, state_dict: dict, output_dir: str, *processors) -> None:
-    """Write `model.save_pretrained` with the gathered full `state_dict`, and the processors, first
-    into a staging directory inside `output_dir`, then moving each finished file into place, so
-    a crash never leaves a half-written weights file. One process calls it (the main one)."""
+def saved_dtype(model, dtype: str = "auto"):
+    """The torch dtype to save `model` in (None: as it is): `dtype`, or for "auto" the dtype of the
+    checkpoint it was loaded from, as its config records it (`train_in_fp32` leaves the config
+    alone). A LoRA adapter is saved as trained under "auto"."""
+    import torch
+
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if hasattr(model, "peft_config"):
+        return None
+    recorded = getattr(getattr(model, "config", None), "dtype", None)
+    if isinstance(recorded, str):
+        recorded = getattr(torch, recorded, None)
+    return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else None
+
+
+def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtype=None) -> None:
+    """Write `model.save_pretrained` with the gathered full `state_dict` (its floating-point
+    tensors cast to `dtype`, if given), and the processors, first into a staging directory inside
+    `output_dir`, then moving each finished file into place, so a crash never leaves a
+    half-written weights file. One process calls it (the main one)."""
     # A torch.compile'd model's state dict names every weight "_orig_mod.<name>"; saved as is,
     # from_pretrained would find none of them and silently start from random weights.
     state_dict = {key.replace("_orig_mod.", ""): value for key, value in state_dict.items()}
+    if dtype is not None:
+        state_dict = {key: value.to(dtype) if value.is_floating_point() else value for key, value in state_dict.items()}
     os.makedirs(output_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)
     try:
         model.save_pretrained(staging, state_dict=state_dict, is_main_process=True)
+        if dtype is not None:
+            _record_dtype(staging, dtype)
         for processor in processors:
             processor.save_pretrained(staging)
         for name in os.listdir(staging):
@@ -85,6 +116,20 @@ def write_pretrained(model, state_dict: dict, output_dir: str, *processors) -> N
             os.replace(os.path.join(staging, name), target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _record_dtype(directory: str, dtype) -> None:
+    """Make config.json name the dtype the weights were saved in: `save_pretrained` writes the
+    model's own (fp32 after training), and `from_pretrained` would then load bf16 weights as fp32."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):  # a LoRA adapter: adapter_config.json, no dtype field
+        return
+    with open(path) as handle:
+        config = json.load(handle)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    with open(path, "w") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)
+        handle.write("\n")
 
 
 def load_model_config(model_name_or_path: str, **overrides):

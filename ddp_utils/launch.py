@@ -1,4 +1,5 @@
-"""Building the Accelerator, refusing mis-launched runs, and ending a run cleanly.
+"""Starting a run (the Accelerator, with the launch guard), refusing mis-launched runs, and ending
+a run cleanly.
 
 Two launch mistakes fail *silently* with Accelerate on machines without GPUs, so every
 script goes through `make_accelerator`, which builds the Accelerator and then runs the
@@ -15,6 +16,8 @@ launch guard:
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import sys
 import traceback
@@ -22,26 +25,24 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate.logging import get_logger
+from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
-# Exit code of a run stopped by bad input or a bad launch (argparse uses 2 as well).
-EXIT_USAGE = 2
-# Exit code of every training process after a preemption checkpoint (EX_TEMPFAIL: try again later).
-# torchrun / accelerate launch report it per worker and exit 1 themselves; see checkpoint.PREEMPTED_FILE.
-EXIT_PREEMPTED = 75
+from .errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UsageError
+from .io import check_output_dir
+from .tracking import TENSORBOARD_DIR, hide_secret_args
+
+logger = get_logger(__name__)
 
 _CPU_LAUNCH_FIX = (
     "accelerate launch --config_file accelerate_configs/cpu_2proc.yaml <script> "
     "(or `make train`), which starts the processes through torchrun and trains on CPU with gloo"
 )
 
-
-class UsageError(Exception):
-    """Bad input or a bad launch: reported as one clear line, without a stack trace."""
-
-
-class Preempted(Exception):
-    """Raised on every rank once the preemption checkpoint is written; `run` exits with EXIT_PREEMPTED."""
+# The Accelerators this process built, so that `run` can end their trackers when the run fails,
+# and their process groups (see `_shutdown`).
+_accelerators: list[Accelerator] = []
+_process_groups: list = []
 
 
 def _gpu_visible() -> bool:
@@ -52,10 +53,12 @@ def make_accelerator(
     *,
     seed: int,
     gradient_accumulation_steps: int = 1,
+    max_grad_norm: float | None = None,
     ddp_timeout: int = 1800,
     **accelerator_kwargs,
 ) -> Accelerator:
-    """Build the Accelerator every script uses, then check the launch. All ranks call it.
+    """All ranks call this: build the Accelerator every script uses (it forms the process group),
+    then check the launch.
 
     - `cpu=True` when this process sees no GPU, so a torchrun-style launch on a CPU machine
       forms one gloo group instead of N separate worlds.
@@ -66,12 +69,13 @@ def make_accelerator(
     - The LR scheduler is not tied to the optimizer: by default Accelerate steps a prepared
       scheduler `num_processes` times per optimizer step. Scripts call `lr_scheduler.step()`
       once per optimizer step, so the schedule is in optimizer steps whatever the world size.
+    - Under DeepSpeed, its config must agree with the script (`check_deepspeed_config`).
     """
     cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not _gpu_visible()
     accelerator = Accelerator(
         cpu=cpu,
         # Optimizer steps are always whole (see make_train_dataloader), so syncing at the end of the
-        # dataloader is not needed, and would fire early when optimizer_step_batches prefetches.
+        # dataloader is not needed, and would fire early when StepPlan reads a step's micro-batches ahead.
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=gradient_accumulation_steps, sync_with_dataloader=False),
         # The data seed for make_train_dataloader's StepAlignedSampler (it reads it back from here).
         dataloader_config=DataLoaderConfiguration(data_seed=seed),
@@ -89,13 +93,65 @@ def make_accelerator(
             f"this launch config asks for {sharded[0]}, which Accelerate runs on GPUs only, and no GPU is visible; "
             "on this machine use accelerate_configs/cpu_2proc.yaml"
         )
-    deepspeed = accelerator.state.deepspeed_plugin
-    if deepspeed is not None and deepspeed.gradient_accumulation_steps not in (gradient_accumulation_steps, "auto"):
+    if accelerator.state.deepspeed_plugin is not None:
+        check_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, gradient_accumulation_steps, max_grad_norm)
+    _accelerators.append(accelerator)
+    if torch.distributed.is_initialized():
+        _process_groups.append(torch.distributed.distributed_c10d._get_default_group())
+    return accelerator
+
+
+def check_deepspeed_config(config: dict, gradient_accumulation_steps: int, max_grad_norm: float | None) -> None:
+    """Refuse a DeepSpeed config that would silently override the script's options, and fill its
+    "auto" values with them. Any rank may call it (each checks the same config).
+
+    DeepSpeed accumulates and clips by its own config: a `gradient_accumulation_steps` there
+    other than the script's changes the loss's normaliser, and its `gradient_clipping` replaces
+    --max_grad_norm (Accelerate fills an "auto" one with 1.0, whatever the script says).
+    """
+    accumulation = config.get("gradient_accumulation_steps", "auto")
+    if accumulation not in (gradient_accumulation_steps, "auto"):
         raise UsageError(
-            f"the DeepSpeed config accumulates {deepspeed.gradient_accumulation_steps} micro-batches per step, the script "
+            f"the DeepSpeed config accumulates {accumulation} micro-batches per step, the script "
             f"{gradient_accumulation_steps}; set deepspeed_config.gradient_accumulation_steps to the script's "
             "--gradient_accumulation_steps"
         )
+    if max_grad_norm is None:
+        return
+    clipping = config.get("gradient_clipping", "auto")
+    if clipping in ("auto", None):
+        config["gradient_clipping"] = max_grad_norm  # 0: DeepSpeed does not clip, as --max_grad_norm 0
+    elif not math.isclose(float(clipping), max_grad_norm):
+        raise UsageError(
+            f"the DeepSpeed config clips gradients at {clipping}, the script at --max_grad_norm {max_grad_norm}, and "
+            f"DeepSpeed's value would win; set deepspeed_config.gradient_clipping to {max_grad_norm} (or 'auto'), "
+            f"or pass --max_grad_norm {clipping}"
+        )
+
+
+def start_run(args, **accelerator_options) -> Accelerator:
+    """All ranks call this first: the Accelerator for a run (`make_accelerator`), with the trackers
+    of --report_to (started later, by `TrainingLog`), logging set up (warnings and errors only on
+    the other ranks), the same seed on every rank (identical initialisation), and the output
+    directory checked before any work is done."""
+    import datasets
+    import transformers
+
+    hide_secret_args(args)  # --hub_token becomes HF_TOKEN; no secret stays in sys.argv
+    accelerator = make_accelerator(
+        seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
+        ddp_timeout=args.ddp_timeout, log_with=args.trackers or None,
+        project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, TENSORBOARD_DIR)),
+        **accelerator_options,
+    )
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    if not accelerator.is_main_process:
+        for library in (datasets.utils.logging, transformers.utils.logging):
+            library.set_verbosity_error()
+            library.disable_progress_bar()
+    logger.info(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, device {accelerator.device}")
+    transformers.set_seed(args.seed)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, resuming=bool(args.resume_from_checkpoint))
     return accelerator
 
 
@@ -180,8 +236,9 @@ def run(main, *args) -> None:
 
     A `UsageError` (bad input, bad launch) is printed as one line naming the rank, with exit
     code 2; `Preempted` exits with EXIT_PREEMPTED (75); any other exception prints its
-    traceback and exits 1. Either way the launcher then stops the other ranks, and the process
-    ends without the interpreter teardown that can hang in the gloo destructor.
+    traceback and exits 1. Either way the trackers are ended first (their last events flushed,
+    wandb and mlflow runs closed as failed or preempted), the launcher then stops the other ranks,
+    and the process ends without the interpreter teardown that can hang in the gloo destructor.
     """
     rank = os.environ.get("RANK", "0")
     exit_code = 0
@@ -198,7 +255,29 @@ def run(main, *args) -> None:
         traceback.print_exc()
         print(f"[rank {rank}] failed, see the traceback above", file=sys.stderr, flush=True)
         exit_code = 1
+    if exit_code:
+        _end_trackers(exit_code)
     _shutdown(exit_code)
+
+
+def _end_trackers(exit_code: int) -> None:
+    """Flush and close the trackers of a run that stops early: `os._exit` skips the interpreter's
+    exit hooks, so without this TensorBoard loses the events since its last flush and wandb /
+    mlflow leave their run open. Only the main process has trackers; the process group is left
+    alone (its teardown can hang)."""
+    for accelerator in _accelerators:
+        for tracker in accelerator.trackers:
+            try:
+                if tracker.name == "wandb":  # wandb marks a run with a non-zero exit code as failed
+                    tracker.run.finish(exit_code=exit_code)
+                elif tracker.name == "mlflow":
+                    import mlflow
+
+                    mlflow.end_run(status="KILLED" if exit_code == EXIT_PREEMPTED else "FAILED")
+                else:
+                    tracker.finish()
+            except Exception as error:  # a tracker that cannot close must not hide why the run stopped
+                print(f"could not close the {tracker.name} tracker: {error}", file=sys.stderr, flush=True)
 
 
 def _meet_the_other_ranks(timeout_s: int = 30) -> None:
@@ -220,8 +299,12 @@ def _shutdown(exit_code: int) -> None:
 
     With torch 2.13 and gloo, a process group that is freed after `destroy_process_group`
     (it is still referenced by the DDP reducer, the Accelerator state, ...) can block for ever
-    in the ProcessGroupGloo destructor at interpreter exit. Everything this process had to
-    write has been written and flushed by now, so we skip that teardown with `os._exit`.
+    in the ProcessGroupGloo destructor, joining its worker threads. That happens at interpreter
+    exit, and also when `main` returns and its DDP model is freed after `accelerator.end_training()`
+    (seen here with py-spy: `~Reducer` -> `~ProcessGroupGloo` -> `std::thread::join`).
+    `make_accelerator` keeps a reference to the process group, so it is never freed before the
+    process ends; everything this process had to write has been written and
+    flushed by now, so we skip the teardown with `os._exit`.
     """
     if exit_code == 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
         # A last barrier so no rank leaves while another still needs it.

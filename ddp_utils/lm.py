@@ -13,7 +13,8 @@ import math
 import numpy as np
 import torch
 
-from .data import INPUT_TOKENS, SAMPLE_WEIGHT
+from .exact_loss import INPUT_TOKENS
+from .sharding import SAMPLE_WEIGHT
 
 IGNORE_INDEX = -100
 TARGET_TOKENS = "target_tokens"  # per row: how many positions the loss counts (the step weight of a language model)
@@ -62,7 +63,7 @@ class CausalLMCollator:
       position_ids that start a separate sequence), so a pad token equal to EOS is harmless: the
       EOS that ends a response is still learned, only padding positions are ignored.
     - A filler row (sample_weight 0.0, added by `make_train_dataloader`) gets all labels -100.
-    - `target_tokens` counts each row's targets, the weight `optimizer_step_batches` sums per step;
+    - `target_tokens` counts each row's targets, the weight `count_step` sums per step;
       packed rows (no attention_mask) also carry `input_tokens`, their length before padding.
     """
 
@@ -111,15 +112,18 @@ def perplexity(loss_sums: np.ndarray, token_counts: np.ndarray) -> tuple[float, 
 
 
 @torch.no_grad()
-def packing_is_masked(model) -> bool:
+def packing_is_masked(model) -> bool | None:
     """Does `model` keep packed sequences apart? Compares a second sequence's logits packed
     behind a first one with its logits alone. Models that build their attention mask with
     `transformers`' `create_causal_mask` do; others would let packed examples attend to each
-    other silently. Any rank may call it (a forward pass of 8 tokens, no communication); a rank
-    that holds no weights yet (meta tensors, under FSDP's CPU-RAM-efficient loading) answers True
-    and leaves the check to the main process, which loads the weights."""
-    if any(p.is_meta for p in model.parameters()):
-        return True
+    other silently. No communication: a forward pass of 8 tokens on this rank's weights.
+
+    None when this rank cannot tell because it holds no whole weights: meta tensors (under FSDP's
+    CPU-RAM-efficient loading the main process has them) or DeepSpeed ZeRO-3 partitions (a forward
+    pass outside the engine would fail on them). Share the answers with `refuse_together`.
+    """
+    if any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters()):
+        return None
     was_training = model.training
     model.eval()
     first, second = torch.arange(3, 7), torch.arange(7, 11)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
-from .launch import UsageError
+from .errors import UsageError
 
 METRICS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metrics")
 
@@ -28,10 +28,11 @@ def load_metric(name: str):
 
 @torch.no_grad()
 def gather_for_eval(accelerator: Accelerator, model, dataloader, step) -> dict[str, np.ndarray]:
-    """Run `step(model, batch) -> {name: tensor with one row per example}` over a prepared eval
-    dataloader and return, on every rank, each name's rows from all ranks, concatenated as NumPy.
+    """All ranks call this (a gather per batch): run `step(model, batch) -> {name: tensor with one
+    row per example}` over a prepared eval dataloader and return, on every rank, each name's rows
+    from all ranks, concatenated as NumPy.
 
-    All ranks must call it. `gather_for_metrics` drops the examples Accelerate repeats to even
+    `gather_for_metrics` drops the examples Accelerate repeats to even
     out the last batches, so N examples give exactly N rows, whatever the number of processes.
     """
     model.eval()

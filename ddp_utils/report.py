@@ -1,9 +1,10 @@
-"""The report at the end of a run, in `<output_dir>/report/`: PNG plots of the logged curves, a
-confusion matrix for classification, and a short summary (`README.md`) that shows them; and
-`plot_runs`, which draws several runs' curves on shared axes.
+"""The results of a run: `write_results` at the end (metrics.json, training_args.json and the
+report in `<output_dir>/report/`: PNG plots of the logged curves, a confusion matrix for
+classification, and a short summary, `README.md`, that shows them), and `plot_runs`, which draws
+several runs' curves on shared axes.
 
-Everything here reads `train_log.jsonl` and writes files: one process calls it (the main one).
-Plots use matplotlib's Agg canvas directly, never pyplot, so no display or global backend is touched.
+Plots use matplotlib's Agg canvas directly, never pyplot, so no display or global backend is
+touched; matplotlib is imported only when a picture is drawn, on the main process.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ import json
 import os
 import shutil
 import tempfile
-from typing import NamedTuple
 
 import numpy as np
-from matplotlib.ticker import MaxNLocator
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
 
-from .tracking import read_train_log
+from .io import write_json
+from .tracking import describe, loggable_args, peak_memory_mb, read_train_log
+
+logger = get_logger(__name__)
 
 REPORT_DIR = "report"
 # Panels of the training figure, in order: logged key -> axis label (those the run logged are drawn).
@@ -34,16 +39,24 @@ TRAINING_PANELS = {
 _EVAL_COUNTS = ("eval/examples", "eval/tokens", "eval/sequences")
 
 
-class ConfusionMatrix(NamedTuple):
-    counts: np.ndarray  # counts[true label, predicted label]
-    labels: list[str]  # the label names, in id order
-
-
-def confusion_matrix(predictions, references, num_labels: int) -> np.ndarray:
-    """counts[true label, predicted label] over all the examples given."""
-    counts = np.zeros((num_labels, num_labels), dtype=np.int64)
-    np.add.at(counts, (np.asarray(references, dtype=np.int64), np.asarray(predictions, dtype=np.int64)), 1)
-    return counts
+def write_results(accelerator: Accelerator, args, plan, scores: dict, extra: dict | None = None, confusion=None) -> dict:
+    """All ranks call this at the end of training (it gathers each rank's peak memory): the main
+    process writes metrics.json (the last evaluation's `scores`, the run's facts from `plan`, peak
+    memory per rank and `extra`, what the script reports about its data), training_args.json
+    (secrets redacted) and report/ (plots and summary; with `confusion`, a `ConfusionMatrix` from
+    the last evaluation, its picture too). Returns the metrics, on every rank."""
+    memory = peak_memory_mb(accelerator.device)
+    per_rank = accelerator.gather(torch.tensor([list(memory.values())], device=accelerator.device)).cpu()
+    facts = {**plan.facts(), **{f"{name}_per_rank": [round(v, 1) for v in per_rank[:, i].tolist()] for i, name in enumerate(memory)}}
+    metrics = {**scores, **facts, **(extra or {})}
+    output_dir = args.output_dir
+    write_json(accelerator, f"{output_dir}/metrics.json", metrics)
+    write_json(accelerator, f"{output_dir}/training_args.json", loggable_args(args))
+    if accelerator.is_main_process:
+        write_report(output_dir, summary_table(args, facts, extra), scores, confusion)
+    accelerator.wait_for_everyone()
+    logger.info(f"saved to {output_dir}: {describe(plan.facts())}; report in {output_dir}/report/README.md")
+    return metrics
 
 
 def _series(records: list[dict], key: str, x: str = "step"):
@@ -88,6 +101,8 @@ def plot_training(records: list[dict], path: str) -> bool:
 
 def plot_eval(records: list[dict], path: str) -> bool:
     """Each evaluation score against epochs. Returns False when there was no evaluation."""
+    from matplotlib.ticker import MaxNLocator
+
     keys = eval_keys(records)
     if not keys:
         return False
@@ -132,9 +147,10 @@ def _number(value) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def write_report(output_dir: str, summary: dict, final_scores: dict, confusion: ConfusionMatrix | None = None) -> list[str]:
+def write_report(output_dir: str, summary: dict, final_scores: dict, confusion=None) -> list[str]:
     """Write `<output_dir>/report/`: training.png, eval.png, confusion_matrix.png (+ .json) when
-    `confusion` is given, and README.md with `summary` (a label -> text table) and the final
+    `confusion` (a `classification.ConfusionMatrix`) is given, and README.md with `summary` (a
+    label -> text table) and the final
     scores, pointing at the pictures. Built in a staging directory and moved into place whole.
     The main process calls it; returns the names of the pictures written."""
     records = read_train_log(output_dir)
@@ -171,7 +187,7 @@ def write_report(output_dir: str, summary: dict, final_scores: dict, confusion: 
 
 
 def summary_table(args, facts: dict, extra: dict | None = None) -> dict:
-    """The report's summary rows from the run's options, `TrainingRun.facts()` and what the
+    """The report's summary rows from the run's options, `StepPlan.facts()` and what the
     script reported about its data (`extra`: skipped images, dropped tokens, ...)."""
     dataset, config = getattr(args, "dataset_name", None), getattr(args, "dataset_config_name", None)
     data = getattr(args, "train_file", None) or (f"{dataset} ({config})" if config else dataset) or "the offline demo data"
@@ -203,6 +219,8 @@ def plot_runs(output_dirs: list[str], path: str, keys: list[str] | None = None, 
     """Draw the curves of several runs on shared axes, one panel per logged key (default: train
     loss and every evaluation score any of them logged), one line per run, into the PNG `path`.
     Returns the keys drawn."""
+    from matplotlib.ticker import MaxNLocator
+
     names = names or [os.path.basename(os.path.abspath(d)) for d in output_dirs]
     runs = [(name, read_train_log(d)) for name, d in zip(names, output_dirs)]
     if keys is None:

@@ -1,5 +1,5 @@
-"""Watching a run: experiment trackers (`--report_to`), the records of each logging step and
-evaluation (the trackers and `train_log.jsonl`), memory use, and keeping secrets out of all of them.
+"""Watching a run: `TrainingLog` (the trackers of --report_to, `train_log.jsonl` and the progress
+bar), memory use, and keeping secrets out of all of them.
 
 One run per job: the trackers start, log and write on the main process only (Accelerate's
 trackers do nothing on the other ranks), and `train_log.jsonl` is written by the main process.
@@ -16,8 +16,11 @@ import sys
 
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 
-from .launch import UsageError
+from .errors import UsageError
+
+logger = get_logger(__name__)
 
 # The trackers --report_to accepts, and the package each needs.
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow"}
@@ -112,39 +115,112 @@ def peak_memory_mb(device: torch.device) -> dict[str, float]:
     return peaks
 
 
-class RunLog:
-    """Where a run's records go: the trackers of --report_to through `accelerator.log`, and
-    `train_log.jsonl` in the output directory, one JSON object per line, written by the main
-    process. Every rank creates it and calls its methods (only the main process writes)."""
+class TrainingLog:
+    """Shows and records the run as it trains: every --logging_steps optimizer steps (and at the
+    last) the loss, learning rate, gradient norm, throughput and memory, and each evaluation's
+    scores, to the trackers of --report_to, `train_log.jsonl` and the progress bar.
 
-    def __init__(self, accelerator: Accelerator, output_dir: str):
-        self.accelerator = accelerator
-        self.path = os.path.join(output_dir, TRAIN_LOG)
+    Build it on every rank after `Checkpointer.resume` (it starts the trackers, and needs the step
+    a resumed run starts from). Only the main process writes.
+    """
 
-    def start(self, project_name: str, run_name: str, config: dict, resumed_step: int = 0) -> None:
-        """Start the trackers with the hyper-parameters; after a resume, drop the records of the
-        steps after the checkpoint (the run takes them again), so each step is logged once."""
-        if self.accelerator.is_main_process and os.path.isfile(self.path):
-            kept = [line for line in self.records() if line["step"] <= resumed_step]
+    def __init__(self, accelerator: Accelerator, args, plan):
+        self.accelerator, self.logging_steps = accelerator, args.logging_steps
+        self.path = os.path.join(args.output_dir, TRAIN_LOG)
+        resumed_step = plan.step
+        if accelerator.is_main_process and os.path.isfile(self.path):
+            # After a resume, drop the records of the steps after the checkpoint: the run takes them again.
+            kept = [record for record in read_train_log(args.output_dir) if record["step"] <= resumed_step]
             with open(self.path, "w") as handle:
                 handle.writelines(json.dumps(record) + "\n" for record in kept)
+        run_name = args.run_name or os.path.basename(os.path.abspath(args.output_dir))
         init_kwargs = {"wandb": {"name": run_name}, "mlflow": {"run_name": run_name}, "trackio": {"name": run_name}}
         if resumed_step:  # TensorBoard hides the events a crashed run wrote after the checkpoint
             init_kwargs["tensorboard"] = {"purge_step": resumed_step + 1}
-        if self.accelerator.log_with:
-            self.accelerator.init_trackers(project_name, config=config, init_kwargs=init_kwargs)
+        if accelerator.log_with:
+            shape = {"world_size": accelerator.num_processes, "max_train_steps": plan.max_train_steps,
+                     "global_batch_size": plan.examples_per_step}
+            accelerator.init_trackers(args.project_name or script_name(), config=tracker_config(args, shape), init_kwargs=init_kwargs)
+        from tqdm.auto import tqdm
 
-    def log(self, record: dict, step: int) -> None:
-        """Send `record` (name -> number) for optimizer step `step` to the trackers and append it,
-        with the step, to train_log.jsonl. Every rank may call it; only the main process writes."""
+        self.bar = tqdm(total=plan.max_train_steps, initial=resumed_step, desc="train", disable=not accelerator.is_main_process)
+        self._new_window(plan)
+
+    def _new_window(self, plan) -> None:
+        """Start collecting the steps of the next record."""
+        self._window_start = dict(plan.progress)
+        self._loss_sum = torch.zeros((), device=self.accelerator.device)
+        self._grad_norm_sum, self._grad_norms, self._learning_rate = 0.0, 0, None
+
+    def step(self, plan, loss_sum: torch.Tensor, grad_norm, learning_rate: float) -> None:
+        """All ranks call this after every optimizer step (after `plan.count_step`), with this
+        rank's weighted loss sum over its micro-batches, the gradient norm before clipping (None if
+        DeepSpeed keeps it) and the learning rate the step used. Every --logging_steps steps and at
+        the last step it writes a record, with one gather of every rank's loss and peak memory."""
+        self._loss_sum += loss_sum.detach().float()
+        if grad_norm is not None:
+            self._grad_norm_sum += torch.as_tensor(grad_norm, dtype=torch.float32)  # stays on the device until logged
+            self._grad_norms += 1
+        self._learning_rate = learning_rate
+        self.bar.update(1)
+        if plan.step % self.logging_steps == 0 or plan.done:
+            self._write_window(plan)
+
+    def _write_window(self, plan) -> None:
+        """Log the steps since the last record: the loss over all their examples (or tokens) on
+        all ranks, the mean gradient norm, the last learning rate, global throughput and the peak
+        memory of the busiest rank. One gather."""
+        accelerator, now, start = self.accelerator, plan.progress, self._window_start
+        memory = peak_memory_mb(accelerator.device)
+        local = torch.stack([self._loss_sum.reshape(()), *(torch.tensor(value, device=accelerator.device) for value in memory.values())])
+        everyone = accelerator.gather(local[None]).cpu()  # (world size, 1 + memory kinds)
+        seconds = max(now["train_time_s"] - start["train_time_s"], 1e-9)
+        weight, tokens = now["trained_weight"] - start["trained_weight"], now["tokens_seen"] - start["tokens_seen"]
+        loss = everyone[:, 0].sum().item() / max(weight, 1.0)
+        record = {"train/epoch": plan.fractional_epoch, "train/loss": loss, "train/learning_rate": self._learning_rate}
+        if self._grad_norms:
+            record["train/grad_norm"] = float(self._grad_norm_sum) / self._grad_norms
+        record["train/samples_per_second"] = (now["samples_seen"] - start["samples_seen"]) / seconds
+        if tokens:
+            record["train/tokens_per_second"] = tokens / seconds
+        for i, name in enumerate(memory, start=1):
+            record[f"train/{name}"] = everyone[:, i].max().item()
+        self._write(record, plan.step)
+        speed = f"{record['train/samples_per_second']:,.1f} samples/s"
+        if tokens:
+            speed += f", {record['train/tokens_per_second']:,.0f} tok/s"
+        self.bar.set_postfix_str(f"loss {loss:.4f}, {speed}")
+        self._new_window(plan)
+
+    def evaluation(self, plan, scores: dict) -> None:
+        """After each epoch's evaluation (and `plan.end_epoch`): log its scores. Every rank calls it
+        with the same scores; no communication."""
+        logger.info(f"epoch {plan.progress['epoch'] - 1}: {describe(scores)}")
+        record = {"epoch": plan.progress["epoch"]}
+        record.update({f"eval/{name.removeprefix('eval_')}": value for name, value in scores.items() if isinstance(value, (int, float))})
+        self._write(record, plan.step)
+
+    def _write(self, record: dict, step: int) -> None:
+        """Send `record` for optimizer step `step` to the trackers and append it, with the step, to
+        train_log.jsonl (main process only)."""
         self.accelerator.log(record, step=step)
         if self.accelerator.is_main_process:
             with open(self.path, "a") as handle:
                 handle.write(json.dumps({"step": step, **record}) + "\n")
 
-    def records(self) -> list[dict]:
-        """The records written so far (read by the main process, for the report)."""
-        return read_train_log(os.path.dirname(self.path))
+    def close(self) -> None:
+        """Close the progress bar, at the end of training."""
+        self.bar.close()
+
+
+def describe(values: dict) -> str:
+    """`key value, ...` with floats to 4 significant digits, for log lines."""
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+
+
+def script_name() -> str:
+    """The running script's name without .py (train, train_clm, ...): the default tracker project."""
+    return os.path.splitext(os.path.basename(sys.argv[0]))[0] or "fine-tuning"
 
 
 def read_train_log(output_dir: str) -> list[dict]:

@@ -14,8 +14,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from .data import SAMPLE_WEIGHT
-from .launch import UsageError
+from .sharding import SAMPLE_WEIGHT
+from .errors import UsageError
 
 logger = get_logger(__name__)
 EXAMPLE_ID = "example_id"  # each training image's index: with the seed and epoch, it fixes its augmentation

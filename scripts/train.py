@@ -11,9 +11,11 @@ With no arguments it runs the offline demo: all-MiniLM-L6-v2 fine-tuned on 600 d
 """
 
 import argparse
+import math
 
 import datasets
 import torch
+import torch.nn.functional as F
 from accelerate.logging import get_logger
 from transformers import (
     AutoModelForSequenceClassification,
@@ -23,7 +25,7 @@ from transformers import (
 )
 
 import ddp_utils
-from ddp_utils import UsageError
+from ddp_utils import SAMPLE_WEIGHT, UsageError
 from ddp_utils.demo import demo_model_path, load_demo_reviews
 
 logger = get_logger(__name__)
@@ -59,25 +61,23 @@ def parse_args(argv=None):
 
 
 # ==================================== DATA ====================================
-# The one place to edit for your own dataset: return a DatasetDict with "train" and
-# "validation" splits that hold the text column(s) and the label column.
+# The one place to edit for your own dataset: return a DatasetDict with a "train" split and a
+# "validation" (or "test") split that hold the text column(s) and the label column.
 def load_raw_datasets(args):
     if args.train_file:
         return ddp_utils.read_data_files({"train": args.train_file, "validation": args.validation_file})
     if args.dataset_name:
-        raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
-        if "validation" not in raw and "test" in raw:
-            raw["validation"] = raw["test"]
-        return raw
+        return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
     return load_demo_reviews()
 # ==============================================================================
 
 
-def prepare_data_and_model(args, accelerator):
-    """Load, check and tokenize the data; load tokenizer and model. Runs on the main process first."""
+def prepare_data(args):
+    """Load, check and tokenize the data; load the tokenizer and the model's config (with the
+    labels). Runs on the main process first, then on the others."""
     columns = {**{c: "--text_column" for c in args.text_columns}, args.label_column: "--label_column"}
-    raw = ddp_utils.check_splits(load_raw_datasets(args), columns, {"train": args.max_train_samples, "validation": args.max_eval_samples},
-                                 "--train_file/--validation_file")
+    raw = ddp_utils.check_splits(load_raw_datasets(args), columns, "--train_file/--validation_file or --dataset_name",
+                                 limits={"train": args.max_train_samples, "validation": args.max_eval_samples})
     label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
     config = ddp_utils.load_model_config(args.model_name_or_path, **ddp_utils.label_config(label_names))
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -91,10 +91,7 @@ def prepare_data_and_model(args, accelerator):
         return encoded
 
     tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing")
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, config=config, ignore_mismatched_sizes=True
-    )
-    return tokenized, tokenizer, model
+    return tokenized, tokenizer, config
 
 
 def main():
@@ -103,7 +100,10 @@ def main():
     if args.model_name_or_path is None:
         args.model_name_or_path = demo_model_path()
 
-    tokenized, tokenizer, model = ddp_utils.load_on_main_first(accelerator, prepare_data_and_model, args, accelerator)
+    tokenized, tokenizer, config = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
+    # Every rank builds the model at the same time: under DeepSpeed ZeRO-3 building it is a collective.
+    model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, config=config, ignore_mismatched_sizes=True)
+    ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
     train_dataloader = ddp_utils.make_train_dataloader(
         tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate
@@ -113,30 +113,54 @@ def main():
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval examples")
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # no decay on biases and norms
-    run = ddp_utils.TrainingRun(accelerator, args, model, train_dataloader)  # step plan, checkpoints, resume
-    lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * run.max_train_steps), run.max_train_steps)
+    plan = ddp_utils.StepPlan(accelerator, args, train_dataloader)  # how many steps and epochs; where the run stands
+    checkpointer = ddp_utils.Checkpointer(accelerator, args, model)  # saves when due or on SIGTERM; resumes
+    lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * plan.max_train_steps), plan.max_train_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    run.start()  # creates the output dir, starts the trackers, resumes from a checkpoint if asked to
+    logger.info(f"optimizer: {ddp_utils.describe_optimizer(optimizer)}")
+    ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
+    checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
+    log = ddp_utils.TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar
 
-    confusion = None
-    for epoch in run.epochs():
+    # Every call below that says "all ranks" is a collective: call it on every rank, never under
+    # `if accelerator.is_main_process`, and never leave the loop on one rank alone.
+    scores, confusion = {}, None
+    for epoch in plan.epochs():
         model.train()
-        # One optimizer step per iteration: its micro-batches, and how many real examples they hold on all ranks.
-        for micro_batches, step_size in run.optimizer_steps(train_dataloader, epoch):
-            step = ddp_utils.train_step(accelerator, model, optimizer, micro_batches, step_size,
-                                        ddp_utils.classification_loss, args.max_grad_norm)
+        for micro_batches in plan.optimizer_steps(train_dataloader, epoch):  # this rank's share of one optimizer step
+            step = ddp_utils.count_step(accelerator, micro_batches)  # all ranks: examples in the whole step
+            loss_sum = 0.0
+            for batch in micro_batches:
+                with accelerator.accumulate(model):  # gradients are synchronised on the last micro-batch only
+                    weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
+                    losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per example
+                    # The mean over the step's examples on all ranks, not over this micro-batch.
+                    accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step.weight, accelerator))
+                    if accelerator.sync_gradients:  # the step's last micro-batch: its gradient is complete
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                    optimizer.step()  # a no-op until the last micro-batch
+                    optimizer.zero_grad()
+                loss_sum += (losses.detach() * weights).sum()
+            learning_rate = lr_scheduler.get_last_lr()[0]
             lr_scheduler.step()
-            if run.end_step(step):  # logging, checkpoints, preemption
+
+            plan.count_step(step)
+            log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
+            checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
+            if plan.done:
                 break
-        scores, confusion = ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)
-        run.end_epoch(scores)
-        if run.done:
+        scores, confusion = ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)  # all ranks
+        plan.end_epoch()
+        log.evaluation(plan, scores)
+        checkpointer.epoch(plan)  # all ranks: saves when due
+        if plan.done:
             break
 
-    ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer)
-    run.finish(confusion=confusion)  # metrics.json, report/ with plots
+    log.close()
+    ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)  # all ranks
+    ddp_utils.write_results(accelerator, args, plan, scores, confusion=confusion)  # all ranks: metrics.json, report/
     accelerator.end_training()
 
 

@@ -18,6 +18,7 @@ review:" -> the review). For your own data, pass --train_file (and
 """
 
 import argparse
+import math
 
 import datasets
 import torch
@@ -26,8 +27,9 @@ from accelerate.logging import get_logger
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_linear_schedule_with_warmup
 
 import ddp_utils
-from ddp_utils import INPUT_TOKENS, UsageError
+from ddp_utils import UsageError
 from ddp_utils.demo import demo_decoder_config_path, demo_model_path, load_demo_reviews
+from ddp_utils.exact_loss import INPUT_TOKENS
 from ddp_utils.lm import (
     IGNORE_INDEX,
     TARGET_TOKENS,
@@ -116,37 +118,15 @@ def load_raw_datasets(args):
 
 
 def check_and_split(raw, args):
-    """Refuse data the run cannot use, with the fix; hold out a validation split if none was given."""
-    if "train" not in raw:
-        raise UsageError(f"the data has no 'train' split (it has {sorted(raw)}); give --train_file")
-    columns = [args.text_column] if args.data_mode == "text" else [args.prompt_column, args.response_column]
-    splits = {}
-    for split in ("train", "validation"):
-        if split not in raw:
-            continue
-        for column in columns:
-            if column not in raw[split].column_names:
-                option = {args.text_column: "--text_column", args.prompt_column: "--prompt_column"}.get(column, "--response_column")
-                raise UsageError(f"the {split} data has no column {column!r}; its columns are {raw[split].column_names}. "
-                                 f"Name the right one with {option}")
-            empty = [i for i, value in enumerate(raw[split][column]) if value is None or (args.data_mode == "sft" and not str(value).strip())]
-            if empty:
-                raise UsageError(f"{len(empty)} {split} records have an empty or missing {column!r} (first: record {empty[0]}); "
-                                 "fill or drop them")
-        splits[split] = raw[split]
-        if args.data_mode == "text":  # blank lines are normal in .txt files; skip them
-            splits[split] = splits[split].filter(lambda row: bool(row[args.text_column].strip()))
-        if len(splits[split]) == 0:
-            raise UsageError(f"the {split} data holds no text")
-    if "validation" not in splits:
-        held_out = max(1, round(len(splits["train"]) * args.validation_split_percentage / 100))
-        if len(splits["train"]) - held_out < 1:
-            raise UsageError(f"{len(splits['train'])} training record(s) are too few to hold out a validation split; "
-                             "give more data or a --validation_file")
-        parts = splits["train"].train_test_split(test_size=held_out, seed=args.seed)
-        splits = {"train": parts["train"], "validation": parts["test"]}
-    limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
-    return datasets.DatasetDict({s: splits[s].select(range(min(len(splits[s]), limits[s] or len(splits[s])))) for s in splits})
+    """The data the run can use (`ddp_utils.check_splits`): the needed columns present and filled,
+    blank lines of raw text dropped, a validation split held out if none was given."""
+    if args.data_mode == "text":
+        columns, blank = {args.text_column: "--text_column"}, "drop"  # blank lines are normal in .txt files
+    else:
+        columns, blank = {args.prompt_column: "--prompt_column", args.response_column: "--response_column"}, "refuse"
+    return ddp_utils.check_splits(raw, columns, "--train_file/--validation_file or --dataset_name",
+                                  limits={"train": args.max_train_samples, "validation": args.max_eval_samples},
+                                  hold_out_percentage=args.validation_split_percentage, seed=args.seed, blank=blank)
 
 
 def load_tokenizer(args):
@@ -238,12 +218,32 @@ def tokenize(raw, tokenizer, args, block_size):
     return tokenized, report
 
 
-def load_model(args, config):
-    """The model (or the demo decoder from its config), with gradient checkpointing and LoRA if asked."""
+def prepare_data(args):
+    """Load, check and tokenize the data; load the tokenizer and the model's config. Runs on the
+    main process first, then on the others."""
+    raw = check_and_split(load_raw_datasets(args), args)
+    if args.demo_decoder:  # the demo: the repo's decoder config, the packaged tokenizer
+        config = AutoConfig.from_pretrained(demo_decoder_config_path())
+    else:
+        config = ddp_utils.load_model_config(args.model_name_or_path)
+    tokenizer = load_tokenizer(args)
+    context = getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length
+    block_size = args.block_size or min(context, 1024)
+    if block_size > context:
+        raise UsageError(f"--block_size {block_size} is above this model's context of {context} tokens; lower it")
+    tokenized, report = tokenize(raw, tokenizer, args, block_size)
+    report["train_padding_waste"] = padding_waste(tokenized["train"], args.per_device_train_batch_size)  # padded / real tokens
+    return tokenized, tokenizer, config, {"block_size": block_size, **report}, raw["validation"]
+
+
+def load_model(args, config, tokenizer):
+    """The model (or the demo decoder from its config), with gradient checkpointing and LoRA if
+    asked. Every rank calls it at the same time: under DeepSpeed ZeRO-3 building a model is a collective."""
     if args.demo_decoder:
         model = AutoModelForCausalLM.from_config(config)  # random weights: same on every rank (same seed)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config)
+    model.config.pad_token_id = tokenizer.pad_token_id
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -266,26 +266,15 @@ def load_model(args, config):
     return model
 
 
-def prepare_data_and_model(args):
-    """Load, check and tokenize the data; load tokenizer and model. Runs on the main process first."""
-    raw = check_and_split(load_raw_datasets(args), args)
-    if args.demo_decoder:  # the demo: the repo's decoder config, the packaged tokenizer
-        config = AutoConfig.from_pretrained(demo_decoder_config_path())
-    else:
-        config = ddp_utils.load_model_config(args.model_name_or_path)
-    tokenizer = load_tokenizer(args)
-    context = getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length
-    block_size = args.block_size or min(context, 1024)
-    if block_size > context:
-        raise UsageError(f"--block_size {block_size} is above this model's context of {context} tokens; lower it")
-    tokenized, report = tokenize(raw, tokenizer, args, block_size)
-    report["train_padding_waste"] = padding_waste(tokenized["train"], args.per_device_train_batch_size)  # padded / real tokens
-    model = load_model(args, config)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if args.packing and not packing_is_masked(model):
-        raise UsageError(f"{type(model).__name__} does not keep packed examples apart (its attention ignores the restarting "
-                         "position_ids); drop --packing")
-    return tokenized, tokenizer, model, {"block_size": block_size, **report}, raw["validation"]
+def check_packing(accelerator, model) -> None:
+    """--packing: refuse, on every rank, a model that lets packed examples attend to each other.
+    All ranks call this (the ranks that hold the weights check; one gather shares the verdict)."""
+    masked = packing_is_masked(model)
+    if masked is None:
+        logger.warning("--packing: this rank holds no whole weights (DeepSpeed ZeRO-3), so the check that packed examples "
+                       "stay apart was skipped; models built on transformers' create_causal_mask (Llama, Qwen2, Mistral, ...) pass it")
+    ddp_utils.refuse_together(accelerator, None if masked is not False else (
+        f"{type(model).__name__} does not keep packed examples apart (its attention ignores the restarting position_ids); drop --packing"))
 
 
 def causal_lm_loss(model, batch):
@@ -302,7 +291,8 @@ def causal_lm_loss(model, batch):
 
 
 def run_evaluation(accelerator, model, eval_dataloader):
-    """Perplexity over the whole eval set: loss sums and token counts from all ranks, added up."""
+    """All ranks call this (it gathers every rank's sums): perplexity over the whole eval set,
+    from the loss sums and token counts of all ranks, added up."""
     def sums(model, batch):
         losses, weights = causal_lm_loss(model, batch)
         return {"loss_sum": (losses * weights).sum(dim=1), "tokens": weights.sum(dim=1)}
@@ -344,7 +334,11 @@ def main():
     if args.demo_decoder:
         args.model_name_or_path = demo_model_path()  # for its tokenizer; the model comes from models/demo-decoder
 
-    tokenized, tokenizer, model, data_report, validation = ddp_utils.load_on_main_first(accelerator, prepare_data_and_model, args)
+    tokenized, tokenizer, config, data_report, validation = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
+    model = load_model(args, config, tokenizer)  # on every rank at once (a collective under ZeRO-3)
+    if args.packing:
+        check_packing(accelerator, model)
+    ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates; LoRA's frozen base stays
     collate = CausalLMCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
     train_dataloader = ddp_utils.make_train_dataloader(
         tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate
@@ -353,33 +347,58 @@ def main():
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval sequences of at most {data_report['block_size']} tokens")
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # trainable parameters only
-    run = ddp_utils.TrainingRun(accelerator, args, model, train_dataloader, unit="target_tokens", weight_key=TARGET_TOKENS)
-    lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * run.max_train_steps), run.max_train_steps)
+    plan = ddp_utils.StepPlan(accelerator, args, train_dataloader, unit="target_tokens")  # steps, epochs, where the run stands
+    checkpointer = ddp_utils.Checkpointer(accelerator, args, model)  # saves when due or on SIGTERM; resumes
+    lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * plan.max_train_steps), plan.max_train_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    run.start()  # creates the output dir, starts the trackers, resumes from a checkpoint if asked to
+    logger.info(f"optimizer: {ddp_utils.describe_optimizer(optimizer)}")
+    ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
+    checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
+    log = ddp_utils.TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar
 
-    for epoch in run.epochs():
+    # Every call below that says "all ranks" is a collective: call it on every rank, never under
+    # `if accelerator.is_main_process`, and never leave the loop on one rank alone.
+    scores = {}
+    for epoch in plan.epochs():
         model.train()
-        # One optimizer step per iteration: its micro-batches, and how many target tokens they hold on all ranks.
-        for micro_batches, step_size in run.optimizer_steps(train_dataloader, epoch):
-            step = ddp_utils.train_step(accelerator, model, optimizer, micro_batches, step_size,
-                                        causal_lm_loss, args.max_grad_norm)
+        for micro_batches in plan.optimizer_steps(train_dataloader, epoch):  # this rank's share of one optimizer step
+            step = ddp_utils.count_step(accelerator, micro_batches, weight_key=TARGET_TOKENS)  # all ranks: target tokens in the step
+            loss_sum = 0.0
+            for batch in micro_batches:
+                with accelerator.accumulate(model):  # gradients are synchronised on the last micro-batch only
+                    losses, weights = causal_lm_loss(model, batch)  # one per token; weight 0 for prompt and padding
+                    # The mean over the step's target tokens on all ranks, not over this micro-batch.
+                    accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step.weight, accelerator))
+                    if accelerator.sync_gradients:  # the step's last micro-batch: its gradient is complete
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                    optimizer.step()  # a no-op until the last micro-batch
+                    optimizer.zero_grad()
+                loss_sum += (losses.detach() * weights).sum()
+            learning_rate = lr_scheduler.get_last_lr()[0]
             lr_scheduler.step()
-            if run.end_step(step):  # logging, checkpoints, preemption
+
+            plan.count_step(step)
+            log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
+            checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
+            if plan.done:
                 break
-        run.end_epoch(run_evaluation(accelerator, model, eval_dataloader))
-        if run.done:
+        scores = run_evaluation(accelerator, model, eval_dataloader)  # all ranks
+        plan.end_epoch()
+        log.evaluation(plan, scores)
+        checkpointer.epoch(plan)  # all ranks: saves when due
+        if plan.done:
             break
 
+    log.close()
     # The model (or with LoRA the adapter), unwrapped, as safetensors, with config and tokenizer.
-    ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer)
+    ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)  # all ranks
     if args.merge_lora:  # a full model that loads with AutoModelForCausalLM alone, without peft
         merged = accelerator.unwrap_model(model).merge_and_unload()
-        ddp_utils.save_model(accelerator, merged, f"{args.output_dir}/merged", tokenizer)
+        ddp_utils.save_model(accelerator, merged, f"{args.output_dir}/merged", tokenizer, dtype=args.save_dtype)  # all ranks
         model = merged
-    run.finish(data_report)  # metrics.json, report/ with plots
+    ddp_utils.write_results(accelerator, args, plan, scores, data_report)  # all ranks: metrics.json, report/
     show_sample(accelerator, model, tokenizer, args, validation)
     accelerator.end_training()
 

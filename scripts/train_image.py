@@ -12,14 +12,16 @@ For your own images, pass --train_dir (one subfolder per class) and --validation
 """
 
 import argparse
+import math
 
 import datasets
 import torch
+import torch.nn.functional as F
 from accelerate.logging import get_logger
 from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification, get_linear_schedule_with_warmup
 
 import ddp_utils
-from ddp_utils import UsageError
+from ddp_utils import SAMPLE_WEIGHT, UsageError
 from ddp_utils.demo import demo_resnet_path, load_demo_digits
 from ddp_utils.vision import EXAMPLE_ID, ImageCollator, check_sync_batchnorm, convert_sync_batchnorm, drop_bad_images
 
@@ -65,7 +67,8 @@ def parse_args(argv=None):
 
 # ==================================== DATA ====================================
 # The one place to edit for your own dataset: return a DatasetDict with a "train" split (and
-# "validation" or "test" if you have one) holding the image column (PIL images) and the label column.
+# "validation" or "test" if you have one; else some training images are held out) holding the
+# image column (PIL images) and the label column.
 def load_raw_datasets(args):
     if args.train_dir:
         folders = {"train": f"{args.train_dir}/**", **({"validation": f"{args.validation_dir}/**"} if args.validation_dir else {})}
@@ -76,45 +79,32 @@ def load_raw_datasets(args):
 # ==============================================================================
 
 
-def check_and_split(raw, args):
-    """Refuse data the run cannot use, with the fix; take "test" as validation, or hold some out."""
-    if "train" not in raw:
-        raise UsageError(f"the data has no 'train' split (it has {sorted(raw)}); give --train_dir or --dataset_name")
-    train = raw["train"]
-    if args.train_dir and (args.label_column not in train.column_names or train.with_format("arrow")[args.label_column].null_count):
+def prepare_data(args):
+    """Load and check the images (every one decoded once) and their labels; load the image
+    processor and the model's config (with the labels). Runs on the main process first, then on
+    the others."""
+    raw = load_raw_datasets(args)
+    train = raw["train"] if "train" in raw else None
+    if args.train_dir and train is not None and (args.label_column not in train.column_names
+                                                 or train.with_format("arrow")[args.label_column].null_count):
         raise UsageError(f"--train_dir {args.train_dir!r} holds images of one class only (its images are not in class subfolders); "
                          "a classifier needs at least two: put each class's images in its own subfolder (train/cat/*.jpg, train/dog/*.jpg, ...)")
-    raw = datasets.DatasetDict(raw)
-    if "validation" not in raw and "test" in raw:
-        raw["validation"] = raw["test"]
-    if "validation" not in raw:
-        held_out = max(1, round(len(raw["train"]) * args.validation_split_percentage / 100))
-        stratify = args.label_column if isinstance(raw["train"].features.get(args.label_column), datasets.ClassLabel) else None
-        parts = raw["train"].train_test_split(test_size=held_out, seed=args.seed, stratify_by_column=stratify)
-        raw = datasets.DatasetDict({"train": parts["train"], "validation": parts["test"]})
     columns = {args.image_column: "--image_column", args.label_column: "--label_column"}
-    data_options = "--train_dir/--validation_dir or --dataset_name"
-    return ddp_utils.check_splits(raw, columns, {"train": args.max_train_samples, "validation": args.max_eval_samples}, data_options)
-
-
-def prepare_data_and_model(args):
-    """Load and check the images (every one decoded once), the labels, the model and its image
-    processor. Runs on the main process first."""
-    raw = check_and_split(load_raw_datasets(args), args)
+    raw = ddp_utils.check_splits(raw, columns, "--train_dir/--validation_dir or --dataset_name",
+                                 limits={"train": args.max_train_samples, "validation": args.max_eval_samples},
+                                 hold_out_percentage=args.validation_split_percentage, seed=args.seed, stratify_by=args.label_column)
     skipped = drop_bad_images(raw, args.image_column, args.skip_bad_images)
     label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
     if to_label_id is not int:  # labels given as strings: their ids (reads the label column only, not the images)
         raw = raw.map(lambda label: {args.label_column: to_label_id(label)}, input_columns=[args.label_column], desc="Label ids")
     labels = ddp_utils.label_config(label_names)
-    processor_path = demo_resnet_path() if args.demo_model else args.model_name_or_path
-    image_processor = AutoImageProcessor.from_pretrained(processor_path)
-    if args.demo_model:  # random weights: the same on every rank (same seed)
-        model = AutoModelForImageClassification.from_config(AutoConfig.from_pretrained(demo_resnet_path(), **labels))
+    image_processor = AutoImageProcessor.from_pretrained(demo_resnet_path() if args.demo_model else args.model_name_or_path)
+    if args.demo_model:
+        config = AutoConfig.from_pretrained(demo_resnet_path(), **labels)
     else:
         config = ddp_utils.load_model_config(args.model_name_or_path, **labels)
-        model = AutoModelForImageClassification.from_pretrained(args.model_name_or_path, config=config, ignore_mismatched_sizes=True)
     train = raw["train"].add_column(EXAMPLE_ID, list(range(len(raw["train"]))))
-    return datasets.DatasetDict({"train": train, "validation": raw["validation"]}), image_processor, model, skipped
+    return datasets.DatasetDict({"train": train, "validation": raw["validation"]}), image_processor, config, skipped
 
 
 def main():
@@ -123,7 +113,13 @@ def main():
     if args.sync_batchnorm:
         check_sync_batchnorm(accelerator)  # before any work: SyncBatchNorm runs on GPUs only
 
-    data, image_processor, model, skipped = ddp_utils.load_on_main_first(accelerator, prepare_data_and_model, args)
+    data, image_processor, config, skipped = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
+    # Every rank builds the model at the same time: under DeepSpeed ZeRO-3 building it is a collective.
+    if args.demo_model:  # random weights: the same on every rank (same seed)
+        model = AutoModelForImageClassification.from_config(config)
+    else:
+        model = AutoModelForImageClassification.from_pretrained(args.model_name_or_path, config=config, ignore_mismatched_sizes=True)
+    ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     channels = getattr(model.config, "num_channels", 3)
     train_collate = ImageCollator(image_processor, args.image_column, args.label_column, channels,
                                   augment=args.augment != "none", flip="flip" in args.augment, seed=args.seed)
@@ -138,31 +134,55 @@ def main():
         model = convert_sync_batchnorm(model)  # before prepare, so DDP wraps the synchronised layers
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # no decay on biases and norms
-    run = ddp_utils.TrainingRun(accelerator, args, model, train_dataloader)  # step plan, checkpoints, resume
-    lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * run.max_train_steps), run.max_train_steps)
+    plan = ddp_utils.StepPlan(accelerator, args, train_dataloader)  # how many steps and epochs; where the run stands
+    checkpointer = ddp_utils.Checkpointer(accelerator, args, model)  # saves when due or on SIGTERM; resumes
+    lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * plan.max_train_steps), plan.max_train_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    run.start()  # creates the output dir, starts the trackers, resumes from a checkpoint if asked to
+    logger.info(f"optimizer: {ddp_utils.describe_optimizer(optimizer)}")
+    ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
+    checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
+    log = ddp_utils.TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar
 
-    confusion = None
-    for epoch in run.epochs():
+    # Every call below that says "all ranks" is a collective: call it on every rank, never under
+    # `if accelerator.is_main_process`, and never leave the loop on one rank alone.
+    scores, confusion = {}, None
+    for epoch in plan.epochs():
         model.train()
         train_collate.set_epoch(epoch)  # each image's augmentation depends on (seed, epoch, image) only
-        # One optimizer step per iteration: its micro-batches, and how many real images they hold on all ranks.
-        for micro_batches, step_size in run.optimizer_steps(train_dataloader, epoch):
-            step = ddp_utils.train_step(accelerator, model, optimizer, micro_batches, step_size,
-                                        ddp_utils.classification_loss, args.max_grad_norm)
+        for micro_batches in plan.optimizer_steps(train_dataloader, epoch):  # this rank's share of one optimizer step
+            step = ddp_utils.count_step(accelerator, micro_batches)  # all ranks: images in the whole step
+            loss_sum = 0.0
+            for batch in micro_batches:
+                with accelerator.accumulate(model):  # gradients are synchronised on the last micro-batch only
+                    weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
+                    losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per image
+                    # The mean over the step's images on all ranks, not over this micro-batch.
+                    accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step.weight, accelerator))
+                    if accelerator.sync_gradients:  # the step's last micro-batch: its gradient is complete
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                    optimizer.step()  # a no-op until the last micro-batch
+                    optimizer.zero_grad()
+                loss_sum += (losses.detach() * weights).sum()
+            learning_rate = lr_scheduler.get_last_lr()[0]
             lr_scheduler.step()
-            if run.end_step(step):  # logging, checkpoints, preemption
+
+            plan.count_step(step)
+            log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
+            checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
+            if plan.done:
                 break
-        scores, confusion = ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)
-        run.end_epoch(scores)
-        if run.done:
+        scores, confusion = ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)  # all ranks
+        plan.end_epoch()
+        log.evaluation(plan, scores)
+        checkpointer.epoch(plan)  # all ranks: saves when due
+        if plan.done:
             break
 
-    ddp_utils.save_model(accelerator, model, args.output_dir, image_processor)
-    run.finish(skipped, confusion=confusion)  # metrics.json, report/ with plots
+    log.close()
+    ddp_utils.save_model(accelerator, model, args.output_dir, image_processor, dtype=args.save_dtype)  # all ranks
+    ddp_utils.write_results(accelerator, args, plan, scores, skipped, confusion=confusion)  # all ranks: metrics.json, report/
     accelerator.end_training()
 
 

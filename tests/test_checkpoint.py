@@ -12,7 +12,8 @@ import pytest
 from conftest import AUDIT_HOOK_DIR, REPO, launch, make_tiny_model, train_args
 from safetensors.numpy import load_file
 
-from ddp_utils import EXIT_PREEMPTED, PREEMPTED_FILE
+from ddp_utils.checkpoint import PREEMPTED_FILE
+from ddp_utils.errors import EXIT_PREEMPTED
 
 TRAIN = REPO / "scripts" / "train.py"
 HOOKS = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}

@@ -8,17 +8,19 @@ import pytest
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
+from ddp_utils.io import check_output_dir, write_json
+from ddp_utils.sharding import pad_to_even_shards
 
 
 def test_pad_to_even_shards_adds_weightless_fillers():
     import datasets
 
     dataset = datasets.Dataset.from_dict({"x": list(range(37))})
-    padded = ddp_utils.pad_to_even_shards(dataset, 8)
+    padded = pad_to_even_shards(dataset, 8)
     assert len(padded) == 40
     assert padded[SAMPLE_WEIGHT] == [1.0] * 37 + [0.0] * 3
     assert padded["x"][37:] == [0, 1, 2]
-    assert len(ddp_utils.pad_to_even_shards(dataset.select(range(32)), 8)) == 32
+    assert len(pad_to_even_shards(dataset.select(range(32)), 8)) == 32
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -34,14 +36,14 @@ def test_local_f1_and_accuracy_modules_match_scikit_learn(seed):
 
 
 def test_check_output_dir(tmp_path):
-    ddp_utils.check_output_dir(str(tmp_path / "new"), overwrite=False)
-    ddp_utils.check_output_dir(str(tmp_path), overwrite=False)  # exists but empty: fine
+    check_output_dir(str(tmp_path / "new"), overwrite=False)
+    check_output_dir(str(tmp_path), overwrite=False)  # exists but empty: fine
     (tmp_path / "model.safetensors").write_text("x")
     with pytest.raises(UsageError, match="--overwrite_output_dir"):
-        ddp_utils.check_output_dir(str(tmp_path), overwrite=False)
-    ddp_utils.check_output_dir(str(tmp_path), overwrite=True)
+        check_output_dir(str(tmp_path), overwrite=False)
+    check_output_dir(str(tmp_path), overwrite=True)
     with pytest.raises(UsageError, match="is a file"):
-        ddp_utils.check_output_dir(str(tmp_path / "model.safetensors"), overwrite=True)
+        check_output_dir(str(tmp_path / "model.safetensors"), overwrite=True)
 
 
 def test_write_json_is_atomic_and_main_only(tmp_path):
@@ -51,15 +53,17 @@ def test_write_json_is_atomic_and_main_only(tmp_path):
     class Other:
         is_main_process = False
 
-    ddp_utils.write_json(Other(), str(tmp_path / "a.json"), {"x": 1})
+    write_json(Other(), str(tmp_path / "a.json"), {"x": 1})
     assert not (tmp_path / "a.json").exists()
-    ddp_utils.write_json(Main(), str(tmp_path / "a.json"), {"x": 1})
+    write_json(Main(), str(tmp_path / "a.json"), {"x": 1})
     assert json.loads((tmp_path / "a.json").read_text()) == {"x": 1}
     assert os.listdir(tmp_path) == ["a.json"], "no temporary file may be left behind"
 
 
 def test_demo_data_is_the_documented_subset():
-    data = ddp_utils.demo.load_demo_reviews()
+    from ddp_utils.demo import load_demo_reviews
+
+    data = load_demo_reviews()
     assert (len(data["train"]), len(data["validation"])) == (600, 379)
     labels = list(data["validation"]["label"])
     assert sorted(set(labels)) == ["negative", "neutral", "positive"]
@@ -88,7 +92,7 @@ def test_save_model_of_a_compiled_model_reloads_its_trained_weights(tiny_lm, tmp
 
 
 def test_step_aligned_sampler_spreads_the_last_step_over_ranks_and_micro_batches():
-    from ddp_utils.data import StepAlignedSampler
+    from ddp_utils.sharding import StepAlignedSampler
 
     # 13 real examples, 3 fillers; steps of 2 ranks x 2 micro-batches x batch 2 = 8.
     sampler = StepAlignedSampler(13, 16, batch_size=2, num_processes=2, accumulation=2, seed=1)
@@ -118,7 +122,7 @@ def test_step_size_counts_real_rows_and_their_tokens_the_same_padded_or_packed()
     collate = CausalLMCollator(pad_token_id=0)
 
     def step_size(batches):
-        (_, size), = ddp_utils.optimizer_step_batches(batches, accelerator, TARGET_TOKENS)
+        size = ddp_utils.count_step(accelerator, batches, TARGET_TOKENS)
         return float(size.weight), float(size.examples), float(size.tokens)
 
     # Padded: two optimizer steps of one micro-batch each, a filler in the first.

@@ -59,7 +59,7 @@ def tutorial_ddp_training(model, train_dataset, batch_size, collate_fn, lr, epoc
     from torch.utils.data import DataLoader, DistributedSampler
     from transformers import get_linear_schedule_with_warmup
 
-    from ddp_utils import weight_decay_groups
+    from ddp_utils.optim import weight_decay_groups
 
     model = DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
     sampler = DistributedSampler(train_dataset, shuffle=True, seed=42)

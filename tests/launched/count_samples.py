@@ -1,11 +1,12 @@
 """Launched by the tests: which examples each rank draws, epoch by epoch, through the same
-ddp_utils.make_train_dataloader / epoch_dataloader / optimizer_step_batches path as the training
+ddp_utils.make_train_dataloader / StepPlan.optimizer_steps / count_step path as the training
 scripts. With RESUME_EPOCH and RESUME_STEPS it also records that epoch as a run resumed after
 RESUME_STEPS optimizer steps sees it.
 
 usage: count_samples.py OUT.json NUM_EXAMPLES PER_DEVICE_BATCH EPOCHS [ACCUMULATION RESUME_EPOCH RESUME_STEPS]
 """
 
+import argparse
 import json
 import sys
 
@@ -15,27 +16,36 @@ from accelerate.utils import gather_object
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT
+from ddp_utils.launch import make_accelerator
 
 
 def collate(rows):
     return {key: torch.tensor([row[key] for row in rows]) for key in rows[0]}
 
 
-def epoch_batches(accelerator, loader, epoch, steps_done=0):
+def epoch_batches(accelerator, plan, loader, epoch, steps_done=0):
     """This rank's (ids, weights) per micro-batch, in order, as the training loop sees them."""
-    batches = ddp_utils.epoch_dataloader(accelerator, loader, epoch, steps_done)
-    return [(b["example_id"].tolist(), b[SAMPLE_WEIGHT].tolist()) for step, _ in ddp_utils.optimizer_step_batches(batches, accelerator) for b in step]
+    plan.progress["step_in_epoch"] = steps_done
+    seen = []
+    for micro_batches in plan.optimizer_steps(loader, epoch):
+        ddp_utils.count_step(accelerator, micro_batches)  # as the scripts do: every rank, every step
+        seen += [(b["example_id"].tolist(), b[SAMPLE_WEIGHT].tolist()) for b in micro_batches]
+    return seen
 
 
 def main():
     out, num_examples, batch_size, epochs = sys.argv[1], *map(int, sys.argv[2:5])
     accumulation, resume_epoch, resume_steps = map(int, sys.argv[5:8]) if len(sys.argv) > 5 else (1, None, None)
-    accelerator = ddp_utils.make_accelerator(seed=7, gradient_accumulation_steps=accumulation)
+    accelerator = make_accelerator(seed=7, gradient_accumulation_steps=accumulation)
     dataset = datasets.Dataset.from_dict({"example_id": list(range(num_examples))})
-    loader = accelerator.prepare(ddp_utils.make_train_dataloader(dataset, batch_size=batch_size, accelerator=accelerator, collate_fn=collate))
-    record = {"world_size": accelerator.num_processes, "epochs": [gather_object([epoch_batches(accelerator, loader, e)]) for e in range(epochs)]}
+    loader = ddp_utils.make_train_dataloader(dataset, batch_size=batch_size, accelerator=accelerator, collate_fn=collate)
+    options = argparse.Namespace(max_train_steps=None, num_train_epochs=epochs, per_device_train_batch_size=batch_size)
+    plan = ddp_utils.StepPlan(accelerator, options, loader)
+    loader = accelerator.prepare(loader)
+    record = {"world_size": accelerator.num_processes,
+              "epochs": [gather_object([epoch_batches(accelerator, plan, loader, e)]) for e in range(epochs)]}
     if resume_epoch is not None:
-        record["resumed"] = gather_object([epoch_batches(accelerator, loader, resume_epoch, resume_steps)])
+        record["resumed"] = gather_object([epoch_batches(accelerator, plan, loader, resume_epoch, resume_steps)])
     if accelerator.is_main_process:
         with open(out, "w") as handle:
             json.dump(record, handle)

@@ -1,6 +1,6 @@
 """Launched by the tests: which training rows (token ids and labels) each rank draws in two
 epochs of scripts/train_clm.py's data path: its own data loading, tokenizing, blocks or packing,
-collator, and ddp_utils' dataloader and step batching.
+collator, and ddp_utils' dataloader and step plan.
 
 usage: count_tokens.py OUT.json [train_clm.py arguments]
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 from accelerate.utils import gather_object
 
 import ddp_utils
+from ddp_utils.launch import make_accelerator
 from ddp_utils.lm import TARGET_TOKENS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_clm.py"
@@ -23,15 +24,18 @@ def main():
     train_clm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_clm)
     out, args = sys.argv[1], train_clm.parse_args(sys.argv[2:])
-    accelerator = ddp_utils.make_accelerator(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps)
-    tokenized, tokenizer, _, report, _ = ddp_utils.load_on_main_first(accelerator, train_clm.prepare_data_and_model, args)
+    accelerator = make_accelerator(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps)
+    tokenized, tokenizer, _, report, _ = ddp_utils.load_on_main_first(accelerator, train_clm.prepare_data, args)
     collate = train_clm.CausalLMCollator(tokenizer.pad_token_id)
-    loader = accelerator.prepare(ddp_utils.make_train_dataloader(
-        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate))
+    loader = ddp_utils.make_train_dataloader(
+        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate)
+    plan = ddp_utils.StepPlan(accelerator, args, loader, unit="target_tokens")
+    loader = accelerator.prepare(loader)
     epochs = []
     for epoch in range(2):
         rows = []
-        for micro_batches, _ in ddp_utils.optimizer_step_batches(ddp_utils.epoch_dataloader(accelerator, loader, epoch), accelerator, TARGET_TOKENS):
+        for micro_batches in plan.optimizer_steps(loader, epoch):
+            ddp_utils.count_step(accelerator, micro_batches, TARGET_TOKENS)  # as the script does: every rank, every step
             for batch in micro_batches:
                 for i in range(len(batch["input_ids"])):
                     if batch[TARGET_TOKENS][i] > 0:  # a real row, not a filler that evens out the shards

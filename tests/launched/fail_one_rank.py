@@ -8,11 +8,12 @@ import sys
 import time
 
 import ddp_utils
+from ddp_utils.launch import make_accelerator
 
 
 def main():
     mode, timeout = sys.argv[1], int(sys.argv[2])
-    accelerator = ddp_utils.make_accelerator(seed=0, ddp_timeout=timeout)
+    accelerator = make_accelerator(seed=0, ddp_timeout=timeout)
     if accelerator.process_index == 1:
         if mode == "raise":
             raise ValueError("boom on rank 1")

@@ -2,7 +2,7 @@
 FSDP on GPUs only, so the model is sharded here with torch's own `fully_shard` (one unit per
 transformer layer, as accelerate_configs/fsdp.yaml asks), trained a few steps, and saved the way
 `ddp_utils.save_model` saves under FSDP2: the full state dict that `accelerator.get_state_dict`
-gathers (the same `get_model_state_dict` options), written by `ddp_utils.write_pretrained`.
+gathers (the same `get_model_state_dict` options), written by `ddp_utils.io.write_pretrained`.
 
 usage: fsdp_save.py TINY_BERT_DIR OUTPUT_DIR
 """
@@ -17,11 +17,13 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForSequenceClassification
 
 import ddp_utils
+from ddp_utils.launch import make_accelerator
+from ddp_utils.io import write_pretrained
 
 
 def main():
     model_dir, output_dir = sys.argv[1], Path(sys.argv[2])
-    accelerator = ddp_utils.make_accelerator(seed=0)  # the gloo process group
+    accelerator = make_accelerator(seed=0)  # the gloo process group
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=3)
     for layer in model.bert.encoder.layer:
@@ -41,7 +43,7 @@ def main():
     full = {name: param.full_tensor().tolist() for name, param in model.named_parameters()}
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True))
     if accelerator.is_main_process:
-        ddp_utils.write_pretrained(model, state_dict, str(output_dir))
+        write_pretrained(model, state_dict, str(output_dir))
         (output_dir.parent / "fsdp_reference.json").write_text(json.dumps({"full": full, "rank0_shards": local}))
     else:
         assert not state_dict, "the full state dict is gathered on the main process only"

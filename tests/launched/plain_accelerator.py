@@ -4,10 +4,11 @@ followed by the launch guard. On a machine without GPUs the guard must refuse it
 from accelerate import Accelerator
 
 import ddp_utils
+from ddp_utils.launch import check_launch
 
 
 def main():
-    ddp_utils.check_launch(Accelerator())
+    check_launch(Accelerator())
     print("the guard let a mis-launched run through", flush=True)
 
 

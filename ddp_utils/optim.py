@@ -1,0 +1,92 @@
+"""The optimizer side of a run: fp32 trainable weights, AdamW with decay groups chosen by name,
+and saying which optimizer really runs. Nothing here communicates."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def train_in_fp32(accelerator: Accelerator, model) -> None:
+    """Cast the trainable parameters of `model` to fp32 before `accelerator.prepare`; frozen ones
+    (a LoRA base model) keep the checkpoint's dtype. Any rank may call it; every rank does.
+
+    transformers 5 loads a checkpoint in its own dtype: a bf16 Hub model arrives as bf16, and
+    AdamW on bf16 weights rounds updates below half a unit in the last place (about 0.4% of the
+    weight) to nothing, so a fine-tuning learning rate of 2e-5 barely moves them. Mixed precision
+    still computes in bf16 through autocast. The model's config keeps the checkpoint's dtype, and
+    `save_model` saves in it by default. Under DeepSpeed nothing is cast: DeepSpeed keeps fp32
+    master weights itself, and ZeRO-3 has already partitioned the parameters.
+    """
+    if accelerator.state.deepspeed_plugin is not None:
+        return
+    cast = [name for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
+    for name, parameter in model.named_parameters():
+        if name in cast:
+            parameter.data = parameter.data.float()
+    if cast:
+        logger.info(f"{len(cast)} trainable parameter tensors cast from {model.config.dtype} to float32 for training")
+
+
+def make_adamw(model, learning_rate: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over `weight_decay_groups`, with torch's fused kernel: one kernel for all parameters
+    instead of a Python loop over them (measured here on all-MiniLM-L6-v2, CPU: 13.5 ms per step
+    against 99.5 ms for the default). Same update rule; the fused kernel runs on CPU and GPU.
+    Under DeepSpeed's optimizer offload, Accelerate replaces it by DeepSpeedCPUAdam: the scripts
+    log which optimizer runs (`describe_optimizer`)."""
+    return torch.optim.AdamW(weight_decay_groups(model, weight_decay), lr=learning_rate, fused=True)
+
+
+def weight_decay_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: weight decay on weight matrices and embeddings, none on biases and
+    normalisation weights.
+
+    Chosen by name, as `transformers.Trainer` does, not by shape: under DeepSpeed ZeRO-3 every
+    parameter is a flat, empty 1-D tensor by the time the optimizer is built, and a shape rule would
+    put all of them in the no-decay group.
+    """
+    no_decay = set(no_decay_parameter_names(model))
+    parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for name, p in parameters if name not in no_decay], "weight_decay": weight_decay},
+        {"params": [p for name, p in parameters if name in no_decay], "weight_decay": 0.0},
+    ]
+
+
+# transformers.Trainer's name patterns for parameters without weight decay (on the lower-cased name).
+_NO_DECAY_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def no_decay_parameter_names(model) -> list[str]:
+    """The names of the parameters that take no weight decay: those `transformers.Trainer` exempts
+    by name (biases, "layernorm", "rmsnorm", "norm", "*_norm"), and every parameter of a
+    normalisation layer, whatever its name (a module whose class name holds "Norm": LayerNorm,
+    RMSNorm, BatchNorm2d, GroupNorm, ...; HF's ResNet calls its BatchNorm "normalization")."""
+    names = []
+    for module_name, module in model.named_modules():
+        is_norm_layer = "norm" in type(module).__name__.lower()
+        for name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if is_norm_layer or _NO_DECAY_NAMES.search(full.lower()):
+                names.append(full)
+    return names
+
+
+def describe_optimizer(optimizer) -> str:
+    """The optimizer that really runs, through the wrappers around it: e.g. "AdamW (fused)", or
+    under DeepSpeed "DeepSpeedZeroOptimizer > DeepSpeedCPUAdam". For a log line after `prepare`."""
+    chain = []
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        name = type(optimizer).__name__
+        if name not in ("AcceleratedOptimizer", "DeepSpeedOptimizerWrapper"):
+            fused = getattr(optimizer, "defaults", {}).get("fused")
+            chain.append(f"{name} (fused)" if fused else name)
+        optimizer = getattr(optimizer, "optimizer", None)
+    return " > ".join(chain)

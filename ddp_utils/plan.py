@@ -1,0 +1,110 @@
+"""The step plan: how many optimizer steps and epochs a run takes, and how far it has got."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+
+from .exact_loss import StepSize
+from .sharding import epoch_dataloader, micro_batches_per_step
+
+logger = get_logger(__name__)
+
+
+class StepPlan:
+    """How many optimizer steps the run takes, and how far it has got: the step, the epoch, the
+    position in the epoch and what has been trained so far (what a checkpoint saves as progress).
+
+    Build it on every rank before `accelerator.prepare`, from the unprepared training dataloader
+    (it holds every rank's batches, padded to whole optimizer steps). No method communicates.
+
+    `unit` names what the loss's weight counts ("samples", or "target_tokens" for a language
+    model): `facts()` reports `train_<unit>_seen` and `train_<unit>_per_second`, and always the
+    samples and (non-padding input) tokens per second.
+    """
+
+    def __init__(self, accelerator: Accelerator, args, train_dataloader, unit: str = "samples"):
+        self.accelerator, self.unit = accelerator, unit
+        accumulation = accelerator.gradient_accumulation_steps
+        self.steps_per_epoch = len(train_dataloader) // (accelerator.num_processes * accumulation)
+        self.max_train_steps = args.max_train_steps or args.num_train_epochs * self.steps_per_epoch
+        self.num_epochs = math.ceil(self.max_train_steps / self.steps_per_epoch)
+        self.examples_per_step = args.per_device_train_batch_size * accelerator.num_processes * accumulation
+        self.progress = {"step": 0, "epoch": 0, "step_in_epoch": 0, "trained_weight": 0.0, "samples_seen": 0.0,
+                         "tokens_seen": 0.0, "train_time_s": 0.0}
+        self.start_time = time.perf_counter()
+        self._step_started = self.start_time
+        logger.info(f"{self.num_epochs} epochs, {self.max_train_steps} optimizer steps of {self.examples_per_step} examples")
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.progress["step"]
+
+    @property
+    def done(self) -> bool:
+        return self.progress["step"] >= self.max_train_steps
+
+    def epochs(self):
+        """The epochs still to run (all of them, or those after a resumed checkpoint)."""
+        return range(self.progress["epoch"], self.num_epochs)
+
+    def optimizer_steps(self, train_dataloader, epoch: int):
+        """This rank's micro-batches of each optimizer step of `epoch` still to take, as lists of
+        --gradient_accumulation_steps batches: the prepared dataloader set to the epoch's shuffle,
+        past the steps a resumed run already took. No communication: the order is drawn from the
+        seed and the epoch alone. It times each step, data loading included, for `count_step`."""
+        batches = epoch_dataloader(self.accelerator, train_dataloader, epoch, steps_done=self.progress["step_in_epoch"])
+        self._step_started = time.perf_counter()
+        for micro_batches in micro_batches_per_step(batches, self.accelerator.gradient_accumulation_steps):
+            yield micro_batches
+            self._step_started = time.perf_counter()  # what the loop did after the step (logging, saving) is not timed
+
+    def count_step(self, size: StepSize) -> None:
+        """Count an optimizer step just taken: what it held on all ranks (from `count_step`) and
+        the seconds since this step's data was asked for."""
+        seconds = time.perf_counter() - self._step_started
+        weight, samples, tokens = torch.stack([size.weight, size.examples, size.tokens]).tolist()  # one device sync
+        progress = self.progress
+        progress["step"] += 1
+        progress["step_in_epoch"] += 1
+        progress["trained_weight"] += weight
+        progress["samples_seen"] += samples
+        progress["tokens_seen"] += tokens
+        progress["train_time_s"] += seconds
+
+    def end_epoch(self) -> None:
+        """Count an epoch as finished (its evaluation done)."""
+        self.progress.update(epoch=self.progress["epoch"] + 1, step_in_epoch=0)
+
+    @property
+    def fractional_epoch(self) -> float:
+        """Epochs done so far, counting the steps of the current one."""
+        return round(self.progress["epoch"] + self.progress["step_in_epoch"] / self.steps_per_epoch, 4)
+
+    def facts(self) -> dict:
+        """How the run went: world size, steps, what was trained on, throughput, time."""
+        progress, accelerator = self.progress, self.accelerator
+        seconds = max(progress["train_time_s"], 1e-9)
+        facts = {
+            "world_size": accelerator.num_processes,
+            "distributed_type": accelerator.distributed_type.value,
+            "mixed_precision": accelerator.mixed_precision,
+            "epochs": progress["epoch"],
+            "optimizer_steps": progress["step"],
+            "train_samples_seen": int(progress["samples_seen"]),
+            "train_tokens_seen": int(progress["tokens_seen"]),
+            f"train_{self.unit}_seen": int(progress["trained_weight"]),
+            "train_samples_per_second": progress["samples_seen"] / seconds,
+            "train_tokens_per_second": progress["tokens_seen"] / seconds,
+            f"train_{self.unit}_per_second": progress["trained_weight"] / seconds,
+            "train_runtime_s": progress["train_time_s"],
+            "wall_time_s": time.perf_counter() - self.start_time,
+        }
+        if not progress["tokens_seen"]:  # inputs that are not tokens (images)
+            del facts["train_tokens_seen"], facts["train_tokens_per_second"]
+        return facts

@@ -1,0 +1,74 @@
+"""Making the ranks agree: work done on the main process first or alone, and errors that every
+rank raises together instead of leaving the others waiting in a collective until the timeout.
+
+Every function here is a collective: all ranks call it, at the same point of the script.
+"""
+
+from __future__ import annotations
+
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, gather_object
+
+from .errors import UsageError
+
+
+def _share_outcome(accelerator: Accelerator, error: BaseException | None) -> None:
+    """Tell every rank whether the main process failed, and raise its error on every rank."""
+    if accelerator.num_processes > 1:
+        # [is a UsageError, message] from the main process; [False, None] when it succeeded.
+        report = [isinstance(error, UsageError), None if error is None else str(error) or type(error).__name__]
+        broadcast_object_list(report)
+        is_usage, message = report
+        if not accelerator.is_main_process and message is not None:
+            raise UsageError(message) if is_usage else RuntimeError(f"the main process failed: {message}")
+    if error is not None:
+        raise error
+
+
+def load_on_main_first(accelerator: Accelerator, load, *args, **kwargs):
+    """All ranks call this: `load(*args, **kwargs)` runs on the main process first, then on the
+    others, and each rank gets its own result.
+
+    This is `accelerator.main_process_first()` (the main process downloads and fills the
+    caches, the others then read them) made safe: if `load` raises on the main process, the
+    other ranks are told and raise the same error at once, instead of waiting at the barrier
+    until the distributed timeout. `load` must not itself call a collective (it runs on one
+    rank at a time): build models outside it, on every rank together.
+    """
+    result, error = None, None
+    if accelerator.is_main_process:
+        try:
+            result = load(*args, **kwargs)
+        except Exception as exc:  # reported to every rank below
+            error = exc
+    _share_outcome(accelerator, error)
+    if not accelerator.is_main_process:
+        result = load(*args, **kwargs)
+    return result
+
+
+def from_main_process(accelerator: Accelerator, compute, *args, **kwargs):
+    """All ranks call this: `compute(*args, **kwargs)` runs on the main process only, and every
+    rank gets its result (one broadcast), or raises its error. For decisions that must be the same
+    on every rank even where the ranks see different things (the newest checkpoint on a file
+    system with per-node caches, an output directory another rank is deleting)."""
+    result, error = None, None
+    if accelerator.is_main_process:
+        try:
+            result = compute(*args, **kwargs)
+        except Exception as exc:  # reported to every rank below
+            error = exc
+    _share_outcome(accelerator, error)
+    if accelerator.num_processes > 1:
+        result = broadcast_object_list([result])[0]
+    return result
+
+
+def refuse_together(accelerator: Accelerator, problem: str | None) -> None:
+    """All ranks call this, each with the problem it found (or None): if any rank found one, every
+    rank raises `UsageError` with the first rank's problem (one gather). For checks that only some
+    ranks can make, such as one that needs weights only the main process has loaded."""
+    problems = gather_object([problem]) if accelerator.num_processes > 1 else [problem]
+    found = [p for p in problems if p]
+    if found:
+        raise UsageError(found[0])

@@ -1,0 +1,124 @@
+"""The training order: the data padded to whole optimizer steps, shuffled from (seed, epoch)
+alone, and dealt to the ranks, so no example is lost or counted twice and the examples of each
+optimizer step do not depend on how many processes share it. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+SAMPLE_WEIGHT = "sample_weight"  # 1.0 for a real example, 0.0 for a filler that evens out the shards
+
+
+def pad_to_even_shards(dataset, multiple: int):
+    """Append filler examples (copies of the first ones, weight 0.0) so the dataset's length is
+    a multiple of `multiple` = processes x per-device batch size, and add a `sample_weight` column.
+
+    Accelerate evens out the shards itself by repeating examples on some ranks, which trains
+    those examples twice in that epoch. With the length a multiple of the global batch, every
+    rank gets the same number of full batches, every real example appears exactly once per
+    epoch, and the fillers weigh nothing in `global_mean_loss`.
+    """
+    import datasets
+
+    real = len(dataset)
+    fillers = -real % multiple
+    weights = [1.0] * real + [0.0] * fillers
+    if fillers:
+        filler_rows = dataset.select([i % real for i in range(fillers)])
+        dataset = datasets.concatenate_datasets([dataset, filler_rows])
+    return dataset.add_column(SAMPLE_WEIGHT, weights)
+
+
+class StepAlignedSampler(torch.utils.data.Sampler):
+    """The training order for a dataset from `pad_to_even_shards`: each epoch, the real examples in
+    a fresh order drawn from (seed, epoch) alone, so the examples of each optimizer step do not
+    depend on how the global batch is split over processes and micro-batches.
+
+    Every optimizer step but the last is all real examples. In the last, partial one, the real
+    examples are dealt out evenly over its micro-batches on every rank and the fillers take the
+    remaining slots (Accelerate gives rank r batch j of the order when j % num_processes == r),
+    so that dropping the fillers (`make_train_dataloader` does) balances the ranks' work.
+    """
+
+    def __init__(self, num_real: int, num_total: int, batch_size: int, num_processes: int, accumulation: int, seed: int):
+        self.num_real, self.num_total, self.seed, self.epoch = num_real, num_total, seed, 0
+        self.batch_size, self.micro_batches_per_step = batch_size, num_processes * accumulation
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_total
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.num_real, generator=generator).tolist()
+        step_size = self.batch_size * self.micro_batches_per_step
+        full = self.num_real - self.num_real % step_size
+        tail, last_step = order[full:], [None] * step_size if full < self.num_real else []
+        for i, index in enumerate(tail):  # the i-th goes to micro-batch i % n, row i // n of it
+            last_step[(i % self.micro_batches_per_step) * self.batch_size + i // self.micro_batches_per_step] = index
+        fillers = iter(range(self.num_real, self.num_total))
+        return iter(order[:full] + [next(fillers) if index is None else index for index in last_step])
+
+
+def _without_fillers(collate_fn):
+    """Collate only the real rows of a micro-batch (one filler if it has none, so that the rank
+    still takes part in the gradient all-reduce): fillers weigh nothing, so computing them is waste."""
+    def collate(rows):
+        real = [row for row in rows if row[SAMPLE_WEIGHT] > 0]
+        return collate_fn(real or rows[:1])
+    return collate
+
+
+def make_train_dataloader(dataset, *, batch_size: int, accelerator: Accelerator, collate_fn) -> DataLoader:
+    """The training DataLoader, before `accelerator.prepare`: padded by `pad_to_even_shards` to
+    whole optimizer steps, so every rank takes the same number of micro-batches and every optimizer
+    step has all of its micro-batches; shuffled each epoch by `StepAlignedSampler` (from the
+    Accelerator's data seed); fillers dropped from the batches. Every rank calls it with the same
+    arguments (no communication)."""
+    accumulation = accelerator.gradient_accumulation_steps
+    padded = pad_to_even_shards(dataset, batch_size * accelerator.num_processes * accumulation)
+    seed = accelerator.dataloader_config.data_seed or 0
+    sampler = StepAlignedSampler(len(dataset), len(padded), batch_size, accelerator.num_processes, accumulation, seed)
+    # Its own generator: starting an iterator draws a seed from the loader's generator, which would
+    # otherwise be the global torch RNG, and a run resumed mid-epoch (one extra iterator) would then
+    # draw different dropout masks.
+    return DataLoader(padded, sampler=sampler, batch_size=batch_size, collate_fn=_without_fillers(collate_fn),
+                      generator=torch.Generator().manual_seed(0))
+
+
+def epoch_dataloader(accelerator: Accelerator, dataloader, epoch: int, steps_done: int = 0):
+    """The prepared training dataloader set for `epoch` (its own shuffle, the same on every rank)
+    and, when resuming mid-epoch, past the `steps_done` optimizer steps already taken. No
+    communication: every rank skips the same steps on its own.
+
+    The skip is counted in micro-batches (steps x accumulation), and it skips sampler indices
+    without loading data. `StepAlignedSampler` draws the epoch's order from seed + epoch
+    alone, so the resumed run sees exactly the batches the uninterrupted run would have.
+    """
+    dataloader.set_epoch(epoch)
+    if steps_done:
+        dataloader = accelerator.skip_first_batches(dataloader, steps_done * accelerator.gradient_accumulation_steps)
+        dataloader.set_epoch(epoch)
+    return dataloader
+
+
+def micro_batches_per_step(batches, accumulation: int):
+    """Group a rank's batches into lists of `accumulation` micro-batches, one list per optimizer
+    step. No communication. The dataloader of `make_train_dataloader` always holds whole steps;
+    anything else is a bug, refused here rather than trained as a short step."""
+    micro_batches = []
+    for batch in batches:
+        micro_batches.append(batch)
+        if len(micro_batches) == accumulation:
+            yield micro_batches
+            micro_batches = []
+    if micro_batches:
+        raise RuntimeError(
+            f"{len(micro_batches)} micro-batches left over: build the dataloader with make_train_dataloader, "
+            "which pads the data to whole optimizer steps"
+        )
