@@ -44,6 +44,20 @@ def uninterrupted(dropout_model, tiny_data, tmp_path_factory):
     return runs
 
 
+TRAIN_TAGS = ["train/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_second", "train/tokens_per_second",
+              "train/peak_memory_mb", "train/epoch"]
+
+
+def tensorboard_steps(output_dir, tags):
+    """The steps at which TensorBoard's own reader finds each tag, in the run's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(output_dir / "runs" / "train"))
+    events.Reload()
+    found = events.Tags()["scalars"]
+    return {tag: [event.step for event in events.Scalars(tag)] if tag in found else [] for tag in tags}
+
+
 def assert_same_parameters(output_dir, reference_dir):
     ours, reference = load_file(str(output_dir / "model.safetensors")), load_file(str(reference_dir / "model.safetensors"))
     assert sorted(ours) == sorted(reference)
@@ -110,11 +124,57 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(target, dropout_model, tiny_
     saved = os.path.basename(marker["checkpoint"])
     assert saved == "checkpoint-11" and saved in os.listdir(output_dir), "saved after the step in flight"
     assert not (output_dir / "model.safetensors").exists(), "a preempted run has not finished"
+    # TensorBoard holds the last record before the preemption (step 10) whole.
+    assert tensorboard_steps(output_dir, TRAIN_TAGS) == {tag: [10] for tag in TRAIN_TAGS}
 
     resumed = run_train(dropout_model, tiny_data, output_dir, "plain", "--checkpointing_steps", 2, "--resume_from_checkpoint", "latest")
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert not (output_dir / PREEMPTED_FILE).exists(), "the marker goes once the run has finished"
     assert_same_parameters(output_dir, uninterrupted["plain"])
+
+
+def test_latest_is_the_main_process_view_of_the_checkpoints(dropout_model, tiny_data, uninterrupted, tmp_path):
+    """With node-local caches or NFS delays, ranks can list different checkpoints. The other ranks'
+    view here lacks checkpoint-24; each rank picking its own "latest" would resume rank 1 at step
+    22 and rank 0 at 24, and the ranks would then wait in different collectives."""
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    for name in ("checkpoint-22", "checkpoint-24"):
+        shutil.copytree(uninterrupted["plain"] / name, output_dir / name)
+    args = train_args(dropout_model, tiny_data, output_dir, "--num_train_epochs", 3, "--seed", 7, *LAYOUTS["plain"],
+                      "--checkpointing_steps", 2, "--resume_from_checkpoint", "latest", "--ddp_timeout", 30)
+    result = launch(REPO / "tests" / "launched" / "stale_checkpoint_view.py", *args, num_processes=2, env=HOOKS, timeout=180)
+    assert result.returncode == 0, result.output[-4000:]
+    assert f"resumed from {output_dir / 'checkpoint-24'}" in result.output
+    assert_same_parameters(output_dir, uninterrupted["plain"])
+
+
+def test_a_failed_attempt_after_a_preemption_leaves_no_marker(tiny_data, uninterrupted, tmp_path):
+    """preempted.json tells the job script that *this* attempt was preempted. A requeued attempt
+    that then fails for another reason (here: a checkpoint of another model) must not leave the
+    earlier attempt's marker behind, or slurm/train.sbatch would requeue it for ever."""
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    shutil.copytree(uninterrupted["plain"] / "checkpoint-24", output_dir / "checkpoint-24")
+    (output_dir / PREEMPTED_FILE).write_text('{"signal": "SIGTERM", "checkpoint": "checkpoint-24"}')
+    wider = make_tiny_model(tmp_path / "wider", hidden_size=48)
+    result = run_train(wider, tiny_data, output_dir, "plain", "--resume_from_checkpoint", "latest")
+    assert result.returncode != 0 and "is from a different run (model: checkpoint" in result.output
+    assert not (output_dir / PREEMPTED_FILE).exists(), "the marker of an earlier attempt outlived a failed one"
+
+
+def test_a_failing_run_ends_its_trackers_before_it_exits(tiny_model, tiny_data, tmp_path):
+    """ddp_utils.run leaves through os._exit (the gloo teardown can hang), which skips every exit
+    hook: a failed run must end its trackers itself (wandb and mlflow would otherwise leave their
+    run open; they go through the same call, but are not installed here). Its TensorBoard log
+    holds every step logged before the failure."""
+    output_dir, finish_log = tmp_path / "run", tmp_path / "finished.log"
+    args = train_args(tiny_model, tiny_data, output_dir, "--per_device_train_batch_size", 4, "--logging_steps", 1)
+    result = launch(REPO / "tests" / "launched" / "fail_at_step.py", 6, *args, num_processes=2, env={"FINISH_LOG": str(finish_log)},
+                    timeout=120)
+    assert result.returncode != 0 and "injected failure in step 6" in result.output
+    assert finish_log.read_text() == "tensorboard finished on rank 0\n", "the main process ends its tracker, once"
+    assert tensorboard_steps(output_dir, TRAIN_TAGS) == {tag: [1, 2, 3, 4, 5] for tag in TRAIN_TAGS}
 
 
 def test_resume_latest_without_checkpoints_starts_fresh(tiny_model, tiny_data, tmp_path):

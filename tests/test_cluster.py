@@ -127,6 +127,20 @@ def test_slurm_script_requeues_a_preempted_run(tmp_path):
     assert "preempted: requeueing job 4242" in result.stdout
 
 
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_slurm_script_does_not_requeue_a_failure_after_a_preemption(launcher, tmp_path):
+    """The requeued attempt fails for another reason (a bad node, an OOM): the marker the earlier,
+    preempted attempt left must not requeue it again, and the job must fail with the launch's code."""
+    recording = os.pathsep.join([str(FAKE_SLURM / "recording"), str(FAKE_SLURM / "bin"), os.environ["PATH"]])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "preempted.json").write_text('{"signal": "SIGTERM", "checkpoint": "checkpoint-3"}')
+    result = run_sbatch(slurm_env(tmp_path, PATH=recording, FAKE_EXIT="1", LAUNCHER=launcher))
+    assert result.returncode == 1, result.stderr + result.stdout
+    assert not (tmp_path / "slurm.log").exists(), "no requeue"
+    assert "requeueing" not in result.stdout
+    assert len(recorded(tmp_path)) == 2, "the attempt itself ran on both nodes"
+
+
 def test_slurm_script_runs_a_real_two_node_training_on_loopback(one_node, tiny_model, tiny_data, tmp_path):
     """The job script itself, with real `accelerate launch`es: 2 fake nodes x 1 CPU process, on 127.0.0.1."""
     port = next(p for p in iter(free_port, None) if 20000 <= p < 40000)

@@ -99,6 +99,19 @@ def test_only_the_main_process_writes(runs):
         assert [f for f in files if f.startswith("checkpoint-")] == ["checkpoint-16", "checkpoint-24"], "epoch checkpoints, newest 2 kept"
 
 
+def test_overwrite_output_dir_is_replaced_by_the_main_process_alone(tmp_path):
+    """--overwrite_output_dir: while the main process deletes the old run, another rank that looks
+    at the directory itself can find it gone between `isdir` and `listdir` (FileNotFoundError).
+    The race is widened by sleeps in the test double."""
+    output_dir = tmp_path / "previous-run"
+    (output_dir / "checkpoint-8").mkdir(parents=True)
+    (output_dir / "metrics.json").write_text("{}")
+    result = launch(REPO / "tests" / "launched" / "overwrite_race.py", output_dir, num_processes=2, timeout=120)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "rank 0: output directory ready" in result.output and "rank 1: output directory ready" in result.output
+    assert os.listdir(output_dir) == []
+
+
 def test_saved_model_reloads_with_from_pretrained_and_pipeline(runs, tiny_data):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
