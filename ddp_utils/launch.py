@@ -232,7 +232,8 @@ def check_launch(accelerator: Accelerator) -> None:
 
 
 def run(main, *args) -> None:
-    """Run a script's `main(*args)` and exit the process cleanly. Call it from `__main__`.
+    """All ranks call this, from `__main__`: run a script's `main(*args)` and exit the process
+    cleanly (after a last barrier when the run succeeded).
 
     A `UsageError` (bad input, bad launch) is printed as one line naming the rank, with exit
     code 2; `Preempted` exits with EXIT_PREEMPTED (75); any other exception prints its

@@ -57,14 +57,14 @@ class StepPlan:
         """This rank's micro-batches of each optimizer step of `epoch` still to take, as lists of
         --gradient_accumulation_steps batches: the prepared dataloader set to the epoch's shuffle,
         past the steps a resumed run already took. No communication: the order is drawn from the
-        seed and the epoch alone. It times each step, data loading included, for `count_step`."""
+        seed and the epoch alone. It times each step, data loading included, for `advance`."""
         batches = epoch_dataloader(self.accelerator, train_dataloader, epoch, steps_done=self.progress["step_in_epoch"])
         self._step_started = time.perf_counter()
         for micro_batches in micro_batches_per_step(batches, self.accelerator.gradient_accumulation_steps):
             yield micro_batches
             self._step_started = time.perf_counter()  # what the loop did after the step (logging, saving) is not timed
 
-    def count_step(self, size: StepSize) -> None:
+    def advance(self, size: StepSize) -> None:
         """Count an optimizer step just taken: what it held on all ranks (from `count_step`) and
         the seconds since this step's data was asked for."""
         seconds = time.perf_counter() - self._step_started

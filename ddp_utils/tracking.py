@@ -153,7 +153,7 @@ class TrainingLog:
         self._grad_norm_sum, self._grad_norms, self._learning_rate = 0.0, 0, None
 
     def step(self, plan, loss_sum: torch.Tensor, grad_norm, learning_rate: float) -> None:
-        """All ranks call this after every optimizer step (after `plan.count_step`), with this
+        """All ranks call this after every optimizer step (after `plan.advance`), with this
         rank's weighted loss sum over its micro-batches, the gradient norm before clipping (None if
         DeepSpeed keeps it) and the learning rate the step used. Every --logging_steps steps and at
         the last step it writes a record, with one gather of every rank's loss and peak memory."""

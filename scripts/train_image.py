@@ -168,7 +168,7 @@ def main():
             learning_rate = lr_scheduler.get_last_lr()[0]
             lr_scheduler.step()
 
-            plan.count_step(step)
+            plan.advance(step)  # count the step taken; no communication
             log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:

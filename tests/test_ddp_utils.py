@@ -160,3 +160,33 @@ def test_report_to_and_secret_scrubbing(monkeypatch):
     assert sys.argv == ["train.py", "--hub_token=<redacted>", "--run_name", "x-<redacted>"]
     assert loggable_args(args) == {"hub_token": "<redacted>", "run_name": "x-<redacted>", "sample_max_new_tokens": 40,
                                    "text_columns": ["a", "b"], "output_dir": "out"}
+
+
+def test_check_splits_is_the_one_data_check_of_every_script():
+    import datasets
+
+    def data(**splits):
+        return datasets.DatasetDict({name: datasets.Dataset.from_dict(columns) for name, columns in splits.items()})
+
+    text = {"text": ["a", "  ", "b", "c", None], "label": [0, 1, 0, 1, 0]}
+    with pytest.raises(UsageError, match=r"1 train records have an empty or missing 'text' \(first: record 4\)"):
+        ddp_utils.check_splits(data(train=text, validation=text), {"text": "--text_column"}, "--train_file")
+    clean = {"text": ["a", "  ", "b", "c"], "label": [0, 1, 0, 1]}
+    with pytest.raises(UsageError, match=r"1 train records have an empty or missing 'text' \(first: record 1\)"):
+        ddp_utils.check_splits(data(train=clean, validation=clean), {"text": "--text_column"}, "--train_file", blank="refuse")
+    kept = ddp_utils.check_splits(data(train=clean, validation=clean), {"text": "--text_column"}, "--train_file", blank="drop")
+    assert kept["train"]["text"] == ["a", "b", "c"], "blank lines of a .txt file are dropped"
+    with pytest.raises(UsageError, match=r"has no column 'review'; its columns are \['text', 'label'\]. Name the right one with --text_column"):
+        ddp_utils.check_splits(data(train=clean, validation=clean), {"review": "--text_column"}, "--train_file")
+    # No validation split: "test" if there is one, else a held-out part of train (if allowed), else an error.
+    tested = ddp_utils.check_splits(data(train=clean, test={"text": ["z"], "label": [1]}), {"text": "--text_column"}, "--train_file")
+    assert tested["validation"]["text"] == ["z"]
+    with pytest.raises(UsageError, match="the data has no 'validation' split .* give --train_file/--validation_file"):
+        ddp_utils.check_splits(data(train=clean), {"text": "--text_column"}, "--train_file/--validation_file")
+    many = {"text": [f"t{i}" for i in range(40)], "label": [i % 2 for i in range(40)]}
+    held = ddp_utils.check_splits(data(train=many), {"text": "--text_column"}, "--train_file", hold_out_percentage=10, seed=3,
+                                  limits={"train": 30})
+    assert (len(held["train"]), len(held["validation"])) == (30, 4)
+    assert not set(held["train"]["text"]) & set(held["validation"]["text"]), "held-out records are not trained on"
+    with pytest.raises(UsageError, match="1 training record\\(s\\) are too few to hold out a validation split"):
+        ddp_utils.check_splits(data(train={"text": ["a"], "label": [0]}), {"text": "--text_column"}, "--train_file", hold_out_percentage=5)

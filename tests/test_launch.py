@@ -70,3 +70,11 @@ def test_resumed_epoch_continues_with_exactly_the_remaining_samples(tmp_path):
         assert resumed[rank] == uninterrupted[rank][3 * 2 :], f"rank {rank}: the (rank, sample id) sequence after the resume point differs"
     seen = Counter(i for rank in (0, 1) for ids, ws in uninterrupted[rank][:6] + resumed[rank] for i, w in zip(ids, ws) if w == 1.0)
     assert seen == Counter(range(37)), "before + after the resume point: every example exactly once"
+
+
+def test_a_problem_one_rank_finds_is_refused_on_every_rank():
+    result = launch(LAUNCHED / "refuse_on_one_rank.py", num_processes=2, timeout=120)
+    assert result.returncode != 0 and result.seconds < 30
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: rank 1 found a problem" in result.output, result.output[-3000:]
+    assert "a rank went on past the refusal" not in result.output

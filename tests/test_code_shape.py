@@ -1,0 +1,132 @@
+"""The shape the project promises its readers, checked on the source:
+
+- every ddp_utils function or method that takes part in a collective (directly, or through another
+  one) says so first in its docstring: "All ranks call this";
+- the scripts never call one of them under a rank condition (`if accelerator.is_main_process:`),
+  where the other ranks would wait for ever;
+- each script shows its whole training step;
+- the error types sit in a leaf module, and matplotlib is not imported on the training path.
+"""
+
+import ast
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, launch_env
+
+PACKAGE = REPO / "ddp_utils"
+SCRIPTS = {name: REPO / "scripts" / f"{name}.py" for name in ("train", "train_clm", "train_image")}
+# Calls that are collectives themselves: Accelerate's and torch.distributed's.
+PRIMITIVES = {"Accelerator", "reduce", "gather", "gather_for_metrics", "gather_object", "broadcast_object_list", "wait_for_everyone",
+              "save_state", "load_state", "get_state_dict", "barrier", "all_reduce", "broadcast", "init_process_group"}
+SAYS_SO = "All ranks call this"
+
+
+def called_names(node) -> set[str]:
+    """The names of everything `node` calls: f(...) -> f, x.y.f(...) -> f."""
+    names = set()
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call):
+            if isinstance(call.func, ast.Name):
+                names.add(call.func.id)
+            elif isinstance(call.func, ast.Attribute):
+                names.add(call.func.attr)
+    return names
+
+
+def package_functions() -> dict[str, list]:
+    """name -> [(module, qualified name, node)] for every function and method in ddp_utils."""
+    functions = {}
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            members = [(node.name, node)] if isinstance(node, ast.FunctionDef) else []
+            if isinstance(node, ast.ClassDef):  # methods; properties are read, not called
+                members = [(f"{node.name}.{item.name}", item) for item in node.body if isinstance(item, ast.FunctionDef)
+                           and not any(ast.unparse(d) == "property" for d in item.decorator_list)]
+            for qualified, function in members:
+                functions.setdefault(function.name, []).append((path.stem, qualified, function))
+    return functions
+
+
+def collective_functions() -> dict[str, list]:
+    """The ddp_utils functions that reach a collective primitive, directly or through each other
+    (matched by name: a method named like a collective function counts as one)."""
+    functions = package_functions()
+    collective = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, definitions in functions.items():
+            if name in collective:
+                continue
+            if any(called_names(node) & (PRIMITIVES | collective) for _, _, node in definitions):
+                collective.add(name)
+                changed = True
+    return {name: functions[name] for name in collective}
+
+
+def test_every_collective_in_ddp_utils_says_all_ranks_call_this():
+    collective = collective_functions()
+    assert {"count_step", "save_model", "write_results", "evaluate_classification", "resume", "load_on_main_first",
+            "prepare_output_dir", "refuse_together"} <= set(collective), sorted(collective)
+    silent = [f"{module}.{qualified}" for name, definitions in collective.items() for module, qualified, node in definitions
+              if not name.startswith("_") and not (ast.get_docstring(node) or "").startswith(SAYS_SO)]
+    assert silent == [], f"these take part in a collective but their docstring does not start with {SAYS_SO!r}: {silent}"
+
+
+def rank_conditions(tree):
+    """Every `if` (or conditional expression) whose test reads which rank this is."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp)) and any(word in ast.unparse(node.test) for word in ("is_main_process", "process_index")):
+            yield node
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_scripts_never_call_a_collective_under_a_rank_condition(script):
+    collective = set(collective_functions()) | PRIMITIVES
+    tree = ast.parse(SCRIPTS[script].read_text())
+    for condition in rank_conditions(tree):
+        inside = called_names(condition) & collective
+        assert not inside, f"{script}.py line {condition.lineno}: {sorted(inside)} called under a rank condition"
+    # The script's own functions that call a collective must not sit under one either.
+    local = {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and called_names(node) & collective}
+    for condition in rank_conditions(tree):
+        assert not called_names(condition) & local, f"{script}.py line {condition.lineno}"
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_each_script_shows_its_whole_training_step(script):
+    """Forward and loss, backward of the exact loss, clipping, optimizer and scheduler steps: in
+    the script's own main(), where a reader can change them."""
+    tree = ast.parse(SCRIPTS[script].read_text())
+    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    source = ast.unparse(main)
+    for piece in ("count_step(", "global_mean_loss(", "accelerator.backward(", "clip_grad_norm_(", "optimizer.step()",
+                  "optimizer.zero_grad()", "lr_scheduler.step()", "with accelerator.accumulate(model)"):
+        assert piece in source, f"{script}.py: main() does not show {piece}"
+
+
+def test_the_error_types_are_a_leaf_and_data_and_io_do_not_import_the_launcher():
+    for module in ("errors", "data", "io", "sharding", "exact_loss", "lm", "vision", "metrics", "demo", "classification"):
+        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+        assert "launch" not in imported, f"ddp_utils/{module}.py imports the launcher"
+        if module == "errors":
+            assert imported == set(), "errors.py imports nothing of ddp_utils"
+
+
+def test_matplotlib_is_not_imported_on_the_training_path():
+    """Only the report's drawing imports it, on the main process at the end of a run."""
+    check = (
+        "import importlib.util, sys\n"
+        "import ddp_utils, ddp_utils.lm, ddp_utils.vision, ddp_utils.report, ddp_utils.tracking\n"
+        f"for name in {sorted(SCRIPTS)!r}:\n"
+        f"    spec = importlib.util.spec_from_file_location(name, {str(REPO / 'scripts')!r} + f'/{{name}}.py')\n"
+        "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", check], env=launch_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
