@@ -15,8 +15,8 @@ from .ranks import from_main_process
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool = False) -> None:
     """Refuse an output directory that already holds another run, before any work is done
-    (a run that resumes from its checkpoints there is welcome). All ranks call it (each raises
-    on its own, nobody waits). Writes nothing."""
+    (a run that resumes from its checkpoints there is welcome). No communication: `start_run`
+    calls it on every rank before any work, and each rank raises on its own. Writes nothing."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UsageError(f"--output_dir {output_dir!r} is a file; give a directory path")
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not (overwrite or resuming):

@@ -302,10 +302,10 @@ def _shutdown(exit_code: int) -> None:
     (it is still referenced by the DDP reducer, the Accelerator state, ...) can block for ever
     in the ProcessGroupGloo destructor, joining its worker threads. That happens at interpreter
     exit, and also when `main` returns and its DDP model is freed after `accelerator.end_training()`
-    (seen here with py-spy: `~Reducer` -> `~ProcessGroupGloo` -> `std::thread::join`).
+    (seen once here with py-spy: `~Reducer` -> `~ProcessGroupGloo` -> `std::thread::join`).
     `make_accelerator` keeps a reference to the process group, so it is never freed before the
-    process ends; everything this process had to write has been written and
-    flushed by now, so we skip the teardown with `os._exit`.
+    process ends; everything this process had to write has been written and flushed by now, so
+    we skip the teardown with `os._exit`.
     """
     if exit_code == 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
         # A last barrier so no rank leaves while another still needs it.

@@ -25,12 +25,11 @@ def train_in_fp32(accelerator: Accelerator, model) -> None:
     """
     if accelerator.state.deepspeed_plugin is not None:
         return
-    cast = [name for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
-    for name, parameter in model.named_parameters():
-        if name in cast:
-            parameter.data = parameter.data.float()
+    cast = [(name, p) for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
     if cast:
-        logger.info(f"{len(cast)} trainable parameter tensors cast from {model.config.dtype} to float32 for training")
+        logger.info(f"{len(cast)} trainable parameter tensors cast from {cast[0][1].dtype} to float32 for training")
+    for _, parameter in cast:
+        parameter.data = parameter.data.float()
 
 
 def make_adamw(model, learning_rate: float, weight_decay: float) -> torch.optim.AdamW:

@@ -12,6 +12,19 @@ from accelerate.utils import broadcast_object_list, gather_object
 from .errors import UsageError
 
 
+def _on_main_process(accelerator: Accelerator, work, *args, **kwargs):
+    """`work(*args, **kwargs)` on the main process (None elsewhere); if it raised, every rank
+    raises (one broadcast)."""
+    result, error = None, None
+    if accelerator.is_main_process:
+        try:
+            result = work(*args, **kwargs)
+        except Exception as exc:  # reported to every rank by _share_outcome
+            error = exc
+    _share_outcome(accelerator, error)
+    return result
+
+
 def _share_outcome(accelerator: Accelerator, error: BaseException | None) -> None:
     """Tell every rank whether the main process failed, and raise its error on every rank."""
     if accelerator.num_processes > 1:
@@ -35,13 +48,7 @@ def load_on_main_first(accelerator: Accelerator, load, *args, **kwargs):
     until the distributed timeout. `load` must not itself call a collective (it runs on one
     rank at a time): build models outside it, on every rank together.
     """
-    result, error = None, None
-    if accelerator.is_main_process:
-        try:
-            result = load(*args, **kwargs)
-        except Exception as exc:  # reported to every rank below
-            error = exc
-    _share_outcome(accelerator, error)
+    result = _on_main_process(accelerator, load, *args, **kwargs)
     if not accelerator.is_main_process:
         result = load(*args, **kwargs)
     return result
@@ -52,13 +59,7 @@ def from_main_process(accelerator: Accelerator, compute, *args, **kwargs):
     rank gets its result (one broadcast), or raises its error. For decisions that must be the same
     on every rank even where the ranks see different things (the newest checkpoint on a file
     system with per-node caches, an output directory another rank is deleting)."""
-    result, error = None, None
-    if accelerator.is_main_process:
-        try:
-            result = compute(*args, **kwargs)
-        except Exception as exc:  # reported to every rank below
-            error = exc
-    _share_outcome(accelerator, error)
+    result = _on_main_process(accelerator, compute, *args, **kwargs)
     if accelerator.num_processes > 1:
         result = broadcast_object_list([result])[0]
     return result

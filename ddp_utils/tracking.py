@@ -17,6 +17,7 @@ import sys
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from tqdm.auto import tqdm
 
 from .errors import UsageError
 
@@ -141,8 +142,6 @@ class TrainingLog:
             shape = {"world_size": accelerator.num_processes, "max_train_steps": plan.max_train_steps,
                      "global_batch_size": plan.examples_per_step}
             accelerator.init_trackers(args.project_name or script_name(), config=tracker_config(args, shape), init_kwargs=init_kwargs)
-        from tqdm.auto import tqdm
-
         self.bar = tqdm(total=plan.max_train_steps, initial=resumed_step, desc="train", disable=not accelerator.is_main_process)
         self._new_window(plan)
 
