@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration")
     p.add_argument("--train_file", default=None, help="local training data: .txt, .csv, .json, .jsonl or .parquet")
     p.add_argument("--validation_file", default=None, help="local validation data (default: split off the training data)")
-    p.add_argument("--validation_split_percentage", type=int, default=5, help="%% of the training data held out when there is no validation split")
+    p.add_argument("--validation_split_percentage", type=int, default=5, help="%% of the training data held out when there is no validation (or test) split")
     p.add_argument("--text_column", default="text", help="text mode: the column of raw text")
     p.add_argument("--prompt_column", default="prompt", help="sft mode: the prompt column (not learned)")
     p.add_argument("--response_column", default="response", help="sft mode: the response column (learned)")

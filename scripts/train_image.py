@@ -36,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration")
     p.add_argument("--train_dir", default=None, help="local training images, one subfolder per class (train/cat/1.jpg, ...)")
     p.add_argument("--validation_dir", default=None, help="local validation images, same layout (default: split off the training images)")
-    p.add_argument("--validation_split_percentage", type=int, default=15, help="%% of the training images held out when there is no validation split")
+    p.add_argument("--validation_split_percentage", type=int, default=15, help="%% of the training images held out when there is no validation (or test) split")
     p.add_argument("--image_column", default="image", help="the image column")
     p.add_argument("--label_column", default="label", help="the label column (beans calls it 'labels')")
     p.add_argument("--augment", choices=["shift", "shift+flip", "none"], default="shift",

@@ -3,7 +3,6 @@ reads it, its launch-argument validation accepts it, every key is commented, and
 with the command that launches it."""
 
 import re
-from pathlib import Path
 
 import pytest
 from conftest import REPO
