@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -263,8 +264,8 @@ def run(main, *args) -> None:
 
 def _end_trackers(exit_code: int) -> None:
     """Flush and close the trackers of a run that stops early: `os._exit` skips the interpreter's
-    exit hooks, so without this TensorBoard loses the events since its last flush and wandb /
-    mlflow leave their run open. Only the main process has trackers; the process group is left
+    exit hooks, so without this wandb and mlflow leave their run open (TensorBoard's writer kept
+    up with every event here, but is closed too). Only the main process has trackers; the process group is left
     alone (its teardown can hang)."""
     for accelerator in _accelerators:
         for tracker in accelerator.trackers:
@@ -282,12 +283,27 @@ def _end_trackers(exit_code: int) -> None:
 
 
 def _meet_the_other_ranks(timeout_s: int = 30) -> None:
-    """Before a rank leaves over an error found before the ranks met (a bad option, checked while
-    parsing the arguments), let it wait until every rank has joined a process group: the launcher
-    stops all ranks once the first one exits, so the others would otherwise be killed before
-    they could report the same error. Each rank prints first, then waits here, at most `timeout_s`."""
+    """Before a rank leaves over bad input, let the other ranks that fail the same check catch up
+    and say so too: the launcher stops every rank once the first one exits, and a rank that was a
+    little behind (still loading its data, say) would be killed before it could report the error.
+    Each rank prints first, then waits here, at most `timeout_s`.
+
+    - Before the ranks have met (a bad option, checked while parsing the arguments): wait until
+      every rank has joined a process group.
+    - After (a check made by each rank on its own, such as LoRA target modules the model does not
+      have): count the failed ranks in the process group's key-value store, which is not a
+      collective, so a rank still waiting in one is not disturbed; leave when all have arrived.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world_size < 2 or not os.environ.get("MASTER_ADDR") or torch.distributed.is_initialized():
+    if world_size < 2 or not os.environ.get("MASTER_ADDR"):
+        return
+    deadline = time.monotonic() + timeout_s
+    if torch.distributed.is_initialized():
+        store = torch.distributed.distributed_c10d._get_default_store()
+        arrived = store.add("ddp_utils/ranks_refusing", 1)
+        while arrived < torch.distributed.get_world_size() and time.monotonic() < deadline:
+            time.sleep(0.1)
+            arrived = store.add("ddp_utils/ranks_refusing", 0)
         return
     try:  # the ranks that fail the same check all arrive here; a rank that did not fail joins in make_accelerator
         torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))

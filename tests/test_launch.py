@@ -78,3 +78,12 @@ def test_a_problem_one_rank_finds_is_refused_on_every_rank():
     for rank in (0, 1):
         assert f"[rank {rank}] error: rank 1 found a problem" in result.output, result.output[-3000:]
     assert "a rank went on past the refusal" not in result.output
+
+
+def test_a_rank_that_finds_the_same_bad_input_later_still_reports_it():
+    """LoRA target modules the model lacks are found by each rank as it builds the model, and the
+    ranks build it at different times (the others load their data after the main process)."""
+    result = launch(LAUNCHED / "late_usage_error.py", num_processes=2, timeout=120)
+    assert result.returncode != 0 and result.seconds < 30
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: the same bad input" in result.output, result.output[-3000:]
