@@ -26,7 +26,7 @@ from accelerate.logging import get_logger
 
 from .errors import EXIT_PREEMPTED, Preempted, UsageError
 from .io import write_json
-from .ranks import from_main_process
+from .ranks import from_main_process, refuse_together
 
 logger = get_logger(__name__)
 
@@ -113,14 +113,13 @@ def resolve_resume_path(output_dir: str, resume_from: str | None) -> str | None:
     return resume_from
 
 
-def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict:
-    """All ranks call this: restore model, optimizer, scheduler, scaler and RNG states from `path`
-    (`accelerator.load_state`, a collective under FSDP and DeepSpeed). Returns the saved trainer state. `expected` holds the values the checkpoint must match
-    (model fingerprint, world size, batch sizes); a mismatch or a damaged checkpoint is a
-    `UsageError` that says so, not a stack trace from inside torch."""
-    state_file = os.path.join(path, STATE_FILE)
+def read_checkpoint_state(path: str, expected: dict) -> dict:
+    """The trainer state saved in checkpoint `path`, once it is known to match `expected` (model
+    fingerprint, world size, batch sizes); a missing or unreadable state file, or a mismatch, is a
+    `UsageError` that says so. Reads this rank's view of the file system: `load_checkpoint` calls
+    it on the main process only."""
     try:
-        with open(state_file) as handle:
+        with open(os.path.join(path, STATE_FILE)) as handle:
             state = json.load(handle)
     except (OSError, ValueError) as exc:
         raise UsageError(
@@ -131,10 +130,23 @@ def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict
     if mismatched:
         details = ", ".join(f"{key}: checkpoint {saved!r}, this run {wanted!r}" for key, (saved, wanted) in mismatched.items())
         raise UsageError(f"checkpoint {path!r} is from a different run ({details}); resume with the settings it was saved with")
+    return state
+
+
+def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict:
+    """All ranks call this: restore model, optimizer, scheduler, scaler and RNG states from `path`,
+    and return the saved trainer state. The state is read and checked against `expected` on the
+    main process and shared (one broadcast); each rank then loads its part (`accelerator.load_state`,
+    a collective under FSDP and DeepSpeed), and a rank that cannot is reported on every rank (one
+    gather). A mismatch or a damaged checkpoint is a `UsageError` that says so, on every rank, not
+    a stack trace from inside torch."""
+    state = from_main_process(accelerator, read_checkpoint_state, path, expected)
+    problem = None
     try:
         accelerator.load_state(path)
     except Exception as exc:
-        raise UsageError(f"checkpoint {path!r} is damaged and could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
+        problem = f"checkpoint {path!r} is damaged and could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    refuse_together(accelerator, problem)
     return state
 
 
@@ -170,12 +182,13 @@ class PreemptionHandler:
 
 
 def clear_preempted_marker(accelerator: Accelerator, output_dir: str) -> None:
-    """Remove a `preempted.json` left by an earlier attempt, on the main process: the marker tells
-    the job script that *this* attempt was preempted, so it must not outlive the attempt that wrote
-    it (a requeued run that then fails for another reason would otherwise be requeued for ever).
-    Any rank may call it; the others do nothing."""
+    """Remove a `preempted.json` left by an earlier attempt, on the main process, as a run starts
+    (`start_run` calls it): the marker tells the job script that *this* attempt was preempted, so
+    it must not outlive the attempt that wrote it (a requeued run that then fails for another
+    reason, even while loading its data, would otherwise be requeued for ever). Any rank may call
+    it; the others do nothing."""
     marker = os.path.join(output_dir, PREEMPTED_FILE)
-    if accelerator.is_main_process and os.path.exists(marker):
+    if accelerator.is_main_process and os.path.isfile(marker):
         os.remove(marker)
 
 
@@ -198,12 +211,11 @@ class Checkpointer:
         self.preemption = PreemptionHandler(accelerator)
 
     def resume(self, plan) -> None:
-        """All ranks call this once, after `accelerator.prepare` and `prepare_output_dir`: clear an
-        earlier attempt's preemption marker, then resume from --resume_from_checkpoint if it names a
-        checkpoint. "latest" is resolved on the main process and sent to every rank (one
-        broadcast), so ranks with different views of a shared file system load the same one; the
-        load is a collective under FSDP and DeepSpeed. Restores `plan`'s progress."""
-        clear_preempted_marker(self.accelerator, self.output_dir)
+        """All ranks call this once, after `accelerator.prepare` and `prepare_output_dir`: resume
+        from --resume_from_checkpoint if it names a checkpoint, and restore `plan`'s progress.
+        "latest" is resolved, and the checkpoint's state read and checked, on the main process and
+        sent to every rank, so ranks with different views of a shared file system resume from the
+        same one (see `load_checkpoint`)."""
         path = from_main_process(self.accelerator, resolve_resume_path, self.output_dir, self.resume_from)
         if path:
             saved = load_checkpoint(self.accelerator, path, self.identity)

@@ -29,6 +29,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwa
 from accelerate.logging import get_logger
 from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
+from .checkpoint import clear_preempted_marker
 from .errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UsageError
 from .io import check_output_dir
 from .tracking import TENSORBOARD_DIR, hide_secret_args
@@ -133,8 +134,9 @@ def check_deepspeed_config(config: dict, gradient_accumulation_steps: int, max_g
 def start_run(args, **accelerator_options) -> Accelerator:
     """All ranks call this first: the Accelerator for a run (`make_accelerator`), with the trackers
     of --report_to (started later, by `TrainingLog`), logging set up (warnings and errors only on
-    the other ranks), the same seed on every rank (identical initialisation), and the output
-    directory checked before any work is done."""
+    the other ranks), the same seed on every rank (identical initialisation), the output
+    directory checked before any work is done, and a `preempted.json` of an earlier attempt removed.
+    """
     import datasets
     import transformers
 
@@ -153,6 +155,7 @@ def start_run(args, **accelerator_options) -> Accelerator:
     logger.info(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, device {accelerator.device}")
     transformers.set_seed(args.seed)
     check_output_dir(args.output_dir, args.overwrite_output_dir, resuming=bool(args.resume_from_checkpoint))
+    clear_preempted_marker(accelerator, args.output_dir)  # it describes an earlier attempt
     return accelerator
 
 
