@@ -99,18 +99,16 @@ def check_splits(raw, columns: dict[str, str], data_options: str, *, limits: dic
 
 
 def _checked_split(dataset, split: str, columns: dict[str, str], blank: str):
-    """`dataset` with its columns checked (and the rows of blank text dropped, with blank="drop")."""
+    """`dataset` with its columns checked (and the rows of blank text dropped, with blank="drop").
+    Record numbers in the messages count the rows as given, before anything is dropped."""
     import pyarrow.compute as pc
 
+    table = dataset.with_format("arrow")
+    keep = None
     for column, option in columns.items():
         if column not in dataset.column_names:
             raise UsageError(f"the {split} data has no column {column!r}; its columns are {dataset.column_names}. "
                              f"Name the right one with {option}")
-        values = dataset.with_format("arrow")[column]
-        if blank == "drop" and _is_text(values):
-            dataset = dataset.select(pc.indices_nonzero(pc.invert(_is_blank(values))).to_pylist())
-    table = dataset.with_format("arrow")
-    for column in columns:
         values = table[column]
         bad = values.is_null()
         if blank == "refuse" and _is_text(values):
@@ -119,6 +117,10 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str):
         if count:
             raise UsageError(f"{count} {split} records have an empty or missing {column!r} "
                              f"(first: record {pc.index(bad, True).as_py()}); fill or drop them")
+        if blank == "drop" and _is_text(values):
+            keep = pc.invert(_is_blank(values)) if keep is None else pc.and_(keep, pc.invert(_is_blank(values)))
+    if keep is not None:
+        dataset = dataset.select(pc.indices_nonzero(keep).to_pylist())
     if len(dataset) == 0:
         raise UsageError(f"the {split} data holds no examples")
     return dataset
