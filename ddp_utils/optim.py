@@ -9,6 +9,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
+from .errors import UsageError
+
 logger = get_logger(__name__)
 
 
@@ -20,14 +22,20 @@ def train_in_fp32(accelerator: Accelerator, model) -> None:
     AdamW on bf16 weights rounds updates below half a unit in the last place (about 0.4% of the
     weight) to nothing, so a fine-tuning learning rate of 2e-5 barely moves them. Mixed precision
     still computes in bf16 through autocast. The model's config keeps the checkpoint's dtype, and
-    `save_model` saves in it by default. Under DeepSpeed nothing is cast: DeepSpeed keeps fp32
-    master weights itself, and ZeRO-3 has already partitioned the parameters.
+    `save_model` saves in it by default.
+
+    Under DeepSpeed with bf16 or fp16 mixed precision nothing is cast: DeepSpeed keeps fp32 master
+    weights itself. Without it, parameters ZeRO-3 has already partitioned cannot be cast here, so
+    a low-precision checkpoint is refused with the fix.
     """
-    if accelerator.state.deepspeed_plugin is not None:
-        return
     cast = [(name, p) for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
-    if cast:
-        logger.info(f"{len(cast)} trainable parameter tensors cast from {cast[0][1].dtype} to float32 for training")
+    if not cast or (accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16")):
+        return
+    if any(hasattr(p, "ds_id") for _, p in cast):
+        raise UsageError(f"this checkpoint's weights are {cast[0][1].dtype} and DeepSpeed ZeRO-3 has partitioned them, so they "
+                         "would train in that dtype (updates rounded away); set mixed_precision: bf16 in the launch config "
+                         "(DeepSpeed then keeps fp32 master weights)")
+    logger.info(f"{len(cast)} trainable parameter tensors cast from {cast[0][1].dtype} to float32 for training")
     for _, parameter in cast:
         parameter.data = parameter.data.float()
 

@@ -176,6 +176,9 @@ def test_check_splits_is_the_one_data_check_of_every_script():
         ddp_utils.check_splits(data(train=clean, validation=clean), {"text": "--text_column"}, "--train_file", blank="refuse")
     kept = ddp_utils.check_splits(data(train=clean, validation=clean), {"text": "--text_column"}, "--train_file", blank="drop")
     assert kept["train"]["text"] == ["a", "b", "c"], "blank lines of a .txt file are dropped"
+    with pytest.raises(UsageError, match=r"\(first: record 4\)"):  # counted as given, before blank rows are dropped
+        ddp_utils.check_splits(data(train={"text": ["", "", " ", "a", None]}, validation=clean), {"text": "--text_column"}, "--train_file",
+                               blank="drop")
     with pytest.raises(UsageError, match=r"has no column 'review'; its columns are \['text', 'label'\]. Name the right one with --text_column"):
         ddp_utils.check_splits(data(train=clean, validation=clean), {"review": "--text_column"}, "--train_file")
     # No validation split: "test" if there is one, else a held-out part of train (if allowed), else an error.
@@ -190,3 +193,25 @@ def test_check_splits_is_the_one_data_check_of_every_script():
     assert not set(held["train"]["text"]) & set(held["validation"]["text"]), "held-out records are not trained on"
     with pytest.raises(UsageError, match="1 training record\\(s\\) are too few to hold out a validation split"):
         ddp_utils.check_splits(data(train={"text": ["a"], "label": [0]}), {"text": "--text_column"}, "--train_file", hold_out_percentage=5)
+
+
+def test_fetch_weights_finds_single_and_sharded_hub_weights_and_skips_local_dirs(tiny_lm, tmp_path, monkeypatch):
+    from conftest import put_in_hub_cache
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_lm).save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    put_in_hub_cache(tmp_path / "hub", "org/single", tiny_lm)
+    put_in_hub_cache(tmp_path / "hub", "org/sharded", sharded)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    assert [os.path.basename(p) for p in ddp_utils.fetch_weights("org/single")] == ["model.safetensors"]
+    shards = ddp_utils.fetch_weights("org/sharded")
+    assert len(shards) > 1 and all(os.path.isfile(p) and "model-0" in os.path.basename(p) for p in shards)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert sorted(os.path.basename(p) for p in shards) == sorted(set(index["weight_map"].values()))
+    assert ddp_utils.fetch_weights(str(tiny_lm)) == []

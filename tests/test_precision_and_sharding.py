@@ -168,6 +168,26 @@ def test_the_packing_check_does_not_run_a_forward_pass_on_partitioned_weights(ti
     assert packing_is_masked(partition_like_zero3(model)) is None, "no weights here to check with: no answer, not a crash"
 
 
+def test_partitioned_low_precision_weights_are_refused_unless_deepspeed_keeps_fp32_masters(tiny_lm):
+    """ZeRO-3 partitions the weights before `train_in_fp32` sees them, so it cannot cast them; with
+    bf16/fp16 mixed precision DeepSpeed keeps fp32 master weights itself, otherwise the run would
+    train bf16 weights and is refused. (A stand-in for the Accelerator: DeepSpeed is not installed.)"""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    def accelerator(deepspeed, mixed_precision):
+        return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=object() if deepspeed else None), mixed_precision=mixed_precision)
+
+    model = partition_like_zero3(AutoModelForCausalLM.from_pretrained(tiny_lm, dtype=torch.bfloat16))
+    ddp_utils.train_in_fp32(accelerator(deepspeed=True, mixed_precision="bf16"), model)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}, "DeepSpeed's own fp32 masters: nothing to cast"
+    for mixed_precision in ("no", "bf16"):
+        deepspeed = mixed_precision == "no"  # DeepSpeed without mixed precision, or partitioned weights without DeepSpeed
+        with pytest.raises(UsageError, match="partitioned them.*set mixed_precision: bf16"):
+            ddp_utils.train_in_fp32(accelerator(deepspeed, mixed_precision), model)
+
+
 # --- 4. DeepSpeed options that would override the script in silence ------------------------------
 
 def deepspeed_config(**options):
