@@ -7,7 +7,7 @@ What the scripts use, by the order they use it in:
            `make_accelerator` alone for scripts without training options (check_env.py)
 - options: `add_training_args`, `check_training_args`, `check_positive`
 - data:    `load_on_main_first`, `read_data_files`, `check_splits`, `make_train_dataloader`, `load_metric`
-- model:   `load_model_config`, `train_in_fp32`, `make_adamw`, `describe_optimizer`, `refuse_together`
+- model:   `load_model_config`, `fetch_weights`, `train_in_fp32`, `make_adamw`, `describe_optimizer`, `refuse_together`
 - the run: `StepPlan` (steps, epochs, progress), `Checkpointer` (save, resume, preemption),
            `TrainingLog` (trackers, train_log.jsonl, progress bar), `prepare_output_dir`
 - a step:  `count_step` (what the step holds on all ranks), `global_mean_loss` (the exact loss)
@@ -24,7 +24,7 @@ from .classification import evaluate_classification, label_config, label_mapping
 from .data import check_splits, read_data_files
 from .errors import UsageError
 from .exact_loss import count_step, global_mean_loss
-from .io import load_model_config, prepare_output_dir, save_model
+from .io import fetch_weights, load_model_config, prepare_output_dir, save_model
 from .launch import make_accelerator, run, start_run
 from .metrics import gather_for_eval, load_metric
 from .optim import describe_optimizer, make_adamw, train_in_fp32
@@ -47,6 +47,7 @@ __all__ = [
     "count_step",
     "describe_optimizer",
     "evaluate_classification",
+    "fetch_weights",
     "gather_for_eval",
     "global_mean_loss",
     "label_config",

@@ -80,6 +80,7 @@ def prepare_data(args):
                                  limits={"train": args.max_train_samples, "validation": args.max_eval_samples})
     label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
     config = ddp_utils.load_model_config(args.model_name_or_path, **ddp_utils.label_config(label_names))
+    ddp_utils.fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     model_limit = tokenizer.model_max_length if tokenizer.model_max_length < 100_000 else config.max_position_embeddings
     if args.max_length > model_limit:
@@ -124,29 +125,31 @@ def main():
     checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
     log = ddp_utils.TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar
 
-    # Every call below that says "all ranks" is a collective: call it on every rank, never under
-    # `if accelerator.is_main_process`, and never leave the loop on one rank alone.
+    # Calls marked "all ranks" are collectives (so is most of the set-up above): every rank makes
+    # them, in the same order. Never make one under `if accelerator.is_main_process`, and never
+    # leave the loop on one rank alone: the other ranks would wait for ever.
     scores, confusion = {}, None
     for epoch in plan.epochs():
         model.train()
         for micro_batches in plan.optimizer_steps(train_dataloader, epoch):  # this rank's share of one optimizer step
-            step = ddp_utils.count_step(accelerator, micro_batches)  # all ranks: examples in the whole step
-            loss_sum = 0.0
+            # all ranks: what the whole step holds, read from the batches' weights before the loss pops them
+            step_size = ddp_utils.count_step(accelerator, micro_batches)
+            loss_sum, grad_norm = torch.zeros((), device=accelerator.device), None
             for batch in micro_batches:
                 with accelerator.accumulate(model):  # gradients are synchronised on the last micro-batch only
                     weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
                     losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per example
                     # The mean over the step's examples on all ranks, not over this micro-batch.
-                    accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step.weight, accelerator))
+                    accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
                     if accelerator.sync_gradients:  # the step's last micro-batch: its gradient is complete
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
                     optimizer.step()  # a no-op until the last micro-batch
                     optimizer.zero_grad()
                 loss_sum += (losses.detach() * weights).sum()
-            learning_rate = lr_scheduler.get_last_lr()[0]
+            learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step used
             lr_scheduler.step()
 
-            plan.advance(step)  # count the step taken; no communication
+            plan.advance(step_size)  # count the step taken; no communication
             log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:

@@ -103,6 +103,7 @@ def prepare_data(args):
         config = AutoConfig.from_pretrained(demo_resnet_path(), **labels)
     else:
         config = ddp_utils.load_model_config(args.model_name_or_path, **labels)
+        ddp_utils.fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     train = raw["train"].add_column(EXAMPLE_ID, list(range(len(raw["train"]))))
     return datasets.DatasetDict({"train": train, "validation": raw["validation"]}), image_processor, config, skipped
 
@@ -145,30 +146,32 @@ def main():
     checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
     log = ddp_utils.TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar
 
-    # Every call below that says "all ranks" is a collective: call it on every rank, never under
-    # `if accelerator.is_main_process`, and never leave the loop on one rank alone.
+    # Calls marked "all ranks" are collectives (so is most of the set-up above): every rank makes
+    # them, in the same order. Never make one under `if accelerator.is_main_process`, and never
+    # leave the loop on one rank alone: the other ranks would wait for ever.
     scores, confusion = {}, None
     for epoch in plan.epochs():
         model.train()
         train_collate.set_epoch(epoch)  # each image's augmentation depends on (seed, epoch, image) only
         for micro_batches in plan.optimizer_steps(train_dataloader, epoch):  # this rank's share of one optimizer step
-            step = ddp_utils.count_step(accelerator, micro_batches)  # all ranks: images in the whole step
-            loss_sum = 0.0
+            # all ranks: what the whole step holds, read from the batches' weights before the loss pops them
+            step_size = ddp_utils.count_step(accelerator, micro_batches)
+            loss_sum, grad_norm = torch.zeros((), device=accelerator.device), None
             for batch in micro_batches:
                 with accelerator.accumulate(model):  # gradients are synchronised on the last micro-batch only
                     weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
                     losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per image
                     # The mean over the step's images on all ranks, not over this micro-batch.
-                    accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step.weight, accelerator))
+                    accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
                     if accelerator.sync_gradients:  # the step's last micro-batch: its gradient is complete
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
                     optimizer.step()  # a no-op until the last micro-batch
                     optimizer.zero_grad()
                 loss_sum += (losses.detach() * weights).sum()
-            learning_rate = lr_scheduler.get_last_lr()[0]
+            learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step used
             lr_scheduler.step()
 
-            plan.advance(step)  # count the step taken; no communication
+            plan.advance(step_size)  # count the step taken; no communication
             log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:

@@ -118,6 +118,19 @@ def make_tiny_model(directory: Path, dropout: float = 0.0, hidden_size: int = 32
     return directory
 
 
+def put_in_hub_cache(cache: Path, repo_id: str, model_dir: Path) -> Path:
+    """Lay `model_dir`'s files out in `cache` as the Hub client stores a download of `repo_id`, so
+    an offline run can load the model by its Hub id (HF_HUB_CACHE=cache, HF_HUB_OFFLINE=1)."""
+    import shutil
+
+    revision = "0" * 40
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(model_dir, repo / "snapshots" / revision)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    return cache
+
+
 def write_examples(path: Path, n: int, seed: int, labels=("positive", "negative", "neutral"), text_column="text", label_column="label"):
     """n labelled sentences whose label is given by one of its words, varied in length."""
     rng = random.Random(seed)

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import AUDIT_HOOK_DIR, REPO, launch, train_args
+from conftest import AUDIT_HOOK_DIR, REPO, launch, put_in_hub_cache, train_args
 from safetensors.numpy import load_file
 
 TRAIN = REPO / "scripts" / "train.py"
@@ -110,6 +110,20 @@ def test_overwrite_output_dir_is_replaced_by_the_main_process_alone(tmp_path):
     assert result.returncode == 0, result.output[-3000:]
     assert "rank 0: output directory ready" in result.output and "rank 1: output directory ready" in result.output
     assert os.listdir(output_dir) == []
+
+
+def test_a_hub_model_id_trains_the_same_model_as_its_local_copy(runs, tiny_model, tiny_data, tmp_path):
+    """The Hub path of the scripts: the main process fetches the weights into the Hub cache
+    (`fetch_weights`, inside the main-first section), then both ranks build the model from it. An
+    offline Hub cache stands in for the Hub."""
+    env = {"HF_HUB_CACHE": str(put_in_hub_cache(tmp_path / "hub", "tiny-org/tiny-bert", tiny_model))}
+    output_dir = tmp_path / "from-hub"
+    args = train_args("tiny-org/tiny-bert", tiny_data, output_dir, "--num_train_epochs", 3, *LAYOUTS["two_processes"][1])
+    result = launch(TRAIN, *args, num_processes=2, env=env)
+    assert result.returncode == 0, result.output[-4000:]
+    reference = weights(runs["two_processes"]["dir"])
+    for key, value in weights(output_dir).items():
+        np.testing.assert_array_equal(value, reference[key], err_msg=key)
 
 
 def test_saved_model_reloads_with_from_pretrained_and_pipeline(runs, tiny_data):
