@@ -3,7 +3,8 @@
 - every ddp_utils function or method that takes part in a collective (directly, or through another
   one) says so first in its docstring: "All ranks call this";
 - the scripts never call one of them under a rank condition (`if accelerator.is_main_process:`),
-  where the other ranks would wait for ever;
+  nor after a rank condition that leaves early (`if not accelerator.is_main_process: return`),
+  where the other ranks would wait for ever; no property or generator hides one;
 - each script shows its whole training step;
 - the error types sit in a leaf module, and matplotlib is not imported on the training path.
 """
@@ -17,9 +18,11 @@ from conftest import REPO, launch_env
 
 PACKAGE = REPO / "ddp_utils"
 SCRIPTS = {name: REPO / "scripts" / f"{name}.py" for name in ("train", "train_clm", "train_image")}
-# Calls that are collectives themselves: Accelerate's and torch.distributed's.
-PRIMITIVES = {"Accelerator", "reduce", "gather", "gather_for_metrics", "gather_object", "broadcast_object_list", "wait_for_everyone",
-              "save_state", "load_state", "get_state_dict", "barrier", "all_reduce", "broadcast", "init_process_group"}
+# Calls that are collectives themselves: Accelerate's and torch.distributed's (`prepare` wraps in
+# DDP, which broadcasts the weights; `clip_grad_norm_` all-reduces the norm under FSDP).
+PRIMITIVES = {"Accelerator", "prepare", "reduce", "gather", "gather_for_metrics", "gather_object", "broadcast_object_list",
+              "wait_for_everyone", "save_state", "load_state", "get_state_dict", "clip_grad_norm_", "barrier", "all_reduce",
+              "broadcast", "init_process_group"}
 SAYS_SO = "All ranks call this"
 
 
@@ -35,18 +38,20 @@ def called_names(node) -> set[str]:
     return names
 
 
-def package_functions() -> dict[str, list]:
-    """name -> [(module, qualified name, node)] for every function and method in ddp_utils."""
+def package_functions(kind: str = "called") -> dict[str, list]:
+    """name -> [(module, qualified name, node)] for every function and method in ddp_utils that is
+    called by name (kind="called"), or for its properties (kind="property")."""
     functions = {}
     for path in sorted(PACKAGE.glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in tree.body:
             members = [(node.name, node)] if isinstance(node, ast.FunctionDef) else []
-            if isinstance(node, ast.ClassDef):  # methods; properties are read, not called
-                members = [(f"{node.name}.{item.name}", item) for item in node.body if isinstance(item, ast.FunctionDef)
-                           and not any(ast.unparse(d) == "property" for d in item.decorator_list)]
+            if isinstance(node, ast.ClassDef):
+                members = [(f"{node.name}.{item.name}", item) for item in node.body if isinstance(item, ast.FunctionDef)]
             for qualified, function in members:
-                functions.setdefault(function.name, []).append((path.stem, qualified, function))
+                is_property = any(ast.unparse(d) == "property" for d in function.decorator_list)
+                if is_property == (kind == "property"):
+                    functions.setdefault(function.name, []).append((path.stem, qualified, function))
     return functions
 
 
@@ -76,6 +81,17 @@ def test_every_collective_in_ddp_utils_says_all_ranks_call_this():
     assert silent == [], f"these take part in a collective but their docstring does not start with {SAYS_SO!r}: {silent}"
 
 
+def test_no_property_or_generator_in_ddp_utils_hides_a_collective():
+    """A collective inside a property (`run.loss`) or a generator (`for batch in epoch(...)`) runs
+    where the reader sees no call: it must be an explicit function call instead."""
+    reaches = set(collective_functions()) | PRIMITIVES
+    hidden = [f"{module}.{qualified} (property)" for definitions in package_functions("property").values()
+              for module, qualified, node in definitions if called_names(node) & reaches]
+    hidden += [f"{module}.{qualified} (generator)" for definitions in package_functions().values() for module, qualified, node in definitions
+               if any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(node)) and called_names(node) & reaches]
+    assert hidden == [], hidden
+
+
 def rank_conditions(tree):
     """Every `if` (or conditional expression) whose test reads which rank this is."""
     for node in ast.walk(tree):
@@ -83,17 +99,53 @@ def rank_conditions(tree):
             yield node
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_scripts_never_call_a_collective_under_a_rank_condition(script):
+def leaves_early(node) -> bool:
+    return any(isinstance(n, (ast.Return, ast.Break, ast.Continue)) for n in ast.walk(node))
+
+
+def collectives_only_some_ranks_reach(source: str, collective: set[str]) -> list[str]:
+    """'line N: names' for each call of a collective that only some ranks reach: one under a rank
+    condition, or one after a rank condition that leaves its block early on some ranks."""
+    tree = ast.parse(source)
+    collective = collective | {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and called_names(node) & collective}
+    found = []
+    for condition in rank_conditions(tree):
+        if called_names(condition) & collective:
+            found.append(f"line {condition.lineno}: {sorted(called_names(condition) & collective)} under a rank condition")
+    for block in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            statements = getattr(block, field, None)
+            if not isinstance(statements, list):
+                continue
+            early = None
+            for statement in statements:
+                if early is not None and called_names(statement) & collective:
+                    found.append(f"line {statement.lineno}: {sorted(called_names(statement) & collective)} after the rank "
+                                 f"condition of line {early} that leaves early")
+                if isinstance(statement, ast.If) and statement in set(rank_conditions(statement)) and leaves_early(statement):
+                    early = statement.lineno
+    return found
+
+
+def test_the_rank_condition_check_catches_the_ways_a_job_hangs():
     collective = set(collective_functions()) | PRIMITIVES
-    tree = ast.parse(SCRIPTS[script].read_text())
-    for condition in rank_conditions(tree):
-        inside = called_names(condition) & collective
-        assert not inside, f"{script}.py line {condition.lineno}: {sorted(inside)} called under a rank condition"
-    # The script's own functions that call a collective must not sit under one either.
-    local = {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and called_names(node) & collective}
-    for condition in rank_conditions(tree):
-        assert not called_names(condition) & local, f"{script}.py line {condition.lineno}"
+    hangs = {
+        "guarded": "if accelerator.is_main_process:\n    log.step(plan, loss_sum, grad_norm, lr)\n",
+        "early return": "def f():\n    if not accelerator.is_main_process:\n        return\n    accelerator.wait_for_everyone()\n",
+        "break on one rank": ("for batch in loader:\n    if accelerator.process_index == 1 and batch is None:\n        break\n"
+                              "    step_size = ddp_utils.count_step(accelerator, batch, 1)\n"),
+        "script helper": "def save():\n    ddp_utils.save_model(accelerator, model, 'x')\nif accelerator.is_main_process:\n    save()\n",
+    }
+    for name, source in hangs.items():
+        assert collectives_only_some_ranks_reach(source, collective), f"missed: {name}"
+    fine = "if accelerator.is_main_process:\n    print('done')\naccelerator.wait_for_everyone()\n"
+    assert collectives_only_some_ranks_reach(fine, collective) == []
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_scripts_never_call_a_collective_that_only_some_ranks_reach(script):
+    found = collectives_only_some_ranks_reach(SCRIPTS[script].read_text(), set(collective_functions()) | PRIMITIVES)
+    assert found == [], f"{script}.py: {found}"
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
