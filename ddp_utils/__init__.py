@@ -12,10 +12,11 @@ What the scripts use, by the order they use it in:
            `TrainingLog` (trackers, train_log.jsonl, progress bar), `prepare_output_dir`
 - a step:  `count_step` (what the step holds on all ranks), `global_mean_loss` (the exact loss)
 - eval:    `evaluate_classification` (classification), `gather_for_eval` (any task)
-- the end: `save_model`, `write_results` (metrics.json, report/)
+- the end: `save_model`, `write_results` (metrics.json, report/), `write_jsonl` (predictions)
 
-Task helpers live in their own modules: `lm` (language models), `vision` (images), `demo` (the
-offline demo's model and data).
+Task helpers live in their own modules: `lm` (language models), `chat` (conversations and their
+targets), `generation` (answers scored by generation), `gguf` (GGUF checkpoints), `vision`
+(images), `demo` (the offline demos' models and data).
 """
 
 from .args import add_training_args, check_positive, check_training_args
@@ -24,7 +25,7 @@ from .classification import evaluate_classification, label_config, label_mapping
 from .data import check_splits, read_data_files
 from .errors import UsageError
 from .exact_loss import count_step, global_mean_loss
-from .io import fetch_weights, load_model_config, prepare_output_dir, save_model
+from .io import fetch_weights, load_model_config, prepare_output_dir, save_model, write_jsonl
 from .launch import make_accelerator, run, start_run
 from .metrics import gather_for_eval, load_metric
 from .optim import describe_optimizer, make_adamw, train_in_fp32
@@ -65,5 +66,6 @@ __all__ = [
     "save_model",
     "start_run",
     "train_in_fp32",
+    "write_jsonl",
     "write_results",
 ]

@@ -56,6 +56,19 @@ def write_json(accelerator: Accelerator, path: str, data) -> None:
     os.replace(handle.name, path)
 
 
+def write_jsonl(accelerator: Accelerator, path: str, rows: list[dict]) -> None:
+    """Write `rows` one JSON object per line, on the main process only, atomically. Any rank may
+    call it; the others do nothing."""
+    if not accelerator.is_main_process:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(handle.name, path)
+
+
 def save_model(accelerator: Accelerator, model, output_dir: str, *processors, dtype: str = "auto") -> None:
     """All ranks call this: save the unwrapped model (safetensors, with its config) and its
     tokenizer / processors so that `from_pretrained(output_dir)` and `pipeline(..., model=output_dir)`

@@ -191,10 +191,11 @@ class TrainingLog:
         self.bar.set_postfix_str(f"loss {loss:.4f}, {speed}")
         self._new_window(plan)
 
-    def evaluation(self, plan, scores: dict) -> None:
-        """After each epoch's evaluation (and `plan.end_epoch`): log its scores. Every rank calls it
-        with the same scores; no communication."""
-        logger.info(f"epoch {plan.progress['epoch'] - 1}: {describe(scores)}")
+    def evaluation(self, plan, scores: dict, when: str | None = None) -> None:
+        """After each epoch's evaluation (and `plan.end_epoch`), or before training (`when`
+        "zero-shot"): log its scores at the current step. Every rank calls it with the same
+        scores; no communication."""
+        logger.info(f"{when or 'epoch ' + str(plan.progress['epoch'] - 1)}: {describe(scores)}")
         record = {"epoch": plan.progress["epoch"]}
         record.update({f"eval/{name.removeprefix('eval_')}": value for name, value in scores.items() if isinstance(value, (int, float))})
         self._write(record, plan.step)

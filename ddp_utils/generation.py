@@ -1,0 +1,100 @@
+"""A task score from generation: every eval prompt answered once, greedily, on any number of
+processes, and the answers scored against the references."""
+
+from __future__ import annotations
+
+import re
+import string
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from .classification import ConfusionMatrix
+from .metrics import gather_for_eval
+
+NOT_A_LABEL = "(not a label)"
+MAX_LABELS = 20  # references with at most this many distinct values, each seen twice on average, are labels
+
+
+class LeftPaddingCollator:
+    """Rows of `index` and `input_ids` (a prompt) into a batch padded on the left, as generation
+    needs: every prompt ends where the answer starts."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict:
+        length = max(len(row["input_ids"]) for row in rows)
+        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            input_ids[i, length - n:] = torch.tensor(row["input_ids"])
+            attention_mask[i, length - n:] = 1
+        return {"index": torch.tensor([row["index"] for row in rows]), "input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max_new_tokens: int) -> list[str]:
+    """All ranks call this (a gather per batch): greedy answers of at most `max_new_tokens` tokens
+    to every prompt of a prepared dataloader of `LeftPaddingCollator` batches, in the dataset's
+    order, each prompt answered once whatever the number of processes (`gather_for_eval` drops
+    the prompts Accelerate repeats to even out the ranks). Every rank generates for every batch;
+    with sharded weights (FSDP, DeepSpeed) `synced_gpus` keeps the ranks stepping together until
+    the last one has finished its answers."""
+    from transformers import GenerationConfig
+
+    generator = accelerator.unwrap_model(model)
+    eos = generator.generation_config.eos_token_id if generator.generation_config.eos_token_id is not None else tokenizer.eos_token_id
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+                              use_cache=True)
+    synced = accelerator.num_processes > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
+
+    def answer(model, batch):
+        output = generator.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                    generation_config=config, synced_gpus=synced)
+        new = output[:, batch["input_ids"].shape[1]:]
+        return {"index": batch["index"], "answer_ids": F.pad(new, (0, max_new_tokens - new.shape[1]), value=tokenizer.pad_token_id)}
+
+    results = gather_for_eval(accelerator, model, dataloader, answer)
+    order = np.argsort(results["index"], kind="stable")
+    if not np.array_equal(results["index"][order], np.arange(len(order))):
+        raise RuntimeError(f"generation answered {len(order)} prompts, not each of {len(dataloader.dataset)} once")
+    return [tokenizer.decode(results["answer_ids"][i], skip_special_tokens=True).strip() for i in order]
+
+
+def normalize_answer(text: str) -> str:
+    """Lower case, punctuation dropped, whitespace collapsed: "Positive." == "positive"."""
+    text = text.lower().translate(str.maketrans("", "", string.punctuation))
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def score_answers(answers: list[str], references: list[str]) -> tuple[dict, ConfusionMatrix | None]:
+    """({exact_match, and accuracy when the references are labels}, the confusion matrix of the
+    labels or None). References are labels when they take few distinct values (at most 20, each
+    seen twice on average). Exact match compares whole normalized answers; accuracy reads the
+    label an answer names (`answer_label`), and counts an answer that names none, or several,
+    in a "(not a label)" column. No communication."""
+    answers, references = [normalize_answer(a) for a in answers], [normalize_answer(r) for r in references]
+    matches = [a == r for a, r in zip(answers, references)]
+    scores = {"exact_match": float(np.mean(matches)), "examples": len(matches)}
+    labels = sorted(set(references))
+    if not (len(labels) <= MAX_LABELS and 2 * len(labels) <= len(references)):
+        return scores, None
+    names = labels + [NOT_A_LABEL]
+    index = {name: i for i, name in enumerate(labels)}
+    counts = np.zeros((len(names), len(names)), dtype=np.int64)
+    for answer, reference in zip(answers, references):
+        counts[index[reference], index.get(answer_label(answer, labels), len(labels))] += 1
+    scores.update(accuracy=float(np.trace(counts) / len(references)), answers_not_a_label=int(counts[:, -1].sum()))
+    return scores, ConfusionMatrix(counts, names)
+
+
+def answer_label(answer: str, labels: list[str]) -> str | None:
+    """The label a normalized answer gives: the answer itself if it is one, else the one label it
+    names as a word ("this review is positive" -> "positive"), else None (none, or several)."""
+    if answer in labels:
+        return answer
+    named = [label for label in labels if re.search(rf"(?<!\w){re.escape(label)}(?!\w)", answer)]
+    return named[0] if len(named) == 1 else None
