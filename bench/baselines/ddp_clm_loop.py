@@ -15,7 +15,7 @@ from common import demo_text_blocks, init_distributed, tutorial_ddp_training, tu
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator
 
-from ddp_utils.demo import demo_decoder_config_path
+from ddp_utils.demo import bench_decoder_config_path
 
 
 def main():
@@ -23,7 +23,7 @@ def main():
     rank, device = init_distributed()
 
     blocks, _ = demo_text_blocks(block_size)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(demo_decoder_config_path()))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(bench_decoder_config_path()))
     model, sampler, loader, optimizer, scheduler = tutorial_ddp_training(
         model, blocks["train"], batch_size, default_data_collator, lr, epochs, device)
 

@@ -25,7 +25,7 @@ def main():
     spec.loader.exec_module(train_clm)
     out, args = sys.argv[1], train_clm.parse_args(sys.argv[2:])
     accelerator = make_accelerator(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps)
-    tokenized, tokenizer, _, report, _ = ddp_utils.load_on_main_first(accelerator, train_clm.prepare_data, args)
+    tokenized, tokenizer, _, report, _, _ = ddp_utils.load_on_main_first(accelerator, train_clm.prepare_data, args)
     collate = train_clm.CausalLMCollator(tokenizer.pad_token_id)
     loader = ddp_utils.make_train_dataloader(
         tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate)
@@ -47,7 +47,7 @@ def main():
         if args.data_mode == "text":
             record["train_text"] = list(raw["train"][args.text_column])
         else:
-            record["train_records"] = [{"prompt": r[args.prompt_column], "response": r[args.response_column]} for r in raw["train"]]
+            record["train_records"] = [{"prompt": r[args.prompt_column], "completion": r[args.completion_column]} for r in raw["train"]]
         Path(out).write_text(json.dumps(record))
     accelerator.end_training()
 
