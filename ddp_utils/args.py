@@ -13,9 +13,11 @@ from .tracking import parse_report_to
 
 
 def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float | None, per_device_train_batch_size: int,
-                      per_device_eval_batch_size: int, num_train_epochs: int | None, output_dir: str) -> None:
+                      per_device_eval_batch_size: int, num_train_epochs: int | None, output_dir: str,
+                      lengths: bool = False) -> None:
     """Add the shared options to `parser`; the keyword arguments are the script's defaults (None: the
-    script sets one after parsing, e.g. one for its offline demo and one for a pretrained model)."""
+    script sets one after parsing, e.g. one for its offline demo and one for a pretrained model).
+    `lengths`: the examples are token sequences, so batches can be grouped by length."""
     p = parser.add_argument_group("training")
     p.add_argument("--per_device_train_batch_size", type=int, default=per_device_train_batch_size, help="examples per process per micro-batch")
     p.add_argument("--per_device_eval_batch_size", type=int, default=per_device_eval_batch_size, help="examples per process per eval batch")
@@ -26,6 +28,9 @@ def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float |
     p.add_argument("--num_train_epochs", type=int, default=num_train_epochs, help=f"passes over the training data (default: {num_train_epochs or 'see the script'})")
     p.add_argument("--max_train_steps", type=int, default=None, help="stop after this many optimizer steps (overrides epochs)")
     p.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear LR warm-up")
+    if lengths:
+        p.add_argument("--group_by_length", action=argparse.BooleanOptionalAction, default=True,
+                       help="batch examples of similar length together (less padding; the order is still drawn from the seed)")
     p.add_argument("--seed", type=int, default=42, help="seed for initialisation, shuffling and dropout")
     p.add_argument("--logging_steps", type=int, default=10, help="show the loss every N optimizer steps")
     p.add_argument("--ddp_timeout", type=int, default=1800, help="seconds a collective may wait before the run fails")

@@ -32,7 +32,9 @@ def group_text_blocks(batch: dict, block_size: int) -> dict:
 
 def pack_sequences(batch: dict, block_size: int) -> dict:
     """For `datasets.map(batched=True)`: pack whole tokenized examples (`input_ids`, `labels`) into
-    rows of at most `block_size` tokens, first fit in order, never splitting an example.
+    rows of at most `block_size` tokens, never splitting an example. Best fit decreasing: longest
+    first, each into the row it leaves least room in, so rows come out nearly full (first fit in
+    the data's order left a fifth of each row as padding on the demo).
 
     Each row gets `position_ids` that restart at 0 for every example. Given position_ids and no
     attention_mask, `transformers` models build a block-diagonal causal mask from them (and
@@ -40,20 +42,26 @@ def pack_sequences(batch: dict, block_size: int) -> dict:
     one packed before it. The first label of each example is -100: it is not predicted from the
     previous example's last token.
     """
-    rows = {"input_ids": [], "labels": [], "position_ids": []}
-    current = {key: [] for key in rows}
-    for ids, labels in zip(batch["input_ids"], batch["labels"]):
-        if current["input_ids"] and len(current["input_ids"]) + len(ids) > block_size:
-            for key in rows:
-                rows[key].append(current[key])
-            current = {key: [] for key in rows}
-        current["input_ids"] += ids
-        current["labels"] += [IGNORE_INDEX] + list(labels[1:])
-        current["position_ids"] += list(range(len(ids)))
-    if current["input_ids"]:
-        for key in rows:
-            rows[key].append(current[key])
-    return rows
+    import bisect
+
+    lengths = [len(ids) for ids in batch["input_ids"]]
+    rows: list[list[int]] = []  # example indices per row
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        slot = bisect.bisect_left(free, (lengths[index], -1))  # the row with the least room that still fits
+        if slot < len(free):
+            room, row = free.pop(slot)
+        else:
+            room, row = block_size, len(rows)
+            rows.append([])
+        rows[row].append(index)
+        bisect.insort(free, (room - lengths[index], row))
+    packed = {"input_ids": [], "labels": [], "position_ids": []}
+    for members in rows:
+        packed["input_ids"].append([token for i in members for token in batch["input_ids"][i]])
+        packed["labels"].append([label for i in members for label in [IGNORE_INDEX, *batch["labels"][i][1:]]])
+        packed["position_ids"].append([position for i in members for position in range(lengths[i])])
+    return packed
 
 
 class CausalLMCollator:
@@ -96,12 +104,20 @@ class CausalLMCollator:
         return batch
 
 
-def padding_waste(dataset, batch_size: int, seed: int = 0) -> float:
-    """Padded positions / real tokens when `dataset`'s rows, shuffled, are batched `batch_size` at a
-    time and padded to the longest row of each batch, as training does. Any rank may call it."""
-    lengths = np.random.default_rng(seed).permutation([len(ids) for ids in dataset["input_ids"]])
-    padded = sum(int(chunk.max()) * len(chunk) - int(chunk.sum()) for chunk in np.array_split(lengths, math.ceil(len(lengths) / batch_size)))
-    return padded / max(int(lengths.sum()), 1)
+def padding_waste(train_dataloader) -> float:
+    """Padded positions / real tokens in the first epoch of an unprepared training dataloader from
+    `make_train_dataloader`: its sampler's order, cut into per-device batches, each padded to its
+    longest row (fillers dropped), as training does. Any rank may call it (no communication)."""
+    sampler, batch_size = train_dataloader.sampler, train_dataloader.batch_size
+    lengths = [len(ids) for ids in train_dataloader.dataset["input_ids"]]
+    order = list(sampler)
+    padded = real = 0
+    for start in range(0, len(order), batch_size):
+        rows = [lengths[i] for i in order[start:start + batch_size] if i < sampler.num_real]
+        if rows:
+            padded += max(rows) * len(rows) - sum(rows)
+            real += sum(rows)
+    return padded / max(real, 1)
 
 
 def perplexity(loss_sums: np.ndarray, token_counts: np.ndarray) -> tuple[float, float]:

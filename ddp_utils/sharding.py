@@ -41,11 +41,18 @@ class StepAlignedSampler(torch.utils.data.Sampler):
     examples are dealt out evenly over its micro-batches on every rank and the fillers take the
     remaining slots (Accelerate gives rank r batch j of the order when j % num_processes == r),
     so that dropping the fillers (`make_train_dataloader` does) balances the ranks' work.
+
+    With `lengths` (tokens per example), the shuffled order is cut into groups of `group_steps`
+    optimizer steps; each group is sorted by length, cut into its steps, and the steps shuffled
+    again, so every micro-batch holds examples of about one length and pads little. A global
+    step is still formed before it is dealt to the ranks, from (seed, epoch) alone.
     """
 
-    def __init__(self, num_real: int, num_total: int, batch_size: int, num_processes: int, accumulation: int, seed: int):
+    def __init__(self, num_real: int, num_total: int, batch_size: int, num_processes: int, accumulation: int, seed: int,
+                 lengths: list[int] | None = None, group_steps: int = 16):
         self.num_real, self.num_total, self.seed, self.epoch = num_real, num_total, seed, 0
         self.batch_size, self.micro_batches_per_step = batch_size, num_processes * accumulation
+        self.lengths, self.group_steps = lengths, group_steps
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -58,11 +65,25 @@ class StepAlignedSampler(torch.utils.data.Sampler):
         order = torch.randperm(self.num_real, generator=generator).tolist()
         step_size = self.batch_size * self.micro_batches_per_step
         full = self.num_real - self.num_real % step_size
+        if self.lengths is not None:
+            order[:full] = self._grouped_by_length(order[:full], step_size, generator)
         tail, last_step = order[full:], [None] * step_size if full < self.num_real else []
         for i, index in enumerate(tail):  # the i-th goes to micro-batch i % n, row i // n of it
             last_step[(i % self.micro_batches_per_step) * self.batch_size + i // self.micro_batches_per_step] = index
         fillers = iter(range(self.num_real, self.num_total))
         return iter(order[:full] + [next(fillers) if index is None else index for index in last_step])
+
+    def _grouped_by_length(self, order: list[int], step_size: int, generator: torch.Generator) -> list[int]:
+        grouped, group_size = [], step_size * self.group_steps
+        for start in range(0, len(order), group_size):
+            # Longest first within a group; ties keep the shuffled order (a stable sort).
+            group = sorted(order[start:start + group_size], key=lambda index: -self.lengths[index])
+            steps = [group[i:i + step_size] for i in range(0, len(group), step_size)]
+            # Not always the longest steps first: that would put every group's peak memory and
+            # its largest gradients at the same place in the epoch.
+            for k in torch.randperm(len(steps), generator=generator).tolist():
+                grouped += steps[k]
+        return grouped
 
 
 def _without_fillers(collate_fn):
@@ -74,21 +95,33 @@ def _without_fillers(collate_fn):
     return collate
 
 
-def make_train_dataloader(dataset, *, batch_size: int, accelerator: Accelerator, collate_fn) -> DataLoader:
+def make_train_dataloader(dataset, *, batch_size: int, accelerator: Accelerator, collate_fn,
+                          lengths: list[int] | None = None, group_steps: int = 16) -> DataLoader:
     """The training DataLoader, before `accelerator.prepare`: padded by `pad_to_even_shards` to
     whole optimizer steps, so every rank takes the same number of micro-batches and every optimizer
     step has all of its micro-batches; shuffled each epoch by `StepAlignedSampler` (from the
-    Accelerator's data seed); fillers dropped from the batches. Every rank calls it with the same
-    arguments (no communication)."""
+    Accelerator's data seed), grouped by `lengths` when given; fillers dropped from the batches.
+    Every rank calls it with the same arguments (no communication)."""
     accumulation = accelerator.gradient_accumulation_steps
     padded = pad_to_even_shards(dataset, batch_size * accelerator.num_processes * accumulation)
     seed = accelerator.dataloader_config.data_seed or 0
-    sampler = StepAlignedSampler(len(dataset), len(padded), batch_size, accelerator.num_processes, accumulation, seed)
+    sampler = StepAlignedSampler(len(dataset), len(padded), batch_size, accelerator.num_processes, accumulation, seed,
+                                 lengths=lengths, group_steps=group_steps)
     # Its own generator: starting an iterator draws a seed from the loader's generator, which would
     # otherwise be the global torch RNG, and a run resumed mid-epoch (one extra iterator) would then
     # draw different dropout masks.
     return DataLoader(padded, sampler=sampler, batch_size=batch_size, collate_fn=_without_fillers(collate_fn),
                       generator=torch.Generator().manual_seed(0))
+
+
+def longest_first(dataset, column: str = "input_ids"):
+    """`dataset` reordered by the length of `column`, longest first, for evaluation: batches of
+    one length pad little, and the first batch shows the peak memory. Evaluation results must be
+    gathered by example (an index column, or order-free sums). No communication."""
+    import numpy as np
+
+    lengths = np.array([len(x) for x in dataset[column]])
+    return dataset.select(np.argsort(-lengths, kind="stable"))
 
 
 def epoch_dataloader(accelerator: Accelerator, dataloader, epoch: int, steps_done: int = 0):

@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training examples (quick runs)")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation examples")
     ddp_utils.add_training_args(p, learning_rate=1e-4, per_device_train_batch_size=8, per_device_eval_batch_size=32,
-                                num_train_epochs=3, output_dir="outputs/train")
+                                num_train_epochs=3, output_dir="outputs/train", lengths=True)
     args = p.parse_args(argv)
 
     ddp_utils.check_training_args(args)
@@ -106,10 +106,13 @@ def main():
     model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, config=config, ignore_mismatched_sizes=True)
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
+    lengths = [len(ids) for ids in tokenized["train"]["input_ids"]] if args.group_by_length else None
     train_dataloader = ddp_utils.make_train_dataloader(
-        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate
+        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate, lengths=lengths
     )
-    eval_dataloader = torch.utils.data.DataLoader(tokenized["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=collate)
+    # Longest first: little padding, and the peak memory shows at the first batch (the scores do not depend on the order).
+    eval_dataloader = torch.utils.data.DataLoader(ddp_utils.longest_first(tokenized["validation"]),
+                                                  batch_size=args.per_device_eval_batch_size, collate_fn=collate)
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval examples")
 

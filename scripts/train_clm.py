@@ -20,6 +20,7 @@ positive, neutral or negative?" from the packaged drug reviews. For your own dat
 """
 
 import argparse
+import inspect
 import math
 
 import datasets
@@ -81,6 +82,7 @@ def parse_args(argv=None):
     # Evaluation by generation (sft).
     p.add_argument("--eval_max_new_tokens", type=int, default=64, help="sft: answer length when scoring by generation; 0: perplexity only")
     p.add_argument("--skip_zero_shot", action="store_true", help="sft: do not score the model before training")
+    p.add_argument("--eval_perplexity", action=argparse.BooleanOptionalAction, default=True, help="measure the eval perplexity (one forward pass over the eval data)")
     # Model options.
     p.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains all weights")
     p.add_argument("--lora_alpha", type=float, default=16, help="LoRA scaling numerator (the update is scaled by alpha / r)")
@@ -92,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--sample_prompt", default=None, help="text mode: prompt for a generation shown at the end (default: from the eval data; '' for none)")
     p.add_argument("--sample_max_new_tokens", type=int, default=40, help="length of that generation")
     ddp_utils.add_training_args(p, learning_rate=None, per_device_train_batch_size=8, per_device_eval_batch_size=16,
-                                num_train_epochs=3, output_dir="outputs/train_clm")
+                                num_train_epochs=3, output_dir="outputs/train_clm", lengths=True)
     args = p.parse_args(argv)
     args.demo = args.model_name_or_path is None
     if args.demo:  # the demo's own defaults; what the command line gives still wins
@@ -312,7 +314,6 @@ def prepare_data(args):
     if block_size > context:
         raise UsageError(f"--block_size {block_size} is above this model's context of {context} tokens; lower it")
     tokenized, report = tokenize(raw, tokenizer, args, block_size)
-    report["train_padding_waste"] = padding_waste(tokenized["train"], args.per_device_train_batch_size)  # padded / real tokens
     return tokenized, tokenizer, config, {"block_size": block_size, **report}, raw["validation"], args.model_name_or_path
 
 
@@ -321,6 +322,9 @@ def load_model(args, config, tokenizer):
     time: under DeepSpeed ZeRO-3 building a model is a collective."""
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise UsageError(f"{type(model).__name__} takes no logits_to_keep, which the loss needs to run the LM head only where a "
+                         "token is learned; use a transformers causal LM that does (Llama, Qwen, Mistral, Gemma, GPT-2, ...)")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not args.lora_r:
@@ -358,12 +362,15 @@ def causal_lm_loss(model, batch):
     (response or text; not prompt, padding or a filler row)."""
     batch.pop(TARGET_TOKENS, None), batch.pop(INPUT_TOKENS, None)
     labels = batch.pop("labels")
-    # use_cache=False: with a cache object, transformers ignores packed position_ids and lets
-    # packed examples attend to each other (measured with transformers 5.23).
-    logits = model(**batch, use_cache=False).logits
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # position i predicts token i + 1
-    losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    return losses.view_as(targets), (targets != IGNORE_INDEX).float()
+    predicts = targets != IGNORE_INDEX
+    # logits_to_keep: the LM head (a fifth of a small LLM's work) runs only where a target is
+    # predicted, not on prompt or padding. use_cache=False: with a cache object, transformers
+    # ignores packed position_ids and lets packed examples attend to each other (5.23).
+    logits = model(**batch, use_cache=False, logits_to_keep=predicts).logits  # (targets in the batch, vocab)
+    losses = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+    losses[predicts] = F.cross_entropy(logits.float(), targets[predicts], reduction="none")
+    return losses, predicts.float()
 
 
 def run_evaluation(accelerator, model, eval_dataloader):
@@ -425,13 +432,18 @@ def main():
         check_packing(accelerator, model)
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates; LoRA's frozen base stays
     collate = CausalLMCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
+    lengths = [len(ids) for ids in tokenized["train"]["input_ids"]] if args.group_by_length else None
     train_dataloader = ddp_utils.make_train_dataloader(
-        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate
+        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate, lengths=lengths
     )
-    eval_dataloader = torch.utils.data.DataLoader(tokenized["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=collate)
+    data_report["train_padding_waste"] = padding_waste(train_dataloader)  # padded / real tokens in the first epoch
+    # Evaluation longest first: little padding, and the peak memory shows at the first batch.
+    eval_dataloader = torch.utils.data.DataLoader(ddp_utils.longest_first(tokenized["validation"]), batch_size=args.per_device_eval_batch_size,
+                                                  collate_fn=collate)
     prompts = tokenized.get("generate")  # sft: the eval prompts answered by generation, with their references
     generate_dataloader = torch.utils.data.DataLoader(
-        prompts.remove_columns("reference"), batch_size=args.per_device_eval_batch_size, collate_fn=LeftPaddingCollator(tokenizer.pad_token_id)
+        ddp_utils.longest_first(prompts.remove_columns("reference")), batch_size=args.per_device_eval_batch_size,
+        collate_fn=LeftPaddingCollator(tokenizer.pad_token_id)
     ) if prompts is not None else None
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval sequences of at most {data_report['block_size']} tokens")
 
@@ -482,7 +494,7 @@ def main():
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:
                 break
-        scores = run_evaluation(accelerator, model, eval_dataloader)  # all ranks: perplexity
+        scores = run_evaluation(accelerator, model, eval_dataloader) if args.eval_perplexity else {}  # all ranks: perplexity
         if generate_dataloader is not None:  # all ranks: every eval prompt answered once, scored
             task_scores, confusion = score_by_generation(accelerator, model, generate_dataloader, tokenizer, args, prompts, "predictions")
             scores.update(task_scores)

@@ -211,6 +211,67 @@ def make_tiny_causal_lm(directory: Path, chat_template: bool = False) -> Path:
     return directory
 
 
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's 256 printable stand-ins for the bytes: a byte-level BPE vocabulary with no merges."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(c) for c in printable] + [chr(256 + n) for n in range(len(others))]
+
+
+def make_tiny_gguf(directory: Path):
+    """A 2-layer Llama written as a GGUF file (llama.cpp's layout: q/k rows permuted for its rope)
+    with the `gguf` package's writer, byte-level BPE tokenizer and a ChatML template inside.
+    Returns (the file's path, the Llama it was written from)."""
+    import gguf
+    import numpy as np
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokens = _byte_level_alphabet() + ["\u0120t", "<|im_start|>", "<|im_end|>"]  # one merge ("Ġ t") and its result
+    heads, kv_heads = 4, 2
+    config = LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=256, bos_token_id=257, eos_token_id=258,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "tiny.Q.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256), writer.add_embedding_length(64), writer.add_feed_forward_length(128)
+    writer.add_block_count(2), writer.add_head_count(heads), writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps), writer.add_rope_dimension_count(64 // heads), writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2"), writer.add_tokenizer_pre("default"), writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3]), writer.add_token_merges(["\u0120 t"])
+    writer.add_bos_token_id(257), writer.add_eos_token_id(258), writer.add_chat_template(CHATML_TEMPLATE)
+
+    def permuted(weight, n):  # llama.cpp's q/k row order, which transformers undoes on load
+        return weight.reshape(n, 2, weight.shape[0] // n // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+    names = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
+    for i in range(2):
+        for hf, ours in (("input_layernorm", "attn_norm"), ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                         ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"), ("post_attention_layernorm", "ffn_norm"),
+                         ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down")):
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}"
+    state = model.state_dict()
+    for hf, ours in names.items():
+        weight = state[hf].numpy()
+        if ours.endswith("attn_q"):
+            weight = permuted(weight, heads)
+        elif ours.endswith("attn_k"):
+            weight = permuted(weight, kv_heads)
+        writer.add_tensor(f"{ours}.weight", np.ascontiguousarray(weight, dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    return path, model
+
+
 def write_sft_records(path: Path, n: int, seed: int) -> Path:
     """n prompt/response records with very uneven response lengths (1 to 30 words): averaging
     per-micro-batch means would weight the short responses' tokens far more than the long ones'."""

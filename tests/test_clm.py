@@ -11,7 +11,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, assert_fails_cleanly, clm_args, launch, launch_env, load_script, make_tiny_causal_lm, write_text_corpus
+from conftest import (
+    REPO,
+    assert_fails_cleanly,
+    clm_args,
+    launch,
+    launch_env,
+    load_script,
+    make_tiny_causal_lm,
+    make_tiny_gguf,
+    write_text_corpus,
+)
 from safetensors.numpy import load_file
 
 TRAIN_CLM = REPO / "scripts" / "train_clm.py"
@@ -214,6 +224,33 @@ def test_prompt_tokens_never_contribute_to_the_loss(tiny_lm, tmp_path):
         assert int(batch["target_tokens"][0]) == 4
 
 
+def test_the_lm_head_runs_only_at_targets_with_the_same_losses_and_gradients(tiny_lm):
+    """causal_lm_loss asks the model for logits only where a target is predicted (logits_to_keep):
+    on a padded batch of uneven prompts and answers, the per-token losses and the gradients equal
+    those from the logits of every position."""
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM
+
+    PartialState(cpu=True)
+    module = load_script("train_clm")
+    rows = [{"input_ids": list(range(3, 3 + n)), "labels": [-100] * p + list(range(3 + p, 3 + n))} for n, p in ((12, 9), (5, 2), (9, 8))]
+    batch = module.CausalLMCollator(pad_token_id=0)(rows)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    losses, weights = module.causal_lm_loss(model, dict(batch))
+    (losses * weights).sum().backward()
+    kept_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    direct = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none").view_as(targets)
+    assert weights.sum() == 3 + 3 + 1 == int(batch["target_tokens"].sum())
+    torch.testing.assert_close(losses * weights, direct)
+    direct.sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(kept_grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_packed_sequences_are_masked_apart(tiny_lm):
     """Two examples packed in one row give exactly the token losses they give apart: no
     attention across the boundary, positions restarting, the second's first token not predicted."""
@@ -225,15 +262,16 @@ def test_packed_sequences_are_masked_apart(tiny_lm):
     a = {"input_ids": [1, 40, 41, 100, 101, 2], "labels": [-100, -100, -100, 100, 101, 2]}
     b = {"input_ids": [1, 42, 102, 103, 104, 105, 2], "labels": [-100, -100, 102, 103, 104, 105, 2]}
     packed = pack_sequences({"input_ids": [a["input_ids"], b["input_ids"]], "labels": [a["labels"], b["labels"]]}, block_size=16)
-    assert len(packed["input_ids"]) == 1 and packed["position_ids"][0] == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6]
+    # Best fit decreasing: the longer example first.
+    assert len(packed["input_ids"]) == 1 and packed["position_ids"][0] == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]
     module = load_script("train_clm")
     collate = CausalLMCollator(pad_token_id=2)
-    packed_batch = collate([{key: values[0] for key, values in packed.items()}, {**b, "position_ids": list(range(7))}])
-    assert "attention_mask" not in packed_batch and packed_batch["position_ids"][1, 7:].tolist() == [0, 1, 2, 3, 4, 5]
+    packed_batch = collate([{key: values[0] for key, values in packed.items()}, {**a, "position_ids": list(range(6))}])
+    assert "attention_mask" not in packed_batch and packed_batch["position_ids"][1, 6:].tolist() == [0, 1, 2, 3, 4, 5, 6]
     packed_losses, packed_weights = module.causal_lm_loss(model, packed_batch)
-    apart_losses, apart_weights = module.causal_lm_loss(model, collate([a, b]))
-    torch.testing.assert_close(packed_losses[0, :6] * packed_weights[0, :6], apart_losses[0, :6] * apart_weights[0, :6], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(packed_losses[0, 6:13] * packed_weights[0, 6:13], apart_losses[1, :7] * apart_weights[1, :7], rtol=1e-5, atol=1e-6)
+    apart_losses, apart_weights = module.causal_lm_loss(model, collate([b, a]))
+    torch.testing.assert_close(packed_losses[0, :7] * packed_weights[0, :7], apart_losses[0, :7] * apart_weights[0, :7], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed_losses[0, 7:13] * packed_weights[0, 7:13], apart_losses[1, :6] * apart_weights[1, :6], rtol=1e-5, atol=1e-6)
     assert packed_weights[0].sum() == apart_weights.sum() == 3 + 5
 
 
@@ -329,6 +367,44 @@ def test_offline_default_runs_a_few_steps(tmp_path):
     answers = records(output_dir / "predictions.jsonl")
     assert [a["reference"] for a in answers] and set(a["reference"] for a in answers) <= {"positive", "neutral", "negative"}
     assert "Is this drug review positive, neutral or negative?" in answers[0]["prompt"]
+
+
+def test_a_gguf_checkpoint_is_dequantized_once_and_trains_a_model_that_loads_without_gguf(tmp_path):
+    """A GGUF file written with the gguf package's writer: the main process dequantizes it once
+    into the cache (a second run reuses the copy), the copy holds the weights it was written from,
+    and the trained model loads with transformers alone (gguf made unimportable)."""
+    gguf_path, source = make_tiny_gguf(tmp_path / "gguf")
+    turns = [[{"role": "user", "content": f"say {word}"}, {"role": "assistant", "content": word}] for word in ("yes", "no", "maybe")]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": m}) for m in turns * 4) + "\n")
+    cache = tmp_path / "cache"
+    common = ["--model_name_or_path", gguf_path.parent, "--gguf_file", gguf_path.name, "--gguf_cache_dir", cache,
+              "--train_file", data, "--validation_file", data, "--max_train_steps", 2, "--per_device_train_batch_size", 2,
+              "--eval_max_new_tokens", 3, "--learning_rate", 1e-3, "--checkpointing_steps", "no", "--report_to", "none"]
+    first = launch(TRAIN_CLM, *common, "--output_dir", tmp_path / "first", num_processes=2)
+    assert first.returncode == 0, first.output[-4000:]
+    assert first.output.count("dequantizing once into") == 1
+    copies = [d for d in cache.iterdir() if not d.name.startswith(".")]
+    assert len(copies) == 1 and not [d for d in cache.iterdir() if d.name.startswith(".staging")]
+    copy = load_file(str(copies[0] / "model.safetensors"))
+    for name, weight in source.state_dict().items():
+        np.testing.assert_array_equal(copy[name], weight.numpy(), err_msg=name)  # q/k rows back in transformers' order
+
+    second = launch(TRAIN_CLM, *common, "--output_dir", tmp_path / "second", num_processes=1)
+    assert second.returncode == 0 and "dequantizing" not in second.output, second.output[-4000:]
+
+    trained = tmp_path / "first"
+    check = (
+        "import sys; sys.modules['gguf'] = None\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(trained)!r}); t = AutoTokenizer.from_pretrained({str(trained)!r})\n"
+        "assert t.chat_template and m.config.vocab_size == 259, m.config\n"
+        "print('loaded', type(m).__name__, m.dtype)\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", check], env=launch_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "loaded LlamaForCausalLM torch.float32" in loaded.stdout, loaded.stderr[-3000:]
+    saved = load_file(str(trained / "model.safetensors"))
+    assert any(not np.allclose(saved[name], copy[name]) for name in copy), "training changed the weights"
 
 
 # --- bad input: a clear error on every rank within 60 s, no output directory left behind ----------

@@ -133,7 +133,7 @@ def test_step_size_counts_real_rows_and_their_tokens_the_same_padded_or_packed()
     packed_batch = collate([dict(zip(columns, values)) for values in zip(*columns.values())])
     assert "attention_mask" not in packed_batch, "packed rows are told apart by position_ids, so the tokens come from input_tokens"
     weight, examples, tokens = step_size([packed_batch])
-    assert (examples, tokens) == (3, sum(lengths)), "3 packed rows holding the same 24 tokens"
+    assert (examples, tokens) == (2, sum(lengths)), "2 packed rows (best fit: 9 + 3 and 7 + 5) holding the same 24 tokens"
     assert weight == sum(p[0] for p in padded) == sum(n - 2 for n in lengths), "the same target tokens"
 
 
@@ -215,3 +215,61 @@ def test_fetch_weights_finds_single_and_sharded_hub_weights_and_skips_local_dirs
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert sorted(os.path.basename(p) for p in shards) == sorted(set(index["weight_map"].values()))
     assert ddp_utils.fetch_weights(str(tiny_lm)) == []
+
+
+def test_length_grouped_order_loses_nothing_and_forms_the_same_global_steps_on_any_layout():
+    """Grouping by length changes which examples share a micro-batch, never the promise: each epoch
+    every example once, each global step the same examples whatever the layout, drawn from (seed,
+    epoch) alone; and far less padding than a random order."""
+    from ddp_utils.sharding import StepAlignedSampler
+
+    lengths = [int(x) for x in np.random.default_rng(0).integers(5, 200, size=203)]
+    step = 8  # examples per optimizer step
+    layouts = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 4, 2)]  # (batch, processes, accumulation)
+
+    def order(batch, processes, accumulation, epoch, grouped=True):
+        total = len(lengths) + (-len(lengths) % step)
+        sampler = StepAlignedSampler(len(lengths), total, batch, processes, accumulation, seed=3, lengths=lengths if grouped else None)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    full = len(lengths) - len(lengths) % step
+    for epoch in (0, 1):
+        orders = [order(*layout, epoch) for layout in layouts]
+        for o in orders:
+            assert sorted(i for i in o if i < len(lengths)) == list(range(len(lengths))), "every example exactly once"
+            assert o[:full] == orders[0][:full], "the full global steps do not depend on the layout"
+            assert sorted(o[full:]) == sorted(orders[0][full:]), "nor does the last, partial one"
+    assert order(8, 1, 1, 0) != order(8, 1, 1, 1), "a new order each epoch"
+    assert order(8, 1, 1, 0) == order(8, 1, 1, 0), "drawn from (seed, epoch) alone"
+
+    def padded(o, batch=4):
+        rows = [[lengths[i] for i in o[s:s + batch] if i < len(lengths)] for s in range(0, len(o), batch)]
+        return sum(max(r) * len(r) - sum(r) for r in rows if r) / sum(lengths)
+
+    assert padded(order(4, 2, 1, 0)) < 0.1 < 0.3 < padded(order(4, 2, 1, 0, grouped=False))
+    group = 16 * step  # the sampler's default group of 16 steps
+
+    def step_of_longest(o):  # which step of the first group holds that group's longest example
+        return max(range(group), key=lambda k: lengths[o[k]]) // step
+
+    assert len({step_of_longest(order(8, 1, 1, e)) for e in range(8)}) > 1, "the longest step is not always first"
+
+
+def test_best_fit_packing_fills_rows_and_keeps_every_example_whole():
+    """Every example lands whole in exactly one row of at most block_size tokens, and the rows are
+    nearly full (first fit in the data's order left far more room)."""
+    from ddp_utils.lm import pack_sequences
+
+    rng = np.random.default_rng(0)
+    examples = [list(range(100 * i, 100 * i + int(n))) for i, n in enumerate(rng.integers(3, 60, size=300))]
+    packed = pack_sequences({"input_ids": examples, "labels": examples}, block_size=64)
+    assert all(len(row) <= 64 for row in packed["input_ids"])
+    pieces = []
+    for ids, positions in zip(packed["input_ids"], packed["position_ids"]):
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+        pieces += [ids[a:b] for a, b in zip(starts, starts[1:])]
+    assert sorted(pieces) == sorted(examples), "each example once, whole"
+    room = sum(64 - len(row) for row in packed["input_ids"]) / (64 * len(packed["input_ids"]))
+    lower_bound_rows = -(-sum(map(len, examples)) // 64)
+    assert room < 0.05 and len(packed["input_ids"]) <= 1.05 * lower_bound_rows, (room, len(packed["input_ids"]), lower_bound_rows)
