@@ -1,19 +1,24 @@
 #!/usr/bin/env python
-"""Benchmark: scripts/train.py against a hand-written DDP loop and transformers.Trainer, side by side,
-on the same model (packaged all-MiniLM-L6-v2), data (600 drug reviews), batch size, sequence length,
-learning rate and epochs, each with 2 processes on this machine.
+"""Benchmark: scripts/train.py against a hand-written DDP loop and transformers.Trainer (its defaults,
+and with group_by_length), side by side, on the same model (packaged all-MiniLM-L6-v2), data (600 drug
+reviews), batch size, sequence length, learning rate and epochs, each with 2 processes on this machine.
 
-    python bench/bench_train.py [--epochs 3] [--batch_size 8] [--max_length 128] [--lr 1e-4]
+    python bench/bench_train.py [--epochs 3] [--seeds 42 43 44] [--only ours trainer trainer_grouped]
+    python bench/bench_train.py --epochs 1 --max_train_samples 64 --max_eval_samples 32   # a smoke run
 
 Reports train samples/s (training loop only, evaluation excluded, all processes together),
-end-to-end wall time (launch to exit), peak resident memory per process, final eval accuracy,
-and whether the launch exited by itself; ratios are against the hand-written loop.
+end-to-end wall time (launch to exit), peak resident memory per process, padded / real token
+positions of the training batches, eval accuracy (mean and spread over the seeds), and whether the
+launch exited by itself; ratios are against the hand-written loop and against the Trainer.
+With several seeds, every seed runs all contenders in turn (interleaved, so a slow spell of the
+machine hits all of them), and the figures are means over the seeds.
 """
 
 import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -24,6 +29,8 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 HANG_GRACE_S = 60  # a launch still alive this long after writing its results is hung at exit
+NAMES = {"ours": "scripts/train.py (ours)", "ddp": "hand-written DDP loop", "trainer": "transformers.Trainer",
+         "trainer_grouped": "transformers.Trainer, group_by_length"}
 
 
 def parse_args():
@@ -32,43 +39,66 @@ def parse_args():
     p.add_argument("--batch_size", type=int, default=8, help="per-process batch size")
     p.add_argument("--max_length", type=int, default=128, help="truncation length")
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
-    p.add_argument("--only", nargs="*", default=None, help="run only these contenders: ours ddp trainer")
+    p.add_argument("--seeds", type=int, nargs="+", default=[42], help="run every contender once per seed")
+    p.add_argument("--max_train_samples", type=int, default=None, help="train on the first N reviews only (smoke runs)")
+    p.add_argument("--max_eval_samples", type=int, default=None, help="evaluate on the first N test reviews only")
+    p.add_argument("--only", nargs="*", default=None, choices=list(NAMES), help="run only these contenders")
     p.add_argument("--workdir", default=str(HERE / "runs"), help="where runs write")
     return p.parse_args()
 
 
-def contenders(args, workdir: Path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
-    common = [args.epochs, args.batch_size, args.lr, args.max_length]
+def accelerate_launch(port) -> list:
+    """Our scripts' launch: 2 processes through the repo's CPU config (torchrun underneath)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
+            "--main_process_port", port]
+
+
+def torchrun(port) -> list:
+    """The baselines' launch, as their tutorials do it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+
+
+def limits(args) -> list:
+    return [*(["--max_train_samples", args.max_train_samples] if args.max_train_samples else []),
+            *(["--max_eval_samples", args.max_eval_samples] if args.max_eval_samples else [])]
+
+
+def contenders(args, workdir: Path, seed: int):
+    common = ["--epochs", args.epochs, "--batch_size", args.batch_size, "--lr", args.lr, "--max_length", args.max_length,
+              "--seed", seed, *limits(args)]
+
+    def trainer(key, port, sampling):
+        return (workdir / f"{key}.json",
+                [*torchrun(port), str(HERE / "baselines" / "trainer_run.py"), "--out", workdir / f"{key}.json", *common,
+                 "--output_dir", workdir / f"{key}_out", "--sampling", sampling])
+
     return {
         "ours": (
             workdir / "ours" / "metrics.json",
-            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
-             "--main_process_port", "29611", str(REPO / "scripts" / "train.py"),
+            [*accelerate_launch("29611"), str(REPO / "scripts" / "train.py"),
              "--num_train_epochs", args.epochs, "--per_device_train_batch_size", args.batch_size, "--learning_rate", args.lr,
-             "--max_length", args.max_length, "--output_dir", workdir / "ours", "--overwrite_output_dir",
+             "--max_length", args.max_length, "--seed", seed, *limits(args), "--output_dir", workdir / "ours", "--overwrite_output_dir",
              "--checkpointing_steps", "no"],  # the baselines save no checkpoints either; their cost: bench_checkpoint.py
         ),
         "ddp": (
             workdir / "ddp.json",
-            [*torchrun, "29612", str(HERE / "baselines" / "ddp_loop.py"), workdir / "ddp.json", *common],
+            [*torchrun("29612"), str(HERE / "baselines" / "ddp_loop.py"), "--out", workdir / "ddp.json", *common],
         ),
-        "trainer": (
-            workdir / "trainer.json",
-            [*torchrun, "29613", str(HERE / "baselines" / "trainer_run.py"), workdir / "trainer.json", *common, workdir / "trainer_out"],
-        ),
+        "trainer": trainer("trainer", "29613", "random"),
+        "trainer_grouped": trainer("trainer_grouped", "29614", "group_by_length"),
     }
 
 
-def run_one(command, result_file: Path, log_file: Path, env) -> dict:
-    """Run one launch; sample every worker's RSS; stop it if it hangs after writing its results."""
+def run_one(command, result_file: Path, log_file: Path, env, timeout_s: float | None = None) -> dict:
+    """Run one launch; sample every worker's RSS; stop it if it hangs after writing its results, or
+    (with `timeout_s`) if it is still running after that many seconds."""
     result_file.unlink(missing_ok=True)
     start = time.perf_counter()
     log = open(log_file, "w")
     process = subprocess.Popen([str(c) for c in command], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     peak_rss: dict[int, int] = {}
     launcher = psutil.Process(process.pid)
-    hung = False
+    hung = timed_out = False
     while process.poll() is None:
         try:
             for child in launcher.children(recursive=True):
@@ -80,8 +110,9 @@ def run_one(command, result_file: Path, log_file: Path, env) -> dict:
         except psutil.Error:
             pass
         results_at = result_file.stat().st_mtime if result_file.exists() else None
-        if results_at is not None and time.time() - results_at > HANG_GRACE_S:
-            hung = True
+        hung = results_at is not None and time.time() - results_at > HANG_GRACE_S
+        timed_out = timeout_s is not None and time.perf_counter() - start > timeout_s
+        if hung or timed_out:
             for child in launcher.children(recursive=True):
                 child.kill()
             process.kill()
@@ -91,7 +122,8 @@ def run_one(command, result_file: Path, log_file: Path, env) -> dict:
     wall = time.perf_counter() - start
     log.close()
     if not result_file.exists():
-        raise SystemExit(f"{command[0]} ... failed (exit {process.returncode}); see {log_file}")
+        reason = f"killed after {timeout_s:.0f} s" if timed_out else f"exit {process.returncode}"
+        raise SystemExit(f"{command[0]} ... failed ({reason}); see {log_file}")
     return {
         "data": json.loads(result_file.read_text()),
         "wall_s": wall - (HANG_GRACE_S if hung else 0.0),
@@ -107,32 +139,107 @@ def bench_env() -> dict:
                 PYTHONPATH=os.pathsep.join([str(REPO), str(HERE / "baselines")]))
 
 
+def check_world_size(name: str, data: dict, result: dict, log_file: Path) -> None:
+    """Refuse a run that trained on other than 2 processes (one `accelerate launch --cpu` starts)."""
+    if data.get("world_size") != 2:
+        raise SystemExit(f"{name} trained on {data.get('world_size')} process(es), not 2; see {log_file}")
+    if result["workers_seen"] != 2:
+        print(f"  note: {result['workers_seen']} worker processes seen by the RSS sampler", flush=True)
+
+
+def padding_ratio(padded: float, real: float) -> float:
+    """Token positions computed / real tokens (1.0: no padding)."""
+    return (padded + real) / max(real, 1)
+
+
+def ours_padding(args, seed: int) -> dict:
+    """Our training batches, rebuilt here as scripts/train.py builds them: the same tokenization,
+    `ddp_utils.make_train_dataloader` (StepAlignedSampler, length-grouped as train.py's default
+    --group_by_length, fillers dropped) for 2 processes and this seed, every epoch, counted with
+    the baselines' PaddingCounter. train.py writes no padding figure of its own. Its unprepared
+    dataloader holds every rank's batches (rank r takes batch j when j % 2 == r), each padded alone."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(HERE / "baselines"))
+    from common import PaddingCounter, demo_data
+
+    from ddp_utils import make_train_dataloader
+
+    tokenized, _, collate = demo_data(args.max_length, args.max_train_samples, args.max_eval_samples)
+    # What make_train_dataloader reads from the Accelerator of a 2-process run (ddp_utils.make_accelerator's data seed).
+    accelerator = SimpleNamespace(num_processes=2, gradient_accumulation_steps=1, dataloader_config=SimpleNamespace(data_seed=seed))
+    counter = PaddingCounter(collate)
+    loader = make_train_dataloader(tokenized["train"], batch_size=args.batch_size, accelerator=accelerator, collate_fn=counter,
+                                   lengths=[len(ids) for ids in tokenized["train"]["input_ids"]])
+    for epoch in range(args.epochs):
+        loader.sampler.set_epoch(epoch)
+        for _ in loader:
+            pass
+    return {"padded_tokens": counter.padded, "real_tokens": counter.real}
+
+
+def spread(values: list[float], digits: int) -> str:
+    """mean, and with several values ± the sample standard deviation and (min-max)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def summarise(runs: list[dict]) -> dict:
+    """One contender's runs (one per seed) as the table's figures."""
+    exits = sorted({r["exit"] for r in runs})
+    return {"samples_per_s": statistics.fmean(r["samples_per_s"] for r in runs), "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+            "padding": statistics.fmean(padding_ratio(r["padded_tokens"], r["real_tokens"]) for r in runs),
+            "accuracy": [r["accuracy"] for r in runs], "exit": ", ".join(exits)}
+
+
+def ratio(value: float, base: dict | None, key: str) -> str:
+    return f"{value / base[key]:.3f}" if base else "-"
+
+
 def main():
     args = parse_args()
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
     env = bench_env()
-    names = {"ours": "scripts/train.py (ours)", "ddp": "hand-written DDP loop", "trainer": "transformers.Trainer"}
-    results = {}
-    for key, (result_file, command) in contenders(args, workdir).items():
-        if args.only and key not in args.only:
-            continue
-        print(f"running {names[key]} ...", flush=True)
-        results[key] = run_one(command, result_file, workdir / f"{key}.log", env)
-        data = results[key]["data"]
-        results[key]["samples_per_s"] = data.get("train_samples_per_second") or data["train_samples"] / data["train_time_s"]
-        results[key]["accuracy"] = data["eval_accuracy"]
-        print(f"  {results[key]}", flush=True)
+    runs: dict[str, list[dict]] = {}
+    for seed in args.seeds:
+        workdir = Path(args.workdir) / f"seed{seed}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        for key, (result_file, command) in contenders(args, workdir, seed).items():
+            if args.only and key not in args.only:
+                continue
+            print(f"running {NAMES[key]}, seed {seed} ...", flush=True)
+            result = run_one(command, result_file, workdir / f"{key}.log", env)
+            data = result["data"]
+            check_world_size(NAMES[key], data, result, workdir / f"{key}.log")
+            result["samples_per_s"] = data.get("train_samples_per_second") or data["train_samples"] / data["train_time_s"]
+            result["accuracy"] = data["eval_accuracy"]
+            counts = ours_padding(args, seed) if key == "ours" else data
+            result["padded_tokens"], result["real_tokens"] = counts["padded_tokens"], counts["real_tokens"]
+            runs.setdefault(key, []).append(result)
+            print(f"  {result['samples_per_s']:.2f} samples/s, wall {result['wall_s']:.1f} s, peak RSS {result['peak_rss_mib']:.0f} MiB, "
+                  f"padded/real {padding_ratio(result['padded_tokens'], result['real_tokens']):.3f}, "
+                  f"accuracy {result['accuracy']:.4f}, {result['exit']}", flush=True)
 
-    base = results.get("ddp")
-    print(f"\n{args.epochs} epochs, batch {args.batch_size}/process x 2 processes, max_length {args.max_length}, lr {args.lr}; "
-          f"{psutil.cpu_count()} CPUs, {platform.processor() or platform.machine()}, torch CPU, gloo\n")
-    print("| contender | train samples/s | × DDP loop | wall time (s) | × DDP loop | peak RSS / process (MiB) | eval accuracy | exit |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
-    for key, r in results.items():
-        speed = f"{r['samples_per_s'] / base['samples_per_s']:.3f}" if base else "-"
-        wall = f"{r['wall_s'] / base['wall_s']:.3f}" if base else "-"
-        print(f"| {names[key]} | {r['samples_per_s']:.2f} | {speed} | {r['wall_s']:.1f} | {wall} | {r['peak_rss_mib']:.0f} | {r['accuracy']:.4f} | {r['exit']} |")
+    table = {key: summarise(value) for key, value in runs.items()}
+    loop, trainer = table.get("ddp"), table.get("trainer")
+    subset = f"{args.max_train_samples} train / {args.max_eval_samples} eval reviews, " if args.max_train_samples or args.max_eval_samples else ""
+    print(f"\n{args.epochs} epochs, {subset}batch {args.batch_size}/process x 2 processes, max_length {args.max_length}, lr {args.lr}, "
+          f"seeds {' '.join(map(str, args.seeds))}; {psutil.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
+          f"torch CPU, gloo\n")
+    print("| contender | train samples/s | × DDP loop | × Trainer | wall time (s) | × DDP loop | × Trainer | "
+          "peak RSS / process (MiB) | padded / real tokens | eval accuracy | exit |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for key, r in table.items():
+        print(f"| {NAMES[key]} | {r['samples_per_s']:.2f} | {ratio(r['samples_per_s'], loop, 'samples_per_s')} | "
+              f"{ratio(r['samples_per_s'], trainer, 'samples_per_s')} | {r['wall_s']:.1f} | {ratio(r['wall_s'], loop, 'wall_s')} | "
+              f"{ratio(r['wall_s'], trainer, 'wall_s')} | {r['peak_rss_mib']:.0f} | {r['padding']:.3f} | {spread(r['accuracy'], 4)} | {r['exit']} |")
+    if len(args.seeds) > 1:
+        print("\nMeans over the seeds; accuracy: mean ± sample standard deviation (min–max). Per seed:")
+        for key, value in runs.items():
+            print(f"- {NAMES[key]}: " + ", ".join(f"seed {seed} {r['samples_per_s']:.2f} samples/s, {r['wall_s']:.1f} s, "
+                                                   f"accuracy {r['accuracy']:.4f}" for seed, r in zip(args.seeds, value)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The work every benchmarked trainer does alike: the demo model and data, tokenized the same way
-as scripts/train.py (max_length truncation, dynamic padding, labels in sorted order)."""
+as scripts/train.py (max_length truncation, dynamic padding, labels in sorted order); the
+baselines' shared command line; and the padding count every contender is measured with."""
 
+import argparse
 import os
 
 import torch
@@ -12,10 +14,14 @@ from ddp_utils.demo import demo_model_path, load_demo_reviews
 LABELS = ["negative", "neutral", "positive"]
 
 
-def demo_data(max_length):
-    """(tokenized DatasetDict with train/validation, tokenizer, collator)."""
+def demo_data(max_length, max_train_samples=None, max_eval_samples=None):
+    """(tokenized DatasetDict with train/validation, tokenizer, collator). The limits keep the first
+    N examples, as scripts/train.py's --max_train_samples/--max_eval_samples do."""
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     raw = load_demo_reviews()
+    for split, limit in (("train", max_train_samples), ("validation", max_eval_samples)):
+        if limit:
+            raw[split] = raw[split].select(range(min(limit, len(raw[split]))))
 
     def tokenize(batch):
         encoded = tokenizer(batch["text"], truncation=True, max_length=max_length)
@@ -40,16 +46,81 @@ def demo_text_blocks(block_size):
     return blocks, tokenizer
 
 
-def init_distributed():
+def init_distributed(seed=42):
     """The tutorials' set-up under torchrun: one process group (NCCL on GPUs, gloo on CPU), this
-    process's device, seed 42. Returns (rank, device)."""
+    process's device, the seed. Returns (rank, device)."""
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(42)
+    torch.manual_seed(seed)
     return dist.get_rank(), device
 
 
-def tutorial_ddp_training(model, train_dataset, batch_size, collate_fn, lr, epochs, device):
+def baseline_arg_parser(doc: str) -> argparse.ArgumentParser:
+    """The options bench_train.py and bench_sft.py give every baseline; each adds its own."""
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--out", required=True, help="the results JSON, written by rank 0")
+    p.add_argument("--epochs", type=int, required=True)
+    p.add_argument("--batch_size", type=int, required=True, help="per process")
+    p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--max_length", type=int, required=True)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--max_train_samples", type=int, default=None, help="the first N training examples (smoke runs)")
+    p.add_argument("--max_eval_samples", type=int, default=None, help="the first N evaluation examples")
+    return p
+
+
+def reduce_over_ranks(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """`values` reduced over all ranks (as they are without a process group). All ranks call this."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":  # NCCL reduces GPU tensors only
+            tensor = tensor.cuda()
+        dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+class PaddingCounter:
+    """A collator wrapper that counts the padded and the real token positions of the batches it
+    makes (attention_mask zeros and ones; a batch without an attention_mask, padding-free, counts
+    as all real). Every contender's padding is measured this way, over all its training batches."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn, self.padded, self.real = collate_fn, 0, 0
+
+    def __call__(self, rows):
+        batch = self.collate_fn(rows)
+        mask = batch.get("attention_mask")
+        real = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        self.real += real
+        self.padded += batch["input_ids"].numel() - real
+        return batch
+
+    def totals(self) -> dict:
+        """{"padded_tokens", "real_tokens"} of all ranks together. All ranks call this when a process
+        group exists (an all-reduce)."""
+        padded, real = reduce_over_ranks([self.padded, self.real])
+        return {"padded_tokens": int(padded), "real_tokens": int(real)}
+
+
+def count_train_padding(trainer) -> PaddingCounter:
+    """Count the padding of a transformers Trainer's (or TRL SFTTrainer's) training batches only:
+    its evaluation batches go through the same `data_collator`, so the counter is put in place just
+    while the training DataLoader is built (it keeps the collator it was built with)."""
+    counter = PaddingCounter(trainer.data_collator)
+    build = trainer.get_train_dataloader
+
+    def get_train_dataloader():
+        plain, trainer.data_collator = trainer.data_collator, counter
+        try:
+            return build()
+        finally:
+            trainer.data_collator = plain
+
+    trainer.get_train_dataloader = get_train_dataloader
+    return counter
+
+
+def tutorial_ddp_training(model, train_dataset, batch_size, collate_fn, lr, epochs, device, seed=42):
     """What the DDP tutorials write around a model: DistributedDataParallel, a DistributedSampler,
     PyTorch's default AdamW (no decay on biases and norms) and linear warm-up over 10% of the steps.
     Returns (ddp_model, sampler, loader, optimizer, scheduler)."""
@@ -62,7 +133,7 @@ def tutorial_ddp_training(model, train_dataset, batch_size, collate_fn, lr, epoc
     from ddp_utils.optim import weight_decay_groups
 
     model = DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = DistributedSampler(train_dataset, shuffle=True, seed=42)
+    sampler = DistributedSampler(train_dataset, shuffle=True, seed=seed)
     loader = DataLoader(train_dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.01), lr=lr)
     total_steps = epochs * len(loader)

@@ -1,15 +1,15 @@
 """Baseline: a hand-written PyTorch DDP loop, as in the classic DDP tutorials
 (init_process_group + DistributedSampler + DistributedDataParallel). Launched with torchrun.
 
-usage: torchrun --nproc_per_node 2 bench/baselines/ddp_loop.py OUT.json EPOCHS BATCH LR MAX_LENGTH
+usage: torchrun --nproc_per_node 2 bench/baselines/ddp_loop.py --out OUT.json --epochs E --batch_size B --lr LR
+           --max_length L [--seed S] [--max_train_samples N] [--max_eval_samples N]
 """
 
 import json
-import sys
 
 import torch
 import torch.distributed as dist
-from common import LABELS, demo_data, init_distributed, tutorial_ddp_training, tutorial_train_epoch
+from common import LABELS, PaddingCounter, baseline_arg_parser, demo_data, init_distributed, tutorial_ddp_training, tutorial_train_epoch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification
 
@@ -17,15 +17,17 @@ from ddp_utils.demo import demo_model_path
 
 
 def main():
-    out, epochs, batch_size, lr, max_length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
-    rank, device = init_distributed()
+    args = baseline_arg_parser(__doc__).parse_args()
+    rank, device = init_distributed(args.seed)
 
-    tokenized, _, collate = demo_data(max_length)
+    tokenized, _, collate = demo_data(args.max_length, args.max_train_samples, args.max_eval_samples)
     model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=len(LABELS))
-    model, sampler, loader, optimizer, scheduler = tutorial_ddp_training(model, tokenized["train"], batch_size, collate, lr, epochs, device)
+    padding = PaddingCounter(collate)  # the training batches only; evaluation below uses the plain collator
+    model, sampler, loader, optimizer, scheduler = tutorial_ddp_training(
+        model, tokenized["train"], args.batch_size, padding, args.lr, args.epochs, device, seed=args.seed)
 
     train_time, accuracy = 0.0, None
-    for epoch in range(epochs):
+    for epoch in range(args.epochs):
         train_time += tutorial_train_epoch(model, sampler, loader, optimizer, scheduler, device, epoch)
         if rank == 0:  # the tutorials' evaluation: rank 0 alone, over the whole eval set
             model.eval()
@@ -38,9 +40,11 @@ def main():
             print(f"epoch {epoch}: eval_accuracy {accuracy:.4f}", flush=True)
         dist.barrier()
 
+    counts = padding.totals()  # all ranks
     if rank == 0:
-        with open(out, "w") as handle:
-            json.dump({"train_samples": epochs * len(tokenized["train"]), "train_time_s": train_time, "eval_accuracy": accuracy}, handle)
+        with open(args.out, "w") as handle:
+            json.dump({"train_samples": args.epochs * len(tokenized["train"]), "train_time_s": train_time, "eval_accuracy": accuracy,
+                       "world_size": dist.get_world_size(), **counts}, handle)
     dist.destroy_process_group()
 
 

@@ -1,14 +1,17 @@
 """Baseline: transformers.Trainer on the same model, data and hyper-parameters. Launched with torchrun.
 
-usage: torchrun --nproc_per_node 2 bench/baselines/trainer_run.py OUT.json EPOCHS BATCH LR MAX_LENGTH OUTPUT_DIR
+usage: torchrun --nproc_per_node 2 bench/baselines/trainer_run.py --out OUT.json --epochs E --batch_size B --lr LR
+           --max_length L --output_dir DIR [--seed S] [--sampling random|group_by_length] [--max_train_samples N] ...
+
+--sampling group_by_length is what older transformers called `group_by_length=True`; in transformers 5
+it is `train_sampling_strategy="group_by_length"` (LengthGroupedSampler).
 """
 
 import json
-import sys
 
 import numpy as np
 import torch
-from common import LABELS, demo_data
+from common import LABELS, baseline_arg_parser, count_train_padding, demo_data
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
 
 from ddp_utils.demo import demo_model_path
@@ -20,25 +23,30 @@ def accuracy(eval_prediction):
 
 
 def main():
-    out, epochs, batch_size, lr, max_length, output_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-    tokenized, tokenizer, collate = demo_data(max_length)
+    p = baseline_arg_parser(__doc__)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--sampling", choices=["random", "group_by_length"], default="random", help="train_sampling_strategy")
+    args = p.parse_args()
+    tokenized, tokenizer, collate = demo_data(args.max_length, args.max_train_samples, args.max_eval_samples)
     model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=len(LABELS))
-    args = TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=batch_size, per_device_eval_batch_size=32,
-        learning_rate=lr, num_train_epochs=epochs, warmup_steps=0.1,  # a float: a ratio of the steps (transformers 5)
-        weight_decay=0.01, max_grad_norm=1.0,
-        eval_strategy="epoch", save_strategy="no", logging_strategy="epoch", report_to=[], seed=42,
+    training_args = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=32,
+        learning_rate=args.lr, num_train_epochs=args.epochs, warmup_steps=0.1,  # a float: a ratio of the steps (transformers 5)
+        weight_decay=0.01, max_grad_norm=1.0, train_sampling_strategy=args.sampling,
+        eval_strategy="epoch", save_strategy="no", logging_strategy="epoch", report_to=[], seed=args.seed,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=tokenized["train"], eval_dataset=tokenized["validation"],
+    trainer = Trainer(model=model, args=training_args, train_dataset=tokenized["train"], eval_dataset=tokenized["validation"],
                       data_collator=collate, compute_metrics=accuracy)
+    padding = count_train_padding(trainer)
     result = trainer.train()
     eval_time = sum(entry.get("eval_runtime", 0.0) for entry in trainer.state.log_history)
     final = [entry for entry in trainer.state.log_history if "eval_accuracy" in entry][-1]
+    counts = padding.totals()  # all ranks
     if trainer.is_world_process_zero():
-        with open(out, "w") as handle:
-            json.dump({"train_samples": epochs * len(tokenized["train"]), "train_time_s": result.metrics["train_runtime"] - eval_time,
-                       "eval_accuracy": final["eval_accuracy"]}, handle)
+        with open(args.out, "w") as handle:
+            json.dump({"train_samples": args.epochs * len(tokenized["train"]), "train_time_s": result.metrics["train_runtime"] - eval_time,
+                       "eval_accuracy": final["eval_accuracy"], "world_size": trainer.accelerator.num_processes, **counts}, handle)
 
 
 if __name__ == "__main__":
