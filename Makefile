@@ -7,6 +7,8 @@ PYTEST_ARGS ?=
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
+BENCH_SEEDS ?= 42 43 44
 
 .PHONY: train train-clm train-image test bench install clean
 
@@ -22,10 +24,16 @@ train-image: $(STAMP)  ## install if needed, then train the demo ResNet on sciki
 test: $(STAMP)  ## install if needed, then run the whole test suite
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
-bench: $(STAMP)  ## ours vs a hand-written DDP loop vs transformers.Trainer (minutes; not a test)
-	$(BIN)/python bench/bench_train.py
+bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer and TRL's SFTTrainer (about an hour here; not a test)
+	$(BIN)/python bench/bench_train.py --seeds $(BENCH_SEEDS)
 	$(BIN)/python bench/bench_clm.py
+	$(BIN)/python bench/bench_sft.py
 	$(BIN)/accelerate launch --config_file $(CONFIG) bench/bench_checkpoint.py
+
+# The benchmarks' own peers (TRL), kept out of requirements.txt; re-installed when the file changes.
+$(BENCH_STAMP): $(STAMP) bench/requirements-bench.txt
+	$(BIN)/python -m pip install --quiet -r bench/requirements-bench.txt
+	touch $(BENCH_STAMP)
 
 install: $(STAMP)
 
