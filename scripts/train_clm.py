@@ -53,8 +53,8 @@ logger = get_logger(__name__)
 
 # The demo (no --model_name_or_path): sizes chosen so `make train-clm` runs in minutes on 2 CPU
 # processes with the gain measured in the README.
-DEMO_DEFAULTS = {"lora_r": 16, "learning_rate": 3e-4, "num_train_epochs": 1, "per_device_train_batch_size": 4,
-                 "eval_max_new_tokens": 4}
+DEMO_DEFAULTS = {"lora_r": 16, "learning_rate": 1e-3, "num_train_epochs": 1, "per_device_train_batch_size": 4,
+                 "eval_max_new_tokens": 16}
 
 
 def parse_args(argv=None):
@@ -131,7 +131,7 @@ def parse_args(argv=None):
 # ([{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]) or "prompt" and
 # "completion" columns; for text mode, a "text" column.
 DEMO_QUESTION = "Is this drug review positive, neutral or negative? Answer with one word."
-DEMO_REVIEW_WORDS = 60  # reviews cut to their first words: the demo trades length for speed
+DEMO_REVIEW_WORDS = 60  # each review's last words: the demo trades length for speed (the verdict is usually at the end)
 
 
 def load_raw_datasets(args):
@@ -145,7 +145,7 @@ def load_raw_datasets(args):
         return reviews  # their text; the labels are not used
     # The demo's chat task: the review's sentiment, in one word.
     def as_chat(review):
-        text = " ".join(review["text"].split()[:DEMO_REVIEW_WORDS])
+        text = " ".join(review["text"].split()[-DEMO_REVIEW_WORDS:])
         return {"messages": [{"role": "user", "content": f"{DEMO_QUESTION}\n\n{text}"}, {"role": "assistant", "content": review["label"]}]}
 
     return reviews.map(as_chat, remove_columns=["label", "text"])
