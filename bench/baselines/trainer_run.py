@@ -12,7 +12,7 @@ import json
 import numpy as np
 import torch
 from common import LABELS, baseline_arg_parser, count_train_padding, demo_data
-from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
+from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments, set_seed
 
 from ddp_utils.demo import demo_model_path
 
@@ -28,6 +28,7 @@ def main():
     p.add_argument("--sampling", choices=["random", "group_by_length"], default="random", help="train_sampling_strategy")
     args = p.parse_args()
     tokenized, tokenizer, collate = demo_data(args.max_length, args.max_train_samples, args.max_eval_samples)
+    set_seed(args.seed)  # before the model, as run_glue.py does: the new head's initialisation follows the seed
     model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=len(LABELS))
     training_args = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=32,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from common import baseline_arg_parser, count_train_padding, reduce_over_ranks
 from datasets import load_dataset
 from peft import LoraConfig
-from transformers import TrainerCallback
+from transformers import TrainerCallback, set_seed
 from trl import SFTConfig, SFTTrainer
 
 
@@ -57,6 +57,7 @@ def main():
     p.add_argument("--time_cap_s", type=float, default=None, help="stop after the step that ends past this many seconds")
     args = p.parse_args()
 
+    set_seed(args.seed)  # the LoRA weights SFTTrainer initialises follow the seed, as ours do
     train = load_dataset("json", data_files=args.train_file, split="train")
     matched = {} if args.trl_defaults else {"bf16": False, "gradient_checkpointing": False}  # ours: fp32, no checkpointing
     config = SFTConfig(
