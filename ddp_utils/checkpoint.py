@@ -4,7 +4,13 @@ what the scripts use; the functions below it do the work.
 A checkpoint `<output_dir>/checkpoint-<step>/` holds what `accelerator.save_state` writes (model
 as safetensors, optimizer, LR scheduler, gradient scaler, sampler, and every process's Python /
 NumPy / torch RNG states) plus `trainer_state.json`: the step and epoch counters, the position in
-the epoch, and what the run must match to resume (model, world size, batch sizes).
+the epoch, what a run must match to resume (the model and the global batch) and the layout it was
+trained on (processes, per-device batch, accumulation).
+
+It resumes on any layout with the same global batch (examples per optimizer step): the training
+order is drawn from (seed, epoch) and cut into global steps (`StepAlignedSampler`), and the model,
+optimizer, scheduler and scaler states do not depend on the layout. Only the per-rank RNG states
+do: on another layout they are replaced by a seed drawn from (seed, step), the same on every rank.
 
 It is written into `.tmp-checkpoint-<step>/`, flushed to disk, then renamed: a directory named
 `checkpoint-<step>` is always complete. Old checkpoints are deleted only after the new one is in
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -23,6 +30,7 @@ import signal
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.utils import set_seed
 
 from .errors import EXIT_PREEMPTED, Preempted, UsageError
 from .io import write_json
@@ -33,6 +41,8 @@ logger = get_logger(__name__)
 STATE_FILE = "trainer_state.json"
 PREEMPTED_FILE = "preempted.json"  # in the output dir while a preempted run waits to be resumed
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+# How a global batch is split: saved with each checkpoint, and all a run may change when it resumes.
+LAYOUT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps")
 
 
 def model_fingerprint(model) -> str:
@@ -113,11 +123,53 @@ def resolve_resume_path(output_dir: str, resume_from: str | None) -> str | None:
     return resume_from
 
 
-def read_checkpoint_state(path: str, expected: dict) -> dict:
-    """The trainer state saved in checkpoint `path`, once it is known to match `expected` (model
-    fingerprint, world size, batch sizes); a missing or unreadable state file, or a mismatch, is a
-    `UsageError` that says so. Reads this rank's view of the file system: `load_checkpoint` calls
-    it on the main process only."""
+def describe_layout(layout: dict) -> str:
+    """`2 processes x 4 x 1`: processes x per-device batch x accumulation steps."""
+    processes = layout["world_size"]
+    return (f"{processes} process{'es' if processes != 1 else ''} x {layout['per_device_train_batch_size']} "
+            f"x {layout['gradient_accumulation_steps']}")
+
+
+def global_batch(state: dict) -> int | None:
+    """Examples per optimizer step of a checkpoint's trainer state. Checkpoints written before the
+    elastic resume have no `global_batch`; their layout gives it."""
+    if "global_batch" in state:
+        return state["global_batch"]
+    if all(isinstance(state.get(key), int) for key in LAYOUT):
+        return state["world_size"] * state["per_device_train_batch_size"] * state["gradient_accumulation_steps"]
+    return None
+
+
+def fitting_layouts(examples: int, world_size: int) -> list[tuple[int, int]]:
+    """The (per-device batch, accumulation steps) pairs that make `examples` per optimizer step on
+    `world_size` processes, largest batch first."""
+    if examples % world_size:
+        return []
+    per_process = examples // world_size
+    return [(batch, per_process // batch) for batch in range(per_process, 0, -1) if per_process % batch == 0]
+
+
+def _another_global_batch(path: str, saved: dict, examples: int, wanted: int, world_size: int) -> str:
+    """The one-line refusal of a checkpoint trained with another global batch, with the layouts
+    that would resume it on `world_size` processes."""
+    layouts = fitting_layouts(examples, world_size)
+    trained = f" ({describe_layout(saved)})" if all(key in saved for key in LAYOUT) else ""
+    if layouts:
+        fix = (f"resume it with the same global batch: on {world_size} process{'es' if world_size != 1 else ''}, "
+               "--per_device_train_batch_size x --gradient_accumulation_steps " + ", ".join(f"{b} x {a}" for b, a in layouts))
+    else:
+        counts = [n for n in range(1, examples + 1) if examples % n == 0]
+        fix = f"no layout on {world_size} processes gives {examples}: resume on {', '.join(map(str, counts))} processes"
+    return (f"checkpoint {path!r} was trained with {examples} examples per optimizer step{trained}, this run takes {wanted}; "
+            f"{fix}")
+
+
+def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dict:
+    """The trainer state saved in checkpoint `path`, once it is known to match `expected` (the
+    model fingerprint and the global batch; this run has `world_size` processes). A missing or
+    unreadable state file, another model or another global batch is a `UsageError` that says so
+    (for the global batch: in one line, with the layouts that would fit). Reads this rank's view
+    of the file system: `load_checkpoint` calls it on the main process only."""
     try:
         with open(os.path.join(path, STATE_FILE)) as handle:
             state = json.load(handle)
@@ -126,10 +178,15 @@ def read_checkpoint_state(path: str, expected: dict) -> dict:
             f"{path!r} is not a complete checkpoint ({STATE_FILE}: {exc.__class__.__name__}); "
             "resume from another checkpoint-<step> directory, or use --resume_from_checkpoint latest"
         ) from None
-    mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key) != value}
+    state["global_batch"] = global_batch(state)
+    mismatched = {key: (state.get(key), value) for key, value in expected.items() if key != "global_batch" and state.get(key) != value}
     if mismatched:
         details = ", ".join(f"{key}: checkpoint {saved!r}, this run {wanted!r}" for key, (saved, wanted) in mismatched.items())
         raise UsageError(f"checkpoint {path!r} is from a different run ({details}); resume with the settings it was saved with")
+    if "global_batch" in expected and state["global_batch"] != expected["global_batch"]:
+        if state["global_batch"] is None:
+            raise UsageError(f"checkpoint {path!r} does not record its batch layout ({STATE_FILE}); it cannot be resumed safely")
+        raise UsageError(_another_global_batch(path, state, state["global_batch"], expected["global_batch"], world_size))
     return state
 
 
@@ -139,8 +196,15 @@ def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict
     main process and shared (one broadcast); each rank then loads its part (`accelerator.load_state`,
     a collective under FSDP and DeepSpeed), and a rank that cannot is reported on every rank (one
     gather). A mismatch or a damaged checkpoint is a `UsageError` that says so, on every rank, not
-    a stack trace from inside torch."""
-    state = from_main_process(accelerator, read_checkpoint_state, path, expected)
+    a stack trace from inside torch.
+
+    A checkpoint saved on another number of processes loads the same way: Accelerate saves and
+    loads the model it was given to `prepare`, not its DDP wrapper, so the weights have the same
+    names on any number of processes, and the optimizer, scheduler and scaler states are the same
+    on every rank. Only the RNG states are per rank: each rank restores its own rank's if the
+    checkpoint has one (Accelerate skips a missing one with an info line), and `Checkpointer.resume`
+    replaces them on another layout."""
+    state = from_main_process(accelerator, read_checkpoint_state, path, expected, accelerator.num_processes)
     problem = None
     try:
         accelerator.load_state(path)
@@ -194,7 +258,7 @@ def clear_preempted_marker(accelerator: Accelerator, output_dir: str) -> None:
 
 class Checkpointer:
     """Saves the run's checkpoints (every --checkpointing_steps, and when the job is preempted) and
-    resumes from one.
+    resumes from one, on this layout or any other with the same global batch.
 
     Build it on every rank before `accelerator.prepare` (it fingerprints the unwrapped model).
     From then on SIGTERM / SIGUSR1 do not kill the process: they ask for a checkpoint after the
@@ -202,12 +266,13 @@ class Checkpointer:
     """
 
     def __init__(self, accelerator: Accelerator, args, model):
-        self.accelerator, self.output_dir = accelerator, args.output_dir
+        self.accelerator, self.output_dir, self.seed = accelerator, args.output_dir, args.seed
         self.every, self.total_limit, self.resume_from = args.checkpointing_steps, args.checkpoints_total_limit, args.resume_from_checkpoint
-        # What a checkpoint must match to resume this run, saved with its progress.
-        self.identity = {"model": model_fingerprint(model), "world_size": accelerator.num_processes,
-                         "per_device_train_batch_size": args.per_device_train_batch_size,
-                         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
+        self.layout = {"world_size": accelerator.num_processes, "per_device_train_batch_size": args.per_device_train_batch_size,
+                       "gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
+        # What a checkpoint must match to resume this run, saved with its progress and layout.
+        self.identity = {"model": model_fingerprint(model), "global_batch": math.prod(self.layout.values())}
+        self.has_batchnorm = any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules())
         self.preemption = PreemptionHandler(accelerator)
 
     def resume(self, plan) -> None:
@@ -215,18 +280,40 @@ class Checkpointer:
         from --resume_from_checkpoint if it names a checkpoint, and restore `plan`'s progress.
         "latest" is resolved, and the checkpoint's state read and checked, on the main process and
         sent to every rank, so ranks with different views of a shared file system resume from the
-        same one (see `load_checkpoint`)."""
+        same one (see `load_checkpoint`). A checkpoint of another layout with the same global batch
+        resumes elastically (see `_resumed_elastically`)."""
         path = from_main_process(self.accelerator, resolve_resume_path, self.output_dir, self.resume_from)
         if path:
             saved = load_checkpoint(self.accelerator, path, self.identity)
             plan.progress.update({key: saved[key] for key in plan.progress if key in saved})
+            # Accelerate's micro-batch counter decides which micro-batch of a step synchronises the
+            # gradients. It was saved per rank, in the checkpoint's micro-batches: count it in this run's.
+            self.accelerator.step = plan.step * self.accelerator.gradient_accumulation_steps
             logger.info(f"resumed from {path}: epoch {plan.progress['epoch']}, step {plan.step}")
+            saved_layout = {key: saved.get(key) for key in LAYOUT}
+            if saved_layout != self.layout:
+                self._resumed_elastically(saved_layout, plan.step)
         elif self.resume_from:
             logger.info(f"no complete checkpoint in {self.output_dir}: starting from scratch")
 
+    def _resumed_elastically(self, saved_layout: dict, step: int) -> None:
+        """After a resume onto another layout: the per-rank RNG states cannot be mapped onto it
+        (each rank restored its own rank's, if the checkpoint has one), so every rank is seeded
+        from (--seed, step) instead, as every rank of a fresh run is from --seed. Every rank
+        calls it; no communication."""
+        set_seed((self.seed * 1_000_003 + step) % 2**32)
+        logger.info(f"resumed elastically from {describe_layout(saved_layout)} onto {describe_layout(self.layout)} "
+                    f"(processes x per-device batch x accumulation; {self.identity['global_batch']} examples per optimizer step)")
+        logger.warning("the random draws of the remaining steps (dropout) differ from the uninterrupted run's: a process's RNG "
+                       "state cannot be carried onto another layout, so every process is seeded from --seed and the step; "
+                       "the data order, model, optimizer, scheduler and scaler are resumed exactly")
+        if self.has_batchnorm and saved_layout["per_device_train_batch_size"] != self.layout["per_device_train_batch_size"]:
+            logger.warning("BatchNorm normalises over each micro-batch: with another per-device batch the remaining steps "
+                           "compute another function than the uninterrupted run's")
+
     def save(self, plan) -> str:
         """All ranks call this: a checkpoint of the run as it stands. Returns its path."""
-        return save_checkpoint(self.accelerator, self.output_dir, {**self.identity, **plan.progress}, self.total_limit)
+        return save_checkpoint(self.accelerator, self.output_dir, {**self.identity, **self.layout, **plan.progress}, self.total_limit)
 
     def step(self, plan) -> None:
         """All ranks call this after every optimizer step: stop for a preemption signal on any rank

@@ -1,0 +1,176 @@
+"""Elastic resume, through real launches of scripts/train.py
+(a tiny BERT without dropout, 60 examples, a global batch of 8: 8 optimizer steps per epoch):
+
+- a run killed mid-epoch resumes on another layout with the same global batch, and trains on
+  exactly the examples, step by step, and to the parameters of the uninterrupted run;
+- a checkpoint is refused, in one line on every rank and without writing, with another global batch.
+
+The plain (same-layout) resume stays bit for bit: tests/test_checkpoint.py."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import AUDIT_HOOK_DIR, REPO, launch, train_args
+from safetensors.numpy import load_file
+
+from ddp_utils.checkpoint import fitting_layouts, read_checkpoint_state
+from ddp_utils.errors import UsageError
+
+RECORD_STEPS = REPO / "tests" / "launched" / "record_steps.py"
+HOOKS = os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])
+
+
+def layout(processes, batch, accumulation=1):
+    return processes, ["--per_device_train_batch_size", batch, "--gradient_accumulation_steps", accumulation]
+
+
+# (saved on, resumed on): the same 8 examples per optimizer step.
+ELASTIC = {
+    "2x4 onto 1x4x2": (layout(2, 4), layout(1, 4, 2), "2 processes x 4 x 1 onto 1 process x 4 x 2"),
+    "1x8 onto 2x2x2": (layout(1, 8), layout(2, 2, 2), "1 process x 8 x 1 onto 2 processes x 2 x 2"),
+}
+
+
+def train(model, data, output_dir, on, *extra, env=None):
+    """scripts/train.py through record_steps.py: 3 epochs, a checkpoint every 5 steps (the 5
+    newest kept); each rank's steps go to <output_dir>.steps.rank<r>."""
+    processes, batch_args = on
+    args = train_args(model, data, output_dir, "--num_train_epochs", 3, "--seed", 7, "--checkpointing_steps", 5,
+                      "--checkpoints_total_limit", 5, *batch_args, *extra)
+    return launch(RECORD_STEPS, *args, num_processes=processes,
+                  env={"PYTHONPATH": HOOKS, "STEP_LOG": f"{output_dir}.steps", **(env or {})})
+
+
+def recorded_steps(output_dir) -> dict:
+    """step -> the sorted ids of the examples it trained on, over all ranks."""
+    steps = {}
+    for path in output_dir.parent.glob(f"{output_dir.name}.steps.rank*"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(record["step"], []).extend(record["ids"])
+    return {step: sorted(ids) for step, ids in steps.items()}
+
+
+def assert_same_parameters(output_dir, reference_dir):
+    ours, reference = load_file(str(output_dir / "model.safetensors")), load_file(str(reference_dir / "model.safetensors"))
+    assert sorted(ours) == sorted(reference)
+    for key in reference:
+        if key.endswith("attention.self.key.bias"):
+            # Its exact gradient is zero, so Adam turns rounding noise into steps (see test_train.py).
+            assert np.abs(ours[key]).max() < 1e-3 and np.abs(reference[key]).max() < 1e-3, key
+            continue
+        np.testing.assert_allclose(ours[key], reference[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, tiny_data, tmp_path_factory):
+    """The uninterrupted run on each layout a checkpoint is saved on, made when first asked for."""
+    runs = {}
+
+    def run(on):
+        if on not in runs:
+            output_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+            result = train(tiny_model, tiny_data, output_dir, on)
+            assert result.returncode == 0, result.output[-4000:]
+            runs[on] = output_dir
+        return runs[on]
+
+    return run
+
+
+def freeze(on):
+    return on[0], tuple(on[1])
+
+
+@pytest.mark.parametrize("name", sorted(ELASTIC))
+def test_killed_mid_epoch_resumes_on_another_layout_with_the_same_steps(name, tiny_model, tiny_data, uninterrupted, tmp_path):
+    saved_on, resumed_on, described = ELASTIC[name]
+    reference = uninterrupted(freeze(saved_on))
+    output_dir = tmp_path / "run"
+    # SIGKILL as the checkpoint of step 20 is written: checkpoint-15 is the newest complete one,
+    # mid-epoch (epoch 1, step 7 of 8) at an odd step, so accumulation over 2 micro-batches
+    # must not take Accelerate's micro-batch counter (15 on the saving layout) as it was saved.
+    killed = train(tiny_model, tiny_data, output_dir, saved_on, env={"CRASH_ON_WRITE": ".tmp-checkpoint-20/"})
+    assert killed.returncode != 0
+    state_file = output_dir / "checkpoint-15" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert (state["step"], state["epoch"], state["step_in_epoch"]) == (15, 1, 7)
+    assert "checkpoint-20" not in os.listdir(output_dir)
+    if name.startswith("1x8"):  # as written before checkpoints recorded their global batch: their layout gives it
+        del state["global_batch"]
+        state_file.write_text(json.dumps(state))
+    before = recorded_steps(output_dir)
+
+    for path in tmp_path.glob("run.steps.rank*"):
+        path.unlink()
+    resumed = train(tiny_model, tiny_data, output_dir, resumed_on, "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert f"resumed elastically from {described}" in resumed.output
+    assert "the random draws of the remaining steps (dropout) differ" in resumed.output
+
+    after, expected = recorded_steps(output_dir), recorded_steps(reference)
+    assert sorted(expected) == list(range(1, 25))
+    assert sorted(after) == list(range(16, 25)), "the resumed run takes steps 16 to 24"
+    assert {step: after[step] for step in range(16, 25)} == {step: expected[step] for step in range(16, 25)}, \
+        "after the resume, each step trains on the examples the uninterrupted run's did"
+    assert {step: before[step] for step in range(1, 16)} == {step: expected[step] for step in range(1, 16)}
+    assert_same_parameters(output_dir, reference)
+    assert json.loads((output_dir / "metrics.json").read_text())["train_samples_seen"] == 180, "nothing lost or repeated"
+    saved = json.loads((output_dir / "checkpoint-20" / "trainer_state.json").read_text())
+    processes, (_, batch, _, accumulation) = resumed_on
+    assert (saved["world_size"], saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"], saved["global_batch"]) == \
+        (processes, batch, accumulation, 8), "a checkpoint records the layout it was written on"
+
+
+def snapshot(directory):
+    """Every file and directory under `directory`, with its size and modification time."""
+    found = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            info = os.stat(path)
+            found[os.path.relpath(path, directory)] = (info.st_size, info.st_mtime_ns)
+    return found
+
+
+def test_another_global_batch_is_refused_in_one_line_on_every_rank_writing_nothing(tiny_model, tiny_data, uninterrupted, tmp_path):
+    reference = uninterrupted(freeze(layout(2, 4)))
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    shutil.copytree(reference / "checkpoint-15", output_dir / "checkpoint-15")
+    before = snapshot(output_dir)
+    result = train(tiny_model, tiny_data, output_dir, layout(2, 2), "--resume_from_checkpoint", "latest")
+    assert result.returncode != 0 and result.seconds < 60
+    expected = (f"[rank {{rank}}] error: checkpoint {str(output_dir / 'checkpoint-15')!r} was trained with 8 examples per optimizer "
+                "step (2 processes x 4 x 1), this run takes 4; resume it with the same global batch: on 2 processes, "
+                "--per_device_train_batch_size x --gradient_accumulation_steps 4 x 1, 2 x 2, 1 x 4\n")
+    for rank in (0, 1):
+        assert expected.format(rank=rank) in result.output, result.output[-3000:]
+    assert "Traceback" not in result.output.split("[rank 0] error:")[0][-2000:], "no stack trace from inside torch"
+    assert snapshot(output_dir) == before, "a refused resume must not write into the output directory"
+
+
+# --- no launch -------------------------------------------------------------------------------------
+
+
+def write_state(directory, **state):
+    directory.mkdir()
+    (directory / "trainer_state.json").write_text(json.dumps({"model": "abc", "step": 3, **state}))
+    return str(directory)
+
+
+def test_a_checkpoint_resumes_with_its_global_batch_old_or_new(tmp_path):
+    old = write_state(tmp_path / "old", world_size=2, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    new = write_state(tmp_path / "new", world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=4, global_batch=8)
+    for path in (old, new):
+        assert read_checkpoint_state(path, {"model": "abc", "global_batch": 8}, world_size=4)["global_batch"] == 8
+        with pytest.raises(UsageError, match="was trained with 8 examples per optimizer step .*, this run takes 12; no layout on 3 "
+                                             "processes gives 8: resume on 1, 2, 4, 8 processes"):
+            read_checkpoint_state(path, {"model": "abc", "global_batch": 12}, world_size=3)
+        with pytest.raises(UsageError, match=r"is from a different run \(model: checkpoint 'abc', this run 'xyz'\)"):
+            read_checkpoint_state(path, {"model": "xyz", "global_batch": 8}, world_size=1)
+    assert fitting_layouts(8, 2) == [(4, 1), (2, 2), (1, 4)]
+    assert fitting_layouts(8, 16) == []
