@@ -11,7 +11,8 @@ What the scripts use, by the order they use it in:
 - model:   `load_model_config`, `fetch_weights`, `train_in_fp32`, `make_adamw`, `describe_optimizer`, `refuse_together`
 - the run: `StepPlan` (steps, epochs, progress), `Checkpointer` (save, resume, preemption),
            `TrainingLog` (trackers, train_log.jsonl, progress bar), `prepare_output_dir`
-- a step:  `count_step` (what the step holds on all ranks), `global_mean_loss` (the exact loss)
+- a step:  `count_step` (what the step holds on all ranks), `global_mean_loss` (the exact loss),
+           `OOMBackoff` (--oom_backoff: the step again in smaller micro-batches after an out-of-memory error)
 - eval:    `evaluate_classification` (classification), `gather_for_eval` (any task)
 - the end: `save_model`, `write_results` (metrics.json, report/), `write_jsonl` (predictions)
 
@@ -29,6 +30,7 @@ from .exact_loss import count_step, global_mean_loss
 from .io import fetch_weights, load_model_config, prepare_output_dir, save_model, write_jsonl
 from .launch import make_accelerator, run, start_run
 from .metrics import gather_for_eval, load_metric
+from .oom_backoff import OOMBackoff
 from .optim import describe_optimizer, make_adamw, train_in_fp32
 from .plan import StepPlan
 from .ranks import load_on_main_first, refuse_together
@@ -39,6 +41,7 @@ from .tracking import TrainingLog
 __all__ = [
     "SAMPLE_WEIGHT",
     "Checkpointer",
+    "OOMBackoff",
     "StepPlan",
     "TrainingLog",
     "UsageError",

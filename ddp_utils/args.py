@@ -34,6 +34,9 @@ def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float |
     p.add_argument("--seed", type=int, default=42, help="seed for initialisation, shuffling and dropout")
     p.add_argument("--logging_steps", type=int, default=10, help="show the loss every N optimizer steps")
     p.add_argument("--ddp_timeout", type=int, default=1800, help="seconds a collective may wait before the run fails")
+    p.add_argument("--oom_backoff", action="store_true",
+                   help="after an out-of-memory error, take the step again in micro-batches half the size (same global batch "
+                        "and loss); DDP only, and the gradient all-reduce no longer overlaps the backward pass")
     p = parser.add_argument_group("checkpoints: resume exactly after a crash or preemption (SIGTERM/SIGUSR1 save one and exit 75)")
     p.add_argument("--checkpointing_steps", default="epoch", help="checkpoint every N optimizer steps, every 'epoch', or 'no'")
     p.add_argument("--checkpoints_total_limit", type=int, default=2, help="keep only the K newest checkpoints")

@@ -124,6 +124,7 @@ def main():
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
     logger.info(f"optimizer: {ddp_utils.describe_optimizer(optimizer)}")
+    backoff = ddp_utils.OOMBackoff(accelerator, args, model)  # --oom_backoff: smaller micro-batches after an out-of-memory error
     ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
     log = ddp_utils.TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar
@@ -137,18 +138,20 @@ def main():
         for micro_batches in plan.optimizer_steps(train_dataloader, epoch):  # this rank's share of one optimizer step
             # all ranks: what the whole step holds, read from the batches' weights before the loss pops them
             step_size = ddp_utils.count_step(accelerator, micro_batches)
-            loss_sum, grad_norm = torch.zeros((), device=accelerator.device), None
-            for batch in micro_batches:
-                with accelerator.accumulate(model):  # gradients are synchronised on the last micro-batch only
-                    weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
-                    losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per example
-                    # The mean over the step's examples on all ranks, not over this micro-batch.
-                    accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
-                    if accelerator.sync_gradients:  # the step's last micro-batch: its gradient is complete
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    optimizer.step()  # a no-op until the last micro-batch
-                    optimizer.zero_grad()
-                loss_sum += (losses.detach() * weights).sum()
+            for attempt in backoff.attempts(micro_batches):  # once; with --oom_backoff, again in halves after an out-of-memory error
+                loss_sum = torch.zeros((), device=accelerator.device)
+                for batch in attempt:
+                    # Gradients are synchronised on the last micro-batch only (with --oom_backoff: by `agree`, below).
+                    with accelerator.accumulate(model), attempt.catch_oom():
+                        weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
+                        losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per example
+                        # The mean over the step's examples on all ranks, not over this micro-batch.
+                        accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
+                        loss_sum += (losses.detach() * weights).sum()
+                backoff.agree(attempt, plan)  # all ranks: with --oom_backoff, did any rank run out of memory? If none, sync the gradients
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # all ranks: the gradient is complete
+            optimizer.step()
+            optimizer.zero_grad()
             learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step used
             lr_scheduler.step()
 
@@ -166,7 +169,7 @@ def main():
 
     log.close()
     ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)  # all ranks
-    ddp_utils.write_results(accelerator, args, plan, scores, confusion=confusion)  # all ranks: metrics.json, report/
+    ddp_utils.write_results(accelerator, args, plan, scores, backoff.facts(), confusion=confusion)  # all ranks: metrics.json, report/
     accelerator.end_training()
 
 

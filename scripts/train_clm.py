@@ -457,6 +457,7 @@ def main():
     if generate_dataloader is not None:
         generate_dataloader = accelerator.prepare(generate_dataloader)
     logger.info(f"optimizer: {ddp_utils.describe_optimizer(optimizer)}")
+    backoff = ddp_utils.OOMBackoff(accelerator, args, model)  # --oom_backoff: smaller micro-batches after an out-of-memory error
     ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
     log = ddp_utils.TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar
@@ -475,17 +476,19 @@ def main():
         for micro_batches in plan.optimizer_steps(train_dataloader, epoch):  # this rank's share of one optimizer step
             # all ranks: what the whole step holds, read from the batches' weights before the loss pops them
             step_size = ddp_utils.count_step(accelerator, micro_batches, weight_key=TARGET_TOKENS)
-            loss_sum, grad_norm = torch.zeros((), device=accelerator.device), None
-            for batch in micro_batches:
-                with accelerator.accumulate(model):  # gradients are synchronised on the last micro-batch only
-                    losses, weights = causal_lm_loss(model, batch)  # one per token; weight 0 for prompt and padding
-                    # The mean over the step's target tokens on all ranks, not over this micro-batch.
-                    accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
-                    if accelerator.sync_gradients:  # the step's last micro-batch: its gradient is complete
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    optimizer.step()  # a no-op until the last micro-batch
-                    optimizer.zero_grad()
-                loss_sum += (losses.detach() * weights).sum()
+            for attempt in backoff.attempts(micro_batches):  # once; with --oom_backoff, again in halves after an out-of-memory error
+                loss_sum = torch.zeros((), device=accelerator.device)
+                for batch in attempt:
+                    # Gradients are synchronised on the last micro-batch only (with --oom_backoff: by `agree`, below).
+                    with accelerator.accumulate(model), attempt.catch_oom():
+                        losses, weights = causal_lm_loss(model, batch)  # one per token; weight 0 for prompt and padding
+                        # The mean over the step's target tokens on all ranks, not over this micro-batch.
+                        accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
+                        loss_sum += (losses.detach() * weights).sum()
+                backoff.agree(attempt, plan)  # all ranks: with --oom_backoff, did any rank run out of memory? If none, sync the gradients
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # all ranks: the gradient is complete
+            optimizer.step()
+            optimizer.zero_grad()
             learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step used
             lr_scheduler.step()
 
@@ -511,7 +514,7 @@ def main():
         merged = accelerator.unwrap_model(model).merge_and_unload()
         ddp_utils.save_model(accelerator, merged, f"{args.output_dir}/merged", tokenizer, dtype=args.save_dtype)  # all ranks
         model = merged
-    ddp_utils.write_results(accelerator, args, plan, {**scores, **zero_shot}, data_report, confusion=confusion)  # all ranks
+    ddp_utils.write_results(accelerator, args, plan, {**scores, **zero_shot}, {**data_report, **backoff.facts()}, confusion=confusion)  # all ranks
     if args.data_mode == "text":
         show_sample(accelerator, model, tokenizer, args, validation)
     accelerator.end_training()

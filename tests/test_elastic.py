@@ -1,25 +1,33 @@
-"""Elastic resume, through real launches of scripts/train.py
+"""Elastic resume and the out-of-memory back-off, through real launches of scripts/train.py
 (a tiny BERT without dropout, 60 examples, a global batch of 8: 8 optimizer steps per epoch):
 
 - a run killed mid-epoch resumes on another layout with the same global batch, and trains on
   exactly the examples, step by step, and to the parameters of the uninterrupted run;
-- a checkpoint is refused, in one line on every rank and without writing, with another global batch.
+- a checkpoint is refused, in one line on every rank and without writing, with another global batch;
+- an out-of-memory error on one rank makes every rank take the step again in halves, and the run
+  ends where one with the smaller micro-batch from the start ends; at one row it stops, clearly.
 
 The plain (same-layout) resume stays bit for bit: tests/test_checkpoint.py."""
 
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import AUDIT_HOOK_DIR, REPO, launch, train_args
+import torch
+from accelerate.utils import DistributedType
+from conftest import AUDIT_HOOK_DIR, REPO, clm_args, launch, train_args
 from safetensors.numpy import load_file
+from test_image import image_args, make_tiny_vit, write_image_folder
 
 from ddp_utils.checkpoint import fitting_layouts, read_checkpoint_state
 from ddp_utils.errors import UsageError
+from ddp_utils.oom_backoff import check_oom_backoff, split_batch
 
 RECORD_STEPS = REPO / "tests" / "launched" / "record_steps.py"
+INJECT_OOM = REPO / "tests" / "launched" / "inject_oom.py"
 HOOKS = os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])
 
 
@@ -58,7 +66,7 @@ def assert_same_parameters(output_dir, reference_dir):
     ours, reference = load_file(str(output_dir / "model.safetensors")), load_file(str(reference_dir / "model.safetensors"))
     assert sorted(ours) == sorted(reference)
     for key in reference:
-        if key.endswith("attention.self.key.bias"):
+        if key.endswith(("attention.self.key.bias", "attention.attention.key.bias")):  # BERT's, ViT's
             # Its exact gradient is zero, so Adam turns rounding noise into steps (see test_train.py).
             assert np.abs(ours[key]).max() < 1e-3 and np.abs(reference[key]).max() < 1e-3, key
             continue
@@ -153,6 +161,74 @@ def test_another_global_batch_is_refused_in_one_line_on_every_rank_writing_nothi
     assert snapshot(output_dir) == before, "a refused resume must not write into the output directory"
 
 
+def test_an_out_of_memory_error_on_one_rank_retakes_the_step_in_halves(tiny_model, tiny_data, tmp_path):
+    """Rank 1 holds at most 2 rows from its 3rd micro-batch on: step 3 (4 rows per rank) runs out
+    of memory there, every rank drops it and takes it again as 2 x 2 rows, and so on to the end.
+    The injection raises after the forward pass and before the backward pass of rank 1's only
+    micro-batch, where plain DDP would leave rank 0 alone in the gradient all-reduce."""
+    common = ["--num_train_epochs", 1, "--seed", 7, "--checkpointing_steps", "no"]
+    backed_off, reference = tmp_path / "backed_off", tmp_path / "reference"
+    result = launch(INJECT_OOM, "train", 1, 3, 2,
+                    *train_args(tiny_model, tiny_data, backed_off, *common, "--per_device_train_batch_size", 4, "--oom_backoff"),
+                    num_processes=2, timeout=120)
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.output.count("injected: out of memory on rank 1") == 1
+    assert "rank 1 ran out of memory in step 3: every rank dropped the step and takes it again in micro-batches of 2" in result.output
+    metrics = json.loads((backed_off / "metrics.json").read_text())
+    assert metrics["oom_backoffs"] == [{"step": 3, "ranks": [1], "micro_batch": 2, "micro_batches_per_step": 2}]
+    assert (metrics["optimizer_steps"], metrics["train_samples_seen"]) == (8, 60), "the dropped step is taken once"
+
+    smaller = launch(REPO / "scripts" / "train.py", *train_args(tiny_model, tiny_data, reference, *common, "--per_device_train_batch_size",
+                                                                2, "--gradient_accumulation_steps", 2), num_processes=2)
+    assert smaller.returncode == 0, smaller.output[-4000:]
+    assert_same_parameters(backed_off, reference)
+
+
+def short_run_args(script, tiny_lm, sft_data, tmp_path):
+    """The arguments of a one-epoch run of train_clm.py or train_image.py (a ViT: no BatchNorm,
+    whose statistics depend on the micro-batch), as a function of the output directory."""
+    if script == "train_clm":
+        def args(output_dir, *extra):
+            return clm_args(tiny_lm, sft_data, output_dir, "--num_train_epochs", 1, "--eval_max_new_tokens", 0, "--skip_zero_shot",
+                            "--seed", 7, *extra)
+        return args
+    images = {"train": write_image_folder(tmp_path / "train", {"dark": 14, "bright": 13, "striped": 13}, seed=1),
+              "validation": write_image_folder(tmp_path / "validation", {"dark": 3, "bright": 2}, seed=2)}
+    vit = make_tiny_vit(tmp_path / "vit")
+
+    def args(output_dir, *extra):
+        return image_args(vit, images, output_dir, "--num_train_epochs", 1, "--seed", 7, *extra)
+    return args
+
+
+@pytest.mark.parametrize("script", ["train_clm", "train_image"])
+def test_the_other_scripts_back_off_the_same_way(script, tiny_lm, sft_data, tmp_path):
+    """The same step change in train_clm.py (rows are sequences, the loss is per target token)
+    and train_image.py: rank 1 holds 1 row from its 2nd micro-batch on."""
+    args = short_run_args(script, tiny_lm, sft_data, tmp_path)
+    backed_off, reference = tmp_path / "backed_off", tmp_path / "reference"
+    result = launch(INJECT_OOM, script, 1, 2, 1, *args(backed_off, "--per_device_train_batch_size", 2, "--oom_backoff"), num_processes=2)
+    assert result.returncode == 0, result.output[-4000:]
+    assert json.loads((backed_off / "metrics.json").read_text())["oom_backoffs"] == \
+        [{"step": 2, "ranks": [1], "micro_batch": 1, "micro_batches_per_step": 2}]
+    smaller = launch(REPO / "scripts" / f"{script}.py", *args(reference, "--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2),
+                     num_processes=2)
+    assert smaller.returncode == 0, smaller.output[-4000:]
+    assert_same_parameters(backed_off, reference)
+
+
+def test_out_of_memory_at_one_row_stops_every_rank_clearly(tiny_model, tiny_data, tmp_path):
+    result = launch(INJECT_OOM, "train", 1, 1, 0,
+                    *train_args(tiny_model, tiny_data, tmp_path / "run", "--max_train_steps", 2, "--per_device_train_batch_size", 4,
+                                "--oom_backoff"),
+                    num_processes=2, timeout=120)
+    assert result.returncode != 0 and result.seconds < 60
+    assert result.output.count("injected: out of memory on rank 1") == 3, "4 rows, then 2, then 1"
+    for rank in (0, 1):
+        assert (f"[rank {rank}] error: rank 1 ran out of memory in step 1 with a micro-batch of 1 example per process: "
+                "the model does not fit") in result.output, result.output[-3000:]
+
+
 # --- no launch -------------------------------------------------------------------------------------
 
 
@@ -174,3 +250,23 @@ def test_a_checkpoint_resumes_with_its_global_batch_old_or_new(tmp_path):
             read_checkpoint_state(path, {"model": "xyz", "global_batch": 8}, world_size=1)
     assert fitting_layouts(8, 2) == [(4, 1), (2, 2), (1, 4)]
     assert fitting_layouts(8, 16) == []
+
+
+def test_split_batch_cuts_every_row_aligned_tensor_and_leaves_the_batch_whole():
+    batch = {"input_ids": torch.arange(10).reshape(5, 2), "sample_weight": torch.ones(5), "scale": torch.tensor(2.0), "name": "x"}
+    parts = split_batch(batch, 2)
+    assert [part["input_ids"].tolist() for part in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9]]]
+    assert all(part["scale"] is batch["scale"] and part["name"] == "x" for part in parts)
+    parts[0].pop("sample_weight")
+    assert "sample_weight" in batch, "the step pops keys from its parts, never from the batch a retry splits again"
+
+
+def test_oom_backoff_is_refused_where_a_forward_or_backward_pass_communicates():
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        with pytest.raises(UsageError, match=f"--oom_backoff works with DDP only, not {kind.value}"):
+            check_oom_backoff(SimpleNamespace(distributed_type=kind), plain)
+    synced = torch.nn.Sequential(torch.nn.SyncBatchNorm(2))
+    with pytest.raises(UsageError, match="--oom_backoff cannot be used with --sync_batchnorm"):
+        check_oom_backoff(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU), synced)
+    check_oom_backoff(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU), plain)
