@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import CPU_CONFIG, REPO, assert_fails_cleanly, free_port, launch, launch_env, train_args
+from conftest import AUDIT_HOOK_DIR, CPU_CONFIG, REPO, assert_fails_cleanly, free_port, launch, launch_env, train_args
 from safetensors.numpy import load_file
 
 TRAIN = REPO / "scripts" / "train.py"
@@ -152,6 +152,64 @@ def test_slurm_script_runs_a_real_two_node_training_on_loopback(one_node, tiny_m
     result = run_sbatch(env, "scripts/train.py", *args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_same_model(tmp_path / "out", one_node)
+
+
+def batch_args(call) -> list:
+    argv = call["argv"]
+    return [argv[argv.index("--per_device_train_batch_size") + 1], argv[argv.index("--gradient_accumulation_steps") + 1]]
+
+
+def test_slurm_script_splits_a_global_batch_over_the_nodes_of_each_attempt(tmp_path):
+    """GLOBAL_BATCH_SIZE=64 with at most 2 per device: 2 nodes x 8 GPUs take 2 x 2 accumulation
+    steps per process, 1 node 2 x 4: the same 64 examples per optimizer step, so the job resumes
+    its checkpoint wherever it is requeued."""
+    recording = os.pathsep.join([str(FAKE_SLURM / "recording"), str(FAKE_SLURM / "bin"), os.environ["PATH"]])
+    for nodes, expected in (("2", ["2", "2"]), ("1", ["2", "4"])):
+        for old in tmp_path.glob("slurm.log.node*"):
+            old.unlink()
+        env = slurm_env(tmp_path, PATH=recording, SLURM_NNODES=nodes, GLOBAL_BATCH_SIZE="64", PER_DEVICE_BATCH_SIZE="2")
+        result = run_sbatch(env, "scripts/train.py", "--max_train_steps", 5)
+        assert result.returncode == 0, result.stderr + result.stdout
+        assert [batch_args(call) for call in recorded(tmp_path)] == [expected] * int(nodes)
+    refusals = {"GLOBAL_BATCH_SIZE=24 does not split over 16 processes": (["scripts/train.py"], {"GLOBAL_BATCH_SIZE": "24"}),
+                "GLOBAL_BATCH_SIZE sets --per_device_train_batch_size for each attempt's node count":
+                    (["scripts/train.py", "--per_device_train_batch_size", 4], {"GLOBAL_BATCH_SIZE": "64"})}
+    for message, (args, extra) in refusals.items():
+        result = run_sbatch(slurm_env(tmp_path, PATH=recording, **extra), *args)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_slurm_job_requeued_on_fewer_nodes_resumes_elastically(one_node, tiny_model, tiny_data, tmp_path):
+    """The job script with real `accelerate launch`es: preempted (SIGTERM to rank 0 as it first
+    writes train_log.jsonl, at step 2) on 2 fake nodes x 1 process x 4, requeued on 1 node, where
+    GLOBAL_BATCH_SIZE=8 becomes 1 process x 4 x 2 accumulation steps. It resumes from the
+    preemption's checkpoint and ends with the parameters of the uninterrupted 2-process run."""
+    port = next(p for p in iter(free_port, None) if 20000 <= p < 40000)
+    args = train_args(tiny_model, tiny_data, "unused", "--max_train_steps", 6, "--checkpointing_steps", "no", "--logging_steps", 2)
+    i = args.index("--output_dir")
+    del args[i:i + 2]  # the job script chooses the output dir
+    job = {"CONFIG": "accelerate_configs/cpu_2proc.yaml", "SLURM_GPUS_ON_NODE": "1", "SLURM_JOB_ID": str(port - 20000),
+           "GLOBAL_BATCH_SIZE": "8", "PER_DEVICE_BATCH_SIZE": "4"}
+    preempted = run_sbatch(slurm_env(tmp_path, **job, FAKE_HOSTNAMES="127.0.0.1 localhost", SIGTERM_ON_WRITE="train_log.jsonl",
+                                     SIGTERM_TARGET="workers", PYTHONPATH=os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])),
+                           "scripts/train.py", *args)
+    assert preempted.returncode == 0, preempted.stdout[-3000:] + preempted.stderr[-3000:]
+    assert (tmp_path / "slurm.log").read_text().splitlines() == [f"requeue {port - 20000}"]
+    assert "global batch 8 = 2 process(es) x 4 per device x 1 accumulation steps" in preempted.stdout
+
+    requeued = run_sbatch(slurm_env(tmp_path, **job, SLURM_NNODES="1", FAKE_HOSTNAMES="127.0.0.1"), "scripts/train.py", *args)
+    output = requeued.stdout + requeued.stderr
+    assert requeued.returncode == 0, output[-4000:]
+    assert "global batch 8 = 1 process(es) x 4 per device x 2 accumulation steps" in output
+    assert "resumed elastically from 2 processes x 4 x 1 onto 1 process x 4 x 2" in output
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert (metrics["world_size"], metrics["optimizer_steps"]) == (1, 6)
+    resumed = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for key in one_node:
+        if key.endswith("attention.self.key.bias"):  # its exact gradient is zero: Adam steps on rounding noise
+            assert np.abs(resumed[key]).max() < 1e-3, key
+            continue
+        np.testing.assert_allclose(resumed[key], one_node[key], rtol=1e-4, atol=1e-5, err_msg=key)
 
 
 def test_fsdp_and_deepspeed_configs_are_refused_on_a_machine_without_gpus(tiny_model, tiny_data, tmp_path):
