@@ -48,4 +48,4 @@ $(STAMP): requirements.txt requirements-demo.txt pyproject.toml
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) outputs bench/runs bench/runs_clm .pytest_cache
+	rm -rf $(VENV) outputs bench/runs bench/runs_clm bench/runs_sft .pytest_cache

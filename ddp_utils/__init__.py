@@ -6,8 +6,8 @@ What the scripts use, by the order they use it in:
 - start:   `start_run` (the Accelerator, with the launch guard), `run` (a clean exit), `UsageError`;
            `make_accelerator` alone for scripts without training options (check_env.py)
 - options: `add_training_args`, `check_training_args`, `check_positive`
-- data:    `load_on_main_first`, `read_data_files`, `check_splits`, `make_train_dataloader`, `longest_first`,
-           `load_metric`
+- data:    `load_on_main_first`, `read_data_files`, `check_splits`, `make_train_dataloader`, `padding_waste`,
+           `longest_first`, `load_metric`
 - model:   `load_model_config`, `fetch_weights`, `train_in_fp32`, `make_adamw`, `describe_optimizer`, `refuse_together`
 - the run: `StepPlan` (steps, epochs, progress), `Checkpointer` (save, resume, preemption),
            `TrainingLog` (trackers, train_log.jsonl, progress bar), `prepare_output_dir`
@@ -35,7 +35,7 @@ from .optim import describe_optimizer, make_adamw, train_in_fp32
 from .plan import StepPlan
 from .ranks import load_on_main_first, refuse_together
 from .report import write_results
-from .sharding import SAMPLE_WEIGHT, longest_first, make_train_dataloader
+from .sharding import SAMPLE_WEIGHT, longest_first, make_train_dataloader, padding_waste
 from .tracking import TrainingLog
 
 __all__ = [
@@ -64,6 +64,7 @@ __all__ = [
     "make_adamw",
     "longest_first",
     "make_train_dataloader",
+    "padding_waste",
     "prepare_output_dir",
     "read_data_files",
     "refuse_together",

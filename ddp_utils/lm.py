@@ -104,22 +104,6 @@ class CausalLMCollator:
         return batch
 
 
-def padding_waste(train_dataloader) -> float:
-    """Padded positions / real tokens in the first epoch of an unprepared training dataloader from
-    `make_train_dataloader`: its sampler's order, cut into per-device batches, each padded to its
-    longest row (fillers dropped), as training does. Any rank may call it (no communication)."""
-    sampler, batch_size = train_dataloader.sampler, train_dataloader.batch_size
-    lengths = [len(ids) for ids in train_dataloader.dataset["input_ids"]]
-    order = list(sampler)
-    padded = real = 0
-    for start in range(0, len(order), batch_size):
-        rows = [lengths[i] for i in order[start:start + batch_size] if i < sampler.num_real]
-        if rows:
-            padded += max(rows) * len(rows) - sum(rows)
-            real += sum(rows)
-    return padded / max(real, 1)
-
-
 def perplexity(loss_sums: np.ndarray, token_counts: np.ndarray) -> tuple[float, float]:
     """(token-weighted mean loss, perplexity) from per-example loss sums and target-token counts
     gathered from all ranks: exp(total loss / total tokens), not a mean of per-batch means."""

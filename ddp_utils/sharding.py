@@ -124,6 +124,23 @@ def longest_first(dataset, column: str = "input_ids"):
     return dataset.select(np.argsort(-lengths, kind="stable"))
 
 
+def padding_waste(train_dataloader) -> float:
+    """Padded positions / real tokens in the first epoch of an unprepared training dataloader from
+    `make_train_dataloader` over rows of `input_ids`: its sampler's order, cut into per-device
+    batches, each padded to its longest row (fillers dropped), as training does. Any rank may call
+    it (no communication)."""
+    sampler, batch_size = train_dataloader.sampler, train_dataloader.batch_size
+    lengths = [len(ids) for ids in train_dataloader.dataset["input_ids"]]
+    order = list(sampler)
+    padded = real = 0
+    for start in range(0, len(order), batch_size):
+        rows = [lengths[i] for i in order[start:start + batch_size] if i < sampler.num_real]
+        if rows:
+            padded += max(rows) * len(rows) - sum(rows)
+            real += sum(rows)
+    return padded / max(real, 1)
+
+
 def epoch_dataloader(accelerator: Accelerator, dataloader, epoch: int, steps_done: int = 0):
     """The prepared training dataloader set for `epoch` (its own shuffle, the same on every rank)
     and, when resuming mid-epoch, past the `steps_done` optimizer steps already taken. No

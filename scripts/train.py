@@ -110,6 +110,7 @@ def main():
     train_dataloader = ddp_utils.make_train_dataloader(
         tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate, lengths=lengths
     )
+    padding = {"train_padding_waste": ddp_utils.padding_waste(train_dataloader)}  # padded / real tokens in the first epoch
     # Longest first: little padding, and the peak memory shows at the first batch (the scores do not depend on the order).
     eval_dataloader = torch.utils.data.DataLoader(ddp_utils.longest_first(tokenized["validation"]),
                                                   batch_size=args.per_device_eval_batch_size, collate_fn=collate)
@@ -169,7 +170,7 @@ def main():
 
     log.close()
     ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)  # all ranks
-    ddp_utils.write_results(accelerator, args, plan, scores, backoff.facts(), confusion=confusion)  # all ranks: metrics.json, report/
+    ddp_utils.write_results(accelerator, args, plan, scores, {**padding, **backoff.facts()}, confusion=confusion)  # all ranks: metrics.json, report/
     accelerator.end_training()
 
 

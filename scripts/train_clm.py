@@ -44,7 +44,6 @@ from ddp_utils.lm import (
     group_text_blocks,
     pack_sequences,
     packing_is_masked,
-    padding_waste,
     perplexity,
 )
 
@@ -436,7 +435,7 @@ def main():
     train_dataloader = ddp_utils.make_train_dataloader(
         tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate, lengths=lengths
     )
-    data_report["train_padding_waste"] = padding_waste(train_dataloader)  # padded / real tokens in the first epoch
+    data_report["train_padding_waste"] = ddp_utils.padding_waste(train_dataloader)  # padded / real tokens in the first epoch
     # Evaluation longest first: little padding, and the peak memory shows at the first batch.
     eval_dataloader = torch.utils.data.DataLoader(ddp_utils.longest_first(tokenized["validation"]), batch_size=args.per_device_eval_batch_size,
                                                   collate_fn=collate)
