@@ -167,6 +167,7 @@ def main():
                         # The mean over the step's images on all ranks, not over this micro-batch.
                         accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
                         loss_sum += (losses.detach() * weights).sum()
+                losses = None  # a dropped attempt's graph holds its activations: free them before the step is taken again
                 backoff.agree(attempt, plan)  # all ranks: with --oom_backoff, did any rank run out of memory? If none, sync the gradients
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # all ranks: the gradient is complete
             optimizer.step()
