@@ -53,7 +53,7 @@ logger = get_logger(__name__)
 # The demo (no --model_name_or_path): sizes chosen so `make train-clm` runs in minutes on 2 CPU
 # processes with the gain measured in the README.
 DEMO_DEFAULTS = {"lora_r": 16, "learning_rate": 1e-3, "num_train_epochs": 1, "per_device_train_batch_size": 4,
-                 "eval_max_new_tokens": 16}
+                 "eval_max_new_tokens": 16, "eval_perplexity": False}
 
 
 def parse_args(argv=None):
@@ -129,8 +129,9 @@ def parse_args(argv=None):
 # "validation" if you have one) holding, for sft, a "messages" column of conversations
 # ([{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]) or "prompt" and
 # "completion" columns; for text mode, a "text" column.
+DEMO_SYSTEM = "You classify drug reviews."  # short: the template's default system turn is twice as long, on every record
 DEMO_QUESTION = "Is this drug review positive, neutral or negative? Answer with one word."
-DEMO_REVIEW_WORDS = 60  # each review's last words: the demo trades length for speed (the verdict is usually at the end)
+DEMO_REVIEW_WORDS = 80  # each review's last words: the demo trades length for speed (the verdict is usually at the end)
 
 
 def load_raw_datasets(args):
@@ -145,7 +146,8 @@ def load_raw_datasets(args):
     # The demo's chat task: the review's sentiment, in one word.
     def as_chat(review):
         text = " ".join(review["text"].split()[-DEMO_REVIEW_WORDS:])
-        return {"messages": [{"role": "user", "content": f"{DEMO_QUESTION}\n\n{text}"}, {"role": "assistant", "content": review["label"]}]}
+        return {"messages": [{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": f"{DEMO_QUESTION}\n\n{text}"},
+                             {"role": "assistant", "content": review["label"]}]}
 
     return reviews.map(as_chat, remove_columns=["label", "text"])
 # ==============================================================================
