@@ -52,8 +52,8 @@ logger = get_logger(__name__)
 
 # The demo (no --model_name_or_path): sizes chosen so `make train-clm` runs in minutes on 2 CPU
 # processes with the gain measured in the README.
-DEMO_DEFAULTS = {"lora_r": 16, "learning_rate": 1e-3, "num_train_epochs": 1, "per_device_train_batch_size": 4,
-                 "eval_max_new_tokens": 16, "eval_perplexity": False}
+DEMO_DEFAULTS = {"lora_r": 16, "lora_dropout": 0.0, "learning_rate": 1e-3, "num_train_epochs": 1, "per_device_train_batch_size": 4,
+                 "per_device_eval_batch_size": 32, "eval_max_new_tokens": 8, "eval_perplexity": False}
 
 
 def parse_args(argv=None):
