@@ -354,7 +354,7 @@ def test_offline_default_runs_a_few_steps(tmp_path):
     drug reviews as a chat task, LoRA, and the generation score before and after training."""
     output_dir = tmp_path / "default"
     result = launch(TRAIN_CLM, "--output_dir", output_dir, "--max_train_steps", 2, "--max_train_samples", 16,
-                    "--max_eval_samples", 6, "--per_device_eval_batch_size", 3, "--checkpointing_steps", "no", num_processes=2,
+                    "--max_eval_samples", 6, "--per_device_eval_batch_size", 3, "--checkpointing_steps", "no", "--eval_perplexity", num_processes=2,
                     timeout=600)
     assert result.returncode == 0, result.output[-4000:]
     assert "dequantizing once into" in result.output
