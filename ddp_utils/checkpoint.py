@@ -216,13 +216,20 @@ def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict
 
 class PreemptionHandler:
     """Turns SIGTERM / SIGUSR1 (what SLURM sends before a time limit or preemption) into a flag
-    that `requested` shares across ranks. Create it on every rank, after the Accelerator."""
+    that `requested` shares across ranks. All ranks create it, after the Accelerator: on an
+    accelerator that is a collective (it makes the CPU process group the flag travels in)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
         self.received: int | None = None
+        # The flag goes through a gloo group on the CPU: through the device's own backend, reading
+        # it every step would wait for the device to finish the step (a host sync per step).
+        self.group = None
+        if accelerator.num_processes > 1 and torch.distributed.is_initialized():
+            on_cpu = torch.distributed.get_backend() == "gloo"
+            self.group = torch.distributed.group.WORLD if on_cpu else torch.distributed.new_group(backend="gloo")
         for signum in self.SIGNALS:
             signal.signal(signum, self._on_signal)
 
@@ -231,9 +238,13 @@ class PreemptionHandler:
 
     def requested(self) -> bool:
         """All ranks call this once per optimizer step: True on every rank if any rank received a
-        signal (one scalar all-reduce), so they all stop after the same step."""
-        flag = torch.tensor(1.0 if self.received is not None else 0.0, device=self.accelerator.device)
-        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+        signal (one scalar all-reduce on the CPU, no device sync), so they all stop after the same step."""
+        flag = torch.tensor(1 if self.received is not None else 0, dtype=torch.int32)
+        if self.group is not None:
+            torch.distributed.all_reduce(flag, group=self.group)
+        elif self.accelerator.num_processes > 1:  # processes without torch.distributed (XLA): through the device
+            flag = self.accelerator.reduce(flag.to(self.accelerator.device), reduction="sum")
+        return bool(flag.item())
 
     def stop(self, output_dir: str, checkpoint: str) -> None:
         """Every rank calls this after the preemption checkpoint: the main process leaves

@@ -21,6 +21,8 @@ class StepPlan:
 
     Build it on every rank before `accelerator.prepare`, from the unprepared training dataloader
     (it holds every rank's batches, padded to whole optimizer steps). No method communicates.
+    What the steps held stays on the device until `progress` is read (by the log every
+    --logging_steps steps, a checkpoint, the results), so counting a step costs no host sync.
 
     `unit` names what the loss's weight counts ("samples", or "target_tokens" for a language
     model): `facts()` reports `train_<unit>_seen` and `train_<unit>_per_second`, and always the
@@ -34,57 +36,73 @@ class StepPlan:
         self.max_train_steps = args.max_train_steps or args.num_train_epochs * self.steps_per_epoch
         self.num_epochs = math.ceil(self.max_train_steps / self.steps_per_epoch)
         self.examples_per_step = args.per_device_train_batch_size * accelerator.num_processes * accumulation
-        self.progress = {"step": 0, "epoch": 0, "step_in_epoch": 0, "trained_weight": 0.0, "samples_seen": 0.0,
+        self._progress = {"step": 0, "epoch": 0, "step_in_epoch": 0, "trained_weight": 0.0, "samples_seen": 0.0,
                          "tokens_seen": 0.0, "train_time_s": 0.0}
+        self._pending = None  # the weight, samples and tokens of the steps not yet read, on the device
         self.start_time = time.perf_counter()
         self._step_started = self.start_time
         logger.info(f"{self.num_epochs} epochs, {self.max_train_steps} optimizer steps of {self.examples_per_step} examples")
 
     @property
+    def progress(self) -> dict:
+        """Where the run stands (what a checkpoint saves). Reading it brings the counts of the
+        steps since the last read from the device: one host sync."""
+        if self._pending is not None:
+            started = time.perf_counter()
+            weight, samples, tokens = self._pending.tolist()  # waits for the device to finish those steps: training time
+            self._pending = None
+            progress = self._progress
+            progress["trained_weight"] += weight
+            progress["samples_seen"] += samples
+            progress["tokens_seen"] += tokens
+            progress["train_time_s"] += time.perf_counter() - started
+        return self._progress
+
+    @property
     def step(self) -> int:
         """Optimizer steps taken so far."""
-        return self.progress["step"]
+        return self._progress["step"]
 
     @property
     def done(self) -> bool:
-        return self.progress["step"] >= self.max_train_steps
+        return self._progress["step"] >= self.max_train_steps
 
     def epochs(self):
         """The epochs still to run (all of them, or those after a resumed checkpoint)."""
-        return range(self.progress["epoch"], self.num_epochs)
+        return range(self._progress["epoch"], self.num_epochs)
 
     def optimizer_steps(self, train_dataloader, epoch: int):
         """This rank's micro-batches of each optimizer step of `epoch` still to take, as lists of
         --gradient_accumulation_steps batches: the prepared dataloader set to the epoch's shuffle,
         past the steps a resumed run already took. No communication: the order is drawn from the
         seed and the epoch alone. It times each step, data loading included, for `advance`."""
-        batches = epoch_dataloader(self.accelerator, train_dataloader, epoch, steps_done=self.progress["step_in_epoch"])
+        batches = epoch_dataloader(self.accelerator, train_dataloader, epoch, steps_done=self._progress["step_in_epoch"])
         self._step_started = time.perf_counter()
         for micro_batches in micro_batches_per_step(batches, self.accelerator.gradient_accumulation_steps):
             yield micro_batches
             self._step_started = time.perf_counter()  # what the loop did after the step (logging, saving) is not timed
+        self.progress  # the epoch's last steps finish on the device before its evaluation starts, timed as training
 
     def advance(self, size: StepSize) -> None:
         """Count an optimizer step just taken: what it held on all ranks (from `count_step`) and
-        the seconds since this step's data was asked for."""
-        seconds = time.perf_counter() - self._step_started
-        weight, samples, tokens = torch.stack([size.weight, size.examples, size.tokens]).tolist()  # one device sync
-        progress = self.progress
+        the seconds since this step's data was asked for. No host sync: on a GPU the seconds of a
+        step are those of queueing its work, and the sync when `progress` is next read brings the
+        sum back to the work done."""
+        counts = torch.stack([size.weight, size.examples, size.tokens]).to(torch.float32 if size.weight.device.type == "mps" else torch.float64)  # MPS has no float64
+        self._pending = counts if self._pending is None else self._pending + counts
+        progress = self._progress
         progress["step"] += 1
         progress["step_in_epoch"] += 1
-        progress["trained_weight"] += weight
-        progress["samples_seen"] += samples
-        progress["tokens_seen"] += tokens
-        progress["train_time_s"] += seconds
+        progress["train_time_s"] += time.perf_counter() - self._step_started
 
     def end_epoch(self) -> None:
         """Count an epoch as finished (its evaluation done)."""
-        self.progress.update(epoch=self.progress["epoch"] + 1, step_in_epoch=0)
+        self._progress.update(epoch=self._progress["epoch"] + 1, step_in_epoch=0)
 
     @property
     def fractional_epoch(self) -> float:
         """Epochs done so far, counting the steps of the current one."""
-        return round(self.progress["epoch"] + self.progress["step_in_epoch"] / self.steps_per_epoch, 4)
+        return round(self._progress["epoch"] + self._progress["step_in_epoch"] / self.steps_per_epoch, 4)
 
     def facts(self) -> dict:
         """How the run went: world size, steps, what was trained on, throughput, time."""
