@@ -47,16 +47,29 @@ class StepPlan:
     def progress(self) -> dict:
         """Where the run stands (what a checkpoint saves). Reading it brings the counts of the
         steps since the last read from the device: one host sync."""
-        if self._pending is not None:
-            started = time.perf_counter()
-            weight, samples, tokens = self._pending.tolist()  # waits for the device to finish those steps: training time
+        return self.read()[0]
+
+    def read(self, device_values: torch.Tensor | None = None) -> tuple[dict, torch.Tensor | None]:
+        """`progress`, and `device_values` (a float tensor on the device, or None) copied to the
+        host in the same sync: the log reads its window's losses with the steps' counts in one.
+        The wait for the device to finish the steps counts as training time. No communication."""
+        pending = self._pending
+        if pending is None and device_values is None:
+            return self._progress, None
+        parts = [] if pending is None else [pending]
+        if device_values is not None:
+            parts.append(device_values.reshape(-1).to(parts[0].dtype if parts else torch.float64))
+        started = time.perf_counter()
+        values = torch.cat(parts).tolist()  # the one host sync
+        if pending is not None:
             self._pending = None
             progress = self._progress
-            progress["trained_weight"] += weight
-            progress["samples_seen"] += samples
-            progress["tokens_seen"] += tokens
+            progress["trained_weight"] += values[0]
+            progress["samples_seen"] += values[1]
+            progress["tokens_seen"] += values[2]
             progress["train_time_s"] += time.perf_counter() - started
-        return self._progress
+            values = values[3:]
+        return self._progress, None if device_values is None else torch.tensor(values).reshape(device_values.shape)
 
     @property
     def step(self) -> int:

@@ -149,16 +149,18 @@ class TrainingLog:
         """Start collecting the steps of the next record."""
         self._window_start = dict(plan.progress)
         self._loss_sum = torch.zeros((), device=self.accelerator.device)
-        self._grad_norm_sum, self._grad_norms, self._learning_rate = 0.0, 0, None
+        self._grad_norm_sum = torch.zeros((), device=self.accelerator.device)
+        self._grad_norms, self._learning_rate = 0, None
 
     def step(self, plan, loss_sum: torch.Tensor, grad_norm, learning_rate: float) -> None:
         """All ranks call this after every optimizer step (after `plan.advance`), with this
         rank's weighted loss sum over its micro-batches, the gradient norm before clipping (None if
         DeepSpeed keeps it) and the learning rate the step used. Every --logging_steps steps and at
-        the last step it writes a record, with one gather of every rank's loss and peak memory."""
+        the last step it writes a record, with one gather of every rank's loss and peak memory.
+        Between records nothing leaves the device: one host sync per record."""
         self._loss_sum += loss_sum.detach().float()
         if grad_norm is not None:
-            self._grad_norm_sum += torch.as_tensor(grad_norm, dtype=torch.float32)  # stays on the device until logged
+            self._grad_norm_sum += torch.as_tensor(grad_norm, dtype=torch.float32, device=self.accelerator.device)
             self._grad_norms += 1
         self._learning_rate = learning_rate
         self.bar.update(1)
@@ -168,21 +170,23 @@ class TrainingLog:
     def _write_window(self, plan) -> None:
         """Log the steps since the last record: the loss over all their examples (or tokens) on
         all ranks, the mean gradient norm, the last learning rate, global throughput and the peak
-        memory of the busiest rank. One gather."""
-        accelerator, now, start = self.accelerator, plan.progress, self._window_start
+        memory of the busiest rank. One gather, and one host sync (with the step counts, by `plan.read`)."""
+        accelerator, start = self.accelerator, self._window_start
         memory = peak_memory_mb(accelerator.device)
-        local = torch.stack([self._loss_sum.reshape(()), *(torch.tensor(value, device=accelerator.device) for value in memory.values())])
-        everyone = accelerator.gather(local[None]).cpu()  # (world size, 1 + memory kinds)
+        # Copied without waiting: a blocking copy to the device would wait for the steps queued before it.
+        host_values = torch.tensor(list(memory.values()), dtype=torch.float32).to(accelerator.device, non_blocking=True)
+        local = torch.cat([torch.stack([self._loss_sum.float(), self._grad_norm_sum]), host_values])
+        now, everyone = plan.read(accelerator.gather(local[None]))  # (world size, 2 + memory kinds), on the host
         seconds = max(now["train_time_s"] - start["train_time_s"], 1e-9)
         weight, tokens = now["trained_weight"] - start["trained_weight"], now["tokens_seen"] - start["tokens_seen"]
         loss = everyone[:, 0].sum().item() / max(weight, 1.0)
         record = {"train/epoch": plan.fractional_epoch, "train/loss": loss, "train/learning_rate": self._learning_rate}
-        if self._grad_norms:
-            record["train/grad_norm"] = float(self._grad_norm_sum) / self._grad_norms
+        if self._grad_norms:  # the same on every rank
+            record["train/grad_norm"] = everyone[0, 1].item() / self._grad_norms
         record["train/samples_per_second"] = (now["samples_seen"] - start["samples_seen"]) / seconds
         if tokens:
             record["train/tokens_per_second"] = tokens / seconds
-        for i, name in enumerate(memory, start=1):
+        for i, name in enumerate(memory, start=2):
             record[f"train/{name}"] = everyone[:, i].max().item()
         self._write(record, plan.step)
         speed = f"{record['train/samples_per_second']:,.1f} samples/s"

@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
@@ -273,3 +274,78 @@ def test_best_fit_packing_fills_rows_and_keeps_every_example_whole():
     room = sum(64 - len(row) for row in packed["input_ids"]) / (64 * len(packed["input_ids"]))
     lower_bound_rows = -(-sum(map(len, examples)) // 64)
     assert room < 0.05 and len(packed["input_ids"]) <= 1.05 * lower_bound_rows, (room, len(packed["input_ids"]), lower_bound_rows)
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that stands for one on a GPU: it records every call that would copy it to the
+    host and so wait for the device (item, tolist, float, bool, cpu, ...). What those calls return
+    is an ordinary tensor: it is on the host."""
+
+    host_syncs: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"):
+            cls.host_syncs.append(name)
+            with torch._C.DisableTorchFunctionSubclass():
+                result = func(*args, **(kwargs or {}))
+                return result.as_subclass(torch.Tensor) if isinstance(result, torch.Tensor) else result
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_the_training_path_syncs_with_the_device_once_per_logging_window(tmp_path):
+    """Between two records of the log, what the scripts call around each optimizer step (count_step,
+    global_mean_loss, StepPlan.advance, TrainingLog.step, Checkpointer.step) copies nothing to the
+    host, so a GPU never waits for the CPU to read a number; each record costs exactly one host sync."""
+    import argparse
+    import signal
+
+    import datasets
+    from accelerate import Accelerator
+
+    from ddp_utils.checkpoint import PreemptionHandler
+    from ddp_utils.tracking import read_train_log
+
+    parser = argparse.ArgumentParser()
+    ddp_utils.add_training_args(parser, learning_rate=1e-3, per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                                num_train_epochs=1, output_dir=str(tmp_path))
+    args = parser.parse_args(["--logging_steps", "10", "--max_train_steps", "25", "--checkpointing_steps", "no", "--report_to", "none"])
+    ddp_utils.check_training_args(args)
+    accelerator = Accelerator(cpu=True)
+    rows = datasets.Dataset.from_dict({"length": [3 + i % 5 for i in range(200)]})
+
+    def collate(batch):
+        width = max(row["length"] for row in batch)
+        return {"attention_mask": torch.tensor([[1] * row["length"] + [0] * (width - row["length"]) for row in batch]),
+                SAMPLE_WEIGHT: torch.tensor([row[SAMPLE_WEIGHT] for row in batch])}
+
+    train_dataloader = ddp_utils.make_train_dataloader(rows, batch_size=8, accelerator=accelerator, collate_fn=collate)
+    handlers = {signum: signal.getsignal(signum) for signum in PreemptionHandler.SIGNALS}
+    try:
+        plan = ddp_utils.StepPlan(accelerator, args, train_dataloader)
+        checkpointer = ddp_utils.Checkpointer(accelerator, args, torch.nn.Linear(2, 2))
+        log = ddp_utils.TrainingLog(accelerator, args, plan)
+        syncs_per_step = []
+        for micro_batches in plan.optimizer_steps(accelerator.prepare(train_dataloader), epoch=0):
+            OnDevice.host_syncs.clear()
+            micro_batches = [{key: value.as_subclass(OnDevice) for key, value in batch.items()} for batch in micro_batches]
+            step_size = ddp_utils.count_step(accelerator, micro_batches)
+            weights = micro_batches[0][SAMPLE_WEIGHT]
+            losses = torch.rand(len(weights)).as_subclass(OnDevice)
+            ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator)
+            plan.advance(step_size)
+            log.step(plan, (losses * weights).sum(), torch.tensor(0.5).as_subclass(OnDevice), 1e-3)
+            checkpointer.step(plan)
+            syncs_per_step.append(len(OnDevice.host_syncs))
+            if plan.done:
+                break
+        log.close()
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert syncs_per_step == [1 if step in (10, 20, 25) else 0 for step in range(1, 26)], syncs_per_step
+    records = [record for record in read_train_log(str(tmp_path)) if "train/loss" in record]
+    assert [record["step"] for record in records] == [10, 20, 25]
+    assert all(record["train/grad_norm"] == pytest.approx(0.5) for record in records), "the norms read in the same sync"
+    assert plan.progress["samples_seen"] == 200 and plan.progress["tokens_seen"] == sum(3 + i % 5 for i in range(200))
