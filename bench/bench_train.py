@@ -30,7 +30,8 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 HANG_GRACE_S = 60  # a launch still alive this long after writing its results is hung at exit
-NAMES = {"ours": "scripts/train.py (ours)", "ddp": "hand-written DDP loop", "trainer": "transformers.Trainer",
+NAMES = {"ours": "scripts/train.py (ours)", "ours_ungrouped": "scripts/train.py --no-group_by_length",
+         "ddp": "hand-written DDP loop", "trainer": "transformers.Trainer",
          "trainer_grouped": "transformers.Trainer, group_by_length"}
 
 
@@ -76,15 +77,17 @@ def contenders(args, workdir: Path, seed: int):
                 [*torchrun(port), str(HERE / "baselines" / "trainer_run.py"), "--out", workdir / f"{key}.json", *common,
                  "--output_dir", workdir / f"{key}_out", "--sampling", sampling])
 
+    def ours(key, port, *extra):
+        return (workdir / key / "metrics.json",
+                [*accelerate_launch(port), str(REPO / "scripts" / "train.py"),
+                 "--num_train_epochs", args.epochs, "--per_device_train_batch_size", args.batch_size, "--learning_rate", args.lr,
+                 "--max_length", args.max_length, "--seed", seed, *limits(args), "--output_dir", workdir / key, "--overwrite_output_dir",
+                 # The baselines save no checkpoints (the Trainer's default saves every 500 steps: none in these runs); their cost: bench_checkpoint.py
+                 *([] if args.ours_checkpoints else ["--checkpointing_steps", "no"]), *extra])
+
     return {
-        "ours": (
-            workdir / "ours" / "metrics.json",
-            [*accelerate_launch("29611"), str(REPO / "scripts" / "train.py"),
-             "--num_train_epochs", args.epochs, "--per_device_train_batch_size", args.batch_size, "--learning_rate", args.lr,
-             "--max_length", args.max_length, "--seed", seed, *limits(args), "--output_dir", workdir / "ours", "--overwrite_output_dir",
-             # The baselines save no checkpoints (the Trainer's default saves every 500 steps: none in these runs); their cost: bench_checkpoint.py
-             *([] if args.ours_checkpoints else ["--checkpointing_steps", "no"])],
-        ),
+        "ours": ours("ours", "29611"),
+        "ours_ungrouped": ours("ours_ungrouped", "29615", "--no-group_by_length"),  # what grouping changes, in speed and accuracy
         "ddp": (
             workdir / "ddp.json",
             [*torchrun("29612"), str(HERE / "baselines" / "ddp_loop.py"), "--out", workdir / "ddp.json", *common],
@@ -157,7 +160,7 @@ def padding_ratio(padded: float, real: float) -> float:
     return (padded + real) / max(real, 1)
 
 
-def ours_padding(args, seed: int) -> dict:
+def ours_padding(args, seed: int, grouped: bool = True) -> dict:
     """Our training batches, rebuilt here as scripts/train.py builds them: the same tokenization,
     `ddp_utils.make_train_dataloader` (StepAlignedSampler, length-grouped as train.py's default
     --group_by_length, fillers dropped) for 2 processes and this seed, every epoch, counted with
@@ -175,7 +178,7 @@ def ours_padding(args, seed: int) -> dict:
     accelerator = SimpleNamespace(num_processes=2, gradient_accumulation_steps=1, dataloader_config=SimpleNamespace(data_seed=seed))
     counter = PaddingCounter(collate)
     loader = make_train_dataloader(tokenized["train"], batch_size=args.batch_size, accelerator=accelerator, collate_fn=counter,
-                                   lengths=[len(ids) for ids in tokenized["train"]["input_ids"]])
+                                   lengths=[len(ids) for ids in tokenized["train"]["input_ids"]] if grouped else None)
     for epoch in range(args.epochs):
         loader.sampler.set_epoch(epoch)
         for _ in loader:
@@ -220,7 +223,7 @@ def main():
             check_world_size(NAMES[key], data, result, workdir / f"{key}.log")
             result["samples_per_s"] = data.get("train_samples_per_second") or data["train_samples"] / data["train_time_s"]
             result["accuracy"] = data["eval_accuracy"]
-            counts = ours_padding(args, seed) if key == "ours" else data
+            counts = ours_padding(args, seed, grouped=key == "ours") if key.startswith("ours") else data
             result["padded_tokens"], result["real_tokens"] = counts["padded_tokens"], counts["real_tokens"]
             runs.setdefault(key, []).append(result)
             print(f"  {result['samples_per_s']:.2f} samples/s, wall {result['wall_s']:.1f} s, peak RSS {result['peak_rss_mib']:.0f} MiB, "
