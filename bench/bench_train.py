@@ -168,6 +168,8 @@ def ours_padding(args, seed: int, grouped: bool = True) -> dict:
     dataloader holds every rank's batches (rank r takes batch j when j % 2 == r), each padded alone."""
     from types import SimpleNamespace
 
+    import torch
+
     sys.path.insert(0, str(HERE / "baselines"))
     from common import PaddingCounter, demo_data
 
@@ -175,7 +177,8 @@ def ours_padding(args, seed: int, grouped: bool = True) -> dict:
 
     tokenized, _, collate = demo_data(args.max_length, args.max_train_samples, args.max_eval_samples)
     # What make_train_dataloader reads from the Accelerator of a 2-process run (ddp_utils.make_accelerator's data seed).
-    accelerator = SimpleNamespace(num_processes=2, gradient_accumulation_steps=1, dataloader_config=SimpleNamespace(data_seed=seed))
+    accelerator = SimpleNamespace(num_processes=2, gradient_accumulation_steps=1, dataloader_config=SimpleNamespace(data_seed=seed),
+                                  device=torch.device("cpu"))
     counter = PaddingCounter(collate)
     loader = make_train_dataloader(tokenized["train"], batch_size=args.batch_size, accelerator=accelerator, collate_fn=counter,
                                    lengths=[len(ids) for ids in tokenized["train"]["input_ids"]] if grouped else None)

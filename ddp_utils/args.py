@@ -31,6 +31,7 @@ def add_training_args(parser: argparse.ArgumentParser, *, learning_rate: float |
     if lengths:
         p.add_argument("--group_by_length", action=argparse.BooleanOptionalAction, default=True,
                        help="batch examples of similar length together (less padding; the order is still drawn from the seed)")
+    p.add_argument("--num_workers", type=int, default=0, help="processes per rank that prepare training batches (0: the training process)")
     p.add_argument("--seed", type=int, default=42, help="seed for initialisation, shuffling and dropout")
     p.add_argument("--logging_steps", type=int, default=10, help="show the loss every N optimizer steps")
     p.add_argument("--ddp_timeout", type=int, default=1800, help="seconds a collective may wait before the run fails")
@@ -73,5 +74,7 @@ def check_training_args(args) -> None:
     if not 0.0 <= args.warmup_ratio < 1.0:
         raise UsageError(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
     args.trackers = parse_report_to(args.report_to)
+    if args.num_workers < 0:
+        raise UsageError(f"--num_workers must be 0 (batches prepared in the training process) or more, got {args.num_workers}")
     if args.max_grad_norm < 0:
         raise UsageError(f"--max_grad_norm must be 0 (no clipping) or positive, got {args.max_grad_norm}")

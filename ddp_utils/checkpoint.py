@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator
@@ -221,7 +222,7 @@ class PreemptionHandler:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self, accelerator: Accelerator):
+    def __init__(self, accelerator: Accelerator, timeout_s: int = 1800):
         self.accelerator = accelerator
         self.received: int | None = None
         # The flag goes through a gloo group on the CPU: through the device's own backend, reading
@@ -229,7 +230,8 @@ class PreemptionHandler:
         self.group = None
         if accelerator.num_processes > 1 and torch.distributed.is_initialized():
             on_cpu = torch.distributed.get_backend() == "gloo"
-            self.group = torch.distributed.group.WORLD if on_cpu else torch.distributed.new_group(backend="gloo")
+            self.group = (torch.distributed.group.WORLD if on_cpu
+                          else torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
         for signum in self.SIGNALS:
             signal.signal(signum, self._on_signal)
 
@@ -284,7 +286,7 @@ class Checkpointer:
         # What a checkpoint must match to resume this run, saved with its progress and layout.
         self.identity = {"model": model_fingerprint(model), "global_batch": math.prod(self.layout.values())}
         self.has_batchnorm = any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules())
-        self.preemption = PreemptionHandler(accelerator)
+        self.preemption = PreemptionHandler(accelerator, args.ddp_timeout)
 
     def resume(self, plan) -> None:
         """All ranks call this once, after `accelerator.prepare` and `prepare_output_dir`: resume

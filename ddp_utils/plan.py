@@ -69,7 +69,7 @@ class StepPlan:
             progress["tokens_seen"] += values[2]
             progress["train_time_s"] += time.perf_counter() - started
             values = values[3:]
-        return self._progress, None if device_values is None else torch.tensor(values).reshape(device_values.shape)
+        return self._progress, None if device_values is None else torch.tensor(values, dtype=torch.float64).reshape(device_values.shape)
 
     @property
     def step(self) -> int:
@@ -94,14 +94,14 @@ class StepPlan:
         for micro_batches in micro_batches_per_step(batches, self.accelerator.gradient_accumulation_steps):
             yield micro_batches
             self._step_started = time.perf_counter()  # what the loop did after the step (logging, saving) is not timed
-        self.progress  # the epoch's last steps finish on the device before its evaluation starts, timed as training
+        self.read()  # the epoch's last steps finish on the device before its evaluation starts, timed as training
 
     def advance(self, size: StepSize) -> None:
         """Count an optimizer step just taken: what it held on all ranks (from `count_step`) and
         the seconds since this step's data was asked for. No host sync: on a GPU the seconds of a
         step are those of queueing its work, and the sync when `progress` is next read brings the
         sum back to the work done."""
-        counts = torch.stack([size.weight, size.examples, size.tokens]).to(torch.float32 if size.weight.device.type == "mps" else torch.float64)  # MPS has no float64
+        counts = torch.stack([size.weight, size.examples, size.tokens]).double()
         self._pending = counts if self._pending is None else self._pending + counts
         progress = self._progress
         progress["step"] += 1

@@ -5,11 +5,14 @@ optimizer step do not depend on how many processes share it. Nothing here commun
 
 from __future__ import annotations
 
+import signal
+
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 SAMPLE_WEIGHT = "sample_weight"  # 1.0 for a real example, 0.0 for a filler that evens out the shards
+EPOCH = "epoch"  # in the rows of make_train_dataloader(epoch_in_rows=True): the epoch they are drawn for
 
 
 def pad_to_even_shards(dataset, multiple: int):
@@ -86,32 +89,94 @@ class StepAlignedSampler(torch.utils.data.Sampler):
         return grouped
 
 
-def _without_fillers(collate_fn):
+class _WithoutFillers:
     """Collate only the real rows of a micro-batch (one filler if it has none, so that the rank
-    still takes part in the gradient all-reduce): fillers weigh nothing, so computing them is waste."""
-    def collate(rows):
+    still takes part in the gradient all-reduce): fillers weigh nothing, so computing them is waste.
+    A class, not a closure, so that loader workers started with `spawn` can unpickle it."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, rows):
         real = [row for row in rows if row[SAMPLE_WEIGHT] > 0]
-        return collate_fn(real or rows[:1])
-    return collate
+        return self.collate_fn(real or rows[:1])
+
+
+def _leave_signals_to_the_training_process(worker_id: int) -> None:
+    """A loader worker's start: ignore SIGTERM and SIGUSR1. A preemption signal often reaches every
+    process of a job (torchrun signals each rank's process group; SLURM signals the job step), and
+    a worker killed by it makes the training process fail instead of saving its checkpoint (seen
+    in a test). The training process stops the workers itself; so does their watchdog if it dies."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):  # PreemptionHandler.SIGNALS
+        signal.signal(signum, signal.SIG_IGN)
+
+
+class _EpochTaggedSampler(torch.utils.data.Sampler):
+    """`sampler`'s order as (epoch, index) pairs. The epoch travels with each index to the loader's
+    workers: a persistent worker keeps the collate function it started with, so an epoch set on
+    that in the training process would never reach it."""
+
+    def __init__(self, sampler: StepAlignedSampler):
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        epoch = self.sampler.epoch
+        return ((epoch, index) for index in self.sampler)
+
+
+class _EpochTaggedRows(torch.utils.data.Dataset):
+    """`dataset` read by (epoch, index): the row, with its epoch under EPOCH."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        return {**self.dataset[index], EPOCH: epoch}
+
+    def __getitems__(self, keys):
+        indices = [index for _, index in keys]
+        read_rows = getattr(self.dataset, "__getitems__", None)  # one read per batch (datasets.Dataset has it)
+        rows = read_rows(indices) if read_rows else [self.dataset[index] for index in indices]
+        return [{**row, EPOCH: epoch} for row, (epoch, _) in zip(rows, keys)]
 
 
 def make_train_dataloader(dataset, *, batch_size: int, accelerator: Accelerator, collate_fn,
-                          lengths: list[int] | None = None, group_steps: int = 16) -> DataLoader:
+                          lengths: list[int] | None = None, group_steps: int = 16, num_workers: int = 0,
+                          epoch_in_rows: bool = False) -> DataLoader:
     """The training DataLoader, before `accelerator.prepare`: padded by `pad_to_even_shards` to
     whole optimizer steps, so every rank takes the same number of micro-batches and every optimizer
     step has all of its micro-batches; shuffled each epoch by `StepAlignedSampler` (from the
     Accelerator's data seed), grouped by `lengths` when given; fillers dropped from the batches.
-    Every rank calls it with the same arguments (no communication)."""
+    Every rank calls it with the same arguments (no communication).
+
+    `num_workers` processes per rank load and collate batches (persistent across epochs; pinned
+    memory on CUDA, for copies that do not wait). With `epoch_in_rows`, every row reaches
+    `collate_fn` with its epoch under EPOCH, so random draws made there (augmentation) can be
+    seeded from (seed, epoch, example) in any worker."""
     accumulation = accelerator.gradient_accumulation_steps
     padded = pad_to_even_shards(dataset, batch_size * accelerator.num_processes * accumulation)
     seed = accelerator.dataloader_config.data_seed or 0
     sampler = StepAlignedSampler(len(dataset), len(padded), batch_size, accelerator.num_processes, accumulation, seed,
                                  lengths=lengths, group_steps=group_steps)
+    if epoch_in_rows:
+        padded, sampler = _EpochTaggedRows(padded), _EpochTaggedSampler(sampler)
     # Its own generator: starting an iterator draws a seed from the loader's generator, which would
     # otherwise be the global torch RNG, and a run resumed mid-epoch (one extra iterator) would then
     # draw different dropout masks.
-    return DataLoader(padded, sampler=sampler, batch_size=batch_size, collate_fn=_without_fillers(collate_fn),
-                      generator=torch.Generator().manual_seed(0))
+    return DataLoader(padded, sampler=sampler, batch_size=batch_size, collate_fn=_WithoutFillers(collate_fn),
+                      generator=torch.Generator().manual_seed(0), num_workers=num_workers,
+                      persistent_workers=num_workers > 0, pin_memory=accelerator.device.type == "cuda",
+                      worker_init_fn=_leave_signals_to_the_training_process if num_workers else None)
 
 
 def longest_first(dataset, column: str = "input_ids"):
@@ -152,8 +217,11 @@ def epoch_dataloader(accelerator: Accelerator, dataloader, epoch: int, steps_don
     """
     dataloader.set_epoch(epoch)
     if steps_done:
-        dataloader = accelerator.skip_first_batches(dataloader, steps_done * accelerator.gradient_accumulation_steps)
-        dataloader.set_epoch(epoch)
+        skipping = accelerator.skip_first_batches(dataloader, steps_done * accelerator.gradient_accumulation_steps)
+        skipping.set_epoch(epoch)
+        # Accelerate 1.15 builds the skipping loader without the prepared one's non-blocking copies.
+        skipping._non_blocking = getattr(dataloader, "_non_blocking", False)
+        dataloader = skipping
     return dataloader
 
 

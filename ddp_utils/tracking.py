@@ -160,6 +160,8 @@ class TrainingLog:
         Between records nothing leaves the device: one host sync per record."""
         self._loss_sum += loss_sum.detach().float()
         if grad_norm is not None:
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a DTensor (all ranks call this, so it may gather)
+                grad_norm = grad_norm.full_tensor()
             self._grad_norm_sum += torch.as_tensor(grad_norm, dtype=torch.float32, device=self.accelerator.device)
             self._grad_norms += 1
         self._learning_rate = learning_rate

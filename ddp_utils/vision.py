@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from .sharding import SAMPLE_WEIGHT
+from .sharding import EPOCH, SAMPLE_WEIGHT
 from .errors import UsageError
 
 logger = get_logger(__name__)
@@ -76,23 +76,21 @@ class ImageCollator:
 
     Every image is converted to one mode, RGB or L to match the model's channels, whatever mode
     its file has. With `augment`, each training image is shifted (and with `flip`, mirrored) by a
-    random draw seeded by (seed, epoch, example id): the same for any number of processes and
-    after a resume. Call `set_epoch` at the start of each epoch.
+    random draw seeded by (seed, epoch, example id): the same for any number of processes or
+    loader workers, and after a resume. The rows must carry their epoch: build the training
+    dataloader with `make_train_dataloader(..., epoch_in_rows=True)`.
     """
 
     def __init__(self, image_processor, image_column: str, label_column: str, num_channels: int, augment: bool = False,
                  flip: bool = False, seed: int = 0):
         self.image_processor, self.image_column, self.label_column = image_processor, image_column, label_column
         self.mode = "RGB" if num_channels == 3 else "L"
-        self.augment, self.flip, self.seed, self.epoch = augment, flip, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.augment, self.flip, self.seed = augment, flip, seed
 
     def __call__(self, rows: list[dict]) -> dict:
         images = [row[self.image_column].convert(self.mode) for row in rows]
         if self.augment:
-            images = [random_shift(image, np.random.default_rng([self.seed, self.epoch, row[EXAMPLE_ID]]), flip=self.flip)
+            images = [random_shift(image, np.random.default_rng([self.seed, row[EPOCH], row[EXAMPLE_ID]]), flip=self.flip)
                       for image, row in zip(images, rows)]
         pixels = self.image_processor(images, return_tensors="pt")["pixel_values"]  # resized, rescaled, normalised
         batch = {"pixel_values": pixels, "labels": torch.tensor([row[self.label_column] for row in rows])}

@@ -108,7 +108,8 @@ def main():
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
     lengths = [len(ids) for ids in tokenized["train"]["input_ids"]] if args.group_by_length else None
     train_dataloader = ddp_utils.make_train_dataloader(
-        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate, lengths=lengths
+        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate, lengths=lengths,
+        num_workers=args.num_workers,
     )
     padding = {"train_padding_waste": ddp_utils.padding_waste(train_dataloader)}  # padded / real tokens in the first epoch
     # Longest first: little padding, and the peak memory shows at the first batch (the scores do not depend on the order).

@@ -126,7 +126,8 @@ def main():
                                   augment=args.augment != "none", flip="flip" in args.augment, seed=args.seed)
     eval_collate = ImageCollator(image_processor, args.image_column, args.label_column, channels)
     train_dataloader = ddp_utils.make_train_dataloader(
-        data["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=train_collate
+        data["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=train_collate,
+        num_workers=args.num_workers, epoch_in_rows=True,  # each image's augmentation depends on (seed, epoch, image) only
     )
     eval_dataloader = torch.utils.data.DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=eval_collate)
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
@@ -153,7 +154,6 @@ def main():
     scores, confusion = {}, None
     for epoch in plan.epochs():
         model.train()
-        train_collate.set_epoch(epoch)  # each image's augmentation depends on (seed, epoch, image) only
         for micro_batches in plan.optimizer_steps(train_dataloader, epoch):  # this rank's share of one optimizer step
             # all ranks: what the whole step holds, read from the batches' weights before the loss pops them
             step_size = ddp_utils.count_step(accelerator, micro_batches)

@@ -297,7 +297,8 @@ class OnDevice(torch.Tensor):
 def test_the_training_path_syncs_with_the_device_once_per_logging_window(tmp_path):
     """Between two records of the log, what the scripts call around each optimizer step (count_step,
     global_mean_loss, StepPlan.advance, TrainingLog.step, Checkpointer.step) copies nothing to the
-    host, so a GPU never waits for the CPU to read a number; each record costs exactly one host sync."""
+    host, so a GPU never waits for the CPU to read a number; each record costs exactly one host sync.
+    One process: the preemption flag of several goes through a gloo group on the CPU, by construction."""
     import argparse
     import signal
 

@@ -73,8 +73,10 @@ def image_args(model, images, output_dir, *extra):
             "--per_device_eval_batch_size", 4, "--checkpointing_steps", "no", "--report_to", "none", *extra]
 
 
-# The same training two ways: 1 process x batch 8, and 2 processes x batch 4.
-LAYOUTS = {"one_process": (1, ["--per_device_train_batch_size", 8]), "two_processes": (2, ["--per_device_train_batch_size", 4])}
+# The same training two ways: 1 process x batch 8, and 2 processes x batch 4 whose batches are made
+# by 2 persistent loader workers each (they must still shift each image by its own epoch's draw).
+LAYOUTS = {"one_process": (1, ["--per_device_train_batch_size", 8]),
+           "two_processes": (2, ["--per_device_train_batch_size", 4, "--num_workers", 2])}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,8 @@ def weights(output_dir):
 
 
 def test_without_batchnorm_two_processes_train_the_same_model_as_one(runs):
-    """Augmentation included: each image's random shift depends on (seed, epoch, image) only."""
+    """Augmentation included: each image's random shift depends on (seed, epoch, image) only, also
+    when persistent loader workers (--num_workers 2) make the batches of all 3 epochs."""
     reference, other = weights(runs["runs"]["vit", "one_process"]), weights(runs["runs"]["vit", "two_processes"])
     initial = weights(runs["models"]["vit"])
     same_shape = [k for k in initial if k in reference and initial[k].shape == reference[k].shape]
