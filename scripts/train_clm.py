@@ -87,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--lora_alpha", type=float, default=16, help="LoRA scaling numerator (the update is scaled by alpha / r)")
     p.add_argument("--lora_dropout", type=float, default=0.05, help="dropout on the LoRA input")
     p.add_argument("--lora_target_modules", default="all-linear", help="comma-separated module names to adapt, or 'all-linear'")
+    p.add_argument("--lora_last_layers", type=int, default=0,
+                   help="adapt only the last N transformer layers: the backward pass stops below them (0: all layers)")
     p.add_argument("--merge_lora", action="store_true", help="also save the LoRA-merged full model in output_dir/merged")
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in the backward pass: less memory, ~30%% slower")
     p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
@@ -111,6 +113,8 @@ def parse_args(argv=None):
         raise UsageError(f"--lora_r must be 0 (no LoRA) or positive, got {args.lora_r}")
     if args.merge_lora and not args.lora_r:
         raise UsageError("--merge_lora needs LoRA: give --lora_r as well")
+    if args.lora_last_layers < 0 or (args.lora_last_layers and not args.lora_r):
+        raise UsageError(f"--lora_last_layers takes a positive number of layers, with --lora_r (got {args.lora_last_layers})")
     if (args.chat_template or args.packing) and args.data_mode != "sft":
         raise UsageError("--chat_template and --packing apply to --data_mode sft (text mode always packs into blocks)")
     if not 0 < args.validation_split_percentage < 100:
@@ -328,6 +332,8 @@ def load_model(args, config, tokenizer):
                          "token is learned; use a transformers causal LM that does (Llama, Qwen, Mistral, Gemma, GPT-2, ...)")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.lora_last_layers:  # see below
+            model.disable_input_require_grads()
     if not args.lora_r:
         return model
     try:
@@ -335,13 +341,28 @@ def load_model(args, config, tokenizer):
     except ImportError:
         raise UsageError("--lora_r needs the peft package: pip install -r requirements.txt") from None
     targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else [m.strip() for m in args.lora_target_modules.split(",")]
-    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM")
+    layers = model.config.num_hidden_layers
+    if args.lora_last_layers and targets == "all-linear":  # peft takes layer numbers only with named modules
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+        head = model.get_output_embeddings()
+        targets = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                          if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head})
+    if args.lora_last_layers > layers:
+        raise UsageError(f"--lora_last_layers {args.lora_last_layers} is more than this model's {layers} layers; give at most {layers}")
+    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets, task_type="CAUSAL_LM",
+                      layers_to_transform=list(range(layers - args.lora_last_layers, layers)) if args.lora_last_layers else None)
     try:
         model = get_peft_model(model, lora)
     except ValueError as exc:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise UsageError(f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({str(exc).splitlines()[0][:160]}); "
                          f"its linear layers are {linear}") from None
+    if args.lora_last_layers and args.gradient_checkpointing:
+        # transformers (above) and peft each make the embeddings' output require grad, for reentrant
+        # checkpointing; that would carry the backward pass through every layer. The non-reentrant
+        # checkpointing used here needs no such thing.
+        model.get_base_model().disable_input_require_grads()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info(f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters")
     return model
@@ -435,7 +456,8 @@ def main():
     collate = CausalLMCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
     lengths = [len(ids) for ids in tokenized["train"]["input_ids"]] if args.group_by_length else None
     train_dataloader = ddp_utils.make_train_dataloader(
-        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate, lengths=lengths
+        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate, lengths=lengths,
+        num_workers=args.num_workers,
     )
     data_report["train_padding_waste"] = ddp_utils.padding_waste(train_dataloader)  # padded / real tokens in the first epoch
     # Evaluation longest first: little padding, and the peak memory shows at the first batch.

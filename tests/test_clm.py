@@ -251,6 +251,30 @@ def test_the_lm_head_runs_only_at_targets_with_the_same_losses_and_gradients(tin
         torch.testing.assert_close(kept_grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_on_the_last_layers_stops_the_backward_pass_below_them(checkpointing, tiny_lm):
+    """--lora_last_layers 1 on the 2-layer model: adapters on every linear layer of layer 1 only, and
+    nothing below it is part of the backward pass (with gradient checkpointing too, where peft and
+    transformers would otherwise make the embeddings' output require a gradient)."""
+    from accelerate import PartialState
+    from transformers import AutoConfig, AutoTokenizer
+
+    PartialState(cpu=True)
+    module = load_script("train_clm")
+    args = module.parse_args(["--model_name_or_path", str(tiny_lm), "--lora_r", "4", "--lora_last_layers", "1", "--data_mode", "sft",
+                              *(["--gradient_checkpointing"] if checkpointing else [])])
+    model = module.load_model(args, AutoConfig.from_pretrained(tiny_lm), AutoTokenizer.from_pretrained(tiny_lm))
+    adapted = {name.split(".layers.")[1].split(".")[0] for name, p in model.named_parameters() if p.requires_grad}
+    assert adapted == {"1"}
+    model.train()
+    needs_grad = {}
+    layers = model.get_base_model().model.layers
+    for i, layer in enumerate(layers):
+        layer.register_forward_hook(lambda mod, inputs, output, i=i: needs_grad.update({i: (inputs[0].requires_grad, output[0].requires_grad)}))
+    model(input_ids=torch.tensor([[1, 27, 18, 40, 41]]), labels=torch.tensor([[1, 27, 18, 40, 41]])).loss.backward()
+    assert needs_grad == {0: (False, False), 1: (False, True)}, "layer 0 and its input are out of the backward pass"
+
+
 def test_packed_sequences_are_masked_apart(tiny_lm):
     """Two examples packed in one row give exactly the token losses they give apart: no
     attention across the boundary, positions restarting, the second's first token not predicted."""
@@ -310,17 +334,21 @@ def test_every_token_trained_exactly_once_per_epoch_across_ranks(mode, tiny_lm, 
 
 
 def test_lora_adapter_and_merged_model_reload_with_the_same_logits(tiny_lm, sft_data, tmp_path):
-    """LoRA on q_proj/v_proj with gradient checkpointing, 2 processes: the adapter and the merged model."""
+    """LoRA on every linear layer of the last transformer layer only (--lora_last_layers 1) with
+    gradient checkpointing, 2 processes: the adapter and the merged model."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     output_dir = tmp_path / "lora"
     result = launch(TRAIN_CLM, *clm_args(tiny_lm, sft_data, output_dir, "--lora_r", 4, "--merge_lora", "--max_train_steps", 6,
-                                         "--per_device_train_batch_size", 2, "--lora_target_modules", "q_proj,v_proj",
+                                         "--per_device_train_batch_size", 2, "--lora_last_layers", 1,
                                          "--gradient_checkpointing"), num_processes=2)
     assert result.returncode == 0, result.output[-4000:]
     assert "LoRA r=4:" in result.output
     assert (output_dir / "adapter_model.safetensors").exists() and (output_dir / "adapter_config.json").exists()
+    adapted_modules = {key.split(".layers.")[1].split(".lora_")[0] for key in load_file(str(output_dir / "adapter_model.safetensors"))}
+    assert adapted_modules == {f"1.{kind}.{name}" for kind, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+                               for name in (f"{n}_proj" for n in names)}, adapted_modules
     assert not (output_dir / "model.safetensors").exists(), "with LoRA the output is the adapter (the merged model is in merged/)"
     metrics = json.loads((output_dir / "metrics.json").read_text())
     ids = torch.tensor([[1, 27, 18, 40, 41, 42, 43, 44]])
@@ -438,6 +466,7 @@ BAD_INPUT = {
     ),
     "block_size_above_context": (lambda d, s: ["--block_size", 100], "--block_size 100 is above this model's context of 64"),
     "lora_modules_missing": (lambda d, s: ["--lora_r", 4, "--lora_target_modules", "c_attn"], "its linear layers are ['down_proj'"),
+    "lora_more_layers_than_the_model": (lambda d, s: ["--lora_r", 4, "--lora_last_layers", 5], "--lora_last_layers 5 is more than this model's 2 layers"),
     "chat_template_missing": (lambda d, s: ["--chat_template"], "has no chat template"),
     "conversation_without_answer": (lambda d, s: conversation_without_answer(d), "train record 1 has no assistant turn"),
 }
