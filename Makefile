@@ -29,6 +29,7 @@ bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer 
 	$(BIN)/python bench/bench_train.py --epochs 1 --ours_checkpoints --seeds 42 43 --only ours trainer trainer_grouped --workdir bench/runs/one_epoch
 	$(BIN)/python bench/bench_clm.py
 	$(BIN)/python bench/bench_sft.py
+	$(BIN)/python bench/bench_lm_head.py
 	$(BIN)/accelerate launch --config_file $(CONFIG) bench/bench_checkpoint.py
 
 # The benchmarks' own peers (TRL), kept out of requirements.txt; re-installed when the file changes.
