@@ -24,7 +24,7 @@ train-image: $(STAMP)  ## install if needed, then train the demo ResNet on sciki
 test: $(STAMP)  ## install if needed, then run the whole test suite
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
-bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer and TRL's SFTTrainer (about an hour and a quarter here; not a test)
+bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer and TRL's SFTTrainer (about an hour and a half here; not a test)
 	$(BIN)/python bench/bench_train.py --seeds $(BENCH_SEEDS)
 	$(BIN)/python bench/bench_train.py --epochs 1 --ours_checkpoints --seeds 42 43 --only ours trainer trainer_grouped --workdir bench/runs/one_epoch
 	$(BIN)/python bench/bench_clm.py
