@@ -3,6 +3,7 @@ processes, and the answers scored against the references."""
 
 from __future__ import annotations
 
+import copy
 import re
 import string
 
@@ -18,31 +19,51 @@ NOT_A_LABEL = "(not a label)"
 MAX_LABELS = 20  # references with at most this many distinct values, each seen twice on average, are labels
 
 
+def shared_prefix_length(prompts: list[list[int]]) -> int:
+    """Tokens at the start of every prompt that are the same in all (a chat template's system turn
+    and an instruction), at most all but the last token of the shortest prompt. No communication."""
+    shortest = min(prompts, key=len)
+    length = 0
+    while length < len(shortest) - 1 and all(prompt[length] == shortest[length] for prompt in prompts):
+        length += 1
+    return length
+
+
 class LeftPaddingCollator:
     """Rows of `index` and `input_ids` (a prompt) into a batch padded on the left, as generation
-    needs: every prompt ends where the answer starts."""
+    needs: every prompt ends where the answer starts.
 
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+    With `shared_prefix` (from `shared_prefix_length`), the padding goes after those first tokens
+    instead: [prefix, padding, rest of the prompt]. The prefix then sits at the same positions in
+    every row, so `generate_answers` computes it once; positions come from the attention mask, so
+    the model sees each prompt as it would left-padded."""
+
+    def __init__(self, pad_token_id: int, shared_prefix: int = 0):
+        self.pad_token_id, self.shared_prefix = pad_token_id, shared_prefix
 
     def __call__(self, rows: list[dict]) -> dict:
         length = max(len(row["input_ids"]) for row in rows)
         input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        p = self.shared_prefix
         for i, row in enumerate(rows):
-            n = len(row["input_ids"])
-            input_ids[i, length - n:] = torch.tensor(row["input_ids"])
-            attention_mask[i, length - n:] = 1
+            ids = torch.tensor(row["input_ids"])
+            input_ids[i, :p], attention_mask[i, :p] = ids[:p], 1
+            input_ids[i, length - len(ids) + p:], attention_mask[i, length - len(ids) + p:] = ids[p:], 1
         return {"index": torch.tensor([row["index"] for row in rows]), "input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max_new_tokens: int) -> list[str]:
+def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max_new_tokens: int, shared_prefix: int = 0) -> list[str]:
     """All ranks call this (a gather per batch): greedy answers of at most `max_new_tokens` tokens
     to every prompt of a prepared dataloader of `LeftPaddingCollator` batches, in the dataset's
     order, each prompt answered once whatever the number of processes (`gather_for_eval` drops
     the prompts Accelerate repeats to even out the ranks). Every rank generates for every batch;
     with sharded weights (FSDP, DeepSpeed) `synced_gpus` keeps the ranks stepping together until
-    the last one has finished its answers."""
+    the last one has finished its answers.
+
+    `shared_prefix`: the batches' first tokens, the same in every prompt (`LeftPaddingCollator`);
+    their keys and values are computed once per call and copied into each batch's cache (on the
+    demo, 30 of about 117 prompt tokens: a quarter of the prompt pass saved)."""
     from transformers import GenerationConfig
 
     generator = accelerator.unwrap_model(model)
@@ -51,9 +72,22 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
                               use_cache=True)
     synced = accelerator.num_processes > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
 
+    prefix = None  # the shared prefix's cache, made at the first batch (in eval mode, on every rank)
+
     def answer(model, batch):
+        nonlocal prefix
+        cache = None
+        if shared_prefix:
+            if prefix is None:
+                from transformers import DynamicCache
+
+                prefix = DynamicCache(config=generator.config)
+                with torch.no_grad():
+                    generator(input_ids=batch["input_ids"][:1, :shared_prefix], past_key_values=prefix, use_cache=True)
+            cache = copy.deepcopy(prefix)
+            cache.batch_repeat_interleave(len(batch["input_ids"]))
         output = generator.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                    generation_config=config, synced_gpus=synced)
+                                    generation_config=config, synced_gpus=synced, past_key_values=cache)
         new = output[:, batch["input_ids"].shape[1]:]
         return {"index": batch["index"], "answer_ids": F.pad(new, (0, max_new_tokens - new.shape[1]), value=tokenizer.pad_token_id)}
 

@@ -35,7 +35,7 @@ from ddp_utils import UsageError
 from ddp_utils.chat import LOSS_ON, as_messages, check_messages, fit_block, generation_prompt, tokenize_conversation
 from ddp_utils.demo import demo_llm_gguf, load_demo_reviews
 from ddp_utils.exact_loss import INPUT_TOKENS
-from ddp_utils.generation import LeftPaddingCollator, generate_answers, score_answers
+from ddp_utils.generation import LeftPaddingCollator, generate_answers, score_answers, shared_prefix_length
 from ddp_utils.gguf import dequantized_gguf
 from ddp_utils.lm import (
     IGNORE_INDEX,
@@ -412,7 +412,8 @@ def score_by_generation(accelerator, model, generate_dataloader, tokenizer, args
     """All ranks call this (it gathers every rank's answers): greedy answers to every eval prompt,
     scored against the references; the main process writes them to <output_dir>/<name>.jsonl.
     Returns (scores named eval_*, the labels' confusion matrix or None)."""
-    answers = generate_answers(accelerator, model, generate_dataloader, tokenizer, args.eval_max_new_tokens)
+    shared = generate_dataloader.collate_fn.shared_prefix  # where the collator put the prompts' common first tokens
+    answers = generate_answers(accelerator, model, generate_dataloader, tokenizer, args.eval_max_new_tokens, shared_prefix=shared)
     references = prompts["reference"]
     scores, confusion = score_answers(answers, references)
     rows = [{"prompt": tokenizer.decode(ids), "reference": ref, "answer": answer}
@@ -466,7 +467,8 @@ def main():
     prompts = tokenized.get("generate")  # sft: the eval prompts answered by generation, with their references
     generate_dataloader = torch.utils.data.DataLoader(
         ddp_utils.longest_first(prompts.remove_columns("reference")), batch_size=args.per_device_eval_batch_size,
-        collate_fn=LeftPaddingCollator(tokenizer.pad_token_id)
+        # The tokens every prompt starts with (system turn, instruction) are computed once per pass.
+        collate_fn=LeftPaddingCollator(tokenizer.pad_token_id, shared_prefix=shared_prefix_length(prompts["input_ids"]))
     ) if prompts is not None else None
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval sequences of at most {data_report['block_size']} tokens")
 

@@ -176,6 +176,39 @@ def test_generation_answers_each_eval_prompt_once_the_same_on_one_and_two_proces
         assert metrics["eval_exact_match"] == pytest.approx(np.mean([a["answer"] == a["reference"] for a in answers]))
 
 
+def test_the_prompts_shared_prefix_computed_once_gives_the_same_answers_as_left_padding(tiny_lm):
+    """11 prompts that start with the same 7 tokens (as a chat template's system turn does) and end
+    with 1 to 11 others, in batches of 4 of uneven lengths: the prefix's cache made once and
+    copied into each batch answers exactly as plain left padding does."""
+    from accelerate import Accelerator
+    from ddp_utils.generation import LeftPaddingCollator, generate_answers, shared_prefix_length
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
+    tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    rng = np.random.default_rng(0)
+    prefix = [tokenizer.bos_token_id] + rng.integers(5, len(tokenizer), 6).tolist()
+    prompts = [{"index": i, "input_ids": prefix + rng.integers(5, len(tokenizer), 1 + i).tolist()} for i in range(11)]
+    assert shared_prefix_length([p["input_ids"] for p in prompts]) == 7
+    accelerator = Accelerator(cpu=True)
+    answers = {}
+    for shared in (0, 7):
+        loader = accelerator.prepare(torch.utils.data.DataLoader(prompts[::-1], batch_size=4,
+                                                                 collate_fn=LeftPaddingCollator(tokenizer.pad_token_id, shared)))
+        answers[shared] = generate_answers(accelerator, model, loader, tokenizer, max_new_tokens=6, shared_prefix=shared)
+    assert answers[7] == answers[0]
+    assert len(set(answers[0])) > 5, "the answers must differ for the comparison to mean anything"
+
+
+def test_the_shared_prefix_leaves_every_prompt_a_token_to_start_from():
+    from ddp_utils.generation import shared_prefix_length
+
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2
+    assert shared_prefix_length([[1, 2], [1, 2, 3, 4]]) == 1
+    assert shared_prefix_length([[5, 2, 3], [1, 2, 3]]) == 0
+
+
 def test_label_answers_are_scored_with_a_confusion_matrix():
     from ddp_utils.generation import score_answers
 
