@@ -134,7 +134,7 @@ def parse_args(argv=None):
 # ([{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]) or "prompt" and
 # "completion" columns; for text mode, a "text" column.
 DEMO_SYSTEM = "You classify drug reviews."  # short: the template's default system turn is twice as long, on every record
-DEMO_QUESTION = "Is this drug review positive, neutral or negative? Answer with one word."
+DEMO_QUESTION = "Is this drug review positive, neutral or negative? Answer with one word."  # after the review: asked right before the answer
 DEMO_REVIEW_WORDS = 80  # each review's last words: the demo trades length for speed (the verdict is usually at the end)
 
 
@@ -150,7 +150,7 @@ def load_raw_datasets(args):
     # The demo's chat task: the review's sentiment, in one word.
     def as_chat(review):
         text = " ".join(review["text"].split()[-DEMO_REVIEW_WORDS:])
-        return {"messages": [{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": f"{DEMO_QUESTION}\n\n{text}"},
+        return {"messages": [{"role": "system", "content": DEMO_SYSTEM}, {"role": "user", "content": f"{text}\n\n{DEMO_QUESTION}"},
                              {"role": "assistant", "content": review["label"]}]}
 
     return reviews.map(as_chat, remove_columns=["label", "text"])
@@ -471,6 +471,8 @@ def main():
         collate_fn=LeftPaddingCollator(tokenizer.pad_token_id, shared_prefix=shared_prefix_length(prompts["input_ids"]))
     ) if prompts is not None else None
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval sequences of at most {data_report['block_size']} tokens")
+    if generate_dataloader is not None:
+        logger.info(f"{len(prompts)} eval prompts to answer; their first {generate_dataloader.collate_fn.shared_prefix} tokens are shared, computed once per pass")
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # trainable parameters only
     plan = ddp_utils.StepPlan(accelerator, args, train_dataloader, unit="target_tokens")  # steps, epochs, where the run stands
