@@ -467,8 +467,8 @@ def main():
     prompts = tokenized.get("generate")  # sft: the eval prompts answered by generation, with their references
     generate_dataloader = torch.utils.data.DataLoader(
         ddp_utils.longest_first(prompts.remove_columns("reference")), batch_size=args.per_device_eval_batch_size,
-        # The tokens every prompt starts with (system turn, instruction) are computed once per pass.
-        collate_fn=LeftPaddingCollator(tokenizer.pad_token_id, shared_prefix=shared_prefix_length(prompts["input_ids"]))
+        # The tokens every prompt starts with (a system turn, say) are computed once per pass.
+        collate_fn=LeftPaddingCollator(tokenizer.pad_token_id, shared_prefix=shared_prefix_length(prompts["input_ids"], config))
     ) if prompts is not None else None
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval sequences of at most {data_report['block_size']} tokens")
     if generate_dataloader is not None:

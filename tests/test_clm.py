@@ -178,8 +178,9 @@ def test_generation_answers_each_eval_prompt_once_the_same_on_one_and_two_proces
 
 def test_the_prompts_shared_prefix_computed_once_gives_the_same_answers_as_left_padding(tiny_lm):
     """11 prompts that start with the same 7 tokens (as a chat template's system turn does) and end
-    with 1 to 11 others, in batches of 4 of uneven lengths: the prefix's cache made once and
-    copied into each batch answers exactly as plain left padding does."""
+    with 1 to 11 others, in batches of 4 of uneven lengths: the prefix's cache, made once and
+    copied into each batch, gives the answers of plain left padding (float32, CPU), and no forward
+    pass after it reads the prefix again."""
     from accelerate import Accelerator
     from ddp_utils.generation import LeftPaddingCollator, generate_answers, shared_prefix_length
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -190,23 +191,35 @@ def test_the_prompts_shared_prefix_computed_once_gives_the_same_answers_as_left_
     rng = np.random.default_rng(0)
     prefix = [tokenizer.bos_token_id] + rng.integers(5, len(tokenizer), 6).tolist()
     prompts = [{"index": i, "input_ids": prefix + rng.integers(5, len(tokenizer), 1 + i).tolist()} for i in range(11)]
-    assert shared_prefix_length([p["input_ids"] for p in prompts]) == 7
+    assert shared_prefix_length([p["input_ids"] for p in prompts], model.config) == 7
     accelerator = Accelerator(cpu=True)
-    answers = {}
+    answers, widths = {}, {0: [], 7: []}  # widths: tokens each forward pass reads
     for shared in (0, 7):
+        hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths[shared].append(kwargs["input_ids"].shape[1]),
+                                               with_kwargs=True)
         loader = accelerator.prepare(torch.utils.data.DataLoader(prompts[::-1], batch_size=4,
                                                                  collate_fn=LeftPaddingCollator(tokenizer.pad_token_id, shared)))
         answers[shared] = generate_answers(accelerator, model, loader, tokenizer, max_new_tokens=6, shared_prefix=shared)
+        hook.remove()
     assert answers[7] == answers[0]
     assert len(set(answers[0])) > 5, "the answers must differ for the comparison to mean anything"
+    # Each batch's prompt pass (wider than the 1-token decoding steps) skips the prefix, computed once first.
+    prompt_passes = {shared: [width for width in widths[shared] if width > 1] for shared in widths}
+    assert prompt_passes[0] == [18, 14, 10]
+    assert prompt_passes[7] == [7] + [width - 7 for width in prompt_passes[0]]
 
 
-def test_the_shared_prefix_leaves_every_prompt_a_token_to_start_from():
+def test_the_shared_prefix_leaves_every_prompt_a_token_and_is_off_for_sliding_windows():
     from ddp_utils.generation import shared_prefix_length
 
-    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2
-    assert shared_prefix_length([[1, 2], [1, 2, 3, 4]]) == 1
-    assert shared_prefix_length([[5, 2, 3], [1, 2, 3]]) == 0
+    from transformers import LlamaConfig, MistralConfig
+
+    llama = LlamaConfig()
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]], llama) == 2
+    assert shared_prefix_length([[1, 2], [1, 2, 3, 4]], llama) == 1
+    assert shared_prefix_length([[5, 2, 3], [1, 2, 3]], llama) == 0
+    # The padding after the prefix would use up a sliding window: no sharing there.
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]], MistralConfig(sliding_window=4096)) == 0
 
 
 def test_label_answers_are_scored_with_a_confusion_matrix():
