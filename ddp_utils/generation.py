@@ -59,7 +59,7 @@ class LeftPaddingCollator:
         return {"index": torch.tensor([row["index"] for row in rows]), "input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max_new_tokens: int, shared_prefix: int = 0) -> list[str]:
+def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max_new_tokens: int) -> list[str]:
     """All ranks call this (a gather per batch): greedy answers of at most `max_new_tokens` tokens
     to every prompt of a prepared dataloader of `LeftPaddingCollator` batches, in the dataset's
     order, each prompt answered once whatever the number of processes (`gather_for_eval` drops
@@ -67,9 +67,9 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
     with sharded weights (FSDP, DeepSpeed) `synced_gpus` keeps the ranks stepping together until
     the last one has finished its answers.
 
-    `shared_prefix`: the batches' first tokens, the same in every prompt (`LeftPaddingCollator`);
-    their keys and values are computed once per call and copied into each batch's cache, so the
-    prompt pass skips them (on the demo, 13 of about 120 prompt tokens)."""
+    The collator's `shared_prefix` first tokens, the same in every prompt, are computed once per
+    call and their cache copied into each batch's, so the prompt pass skips them (on the demo, 13
+    of about 120 prompt tokens)."""
     from transformers import GenerationConfig
 
     generator = accelerator.unwrap_model(model)
@@ -78,6 +78,7 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
                               use_cache=True)
     synced = accelerator.num_processes > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
 
+    shared_prefix = dataloader.collate_fn.shared_prefix  # where LeftPaddingCollator put the prompts' common first tokens
     prefix, prefix_ids = None, None  # the shared prefix's cache and tokens, from the first batch (in eval mode, on every rank)
 
     def answer(model, batch):
@@ -91,8 +92,8 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
                 with torch.no_grad():
                     generator(input_ids=prefix_ids, past_key_values=prefix, use_cache=True, logits_to_keep=1)
             if not torch.equal(batch["input_ids"][:, :shared_prefix], prefix_ids.expand(len(batch["input_ids"]), -1)):
-                raise RuntimeError(f"shared_prefix={shared_prefix}, but these prompts do not all start with the same "
-                                   f"{shared_prefix} tokens: give generate_answers the collator's shared_prefix")
+                raise RuntimeError(f"LeftPaddingCollator(shared_prefix={shared_prefix}), but these prompts do not all start "
+                                   f"with the same {shared_prefix} tokens: take it from shared_prefix_length over all the prompts")
             cache = copy.deepcopy(prefix)
             cache.batch_repeat_interleave(len(batch["input_ids"]))
         output = generator.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

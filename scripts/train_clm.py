@@ -412,8 +412,7 @@ def score_by_generation(accelerator, model, generate_dataloader, tokenizer, args
     """All ranks call this (it gathers every rank's answers): greedy answers to every eval prompt,
     scored against the references; the main process writes them to <output_dir>/<name>.jsonl.
     Returns (scores named eval_*, the labels' confusion matrix or None)."""
-    shared = generate_dataloader.collate_fn.shared_prefix  # where the collator put the prompts' common first tokens
-    answers = generate_answers(accelerator, model, generate_dataloader, tokenizer, args.eval_max_new_tokens, shared_prefix=shared)
+    answers = generate_answers(accelerator, model, generate_dataloader, tokenizer, args.eval_max_new_tokens)
     references = prompts["reference"]
     scores, confusion = score_answers(answers, references)
     rows = [{"prompt": tokenizer.decode(ids), "reference": ref, "answer": answer}

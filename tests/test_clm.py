@@ -199,7 +199,7 @@ def test_the_prompts_shared_prefix_computed_once_gives_the_same_answers_as_left_
                                                with_kwargs=True)
         loader = accelerator.prepare(torch.utils.data.DataLoader(prompts[::-1], batch_size=4,
                                                                  collate_fn=LeftPaddingCollator(tokenizer.pad_token_id, shared)))
-        answers[shared] = generate_answers(accelerator, model, loader, tokenizer, max_new_tokens=6, shared_prefix=shared)
+        answers[shared] = generate_answers(accelerator, model, loader, tokenizer, max_new_tokens=6)
         hook.remove()
     assert answers[7] == answers[0]
     assert len(set(answers[0])) > 5, "the answers must differ for the comparison to mean anything"
