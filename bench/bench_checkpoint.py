@@ -22,9 +22,9 @@ from accelerate.utils import broadcast_object_list
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import ddp_utils
-from ddp_utils.launch import make_accelerator
 from ddp_utils.checkpoint import load_checkpoint, save_checkpoint
 from ddp_utils.demo import demo_model_path, load_demo_reviews
+from ddp_utils.start import make_accelerator
 
 
 def timed(accelerator, work, repeats):
@@ -48,7 +48,10 @@ def main():
     optimizer = ddp_utils.make_adamw(model, 1e-4, 0.01)
     model, optimizer = accelerator.prepare(model, optimizer)
     texts = list(load_demo_reviews()["train"]["text"][:8])
-    batch = {k: v.to(accelerator.device) for k, v in tokenizer(texts, truncation=True, max_length=128, padding=True, return_tensors="pt").items()}
+    batch = {
+        k: v.to(accelerator.device)
+        for k, v in tokenizer(texts, truncation=True, max_length=128, padding=True, return_tensors="pt").items()
+    }
     labels = torch.zeros(len(texts), dtype=torch.long, device=accelerator.device)
 
     def train_step():
@@ -60,7 +63,9 @@ def main():
     train_step()  # fills the AdamW state, so the checkpoint has its real size
     step_s = timed(accelerator, train_step, args.repeats * 3)
 
-    workdir = broadcast_object_list([tempfile.mkdtemp(prefix="bench-ckpt-") if accelerator.is_main_process else None])[0]
+    workdir = broadcast_object_list([tempfile.mkdtemp(prefix="bench-ckpt-") if accelerator.is_main_process else None])[
+        0
+    ]
     state = {"step": 1, "epoch": 0, "step_in_epoch": 1}
     ours_save_s = timed(accelerator, lambda: save_checkpoint(accelerator, workdir, state, total_limit=1), args.repeats)
     plain_dir = os.path.join(workdir, "plain")
@@ -69,12 +74,20 @@ def main():
     load_s = timed(accelerator, lambda: load_checkpoint(accelerator, checkpoint, {}), args.repeats)
 
     if accelerator.is_main_process:
-        size_mib = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(checkpoint) for f in files) / 2**20
-        print(f"\nall-MiniLM-L6-v2 + AdamW, {accelerator.num_processes} processes, {accelerator.device}, median of {args.repeats}\n")
+        size_mib = (
+            sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(checkpoint) for f in files) / 2**20
+        )
+        print(
+            f"\nall-MiniLM-L6-v2 + AdamW, {accelerator.num_processes} processes, {accelerator.device}, "
+            f"median of {args.repeats}\n"
+        )
         print("| what | value |\n|---|---:|")
         print(f"| checkpoint size | {size_mib:.0f} MiB |")
         print(f"| save, ours (staging + fsync + rename) | {ours_save_s:.2f} s |")
-        print(f"| save, plain accelerator.save_state | {plain_save_s:.2f} s ({ours_save_s / plain_save_s:.2f}× ours/plain) |")
+        print(
+            f"| save, plain accelerator.save_state | {plain_save_s:.2f} s "
+            f"({ours_save_s / plain_save_s:.2f}× ours/plain) |"
+        )
         print(f"| load (load_checkpoint) | {load_s:.2f} s |")
         print(f"| one training step (batch 8 per process) | {step_s:.2f} s |")
         print("\n| checkpoint every | cost, fraction of training time |\n|---|---:|")

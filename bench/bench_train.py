@@ -30,9 +30,13 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 HANG_GRACE_S = 60  # a launch still alive this long after writing its results is hung at exit
-NAMES = {"ours": "scripts/train.py (ours)", "ours_ungrouped": "scripts/train.py --no-group_by_length",
-         "ddp": "hand-written DDP loop", "trainer": "transformers.Trainer",
-         "trainer_grouped": "transformers.Trainer, group_by_length"}
+NAMES = {
+    "ours": "scripts/train.py (ours)",
+    "ours_ungrouped": "scripts/train.py --no-group_by_length",
+    "ddp": "hand-written DDP loop",
+    "trainer": "transformers.Trainer",
+    "trainer_grouped": "transformers.Trainer, group_by_length",
+}
 
 
 def parse_args():
@@ -44,9 +48,12 @@ def parse_args():
     p.add_argument("--seeds", type=int, nargs="+", default=[42], help="run every contender once per seed")
     p.add_argument("--max_train_samples", type=int, default=None, help="train on the first N reviews only (smoke runs)")
     p.add_argument("--max_eval_samples", type=int, default=None, help="evaluate on the first N test reviews only")
-    p.add_argument("--ours_checkpoints", action="store_true",
-                   help="ours saves its default checkpoint every epoch, as a user's run does (issue 14's wall-time target); "
-                        "otherwise --checkpointing_steps no, like the baselines")
+    p.add_argument(
+        "--ours_checkpoints",
+        action="store_true",
+        help="ours saves its default checkpoint every epoch, as a user's run does (issue 14's wall-time target); "
+        "otherwise --checkpointing_steps no, like the baselines",
+    )
     p.add_argument("--only", nargs="*", default=None, choices=list(NAMES), help="run only these contenders")
     p.add_argument("--workdir", default=str(HERE / "runs"), help="where runs write")
     return p.parse_args()
@@ -54,8 +61,15 @@ def parse_args():
 
 def accelerate_launch(port) -> list:
     """Our scripts' launch: 2 processes through the repo's CPU config (torchrun underneath)."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
-            "--main_process_port", port]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
+        "--main_process_port",
+        port,
+    ]
 
 
 def torchrun(port) -> list:
@@ -64,30 +78,75 @@ def torchrun(port) -> list:
 
 
 def limits(args) -> list:
-    return [*(["--max_train_samples", args.max_train_samples] if args.max_train_samples else []),
-            *(["--max_eval_samples", args.max_eval_samples] if args.max_eval_samples else [])]
+    return [
+        *(["--max_train_samples", args.max_train_samples] if args.max_train_samples else []),
+        *(["--max_eval_samples", args.max_eval_samples] if args.max_eval_samples else []),
+    ]
 
 
 def contenders(args, workdir: Path, seed: int):
-    common = ["--epochs", args.epochs, "--batch_size", args.batch_size, "--lr", args.lr, "--max_length", args.max_length,
-              "--seed", seed, *limits(args)]
+    common = [
+        "--epochs",
+        args.epochs,
+        "--batch_size",
+        args.batch_size,
+        "--lr",
+        args.lr,
+        "--max_length",
+        args.max_length,
+        "--seed",
+        seed,
+        *limits(args),
+    ]
 
     def trainer(key, port, sampling):
-        return (workdir / f"{key}.json",
-                [*torchrun(port), str(HERE / "baselines" / "trainer_run.py"), "--out", workdir / f"{key}.json", *common,
-                 "--output_dir", workdir / f"{key}_out", "--sampling", sampling])
+        return (
+            workdir / f"{key}.json",
+            [
+                *torchrun(port),
+                str(HERE / "baselines" / "trainer_run.py"),
+                "--out",
+                workdir / f"{key}.json",
+                *common,
+                "--output_dir",
+                workdir / f"{key}_out",
+                "--sampling",
+                sampling,
+            ],
+        )
 
     def ours(key, port, *extra):
-        return (workdir / key / "metrics.json",
-                [*accelerate_launch(port), str(REPO / "scripts" / "train.py"),
-                 "--num_train_epochs", args.epochs, "--per_device_train_batch_size", args.batch_size, "--learning_rate", args.lr,
-                 "--max_length", args.max_length, "--seed", seed, *limits(args), "--output_dir", workdir / key, "--overwrite_output_dir",
-                 # The baselines save no checkpoints (the Trainer's default saves every 500 steps: none in these runs); their cost: bench_checkpoint.py
-                 *([] if args.ours_checkpoints else ["--checkpointing_steps", "no"]), *extra])
+        return (
+            workdir / key / "metrics.json",
+            [
+                *accelerate_launch(port),
+                str(REPO / "scripts" / "train.py"),
+                "--num_train_epochs",
+                args.epochs,
+                "--per_device_train_batch_size",
+                args.batch_size,
+                "--learning_rate",
+                args.lr,
+                "--max_length",
+                args.max_length,
+                "--seed",
+                seed,
+                *limits(args),
+                "--output_dir",
+                workdir / key,
+                "--overwrite_output_dir",
+                # The baselines save no checkpoints (the Trainer's default saves every 500 steps: none in these
+                # runs); their cost: bench_checkpoint.py
+                *([] if args.ours_checkpoints else ["--checkpointing_steps", "no"]),
+                *extra,
+            ],
+        )
 
     return {
         "ours": ours("ours", "29611"),
-        "ours_ungrouped": ours("ours_ungrouped", "29615", "--no-group_by_length"),  # what grouping changes, in speed and accuracy
+        "ours_ungrouped": ours(
+            "ours_ungrouped", "29615", "--no-group_by_length"
+        ),  # what grouping changes, in speed and accuracy
         "ddp": (
             workdir / "ddp.json",
             [*torchrun("29612"), str(HERE / "baselines" / "ddp_loop.py"), "--out", workdir / "ddp.json", *common],
@@ -137,14 +196,22 @@ def run_one(command, result_file: Path, log_file: Path, env, timeout_s: float | 
         "wall_s": wall - (HANG_GRACE_S if hung else 0.0),
         "peak_rss_mib": max(peak_rss.values()) / 2**20 if peak_rss else float("nan"),
         "workers_seen": len(peak_rss),
-        "exit": f"hung at exit (killed after {HANG_GRACE_S}s)" if hung else ("clean" if process.returncode == 0 else f"exit {process.returncode}"),
+        "exit": f"hung at exit (killed after {HANG_GRACE_S}s)"
+        if hung
+        else ("clean" if process.returncode == 0 else f"exit {process.returncode}"),
     }
 
 
 def bench_env() -> dict:
     """One thread per process, offline, the repo and the baselines importable."""
-    return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-                PYTHONPATH=os.pathsep.join([str(REPO), str(HERE / "baselines")]))
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(HERE / "baselines")]),
+    )
 
 
 def check_world_size(name: str, data: dict, result: dict, log_file: Path) -> None:
@@ -177,11 +244,15 @@ def ours_padding(args, seed: int, grouped: bool = True) -> dict:
 
     tokenized, _, collate = demo_data(args.max_length, args.max_train_samples, args.max_eval_samples)
     # What make_train_dataloader reads from the Accelerator of a 2-process run (ddp_utils.make_accelerator's data seed).
-    accelerator = SimpleNamespace(num_processes=2, gradient_accumulation_steps=1, dataloader_config=SimpleNamespace(data_seed=seed),
-                                  device=torch.device("cpu"))
+    accelerator = SimpleNamespace(
+        num_processes=2,
+        gradient_accumulation_steps=1,
+        dataloader_config=SimpleNamespace(data_seed=seed),
+        device=torch.device("cpu"),
+    )
     counter = PaddingCounter(collate)
-    loader = make_train_dataloader(tokenized["train"], batch_size=args.batch_size, accelerator=accelerator, collate_fn=counter,
-                                   lengths=[len(ids) for ids in tokenized["train"]["input_ids"]] if grouped else None)
+    options = SimpleNamespace(per_device_train_batch_size=args.batch_size, num_workers=0, group_by_length=grouped)
+    loader = make_train_dataloader(tokenized["train"], options, accelerator, counter)
     for epoch in range(args.epochs):
         loader.sampler.set_epoch(epoch)
         for _ in loader:
@@ -194,16 +265,22 @@ def spread(values: list[float], digits: int) -> str:
     mean = statistics.fmean(values)
     if len(values) < 2:
         return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+    return (
+        f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+    )
 
 
 def summarise(runs: list[dict]) -> dict:
     """One contender's runs (one per seed) as the table's figures."""
     exits = sorted({r["exit"] for r in runs})
-    return {"samples_per_s": statistics.fmean(r["samples_per_s"] for r in runs), "wall_s": statistics.fmean(r["wall_s"] for r in runs),
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
-            "padding": statistics.fmean(padding_ratio(r["padded_tokens"], r["real_tokens"]) for r in runs),
-            "accuracy": [r["accuracy"] for r in runs], "exit": ", ".join(exits)}
+    return {
+        "samples_per_s": statistics.fmean(r["samples_per_s"] for r in runs),
+        "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+        "padding": statistics.fmean(padding_ratio(r["padded_tokens"], r["real_tokens"]) for r in runs),
+        "accuracy": [r["accuracy"] for r in runs],
+        "exit": ", ".join(exits),
+    }
 
 
 def ratio(value: float, base: dict | None, key: str) -> str:
@@ -224,33 +301,58 @@ def main():
             result = run_one(command, result_file, workdir / f"{key}.log", env)
             data = result["data"]
             check_world_size(NAMES[key], data, result, workdir / f"{key}.log")
-            result["samples_per_s"] = data.get("train_samples_per_second") or data["train_samples"] / data["train_time_s"]
+            result["samples_per_s"] = (
+                data.get("train_samples_per_second") or data["train_samples"] / data["train_time_s"]
+            )
             result["accuracy"] = data["eval_accuracy"]
             counts = ours_padding(args, seed, grouped=key == "ours") if key.startswith("ours") else data
             result["padded_tokens"], result["real_tokens"] = counts["padded_tokens"], counts["real_tokens"]
             runs.setdefault(key, []).append(result)
-            print(f"  {result['samples_per_s']:.2f} samples/s, wall {result['wall_s']:.1f} s, peak RSS {result['peak_rss_mib']:.0f} MiB, "
-                  f"padded/real {padding_ratio(result['padded_tokens'], result['real_tokens']):.3f}, "
-                  f"accuracy {result['accuracy']:.4f}, {result['exit']}", flush=True)
+            print(
+                f"  {result['samples_per_s']:.2f} samples/s, wall {result['wall_s']:.1f} s, "
+                f"peak RSS {result['peak_rss_mib']:.0f} MiB, "
+                f"padded/real {padding_ratio(result['padded_tokens'], result['real_tokens']):.3f}, "
+                f"accuracy {result['accuracy']:.4f}, {result['exit']}",
+                flush=True,
+            )
 
     table = {key: summarise(value) for key, value in runs.items()}
     loop, trainer = table.get("ddp"), table.get("trainer")
-    subset = f"{args.max_train_samples} train / {args.max_eval_samples} eval reviews, " if args.max_train_samples or args.max_eval_samples else ""
-    print(f"\n{args.epochs} epochs, {subset}batch {args.batch_size}/process x 2 processes, max_length {args.max_length}, lr {args.lr}, "
-          f"seeds {' '.join(map(str, args.seeds))}{', ours with its checkpoints' if args.ours_checkpoints else ''}; {psutil.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-          f"torch CPU, gloo\n")
-    print("| contender | train samples/s | × DDP loop | × Trainer | wall time (s) | × DDP loop | × Trainer | "
-          "peak RSS / process (MiB) | padded / real tokens | eval accuracy | exit |")
+    subset = (
+        f"{args.max_train_samples} train / {args.max_eval_samples} eval reviews, "
+        if args.max_train_samples or args.max_eval_samples
+        else ""
+    )
+    print(
+        f"\n{args.epochs} epochs, {subset}batch {args.batch_size}/process x 2 processes, "
+        f"max_length {args.max_length}, lr {args.lr}, "
+        f"seeds {' '.join(map(str, args.seeds))}{', ours with its checkpoints' if args.ours_checkpoints else ''}; "
+        f"{psutil.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
+        f"torch CPU, gloo\n"
+    )
+    print(
+        "| contender | train samples/s | × DDP loop | × Trainer | wall time (s) | × DDP loop | × Trainer | "
+        "peak RSS / process (MiB) | padded / real tokens | eval accuracy | exit |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for key, r in table.items():
-        print(f"| {NAMES[key]} | {r['samples_per_s']:.2f} | {ratio(r['samples_per_s'], loop, 'samples_per_s')} | "
-              f"{ratio(r['samples_per_s'], trainer, 'samples_per_s')} | {r['wall_s']:.1f} | {ratio(r['wall_s'], loop, 'wall_s')} | "
-              f"{ratio(r['wall_s'], trainer, 'wall_s')} | {r['peak_rss_mib']:.0f} | {r['padding']:.3f} | {spread(r['accuracy'], 4)} | {r['exit']} |")
+        print(
+            f"| {NAMES[key]} | {r['samples_per_s']:.2f} | {ratio(r['samples_per_s'], loop, 'samples_per_s')} | "
+            f"{ratio(r['samples_per_s'], trainer, 'samples_per_s')} | {r['wall_s']:.1f} | "
+            f"{ratio(r['wall_s'], loop, 'wall_s')} | "
+            f"{ratio(r['wall_s'], trainer, 'wall_s')} | {r['peak_rss_mib']:.0f} | {r['padding']:.3f} | "
+            f"{spread(r['accuracy'], 4)} | {r['exit']} |"
+        )
     if len(args.seeds) > 1:
         print("\nMeans over the seeds; accuracy: mean ± sample standard deviation (min–max). Per seed:")
         for key, value in runs.items():
-            print(f"- {NAMES[key]}: " + ", ".join(f"seed {seed} {r['samples_per_s']:.2f} samples/s, {r['wall_s']:.1f} s, "
-                                                   f"accuracy {r['accuracy']:.4f}" for seed, r in zip(args.seeds, value)))
+            print(
+                f"- {NAMES[key]}: "
+                + ", ".join(
+                    f"seed {seed} {r['samples_per_s']:.2f} samples/s, {r['wall_s']:.1f} s, accuracy {r['accuracy']:.4f}"
+                    for seed, r in zip(args.seeds, value)
+                )
+            )
 
 
 if __name__ == "__main__":

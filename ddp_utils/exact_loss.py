@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from accelerate import Accelerator
 
-from .sharding import SAMPLE_WEIGHT
+from .dataloaders import SAMPLE_WEIGHT
 
 INPUT_TOKENS = "input_tokens"  # per row: its non-padding tokens, for batches without an attention_mask
 
@@ -55,7 +55,9 @@ def count_step(accelerator: Accelerator, micro_batches: list[dict], weight_key: 
     return StepSize(weight, examples, tokens)
 
 
-def global_mean_loss(per_example_loss: torch.Tensor, weights: torch.Tensor, step_weight: torch.Tensor, accelerator: Accelerator) -> torch.Tensor:
+def global_mean_loss(
+    per_example_loss: torch.Tensor, weights: torch.Tensor, step_weight: torch.Tensor, accelerator: Accelerator
+) -> torch.Tensor:
     """The loss to pass to `accelerator.backward` for one micro-batch: this rank's share of the
     mean loss over the optimizer step's real examples (or target tokens). Call it on each
     micro-batch with its per-example (or per-token) losses and weights and the step's total weight
@@ -71,5 +73,3 @@ def global_mean_loss(per_example_loss: torch.Tensor, weights: torch.Tensor, step
     """
     scale = accelerator.num_processes * accelerator.gradient_accumulation_steps
     return (per_example_loss * weights.to(per_example_loss.dtype)).sum() * scale / step_weight.clamp(min=1.0)
-
-

@@ -11,9 +11,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 
 from .classification import ConfusionMatrix
-from .metrics import gather_for_eval
+from .evaluation import gather_for_eval
+from .output import write_jsonl
+from .sharded import is_sharded
+
+logger = get_logger(__name__)
 
 NOT_A_LABEL = "(not a label)"
 MAX_LABELS = 20  # references with at most this many distinct values, each seen twice on average, are labels
@@ -25,8 +30,11 @@ def shared_prefix_length(prompts: list[list[int]], config) -> int:
     attention is windowed or chunked (`config`: the model's), where the padding that
     `LeftPaddingCollator` puts after the prefix would use up the window. No communication."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if (getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
-            or any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or [])):
+    if (
+        getattr(text, "sliding_window", None)
+        or getattr(text, "attention_chunk_size", None)
+        or any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or [])
+    ):
         return 0
     shortest = min(prompts, key=len)
     length = 0
@@ -55,8 +63,12 @@ class LeftPaddingCollator:
         for i, row in enumerate(rows):
             ids = torch.tensor(row["input_ids"])
             input_ids[i, :p], attention_mask[i, :p] = ids[:p], 1
-            input_ids[i, length - len(ids) + p:], attention_mask[i, length - len(ids) + p:] = ids[p:], 1
-        return {"index": torch.tensor([row["index"] for row in rows]), "input_ids": input_ids, "attention_mask": attention_mask}
+            input_ids[i, length - len(ids) + p :], attention_mask[i, length - len(ids) + p :] = ids[p:], 1
+        return {
+            "index": torch.tensor([row["index"] for row in rows]),
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+        }
 
 
 def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max_new_tokens: int) -> list[str]:
@@ -73,13 +85,27 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
     from transformers import GenerationConfig
 
     generator = accelerator.unwrap_model(model)
-    eos = generator.generation_config.eos_token_id if generator.generation_config.eos_token_id is not None else tokenizer.eos_token_id
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
-                              use_cache=True)
-    synced = accelerator.num_processes > 1 and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
+    eos = (
+        generator.generation_config.eos_token_id
+        if generator.generation_config.eos_token_id is not None
+        else tokenizer.eos_token_id
+    )
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+    synced = accelerator.num_processes > 1 and is_sharded(accelerator)
 
-    shared_prefix = dataloader.collate_fn.shared_prefix  # where LeftPaddingCollator put the prompts' common first tokens
-    prefix, prefix_ids = None, None  # the shared prefix's cache and tokens, from the first batch (in eval mode, on every rank)
+    shared_prefix = (
+        dataloader.collate_fn.shared_prefix
+    )  # where LeftPaddingCollator put the prompts' common first tokens
+    prefix, prefix_ids = (
+        None,
+        None,
+    )  # the shared prefix's cache and tokens, from the first batch (in eval mode, on every rank)
 
     def answer(model, batch):
         nonlocal prefix, prefix_ids
@@ -92,14 +118,24 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
                 with torch.no_grad():
                     generator(input_ids=prefix_ids, past_key_values=prefix, use_cache=True, logits_to_keep=1)
             if not torch.equal(batch["input_ids"][:, :shared_prefix], prefix_ids.expand(len(batch["input_ids"]), -1)):
-                raise RuntimeError(f"LeftPaddingCollator(shared_prefix={shared_prefix}), but these prompts do not all start "
-                                   f"with the same {shared_prefix} tokens: take it from shared_prefix_length over all the prompts")
+                raise RuntimeError(
+                    f"LeftPaddingCollator(shared_prefix={shared_prefix}), but these prompts do not all start "
+                    f"with the same {shared_prefix} tokens: take it from shared_prefix_length over all the prompts"
+                )
             cache = copy.deepcopy(prefix)
             cache.batch_repeat_interleave(len(batch["input_ids"]))
-        output = generator.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                    generation_config=config, synced_gpus=synced, past_key_values=cache)
-        new = output[:, batch["input_ids"].shape[1]:]
-        return {"index": batch["index"], "answer_ids": F.pad(new, (0, max_new_tokens - new.shape[1]), value=tokenizer.pad_token_id)}
+        output = generator.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            generation_config=config,
+            synced_gpus=synced,
+            past_key_values=cache,
+        )
+        new = output[:, batch["input_ids"].shape[1] :]
+        return {
+            "index": batch["index"],
+            "answer_ids": F.pad(new, (0, max_new_tokens - new.shape[1]), value=tokenizer.pad_token_id),
+        }
 
     results = gather_for_eval(accelerator, model, dataloader, answer)
     order = np.argsort(results["index"], kind="stable")
@@ -142,3 +178,62 @@ def answer_label(answer: str, labels: list[str]) -> str | None:
         return answer
     named = [label for label in labels if re.search(rf"(?<!\w){re.escape(label)}(?!\w)", answer)]
     return named[0] if len(named) == 1 else None
+
+
+def make_generation_dataloader(prompts, batch_size: int, tokenizer, config):
+    """The eval prompts (rows of index and input_ids, from `sft_data.tokenize_sft`) in batches for
+    `generate_answers`, longest first; the tokens every prompt starts with (a system turn, say) are
+    computed once per pass (`shared_prefix_length`). Prepare it with the Accelerator."""
+    from .dataloaders import longest_first
+
+    collate = LeftPaddingCollator(
+        tokenizer.pad_token_id, shared_prefix=shared_prefix_length(prompts["input_ids"], config)
+    )
+    columns = [c for c in prompts.column_names if c not in ("index", "input_ids")]
+    return torch.utils.data.DataLoader(
+        longest_first(prompts.remove_columns(columns)), batch_size=batch_size, collate_fn=collate
+    )
+
+
+def score_by_generation(
+    accelerator: Accelerator, model, dataloader, tokenizer, prompts, max_new_tokens: int, path: str
+):
+    """All ranks call this (it gathers every rank's answers): greedy answers to every eval prompt,
+    scored against the references of `prompts`; the main process writes prompt, reference and
+    answer to the JSONL file `path`. Returns (scores named eval_*, the labels' confusion matrix or None)."""
+    answers = generate_answers(accelerator, model, dataloader, tokenizer, max_new_tokens)
+    references = prompts["reference"]
+    scores, confusion = score_answers(answers, references)
+    rows = [
+        {"prompt": tokenizer.decode(ids), "reference": ref, "answer": answer}
+        for ids, ref, answer in zip(prompts["input_ids"], references, answers)
+    ]
+    write_jsonl(accelerator, path, rows)
+    return {f"eval_{key}": value for key, value in scores.items()}, confusion
+
+
+def show_sample(accelerator: Accelerator, model, tokenizer, prompt: str, max_new_tokens: int) -> None:
+    """A greedy continuation of `prompt`, printed by the main process, so the user sees what the
+    model learned. Skipped where the weights are sharded (every rank would have to take part).
+    Any rank may call it; no communication."""
+    if not prompt or not accelerator.is_main_process:
+        return
+    if is_sharded(accelerator):
+        logger.info("sample generation skipped: with sharded weights every rank would have to take part")
+        return
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    input_ids = torch.tensor(
+        [bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=accelerator.device
+    )
+    generator = accelerator.unwrap_model(model).eval()
+    with torch.no_grad():
+        output = generator.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            no_repeat_ngram_size=3,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    completion = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
+    print(f"\n--- sample ---\nprompt: {prompt}\nmodel:  {completion}\n--------------", flush=True)

@@ -38,7 +38,9 @@ def dequantized_gguf(model_name_or_path: str, gguf_file: str, cache_dir: str | N
     try:
         path = cached_file(model_name_or_path, gguf_file)
     except OSError as exc:
-        raise UsageError(f"GGUF file {gguf_file!r} not found in {model_name_or_path!r} ({str(exc).splitlines()[0][:160]})") from None
+        raise UsageError(
+            f"GGUF file {gguf_file!r} not found in {model_name_or_path!r} ({str(exc).splitlines()[0][:160]})"
+        ) from None
     stat = os.stat(path)
     key = hashlib.sha256(f"{os.path.realpath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     cache_dir = cache_dir or default_gguf_cache()
@@ -75,7 +77,10 @@ def _write_plain_copy(model_name_or_path: str, gguf_file: str, directory: str) -
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [name for name in missing if name not in _tied(plain)]:
-        raise UsageError(f"the GGUF checkpoint's weights do not fit its architecture (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise UsageError(
+            f"the GGUF checkpoint's weights do not fit its architecture (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]})"
+        )
     plain.save_pretrained(directory)
     AutoTokenizer.from_pretrained(model_name_or_path, gguf_file=gguf_file).save_pretrained(directory)
 

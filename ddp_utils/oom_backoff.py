@@ -4,39 +4,36 @@ same examples, the same global batch and the same loss (`global_mean_loss` divid
 step's weight, however many micro-batches hold it). The smaller micro-batch is kept for the rest
 of the run.
 
-Why the ranks cannot hang: with the option on, a rank makes no collective between `count_step`
-and `OOMBackoff.agree`. Every micro-batch runs under DDP's `no_sync`, so its backward pass
-all-reduces nothing; and DDP's forward pass communicates only to broadcast buffers after a
-synchronising backward pass, which never comes (the run's first forward pass broadcasts them
-before any computation, on every rank). A rank that runs out of memory half-way through a forward
-or backward pass therefore leaves no other rank waiting in a collective. It stops taking
-micro-batches, and every rank meets in `agree`: one all-reduce of the ranks' out-of-memory flags.
-If none ran out, `agree` all-reduces the gradients (what DDP would have done in the last backward
-pass) and broadcasts the buffers from rank 0 (what DDP would do at the next forward pass); if any
-did, every rank drops its gradients and the step is taken again. The price: the gradient
-all-reduce no longer overlaps the backward pass, so the option is off by default.
+The script's step stays as it is; it hands its micro-batch loop to the back-off in one line:
 
-The script keeps its step in sight; this module does the chores around it:
+    loss_sum = backoff.run(forward_backward, micro_batches, step_size)
 
-    for attempt in backoff.attempts(micro_batches):   # no communication
-        for batch in attempt:                           # stops early on a rank that ran out of memory
-            with accelerator.accumulate(model), attempt.catch_oom():
-                ... forward, loss, accelerator.backward ...
-        backoff.agree(attempt, plan)                    # all ranks: the only collective of the attempt
-    ... clipping, optimizer.step(), zero_grad(), lr_scheduler.step() ...
+Without the option, `run` calls `forward_backward(micro_batches, step_size)` and nothing else.
+
+Why the ranks cannot hang: with the option on, `forward_backward` runs under DDP's `no_sync`, so
+its backward passes all-reduce nothing; and DDP's forward pass communicates only to broadcast
+buffers after a synchronising backward pass, which never comes (the run's first forward pass
+broadcasts them before any computation, on every rank). A rank that runs out of memory half-way
+through a forward or backward pass therefore leaves no other rank waiting in a collective: its
+`forward_backward` stops with the error, and every rank meets in one all-reduce of the ranks'
+out-of-memory flags. If none ran out, the gradients are all-reduced (what DDP would have done in
+the last backward pass) and the buffers broadcast from rank 0 (what DDP would do at the next
+forward pass); if any did, every rank drops its gradients and calls `forward_backward` again. The
+price: the gradient all-reduce no longer overlaps the backward pass, so the option is off by
+default.
 """
 
 from __future__ import annotations
 
 import gc
 import math
-from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from .errors import UsageError
+from .sharded import is_sharded
 
 logger = get_logger(__name__)
 
@@ -63,118 +60,92 @@ def split_batch(batch: dict, rows: int) -> list[dict]:
     return parts
 
 
-class Attempt:
-    """One try at an optimizer step on this rank: its micro-batches (iterate over it) and the
-    context that catches an out-of-memory error in one of them (`catch_oom`). Made by
-    `OOMBackoff.attempts`; no method communicates."""
-
-    def __init__(self, backoff: OOMBackoff, micro_batches: list[dict]):
-        self.backoff, self.micro_batches = backoff, micro_batches
-        self.out_of_memory = False  # on this rank
-        self.settled = self.retry = False  # set by OOMBackoff.agree
-
-    def __iter__(self):
-        for batch in self.micro_batches:
-            if self.out_of_memory:
-                return  # the step is taken again; the rest would only run out of memory too
-            yield batch
-
-    @contextmanager
-    def catch_oom(self):
-        """The context of one micro-batch's forward and backward pass: with --oom_backoff, no DDP
-        gradient sync (`OOMBackoff.agree` all-reduces the gradients instead), and a
-        `torch.OutOfMemoryError` caught and noted; without, nothing."""
-        if not self.backoff.enabled:
-            yield
-            return
-        with self.backoff.accelerator.no_sync(self.backoff.model):
-            try:
-                yield
-            except torch.OutOfMemoryError:  # dropped with its traceback, which holds the activations
-                self.out_of_memory = True
-
-
 class OOMBackoff:
     """The out-of-memory back-off of --oom_backoff (see the module's docstring); with the option
-    off, `attempts` yields each step's micro-batches once and `agree` does nothing.
+    off, `run` calls the step's function once and does nothing else.
 
     Build it on every rank after `accelerator.prepare` (it needs the DDP-wrapped model) and before
     `prepare_output_dir`: it refuses FSDP, DeepSpeed and SyncBatchNorm, whose forward or backward
     passes communicate, before anything is written. No communication.
     """
 
-    def __init__(self, accelerator: Accelerator, args, model):
-        self.accelerator, self.model, self.enabled = accelerator, model, bool(getattr(args, "oom_backoff", False))
+    def __init__(self, accelerator: Accelerator, args, model, plan):
+        self.accelerator, self.model, self.plan = accelerator, model, plan
+        self.enabled = bool(getattr(args, "oom_backoff", False))
         self.per_device, self.accumulation = args.per_device_train_batch_size, accelerator.gradient_accumulation_steps
         self.micro_batch = self.per_device  # rows per micro-batch on each rank, halved by each back-off
         self.events: list[dict] = []
         if self.enabled:
             check_oom_backoff(accelerator, model)
 
-    def attempts(self, micro_batches: list[dict]):
-        """This rank's micro-batches of one optimizer step, as an `Attempt`; after an `agree` that
-        found an out-of-memory error on some rank, the same micro-batches again in smaller ones.
-        No communication: `agree` is the collective, and each attempt must be followed by it."""
-        while True:
-            if self.enabled:
-                attempt = Attempt(self, [part for batch in micro_batches for part in split_batch(batch, self.micro_batch)])
-            else:
-                attempt = Attempt(self, micro_batches)
-            yield attempt
-            if not attempt.settled:
-                raise RuntimeError("each attempt of a step must end with backoff.agree(attempt, plan) on every rank")
-            if not attempt.retry:
-                return
-
-    def agree(self, attempt: Attempt, plan) -> None:
-        """All ranks call this after each attempt of an optimizer step (with --oom_backoff; without,
-        it does nothing). One all-reduce of the ranks' out-of-memory flags, then on every rank:
-
-        - if no rank ran out of memory, the gradients are all-reduced (their mean, in buckets),
-          the buffers broadcast from rank 0, and the step is ready for clipping and the optimizer;
-        - if one did, every rank drops its gradients, and the micro-batch is halved for another
-          attempt at the same step (and for the rest of the run), logged and recorded; at a
-          micro-batch of 1 a `UsageError` says the model does not fit, on every rank.
-        """
-        attempt.settled = True
+    def run(self, forward_backward, micro_batches: list[dict], *args):
+        """All ranks call this once per optimizer step (with --oom_backoff it all-reduces): returns
+        `forward_backward(micro_batches, *args)`, the forward and backward passes over this rank's
+        micro-batches of the step. With --oom_backoff, they run without DDP's gradient sync, in
+        micro-batches of the current size; then every rank learns whether any ran out of memory
+        (one all-reduce). If none did, the gradients are all-reduced and the step is ready for
+        clipping and the optimizer; if one did, every rank drops its gradients, halves the
+        micro-batch and runs the step again. At a micro-batch of 1 a `UsageError` says the model
+        does not fit, on every rank."""
         if not self.enabled:
-            return
+            return forward_backward(micro_batches, *args)
+        while True:
+            parts = [part for batch in micro_batches for part in split_batch(batch, self.micro_batch)]
+            result, out_of_memory = None, False
+            with self.accelerator.no_sync(self.model):
+                try:
+                    result = forward_backward(parts, *args)
+                except torch.OutOfMemoryError:  # dropped with its traceback, which holds the activations
+                    out_of_memory = True
+            ranks = self._ranks_out_of_memory(out_of_memory)
+            if not ranks:
+                _reduce_gradients(self.model, self.accelerator.num_processes)
+                _broadcast_buffers(self.model)
+                self.accelerator.sync_gradients = True  # the gradient is complete: optimizer.step() and zero_grad() act
+                return result
+            result = None  # a dropped attempt's loss holds its graph: free it before the step is taken again
+            _drop_gradients(self.model, self.accelerator.device)
+            self._back_off(ranks, self.plan.step + 1)
+
+    def _ranks_out_of_memory(self, out_of_memory: bool) -> list[int]:
+        """The ranks that ran out of memory in this attempt (one all-reduce of the flags)."""
         accelerator = self.accelerator
         flags = torch.zeros(accelerator.num_processes, device=accelerator.device)
-        flags[accelerator.process_index] = float(attempt.out_of_memory)
+        flags[accelerator.process_index] = float(out_of_memory)
         if accelerator.num_processes > 1:
             torch.distributed.all_reduce(flags)
-        ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
-        if not ranks:
-            _reduce_gradients(self.model, accelerator.num_processes)
-            _broadcast_buffers(self.model)
-            accelerator.sync_gradients = True  # the gradient is complete: optimizer.step() and zero_grad() act
-            return
-        _drop_gradients(self.model, accelerator.device)
-        self._back_off(ranks, plan.step + 1)
-        attempt.retry = True
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
     def _back_off(self, ranks: list[int], step: int) -> None:
         """Halve the micro-batch after an out-of-memory error on `ranks` in optimizer step `step`,
         or refuse to go on at one row. Every rank calls it with the same arguments."""
         where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ran out of memory in step {step}"
         if self.micro_batch == 1:
-            raise UsageError(f"{where} with a micro-batch of 1 example per process: the model does not fit. Shard it "
-                             "(accelerate_configs/fsdp.yaml or deepspeed_zero3.yaml), use gradient checkpointing, "
-                             "shorter sequences or LoRA")
+            raise UsageError(
+                f"{where} with a micro-batch of 1 example per process: the model does not fit. Shard it "
+                "(accelerate_configs/fsdp.yaml or deepspeed_zero3.yaml), use gradient checkpointing, "
+                "shorter sequences or LoRA"
+            )
         self.micro_batch = math.ceil(self.micro_batch / 2)
         accumulation = self.accumulation * math.ceil(self.per_device / self.micro_batch)
-        self.events.append({"step": step, "ranks": ranks, "micro_batch": self.micro_batch, "micro_batches_per_step": accumulation})
-        logger.warning(f"{where}: every rank dropped the step and takes it again in micro-batches of {self.micro_batch} "
-                       f"({accumulation} per step and process instead of {self.accumulation}), for the rest of the run; "
-                       "the global batch and the loss are unchanged")
+        self.events.append(
+            {"step": step, "ranks": ranks, "micro_batch": self.micro_batch, "micro_batches_per_step": accumulation}
+        )
+        logger.warning(
+            f"{where}: every rank dropped the step and takes it again in micro-batches of {self.micro_batch} "
+            f"({accumulation} per step and process instead of {self.accumulation}), for the rest of the run; "
+            "the global batch and the loss are unchanged"
+        )
 
     def facts(self) -> dict:
         """What metrics.json records of the back-off (nothing without --oom_backoff). No communication."""
         if not self.enabled:
             return {}
-        return {"oom_backoffs": self.events, "oom_backoff_micro_batch": self.micro_batch,
-                "oom_backoff_micro_batches_per_step": self.accumulation * math.ceil(self.per_device / self.micro_batch)}
+        return {
+            "oom_backoffs": self.events,
+            "oom_backoff_micro_batch": self.micro_batch,
+            "oom_backoff_micro_batches_per_step": self.accumulation * math.ceil(self.per_device / self.micro_batch),
+        }
 
 
 def check_oom_backoff(accelerator: Accelerator, model) -> None:
@@ -184,16 +155,22 @@ def check_oom_backoff(accelerator: Accelerator, model) -> None:
     smaller micro-batch changes the math: BatchNorm normalises over each micro-batch. Every rank
     calls it; no communication."""
     kind = accelerator.distributed_type.value
-    if kind in ("FSDP", "DEEPSPEED"):
-        raise UsageError(f"--oom_backoff works with DDP only, not {kind}: its forward and backward passes communicate, so "
-                         "a rank out of memory would leave the others waiting; drop --oom_backoff (a sharded model needs "
-                         "less memory per GPU already)")
+    if is_sharded(accelerator):
+        raise UsageError(
+            f"--oom_backoff works with DDP only, not {kind}: its forward and backward passes communicate, so "
+            "a rank out of memory would leave the others waiting; drop --oom_backoff (a sharded model needs "
+            "less memory per GPU already)"
+        )
     if any(isinstance(module, torch.nn.SyncBatchNorm) for module in model.modules()):
-        raise UsageError("--oom_backoff cannot be used with --sync_batchnorm: SyncBatchNorm all-reduces in the forward pass, "
-                         "so a rank out of memory would leave the others waiting; drop one of them")
+        raise UsageError(
+            "--oom_backoff cannot be used with --sync_batchnorm: SyncBatchNorm all-reduces in the forward pass, "
+            "so a rank out of memory would leave the others waiting; drop one of them"
+        )
     if any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()):
-        logger.warning("--oom_backoff with BatchNorm: after a back-off BatchNorm normalises over smaller micro-batches, "
-                       "which changes the model's function (the loss is otherwise the same)")
+        logger.warning(
+            "--oom_backoff with BatchNorm: after a back-off BatchNorm normalises over smaller micro-batches, "
+            "which changes the model's function (the loss is otherwise the same)"
+        )
 
 
 def _reduce_gradients(model, world_size: int) -> None:

@@ -19,8 +19,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from .io import write_json
-from .tracking import describe, loggable_args, peak_memory_mb, read_train_log
+from .output import write_json
+from .redact import loggable_args
+from .training_log import describe, peak_memory_mb, read_train_log
 
 logger = get_logger(__name__)
 
@@ -39,7 +40,9 @@ TRAINING_PANELS = {
 _EVAL_COUNTS = ("eval/examples", "eval/tokens", "eval/sequences")
 
 
-def write_results(accelerator: Accelerator, args, plan, scores: dict, extra: dict | None = None, confusion=None) -> dict:
+def write_results(
+    accelerator: Accelerator, args, plan, scores: dict, extra: dict | None = None, confusion=None
+) -> dict:
     """All ranks call this at the end of training (it gathers each rank's peak memory): the main
     process writes metrics.json (the last evaluation's `scores`, the run's facts from `plan`, peak
     memory per rank and `extra`, what the script reports about its data), training_args.json
@@ -47,7 +50,10 @@ def write_results(accelerator: Accelerator, args, plan, scores: dict, extra: dic
     the last evaluation, its picture too). Returns the metrics, on every rank."""
     memory = peak_memory_mb(accelerator.device)
     per_rank = accelerator.gather(torch.tensor([list(memory.values())], device=accelerator.device)).cpu()
-    facts = {**plan.facts(), **{f"{name}_per_rank": [round(v, 1) for v in per_rank[:, i].tolist()] for i, name in enumerate(memory)}}
+    facts = {
+        **plan.facts(),
+        **{f"{name}_per_rank": [round(v, 1) for v in per_rank[:, i].tolist()] for i, name in enumerate(memory)},
+    }
     metrics = {**scores, **facts, **(extra or {})}
     output_dir = args.output_dir
     write_json(accelerator, f"{output_dir}/metrics.json", metrics)
@@ -131,7 +137,9 @@ def plot_confusion_matrix(counts: np.ndarray, label_names: list[str], path: str)
     if len(label_names) <= 30:
         threshold = counts.max() / 2 if counts.size else 0
         for (i, j), value in np.ndenumerate(counts):
-            ax.text(j, i, str(value), ha="center", va="center", fontsize=8, color="white" if value > threshold else "black")
+            ax.text(
+                j, i, str(value), ha="center", va="center", fontsize=8, color="white" if value > threshold else "black"
+            )
     figure.savefig(path)
 
 
@@ -158,15 +166,27 @@ def write_report(output_dir: str, summary: dict, final_scores: dict, confusion=N
     try:
         pictures = {}
         if plot_training(records, os.path.join(staging, "training.png")):
-            pictures["training.png"] = "Training: loss, learning rate, gradient norm, throughput and memory per optimizer step"
+            pictures["training.png"] = (
+                "Training: loss, learning rate, gradient norm, throughput and memory per optimizer step"
+            )
         if plot_eval(records, os.path.join(staging, "eval.png")):
             pictures["eval.png"] = "Evaluation after each epoch"
         if confusion is not None:
             plot_confusion_matrix(confusion.counts, confusion.labels, os.path.join(staging, "confusion_matrix.png"))
             with open(os.path.join(staging, "confusion_matrix.json"), "w") as handle:
-                json.dump({"labels": confusion.labels, "counts": confusion.counts.tolist(), "rows": "true label", "columns": "predicted label"},
-                          handle, indent=1)
-            pictures["confusion_matrix.png"] = "Confusion matrix on the evaluation set (rows: true label; columns: predicted)"
+                json.dump(
+                    {
+                        "labels": confusion.labels,
+                        "counts": confusion.counts.tolist(),
+                        "rows": "true label",
+                        "columns": "predicted label",
+                    },
+                    handle,
+                    indent=1,
+                )
+            pictures["confusion_matrix.png"] = (
+                "Confusion matrix on the evaluation set (rows: true label; columns: predicted)"
+            )
         lines = [f"# Run report: {os.path.basename(os.path.abspath(output_dir))}", "", "| | |", "|---|---|"]
         lines += [f"| {label} | {value} |" for label, value in summary.items()]
         if final_scores:
@@ -174,7 +194,11 @@ def write_report(output_dir: str, summary: dict, final_scores: dict, confusion=N
             lines += [f"| {name} | {_number(value)} |" for name, value in final_scores.items()]
         for name, caption in pictures.items():
             lines += ["", f"## {caption}", "", f"![{caption}]({name})"]
-        lines += ["", "Every logged value is in `../train_log.jsonl`; the TensorBoard events (if any) in `../runs/`.", ""]
+        lines += [
+            "",
+            "Every logged value is in `../train_log.jsonl`; the TensorBoard events (if any) in `../runs/`.",
+            "",
+        ]
         with open(os.path.join(staging, "README.md"), "w") as handle:
             handle.write("\n".join(lines))
         target = os.path.join(output_dir, REPORT_DIR)
@@ -190,7 +214,9 @@ def summary_table(args, facts: dict, extra: dict | None = None) -> dict:
     """The report's summary rows from the run's options, `StepPlan.facts()` and what the
     script reported about its data (`extra`: skipped images, dropped tokens, ...)."""
     dataset, config = getattr(args, "dataset_name", None), getattr(args, "dataset_config_name", None)
-    data = getattr(args, "train_file", None) or (f"{dataset} ({config})" if config else dataset) or "the offline demo data"
+    data = (
+        getattr(args, "train_file", None) or (f"{dataset} ({config})" if config else dataset) or "the offline demo data"
+    )
     trained = [f"{facts['train_samples_seen']:,} samples"]
     if "train_tokens_seen" in facts:
         trained.append(f"{facts['train_tokens_seen']:,} tokens")
@@ -204,18 +230,24 @@ def summary_table(args, facts: dict, extra: dict | None = None) -> dict:
         "trained on": ", ".join(trained),
         "wall time": f"{_duration(facts['wall_time_s'])} (training steps {_duration(facts['train_runtime_s'])})",
         "throughput": f"{facts['train_samples_per_second']:,.1f} samples/s"
-                      + (f", {facts['train_tokens_per_second']:,.0f} tokens/s" if "train_tokens_per_second" in facts else "") + " (all processes)",
-        "peak memory per process": ", ".join(f"{value:,.0f} MB" for value in facts["peak_memory_mb_per_rank"]) + " (host)",
+        + (f", {facts['train_tokens_per_second']:,.0f} tokens/s" if "train_tokens_per_second" in facts else "")
+        + " (all processes)",
+        "peak memory per process": ", ".join(f"{value:,.0f} MB" for value in facts["peak_memory_mb_per_rank"])
+        + " (host)",
     }
     if facts.get("peak_gpu_memory_mb_per_rank"):
-        rows["peak GPU memory per process"] = ", ".join(f"{value:,.0f} MB" for value in facts["peak_gpu_memory_mb_per_rank"])
+        rows["peak GPU memory per process"] = ", ".join(
+            f"{value:,.0f} MB" for value in facts["peak_gpu_memory_mb_per_rank"]
+        )
     for name, value in (extra or {}).items():
         if isinstance(value, (int, float, str)):
             rows[name.replace("_", " ")] = _number(value)
     return rows
 
 
-def plot_runs(output_dirs: list[str], path: str, keys: list[str] | None = None, names: list[str] | None = None) -> list[str]:
+def plot_runs(
+    output_dirs: list[str], path: str, keys: list[str] | None = None, names: list[str] | None = None
+) -> list[str]:
     """Draw the curves of several runs on shared axes, one panel per logged key (default: train
     loss and every evaluation score any of them logged), one line per run, into the PNG `path`.
     Returns the keys drawn."""

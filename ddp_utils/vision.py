@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from .sharding import EPOCH, SAMPLE_WEIGHT
+from .dataloaders import EPOCH, SAMPLE_WEIGHT
 from .errors import UsageError
 
 logger = get_logger(__name__)
@@ -24,9 +24,8 @@ EXAMPLE_ID = "example_id"  # each training image's index: with the seed and epoc
 def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
     """`(row, name)` of every image in `dataset` that PIL cannot open or fully decode (not an
     image, truncated, damaged). Decodes each image once; any rank may call it."""
-    from PIL import Image
-
     import datasets
+    from PIL import Image
 
     raw = dataset.cast_column(image_column, datasets.Image(decode=False))
     bad = []
@@ -40,6 +39,20 @@ def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
     return bad
 
 
+def check_class_folders(raw, train_dir: str, label_column: str) -> None:
+    """Refuse an image folder whose images are not in class subfolders: `imagefolder` then gives
+    them no label, and a classifier needs at least two classes. Any rank may call it."""
+    train = raw["train"] if "train" in raw else None
+    if train is not None and (
+        label_column not in train.column_names or train.with_format("arrow")[label_column].null_count
+    ):
+        raise UsageError(
+            f"--train_dir {train_dir!r} holds images of one class only (its images are not in class "
+            "subfolders); a classifier needs at least two: put each class's images in its own subfolder "
+            "(train/cat/*.jpg, train/dog/*.jpg, ...)"
+        )
+
+
 def drop_bad_images(raw, image_column: str, skip: bool) -> dict:
     """Check every split's images; refuse unreadable ones with their count and names, or with
     `skip`, drop them and return how many each split lost (for the report). Any rank may call it."""
@@ -48,10 +61,14 @@ def drop_bad_images(raw, image_column: str, skip: bool) -> dict:
         bad = find_bad_images(raw[split], image_column)
         if bad and not skip:
             names = ", ".join(name for _, name in bad[:10]) + (", ..." if len(bad) > 10 else "")
-            raise UsageError(f"{len(bad)} {split} image(s) cannot be read: {names}. Fix or remove them, "
-                             "or pass --skip_bad_images to train without them")
+            raise UsageError(
+                f"{len(bad)} {split} image(s) cannot be read: {names}. Fix or remove them, "
+                "or pass --skip_bad_images to train without them"
+            )
         if bad:
-            logger.warning(f"{split}: skipping {len(bad)} unreadable image(s): {', '.join(name for _, name in bad[:10])}")
+            logger.warning(
+                f"{split}: skipping {len(bad)} unreadable image(s): {', '.join(name for _, name in bad[:10])}"
+            )
             bad_rows = {row for row, _ in bad}
             raw[split] = raw[split].select([i for i in range(len(raw[split])) if i not in bad_rows])
         skipped[f"{split}_images_skipped"] = len(bad)
@@ -81,8 +98,16 @@ class ImageCollator:
     dataloader with `make_train_dataloader(..., epoch_in_rows=True)`.
     """
 
-    def __init__(self, image_processor, image_column: str, label_column: str, num_channels: int, augment: bool = False,
-                 flip: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        image_processor,
+        image_column: str,
+        label_column: str,
+        num_channels: int,
+        augment: bool = False,
+        flip: bool = False,
+        seed: int = 0,
+    ):
         self.image_processor, self.image_column, self.label_column = image_processor, image_column, label_column
         self.mode = "RGB" if num_channels == 3 else "L"
         self.augment, self.flip, self.seed = augment, flip, seed
@@ -90,8 +115,10 @@ class ImageCollator:
     def __call__(self, rows: list[dict]) -> dict:
         images = [row[self.image_column].convert(self.mode) for row in rows]
         if self.augment:
-            images = [random_shift(image, np.random.default_rng([self.seed, row[EPOCH], row[EXAMPLE_ID]]), flip=self.flip)
-                      for image, row in zip(images, rows)]
+            images = [
+                random_shift(image, np.random.default_rng([self.seed, row[EPOCH], row[EXAMPLE_ID]]), flip=self.flip)
+                for image, row in zip(images, rows)
+            ]
         pixels = self.image_processor(images, return_tensors="pt")["pixel_values"]  # resized, rescaled, normalised
         batch = {"pixel_values": pixels, "labels": torch.tensor([row[self.label_column] for row in rows])}
         if SAMPLE_WEIGHT in rows[0]:
@@ -109,8 +136,10 @@ def check_sync_batchnorm(accelerator: Accelerator) -> None:
     Measured with torch 2.13: SyncBatchNorm refuses CPU tensors in a multi-process run ("expected
     input tensor to be on GPU or XPU"), which would surface inside the first forward pass."""
     if accelerator.device.type not in ("cuda", "xpu"):
-        raise UsageError("--sync_batchnorm needs GPUs: torch's SyncBatchNorm refuses CPU tensors. On CPU drop the flag "
-                         "(each process then normalises over its own per-process batch; see the README)")
+        raise UsageError(
+            "--sync_batchnorm needs GPUs: torch's SyncBatchNorm refuses CPU tensors. On CPU drop the flag "
+            "(each process then normalises over its own per-process batch; see the README)"
+        )
 
 
 def convert_sync_batchnorm(model):

@@ -35,10 +35,12 @@ def describe_ranks(accelerator):
     """One line per rank, gathered to the main process and printed in rank order."""
     from accelerate.utils import gather_object
 
-    line = (f"rank {accelerator.process_index}/{accelerator.num_processes}  local rank {accelerator.local_process_index}  "
-            f"node {socket.gethostname()} (machine rank {os.environ.get('GROUP_RANK', os.environ.get('NODE_RANK', '0'))})  "
-            f"device {accelerator.device}  backend {dist.get_backend() if dist.is_initialized() else 'none'}  "
-            f"{accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision}")
+    line = (
+        f"rank {accelerator.process_index}/{accelerator.num_processes}  local rank {accelerator.local_process_index}  "
+        f"node {socket.gethostname()} (machine rank {os.environ.get('GROUP_RANK', os.environ.get('NODE_RANK', '0'))})  "
+        f"device {accelerator.device}  backend {dist.get_backend() if dist.is_initialized() else 'none'}  "
+        f"{accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision}"
+    )
     if accelerator.device.type == "cuda":
         line += f"  ({torch.cuda.get_device_name(accelerator.device)})"
     lines = gather_object([line])
@@ -55,7 +57,9 @@ def check_all_reduce(accelerator) -> bool:
     verdicts = accelerator.gather(torch.tensor([1.0 if ok else 0.0], device=accelerator.device))
     bad = [rank for rank, verdict in enumerate(verdicts.tolist()) if verdict < 1.0]
     if accelerator.is_main_process:
-        print(f"all-reduce correctness over {n} processes: " + ("OK" if not bad else f"FAILED on ranks {bad}"), flush=True)
+        print(
+            f"all-reduce correctness over {n} processes: " + ("OK" if not bad else f"FAILED on ranks {bad}"), flush=True
+        )
     return not bad
 
 

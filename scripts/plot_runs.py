@@ -12,7 +12,7 @@ import argparse
 import os
 
 from ddp_utils.report import plot_runs
-from ddp_utils.tracking import TRAIN_LOG
+from ddp_utils.training_log import TRAIN_LOG
 
 
 def main():
@@ -20,13 +20,18 @@ def main():
     p.add_argument("output_dirs", nargs="+", help="output directories of finished (or running) runs")
     p.add_argument("--out", default="runs.png", help="the PNG to write")
     p.add_argument("--keys", nargs="+", default=None, help="what to draw (default: train/loss and every eval score)")
-    p.add_argument("--names", nargs="+", default=None, help="legend names, one per directory (default: the directory names)")
+    p.add_argument(
+        "--names", nargs="+", default=None, help="legend names, one per directory (default: the directory names)"
+    )
     args = p.parse_args()
     without_log = [d for d in args.output_dirs if not os.path.isfile(os.path.join(d, TRAIN_LOG))]
     if without_log:
         p.exit(2, f"error: no {TRAIN_LOG} in {', '.join(without_log)}: give the output_dir of a run\n")
     if args.names and len(args.names) != len(args.output_dirs):
-        p.exit(2, f"error: {len(args.names)} --names for {len(args.output_dirs)} directories; give one name per directory\n")
+        p.exit(
+            2,
+            f"error: {len(args.names)} --names for {len(args.output_dirs)} directories; give one name per directory\n",
+        )
     try:
         keys = plot_runs(args.output_dirs, args.out, keys=args.keys, names=args.names)
     except ValueError as error:

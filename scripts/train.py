@@ -17,12 +17,7 @@ import datasets
 import torch
 import torch.nn.functional as F
 from accelerate.logging import get_logger
-from transformers import (
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-    get_linear_schedule_with_warmup,
-)
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
@@ -34,26 +29,23 @@ logger = get_logger(__name__)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Model and data. Nothing given: the offline demo model and data.
-    p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: packaged all-MiniLM-L6-v2)")
+    p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo's)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name, e.g. glue")
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration, e.g. sst2")
     p.add_argument("--train_file", default=None, help="local training data: .csv, .tsv, .json, .jsonl or .parquet")
     p.add_argument("--validation_file", default=None, help="local validation data, same formats")
-    p.add_argument("--text_column", default="text", help="text column, or two comma-separated columns for sentence pairs")
+    p.add_argument("--text_column", default="text", help="text column, or two comma-separated ones for pairs")
     p.add_argument("--label_column", default="label", help="label column; labels may be strings or integers")
     p.add_argument("--max_length", type=int, default=128, help="truncate inputs to this many tokens")
-    p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training examples (quick runs)")
+    p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training examples")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation examples")
-    ddp_utils.add_training_args(p, learning_rate=1e-4, per_device_train_batch_size=8, per_device_eval_batch_size=32,
-                                num_train_epochs=3, output_dir="outputs/train", lengths=True)
+    ddp_utils.add_training_args(p, lengths=True)  # batch sizes, learning rate, checkpoints, output, tracking
+    p.set_defaults(learning_rate=1e-4, per_device_eval_batch_size=32, output_dir="outputs/train")
     args = p.parse_args(argv)
 
     ddp_utils.check_training_args(args)
-    ddp_utils.check_positive(args, "max_length", "max_train_samples", "max_eval_samples")
-    if bool(args.train_file) != bool(args.validation_file):
-        raise UsageError("give both --train_file and --validation_file (or neither)")
-    if args.dataset_name and args.train_file:
-        raise UsageError("give either --dataset_name or --train_file/--validation_file, not both")
+    ddp_utils.check_data_args(args, "train_file", "validation_file", both=True)
+    ddp_utils.check_positive(args, "max_length")
     args.text_columns = [c.strip() for c in args.text_column.split(",") if c.strip()]
     if not 1 <= len(args.text_columns) <= 2:
         raise UsageError(f"--text_column takes one column or two comma-separated ones, got {args.text_column!r}")
@@ -69,6 +61,8 @@ def load_raw_datasets(args):
     if args.dataset_name:
         return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
     return load_demo_reviews()
+
+
 # ==============================================================================
 
 
@@ -76,15 +70,15 @@ def prepare_data(args):
     """Load, check and tokenize the data; load the tokenizer and the model's config (with the
     labels). Runs on the main process first, then on the others."""
     columns = {**{c: "--text_column" for c in args.text_columns}, args.label_column: "--label_column"}
-    raw = ddp_utils.check_splits(load_raw_datasets(args), columns, "--train_file/--validation_file or --dataset_name",
-                                 limits={"train": args.max_train_samples, "validation": args.max_eval_samples})
+    limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
+    raw = ddp_utils.check_splits(load_raw_datasets(args), columns, limits=limits)
     label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
     config = ddp_utils.load_model_config(args.model_name_or_path, **ddp_utils.label_config(label_names))
     ddp_utils.fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    model_limit = tokenizer.model_max_length if tokenizer.model_max_length < 100_000 else config.max_position_embeddings
-    if args.max_length > model_limit:
-        raise UsageError(f"--max_length {args.max_length} is above this model's limit of {model_limit} tokens; lower it")
+    limit = tokenizer.model_max_length if tokenizer.model_max_length < 100_000 else config.max_position_embeddings
+    if args.max_length > limit:
+        raise UsageError(f"--max_length {args.max_length} is above this model's limit of {limit} tokens; lower it")
 
     def tokenize(batch):
         encoded = tokenizer(*(batch[c] for c in args.text_columns), truncation=True, max_length=args.max_length)
@@ -103,62 +97,50 @@ def main():
 
     tokenized, tokenizer, config = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
     # Every rank builds the model at the same time: under DeepSpeed ZeRO-3 building it is a collective.
-    model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, config=config, ignore_mismatched_sizes=True)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model_name_or_path, config=config, ignore_mismatched_sizes=True
+    )  # a new head
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
-    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
-    lengths = [len(ids) for ids in tokenized["train"]["input_ids"]] if args.group_by_length else None
-    train_dataloader = ddp_utils.make_train_dataloader(
-        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate, lengths=lengths,
-        num_workers=args.num_workers,
-    )
-    padding = {"train_padding_waste": ddp_utils.padding_waste(train_dataloader)}  # padded / real tokens in the first epoch
-    # Longest first: little padding, and the peak memory shows at the first batch (the scores do not depend on the order).
-    eval_dataloader = torch.utils.data.DataLoader(ddp_utils.longest_first(tokenized["validation"]),
-                                                  batch_size=args.per_device_eval_batch_size, collate_fn=collate)
+    multiple = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
+    collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=multiple)
+    train_dataloader = ddp_utils.make_train_dataloader(tokenized["train"], args, accelerator, collate)
+    eval_dataloader = ddp_utils.make_eval_dataloader(tokenized["validation"], args, collate)  # longest first
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval examples")
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # no decay on biases and norms
-    plan = ddp_utils.StepPlan(accelerator, args, train_dataloader)  # how many steps and epochs; where the run stands
-    checkpointer = ddp_utils.Checkpointer(accelerator, args, model)  # saves when due or on SIGTERM; resumes
-    lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * plan.max_train_steps), plan.max_train_steps)
+    plan = ddp_utils.StepPlan(accelerator, args, train_dataloader)  # how many steps and epochs; where the run is
+    lr_scheduler = ddp_utils.make_lr_scheduler(optimizer, args, plan.max_train_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    logger.info(f"optimizer: {ddp_utils.describe_optimizer(optimizer)}")
-    backoff = ddp_utils.OOMBackoff(accelerator, args, model)  # --oom_backoff: smaller micro-batches after an out-of-memory error
-    ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
-    checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
-    log = ddp_utils.TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar
+    checkpointer, log, backoff = ddp_utils.start_training(accelerator, args, model, optimizer, plan)  # all ranks
 
-    # Calls marked "all ranks" are collectives (so is most of the set-up above): every rank makes
-    # them, in the same order. Never make one under `if accelerator.is_main_process`, and never
-    # leave the loop on one rank alone: the other ranks would wait for ever.
+    def forward_backward(micro_batches, step_size):  # this rank's share of one optimizer step
+        loss_sum = torch.zeros((), device=accelerator.device)
+        for batch in micro_batches:
+            with accelerator.accumulate(model):  # DDP syncs the gradients on the last micro-batch only
+                weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
+                losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per example
+                # The mean over the step's examples on all ranks, not over this micro-batch.
+                accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
+                loss_sum += (losses.detach() * weights).sum()
+        return loss_sum
+
+    # Calls marked "all ranks" are collectives: every rank makes them, in the same order. Never make
+    # one under `if accelerator.is_main_process`, and never leave the loop on one rank alone.
     scores, confusion = {}, None
     for epoch in plan.epochs():
         model.train()
-        for micro_batches in plan.optimizer_steps(train_dataloader, epoch):  # this rank's share of one optimizer step
-            # all ranks: what the whole step holds, read from the batches' weights before the loss pops them
-            step_size = ddp_utils.count_step(accelerator, micro_batches)
-            for attempt in backoff.attempts(micro_batches):  # once; with --oom_backoff, again in halves after an out-of-memory error
-                loss_sum = torch.zeros((), device=accelerator.device)
-                for batch in attempt:
-                    # Gradients are synchronised on the last micro-batch only (with --oom_backoff: by `agree`, below).
-                    with accelerator.accumulate(model), attempt.catch_oom():
-                        weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
-                        losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per example
-                        # The mean over the step's examples on all ranks, not over this micro-batch.
-                        accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
-                        loss_sum += (losses.detach() * weights).sum()
-                losses = None  # a dropped attempt's graph holds its activations: free them before the step is taken again
-                backoff.agree(attempt, plan)  # all ranks: with --oom_backoff, did any rank run out of memory? If none, sync the gradients
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # all ranks: the gradient is complete
+        for micro_batches in plan.optimizer_steps(train_dataloader, epoch):
+            step_size = ddp_utils.count_step(accelerator, micro_batches)  # all ranks: what the whole step holds
+            loss_sum = backoff.run(forward_backward, micro_batches, step_size)  # --oom_backoff: in halves after OOM
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # all ranks
             optimizer.step()
             optimizer.zero_grad()
             learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step used
             lr_scheduler.step()
-
-            plan.advance(step_size)  # count the step taken; no communication
+            plan.advance(step_size)  # count the step; no communication
             log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:
@@ -172,7 +154,7 @@ def main():
 
     log.close()
     ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)  # all ranks
-    ddp_utils.write_results(accelerator, args, plan, scores, {**padding, **backoff.facts()}, confusion=confusion)  # all ranks: metrics.json, report/
+    ddp_utils.write_results(accelerator, args, plan, scores, backoff.facts(), confusion=confusion)  # all ranks
     accelerator.end_training()
 
 

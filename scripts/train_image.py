@@ -18,12 +18,19 @@ import datasets
 import torch
 import torch.nn.functional as F
 from accelerate.logging import get_logger
-from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification, get_linear_schedule_with_warmup
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification
 
 import ddp_utils
-from ddp_utils import SAMPLE_WEIGHT, UsageError
+from ddp_utils import SAMPLE_WEIGHT
 from ddp_utils.demo import demo_resnet_path, load_demo_digits
-from ddp_utils.vision import EXAMPLE_ID, ImageCollator, check_sync_batchnorm, convert_sync_batchnorm, drop_bad_images
+from ddp_utils.vision import (
+    EXAMPLE_ID,
+    ImageCollator,
+    check_class_folders,
+    check_sync_batchnorm,
+    convert_sync_batchnorm,
+    drop_bad_images,
+)
 
 logger = get_logger(__name__)
 
@@ -31,22 +38,31 @@ logger = get_logger(__name__)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Model and data. Nothing given: the demo ResNet (from scratch) on scikit-learn's digits.
-    p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo ResNet, from scratch)")
+    p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo's)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name, e.g. beans or fashion_mnist")
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration")
-    p.add_argument("--train_dir", default=None, help="local training images, one subfolder per class (train/cat/1.jpg, ...)")
-    p.add_argument("--validation_dir", default=None, help="local validation images, same layout (default: split off the training images)")
-    p.add_argument("--validation_split_percentage", type=int, default=15, help="%% of the training images held out when there is no validation (or test) split")
+    p.add_argument("--train_dir", default=None, help="local training images, a subfolder per class (train/cat/1.jpg)")
+    p.add_argument("--validation_dir", default=None, help="local validation images, same layout (default: held out)")
+    p.add_argument("--validation_split_percentage", type=int, default=15, help="%% held out without a validation split")
     p.add_argument("--image_column", default="image", help="the image column")
     p.add_argument("--label_column", default="label", help="the label column (beans calls it 'labels')")
-    p.add_argument("--augment", choices=["shift", "shift+flip", "none"], default="shift",
-                   help="training augmentation: random shifts of up to 1/8 of the size, and left-right flips")
-    p.add_argument("--skip_bad_images", action="store_true", help="train without unreadable images (counted in the report) instead of stopping")
-    p.add_argument("--sync_batchnorm", action="store_true", help="BatchNorm over the global batch, not each process's (GPUs only)")
-    p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training images (quick runs)")
+    p.add_argument(
+        "--augment",
+        choices=["shift", "shift+flip", "none"],
+        default="shift",
+        help="training augmentation: random shifts of up to 1/8 of the size, and left-right flips",
+    )
+    p.add_argument("--skip_bad_images", action="store_true", help="train without unreadable images (counted) instead")
+    p.add_argument("--sync_batchnorm", action="store_true", help="BatchNorm over the global batch (GPUs only)")
+    p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training images")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation images")
-    ddp_utils.add_training_args(p, learning_rate=None, per_device_train_batch_size=32, per_device_eval_batch_size=64,
-                                num_train_epochs=None, output_dir="outputs/train_image")
+    ddp_utils.add_training_args(p)  # batch sizes, learning rate, checkpoints, output, tracking
+    p.set_defaults(
+        per_device_train_batch_size=32,
+        per_device_eval_batch_size=64,
+        num_train_epochs=None,
+        output_dir="outputs/train_image",
+    )
     args = p.parse_args(argv)
 
     args.demo_model = args.model_name_or_path is None
@@ -55,13 +71,7 @@ def parse_args(argv=None):
     if args.num_train_epochs is None:
         args.num_train_epochs = 10 if args.demo_model else 3
     ddp_utils.check_training_args(args)
-    ddp_utils.check_positive(args, "max_train_samples", "max_eval_samples")
-    if args.validation_dir and not args.train_dir:
-        raise UsageError("--validation_dir needs --train_dir")
-    if args.dataset_name and args.train_dir:
-        raise UsageError("give either --dataset_name or --train_dir, not both")
-    if not 0 < args.validation_split_percentage < 100:
-        raise UsageError(f"--validation_split_percentage must be between 1 and 99, got {args.validation_split_percentage}")
+    ddp_utils.check_data_args(args, "train_dir", "validation_dir")
     return args
 
 
@@ -71,11 +81,15 @@ def parse_args(argv=None):
 # image column (PIL images) and the label column.
 def load_raw_datasets(args):
     if args.train_dir:
-        folders = {"train": f"{args.train_dir}/**", **({"validation": f"{args.validation_dir}/**"} if args.validation_dir else {})}
+        folders = {"train": f"{args.train_dir}/**"}
+        if args.validation_dir:
+            folders["validation"] = f"{args.validation_dir}/**"
         return datasets.load_dataset("imagefolder", data_files=folders)
     if args.dataset_name:
         return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
     return load_demo_digits()  # offline demo: 1,437 train / 360 validation digits, 8x8 grey
+
+
 # ==============================================================================
 
 
@@ -84,21 +98,26 @@ def prepare_data(args):
     processor and the model's config (with the labels). Runs on the main process first, then on
     the others."""
     raw = load_raw_datasets(args)
-    train = raw["train"] if "train" in raw else None
-    if args.train_dir and train is not None and (args.label_column not in train.column_names
-                                                 or train.with_format("arrow")[args.label_column].null_count):
-        raise UsageError(f"--train_dir {args.train_dir!r} holds images of one class only (its images are not in class subfolders); "
-                         "a classifier needs at least two: put each class's images in its own subfolder (train/cat/*.jpg, train/dog/*.jpg, ...)")
+    if args.train_dir:
+        check_class_folders(raw, args.train_dir, args.label_column)  # images in one folder have no labels
     columns = {args.image_column: "--image_column", args.label_column: "--label_column"}
-    raw = ddp_utils.check_splits(raw, columns, "--train_dir/--validation_dir or --dataset_name",
-                                 limits={"train": args.max_train_samples, "validation": args.max_eval_samples},
-                                 hold_out_percentage=args.validation_split_percentage, seed=args.seed, stratify_by=args.label_column)
+    limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
+    raw = ddp_utils.check_splits(
+        raw,
+        columns,
+        "--train_dir/--validation_dir or --dataset_name",
+        limits=limits,
+        hold_out_percentage=args.validation_split_percentage,
+        seed=args.seed,
+        stratify_by=args.label_column,
+    )
     skipped = drop_bad_images(raw, args.image_column, args.skip_bad_images)
     label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
     if to_label_id is not int:  # labels given as strings: their ids (reads the label column only, not the images)
-        raw = raw.map(lambda label: {args.label_column: to_label_id(label)}, input_columns=[args.label_column], desc="Label ids")
+        raw = raw.map(lambda label: {args.label_column: to_label_id(label)}, input_columns=[args.label_column])
     labels = ddp_utils.label_config(label_names)
-    image_processor = AutoImageProcessor.from_pretrained(demo_resnet_path() if args.demo_model else args.model_name_or_path)
+    source = demo_resnet_path() if args.demo_model else args.model_name_or_path
+    image_processor = AutoImageProcessor.from_pretrained(source)
     if args.demo_model:
         config = AutoConfig.from_pretrained(demo_resnet_path(), **labels)
     else:
@@ -119,63 +138,64 @@ def main():
     if args.demo_model:  # random weights: the same on every rank (same seed)
         model = AutoModelForImageClassification.from_config(config)
     else:
-        model = AutoModelForImageClassification.from_pretrained(args.model_name_or_path, config=config, ignore_mismatched_sizes=True)
+        model = AutoModelForImageClassification.from_pretrained(
+            args.model_name_or_path, config=config, ignore_mismatched_sizes=True
+        )  # a new head
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     channels = getattr(model.config, "num_channels", 3)
-    train_collate = ImageCollator(image_processor, args.image_column, args.label_column, channels,
-                                  augment=args.augment != "none", flip="flip" in args.augment, seed=args.seed)
-    eval_collate = ImageCollator(image_processor, args.image_column, args.label_column, channels)
-    train_dataloader = ddp_utils.make_train_dataloader(
-        data["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=train_collate,
-        num_workers=args.num_workers, epoch_in_rows=True,  # each image's augmentation depends on (seed, epoch, image) only
+    train_collate = ImageCollator(
+        image_processor,
+        args.image_column,
+        args.label_column,
+        channels,
+        augment=args.augment != "none",
+        flip="flip" in args.augment,
+        seed=args.seed,
     )
-    eval_dataloader = torch.utils.data.DataLoader(data["validation"], batch_size=args.per_device_eval_batch_size, collate_fn=eval_collate)
+    eval_collate = ImageCollator(image_processor, args.image_column, args.label_column, channels)
+    # epoch_in_rows: each image's augmentation depends on (seed, epoch, image) only, in any loader worker
+    train_dataloader = ddp_utils.make_train_dataloader(
+        data["train"], args, accelerator, train_collate, epoch_in_rows=True
+    )
+    eval_dataloader = ddp_utils.make_eval_dataloader(data["validation"], args, eval_collate)
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
-    logger.info(f"{len(data['train'])} train / {len(data['validation'])} eval images, {model.config.num_labels} classes")
+    logger.info(f"{len(data['train'])} train / {len(data['validation'])} eval images, {config.num_labels} classes")
     if args.sync_batchnorm:
         model = convert_sync_batchnorm(model)  # before prepare, so DDP wraps the synchronised layers
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # no decay on biases and norms
-    plan = ddp_utils.StepPlan(accelerator, args, train_dataloader)  # how many steps and epochs; where the run stands
-    checkpointer = ddp_utils.Checkpointer(accelerator, args, model)  # saves when due or on SIGTERM; resumes
-    lr_scheduler = get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * plan.max_train_steps), plan.max_train_steps)
+    plan = ddp_utils.StepPlan(accelerator, args, train_dataloader)  # how many steps and epochs; where the run is
+    lr_scheduler = ddp_utils.make_lr_scheduler(optimizer, args, plan.max_train_steps)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    logger.info(f"optimizer: {ddp_utils.describe_optimizer(optimizer)}")
-    backoff = ddp_utils.OOMBackoff(accelerator, args, model)  # --oom_backoff: smaller micro-batches after an out-of-memory error
-    ddp_utils.prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
-    checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
-    log = ddp_utils.TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar
+    checkpointer, log, backoff = ddp_utils.start_training(accelerator, args, model, optimizer, plan)  # all ranks
 
-    # Calls marked "all ranks" are collectives (so is most of the set-up above): every rank makes
-    # them, in the same order. Never make one under `if accelerator.is_main_process`, and never
-    # leave the loop on one rank alone: the other ranks would wait for ever.
+    def forward_backward(micro_batches, step_size):  # this rank's share of one optimizer step
+        loss_sum = torch.zeros((), device=accelerator.device)
+        for batch in micro_batches:
+            with accelerator.accumulate(model):  # DDP syncs the gradients on the last micro-batch only
+                weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
+                losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per image
+                # The mean over the step's images on all ranks, not over this micro-batch.
+                accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
+                loss_sum += (losses.detach() * weights).sum()
+        return loss_sum
+
+    # Calls marked "all ranks" are collectives: every rank makes them, in the same order. Never make
+    # one under `if accelerator.is_main_process`, and never leave the loop on one rank alone.
     scores, confusion = {}, None
     for epoch in plan.epochs():
         model.train()
-        for micro_batches in plan.optimizer_steps(train_dataloader, epoch):  # this rank's share of one optimizer step
-            # all ranks: what the whole step holds, read from the batches' weights before the loss pops them
-            step_size = ddp_utils.count_step(accelerator, micro_batches)
-            for attempt in backoff.attempts(micro_batches):  # once; with --oom_backoff, again in halves after an out-of-memory error
-                loss_sum = torch.zeros((), device=accelerator.device)
-                for batch in attempt:
-                    # Gradients are synchronised on the last micro-batch only (with --oom_backoff: by `agree`, below).
-                    with accelerator.accumulate(model), attempt.catch_oom():
-                        weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
-                        losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per image
-                        # The mean over the step's images on all ranks, not over this micro-batch.
-                        accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
-                        loss_sum += (losses.detach() * weights).sum()
-                losses = None  # a dropped attempt's graph holds its activations: free them before the step is taken again
-                backoff.agree(attempt, plan)  # all ranks: with --oom_backoff, did any rank run out of memory? If none, sync the gradients
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # all ranks: the gradient is complete
+        for micro_batches in plan.optimizer_steps(train_dataloader, epoch):
+            step_size = ddp_utils.count_step(accelerator, micro_batches)  # all ranks: what the whole step holds
+            loss_sum = backoff.run(forward_backward, micro_batches, step_size)  # --oom_backoff: in halves after OOM
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # all ranks
             optimizer.step()
             optimizer.zero_grad()
             learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step used
             lr_scheduler.step()
-
-            plan.advance(step_size)  # count the step taken; no communication
+            plan.advance(step_size)  # count the step; no communication
             log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:
@@ -189,7 +209,8 @@ def main():
 
     log.close()
     ddp_utils.save_model(accelerator, model, args.output_dir, image_processor, dtype=args.save_dtype)  # all ranks
-    ddp_utils.write_results(accelerator, args, plan, scores, {**skipped, **backoff.facts()}, confusion=confusion)  # all ranks: metrics.json, report/
+    facts = {**skipped, **backoff.facts()}
+    ddp_utils.write_results(accelerator, args, plan, scores, facts, confusion=confusion)  # all ranks: metrics.json
     accelerator.end_training()
 
 

@@ -62,13 +62,19 @@ def launch_env(extra: dict | None = None) -> dict:
 def launch(script, *args, num_processes=2, launcher_args=(), env=None, timeout=300) -> LaunchResult:
     """Run `accelerate launch <script> <args>` on `num_processes` CPU processes and time its exit."""
     command = [
-        sys.executable, "-m", "accelerate.commands.launch",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
         *(launcher_args or ["--config_file", str(CPU_CONFIG), "--num_processes", str(num_processes)]),
-        "--main_process_port", str(free_port()),
-        str(script), *map(str, args),
+        "--main_process_port",
+        str(free_port()),
+        str(script),
+        *map(str, args),
     ]
     start = time.monotonic()
-    process = subprocess.Popen(command, cwd=REPO, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, cwd=REPO, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: list[tuple[float, str]] = []
 
     def read():
@@ -83,7 +89,7 @@ def launch(script, *args, num_processes=2, launcher_args=(), env=None, timeout=3
         process.kill()
         process.wait()
         reader.join(5)
-        raise AssertionError(f"launch hung for {timeout}s:\n" + "".join(text for _, text in lines[-60:]))
+        raise AssertionError(f"launch hung for {timeout}s:\n" + "".join(text for _, text in lines[-60:])) from None
     end = time.monotonic()
     reader.join(10)
     last_line_at = lines[-1][0] if lines else end
@@ -95,7 +101,9 @@ def assert_fails_cleanly(result: LaunchResult, expected: str, output_dir: Path) 
     assert result.returncode != 0
     assert result.seconds < 60
     for rank in (0, 1):
-        assert f"[rank {rank}] error:" in result.output, f"rank {rank} did not report the error:\n{result.output[-3000:]}"
+        assert f"[rank {rank}] error:" in result.output, (
+            f"rank {rank} did not report the error:\n{result.output[-3000:]}"
+        )
     assert expected in result.output, result.output[-3000:]
     assert not output_dir.exists(), "bad input must not leave an output directory behind"
 
@@ -104,11 +112,20 @@ def make_tiny_model(directory: Path, dropout: float = 0.0, hidden_size: int = 32
     """A 2-layer BERT (hidden 32) with a word-level vocabulary, built from a config: no Hub."""
     from transformers import BertConfig, BertModel, BertTokenizer
 
-    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted({w for ws in WORDS.values() for w in ws} | set(FILLER))
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(
+        {w for ws in WORDS.values() for w in ws} | set(FILLER)
+    )
     tokenizer = BertTokenizer(vocab={t: i for i, t in enumerate(tokens)}, model_max_length=64)
     config = BertConfig(
-        vocab_size=len(tokens), hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, classifier_dropout=dropout,
+        vocab_size=len(tokens),
+        hidden_size=hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        classifier_dropout=dropout,
     )
     import torch
 
@@ -131,7 +148,9 @@ def put_in_hub_cache(cache: Path, repo_id: str, model_dir: Path) -> Path:
     return cache
 
 
-def write_examples(path: Path, n: int, seed: int, labels=("positive", "negative", "neutral"), text_column="text", label_column="label"):
+def write_examples(
+    path: Path, n: int, seed: int, labels=("positive", "negative", "neutral"), text_column="text", label_column="label"
+):
     """n labelled sentences whose label is given by one of its words, varied in length."""
     rng = random.Random(seed)
     rows = []
@@ -171,10 +190,23 @@ def isolated_hf_home(tmp_path_factory):
 
 def train_args(tiny_model, tiny_data, output_dir, *extra) -> list:
     return [
-        "--model_name_or_path", tiny_model,
-        "--train_file", tiny_data["train"], "--validation_file", tiny_data["validation"],
-        "--max_length", 32, "--output_dir", output_dir, "--learning_rate", 5e-3, "--warmup_ratio", 0.0,
-        "--per_device_eval_batch_size", 4, *extra,
+        "--model_name_or_path",
+        tiny_model,
+        "--train_file",
+        tiny_data["train"],
+        "--validation_file",
+        tiny_data["validation"],
+        "--max_length",
+        32,
+        "--output_dir",
+        output_dir,
+        "--learning_rate",
+        5e-3,
+        "--warmup_ratio",
+        0.0,
+        "--per_device_eval_batch_size",
+        4,
+        *extra,
     ]
 
 
@@ -183,7 +215,8 @@ def train_args(tiny_model, tiny_data, output_dir, *extra) -> list:
 LM_WORDS = [f"w{i}" for i in range(300)]  # a corpus of unique words: every token can be traced
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<s> ' if loop.first else '' }}{{ m['role'] }}: {{ m['content'] }}"
-    "{{ ' </s> ' if m['role'] == 'assistant' else ' ' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    "{{ ' </s> ' if m['role'] == 'assistant' else ' ' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
 
@@ -194,16 +227,30 @@ def make_tiny_causal_lm(directory: Path, chat_template: bool = False) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    tokens = ["<unk>", "<s>", "</s>", "user:", "assistant:"] + sorted({w for ws in WORDS.values() for w in ws} | set(FILLER)) + LM_WORDS
+    tokens = (
+        ["<unk>", "<s>", "</s>", "user:", "assistant:"]
+        + sorted({w for ws in WORDS.values() for w in ws} | set(FILLER))
+        + LM_WORDS
+    )
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", model_max_length=64)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", model_max_length=64
+    )
     if chat_template:
         tokenizer.chat_template = CHAT_TEMPLATE
     config = LlamaConfig(
-        vocab_size=len(tokens), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        vocab_size=len(tokens),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
@@ -235,9 +282,18 @@ def make_tiny_gguf(directory: Path):
 
     tokens = _byte_level_alphabet() + ["\u0120t", "<|im_start|>", "<|im_end|>"]  # one merge ("Ġ t") and its result
     heads, kv_heads = 4, 2
-    config = LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=256, bos_token_id=257, eos_token_id=258,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokens),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        bos_token_id=257,
+        eos_token_id=258,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     directory.mkdir(parents=True, exist_ok=True)
@@ -245,7 +301,11 @@ def make_tiny_gguf(directory: Path):
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(256), writer.add_embedding_length(64), writer.add_feed_forward_length(128)
     writer.add_block_count(2), writer.add_head_count(heads), writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps), writer.add_rope_dimension_count(64 // heads), writer.add_vocab_size(len(tokens))
+    (
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps),
+        writer.add_rope_dimension_count(64 // heads),
+        writer.add_vocab_size(len(tokens)),
+    )
     writer.add_tokenizer_model("gpt2"), writer.add_tokenizer_pre("default"), writer.add_token_list(tokens)
     writer.add_token_types([1] * (len(tokens) - 2) + [3, 3]), writer.add_token_merges(["\u0120 t"])
     writer.add_bos_token_id(257), writer.add_eos_token_id(258), writer.add_chat_template(CHATML_TEMPLATE)
@@ -255,9 +315,17 @@ def make_tiny_gguf(directory: Path):
 
     names = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
     for i in range(2):
-        for hf, ours in (("input_layernorm", "attn_norm"), ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
-                         ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"), ("post_attention_layernorm", "ffn_norm"),
-                         ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down")):
+        for hf, ours in (
+            ("input_layernorm", "attn_norm"),
+            ("self_attn.q_proj", "attn_q"),
+            ("self_attn.k_proj", "attn_k"),
+            ("self_attn.v_proj", "attn_v"),
+            ("self_attn.o_proj", "attn_output"),
+            ("post_attention_layernorm", "ffn_norm"),
+            ("mlp.gate_proj", "ffn_gate"),
+            ("mlp.up_proj", "ffn_up"),
+            ("mlp.down_proj", "ffn_down"),
+        ):
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}"
     state = model.state_dict()
     for hf, ours in names.items():
@@ -307,15 +375,36 @@ def tiny_lm(tmp_path_factory) -> Path:
 def sft_data(tmp_path_factory) -> dict:
     """24 training records and 7 validation records (7: not a multiple of processes x eval batch)."""
     directory = tmp_path_factory.mktemp("sft")
-    return {"train": write_sft_records(directory / "train.jsonl", 24, seed=1),
-            "validation": write_sft_records(directory / "validation.jsonl", 7, seed=2)}
+    return {
+        "train": write_sft_records(directory / "train.jsonl", 24, seed=1),
+        "validation": write_sft_records(directory / "validation.jsonl", 7, seed=2),
+    }
 
 
-def clm_args(model, data, output_dir, *extra) -> list:
+def sft_args(model, data, output_dir, *extra) -> list:
+    """The arguments of a short scripts/train_sft.py run on the tiny Llama and `sft_data`."""
     return [
-        "--model_name_or_path", model, "--data_mode", "sft", "--train_file", data["train"], "--validation_file", data["validation"],
-        "--block_size", 48, "--output_dir", output_dir, "--learning_rate", 1e-2, "--warmup_ratio", 0.0,
-        "--per_device_eval_batch_size", 2, "--checkpointing_steps", "no", "--eval_max_new_tokens", 8, *extra,
+        "--model_name_or_path",
+        model,
+        "--train_file",
+        data["train"],
+        "--validation_file",
+        data["validation"],
+        "--block_size",
+        48,
+        "--output_dir",
+        output_dir,
+        "--learning_rate",
+        1e-2,
+        "--warmup_ratio",
+        0.0,
+        "--per_device_eval_batch_size",
+        2,
+        "--checkpointing_steps",
+        "no",
+        "--eval_max_new_tokens",
+        8,
+        *extra,
     ]
 
 

@@ -4,11 +4,11 @@ markers; a template that re-renders history is refused; a record too long for th
 context from its start, never its answer."""
 
 import pytest
-from conftest import make_tiny_causal_lm
 
+from conftest import make_tiny_causal_lm
 from ddp_utils import UsageError
+from ddp_utils.causal_lm import IGNORE_INDEX
 from ddp_utils.chat import as_messages, fit_block, generation_prompt, tokenize_conversation
-from ddp_utils.lm import IGNORE_INDEX
 
 CHATML = (  # the layout of SmolLM2's and Qwen's templates, system turn included by default
     "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nbe brief<|im_end|>\n{% endif %}"
@@ -32,7 +32,9 @@ CONVERSATION = [
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(make_tiny_causal_lm(tmp_path_factory.mktemp("chat-llama"), chat_template=True))
+    tokenizer = AutoTokenizer.from_pretrained(
+        make_tiny_causal_lm(tmp_path_factory.mktemp("chat-llama"), chat_template=True)
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     return tokenizer
 
@@ -41,13 +43,20 @@ def tokens(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.fast
 def test_the_targets_are_each_assistant_turn_and_its_end_marker(tokenizer):
     """conftest's template: '<s> user: ... assistant: ... </s> ...', no {% generation %} markers."""
     row = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=64)
     ignored = lambda text: [IGNORE_INDEX] * len(tokens(tokenizer, text))  # noqa: E731
-    expected = ignored("<s> user: the movie assistant:") + tokens(tokenizer, "w1 w2 </s>") + \
-        ignored("user: was it good assistant:") + tokens(tokenizer, "w3 </s>")
-    assert row.input_ids == tokens(tokenizer, "<s> user: the movie assistant: w1 w2 </s> user: was it good assistant: w3 </s>")
+    expected = (
+        ignored("<s> user: the movie assistant:")
+        + tokens(tokenizer, "w1 w2 </s>")
+        + ignored("user: was it good assistant:")
+        + tokens(tokenizer, "w3 </s>")
+    )
+    assert row.input_ids == tokens(
+        tokenizer, "<s> user: the movie assistant: w1 w2 </s> user: was it good assistant: w3 </s>"
+    )
     assert row.labels == expected and row.context_cut == 0
     last = tokenize_conversation(tokenizer, CONVERSATION, "last_assistant", block_size=64)
     assert [t for t in last.labels if t != IGNORE_INDEX] == tokens(tokenizer, "w3 </s>")
@@ -55,12 +64,15 @@ def test_the_targets_are_each_assistant_turn_and_its_end_marker(tokenizer):
     assert every.labels == every.input_ids
 
 
+@pytest.mark.fast
 def test_chatml_targets_end_with_im_end_and_not_the_newline_after_it(tokenizer):
     tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = CHATML
     row = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=64)
-    targets = [(tokenizer.convert_ids_to_tokens(t), label != IGNORE_INDEX) for t, label in zip(row.input_ids, row.labels)]
+    targets = [
+        (tokenizer.convert_ids_to_tokens(t), label != IGNORE_INDEX) for t, label in zip(row.input_ids, row.labels)
+    ]
     learned = [token for token, is_target in targets if is_target]
     assert learned == ["w1", "w2", "<|im_end|>", "w3", "<|im_end|>"]
     # The generation prompt is exactly the text before the last answer.
@@ -69,27 +81,31 @@ def test_chatml_targets_end_with_im_end_and_not_the_newline_after_it(tokenizer):
     assert tokenizer.apply_chat_template(CONVERSATION, tokenize=False).startswith(prompt + "w3<|im_end|>")
 
 
+@pytest.mark.fast
 def test_a_template_that_re_renders_history_is_refused_with_the_fix(tokenizer):
     tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     tokenizer.chat_template = FORGETFUL
-    with pytest.raises(UsageError, match="renders assistant turn 1 differently once later turns follow.*--loss_on last_assistant"):
+    with pytest.raises(
+        UsageError, match="renders assistant turn 1 differently once later turns follow.*--loss_on last_assistant"
+    ):
         tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=64)
     row = tokenize_conversation(tokenizer, CONVERSATION, "last_assistant", block_size=64)
     assert [t for t in row.labels if t != IGNORE_INDEX] == tokens(tokenizer, "w3")
 
 
+@pytest.mark.fast
 def test_a_long_record_loses_context_from_its_start_never_its_answer(tokenizer):
     row = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=64)
     n = len(row.input_ids)
     first_answer = row.labels.index(tokens(tokenizer, "w1")[0])  # after '<s> user: the movie assistant:'
     # Context cut up to the token before the first answer (which predicts it): fits.
     fits = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - (first_answer - 1))
-    assert fits.context_cut == first_answer - 1 and fits.labels == row.labels[first_answer - 1:]
+    assert fits.context_cut == first_answer - 1 and fits.labels == row.labels[first_answer - 1 :]
     # One token more would cut into the first answer: the record is dropped, not trained half.
     assert tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - first_answer) is None
     # Training on the last answer only, the first one is context and may go.
     last = tokenize_conversation(tokenizer, CONVERSATION, "last_assistant", block_size=n - first_answer - 2)
-    assert last.context_cut == first_answer + 2 and last.input_ids == row.input_ids[first_answer + 2:]
+    assert last.context_cut == first_answer + 2 and last.input_ids == row.input_ids[first_answer + 2 :]
     assert [t for t in last.labels if t != IGNORE_INDEX] == tokens(tokenizer, "w3 </s>")
     # The answer itself never gets cut: with fewer tokens than answer + one of context, dropped.
     assert fit_block([1, 2, 3, 4], [IGNORE_INDEX, IGNORE_INDEX, 3, 4], block_size=3) is not None
@@ -97,6 +113,7 @@ def test_a_long_record_loses_context_from_its_start_never_its_answer(tokenizer):
     assert fit_block([1, 2, 3, 4], [1, 2, 3, 4], block_size=2, cut_targets=True).input_ids == [3, 4]
 
 
+@pytest.mark.fast
 def test_prompt_completion_records_become_turns():
     assert as_messages("hi", "there") == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "there"}]
     system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]

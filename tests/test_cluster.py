@@ -9,8 +9,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import AUDIT_HOOK_DIR, CPU_CONFIG, REPO, assert_fails_cleanly, free_port, launch, launch_env, train_args
 from safetensors.numpy import load_file
+
+from conftest import AUDIT_HOOK_DIR, CPU_CONFIG, REPO, assert_fails_cleanly, free_port, launch, launch_env, train_args
 
 TRAIN = REPO / "scripts" / "train.py"
 CHECK_ENV = REPO / "scripts" / "check_env.py"
@@ -46,11 +47,30 @@ def test_two_nodes_on_loopback_train_the_same_model_as_one_node(one_node, tiny_m
     port, output_dir = free_port(), tmp_path / "two_nodes"
     nodes = []
     for machine_rank in (0, 1):
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
-                   "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank),
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-                   str(TRAIN), *map(str, train_args(tiny_model, tiny_data, output_dir, *args))]
-        nodes.append(subprocess.Popen(command, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(CPU_CONFIG),
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "2",
+            "--machine_rank",
+            str(machine_rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            str(TRAIN),
+            *map(str, train_args(tiny_model, tiny_data, output_dir, *args)),
+        ]
+        nodes.append(
+            subprocess.Popen(
+                command, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output[-3000:]
@@ -61,18 +81,27 @@ def test_two_nodes_on_loopback_train_the_same_model_as_one_node(one_node, tiny_m
 
 def slurm_env(tmp_path, **extra) -> dict:
     """A fake 2-node job: srun and scontrol test doubles first on the PATH."""
-    env = launch_env({
-        "PATH": os.pathsep.join([str(FAKE_SLURM / "bin"), os.path.dirname(sys.executable), os.environ["PATH"]]),
-        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "test", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node-[a-b]",
-        "SLURM_GPUS_ON_NODE": "8", "FAKE_HOSTNAMES": "node-a node-b", "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
-        "OUTPUT_DIR": str(tmp_path / "out"),
-    })
+    env = launch_env(
+        {
+            "PATH": os.pathsep.join([str(FAKE_SLURM / "bin"), os.path.dirname(sys.executable), os.environ["PATH"]]),
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NAME": "test",
+            "SLURM_NNODES": "2",
+            "SLURM_JOB_NODELIST": "node-[a-b]",
+            "SLURM_GPUS_ON_NODE": "8",
+            "FAKE_HOSTNAMES": "node-a node-b",
+            "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
+            "OUTPUT_DIR": str(tmp_path / "out"),
+        }
+    )
     env.update(extra)
     return env
 
 
 def run_sbatch(env, *args):
-    return subprocess.run(["bash", str(SBATCH), *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", str(SBATCH), *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def recorded(tmp_path):
@@ -83,7 +112,9 @@ def recorded(tmp_path):
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_slurm_script_gives_each_node_its_own_rank_and_the_same_main_address(launcher, tmp_path):
     recording = os.pathsep.join([str(FAKE_SLURM / "recording"), str(FAKE_SLURM / "bin"), os.environ["PATH"]])
-    result = run_sbatch(slurm_env(tmp_path, PATH=recording, LAUNCHER=launcher), "scripts/train_clm.py", "--max_train_steps", 5)
+    result = run_sbatch(
+        slurm_env(tmp_path, PATH=recording, LAUNCHER=launcher), "scripts/train_clm.py", "--max_train_steps", 5
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     calls = sorted(recorded(tmp_path), key=lambda call: call["node_id"])
     assert [call["node_id"] for call in calls] == ["0", "1"], "one launcher per node"
@@ -91,14 +122,43 @@ def test_slurm_script_gives_each_node_its_own_rank_and_the_same_main_address(lau
     for node, call in enumerate(calls):
         # Exactly the command README.md documents, with this node's rank.
         if launcher == "accelerate":
-            expected = ["launch", "--config_file", "accelerate_configs/multi_node_ddp.yaml", "--num_machines", "2",
-                        "--num_processes", "16", "--machine_rank", str(node), "--main_process_ip", "node-a",
-                        "--main_process_port", "24242"]
+            expected = [
+                "launch",
+                "--config_file",
+                "accelerate_configs/multi_node_ddp.yaml",
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "16",
+                "--machine_rank",
+                str(node),
+                "--main_process_ip",
+                "node-a",
+                "--main_process_port",
+                "24242",
+            ]
         else:
-            expected = ["--nnodes", "2", "--nproc_per_node", "8", "--node_rank", str(node), "--master_addr", "node-a",
-                        "--master_port", "24242"]
-        assert call["argv"] == expected + ["scripts/train_clm.py", "--output_dir", out, "--resume_from_checkpoint", "latest",
-                                           "--max_train_steps", "5"]
+            expected = [
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "8",
+                "--node_rank",
+                str(node),
+                "--master_addr",
+                "node-a",
+                "--master_port",
+                "24242",
+            ]
+        assert call["argv"] == expected + [
+            "scripts/train_clm.py",
+            "--output_dir",
+            out,
+            "--resume_from_checkpoint",
+            "latest",
+            "--max_train_steps",
+            "5",
+        ]
     assert not (tmp_path / "slurm.log").exists(), "no requeue"
 
 
@@ -144,11 +204,16 @@ def test_slurm_script_does_not_requeue_a_failure_after_a_preemption(launcher, tm
 def test_slurm_script_runs_a_real_two_node_training_on_loopback(one_node, tiny_model, tiny_data, tmp_path):
     """The job script itself, with real `accelerate launch`es: 2 fake nodes x 1 CPU process, on 127.0.0.1."""
     port = next(p for p in iter(free_port, None) if 20000 <= p < 40000)
-    env = slurm_env(tmp_path, CONFIG="accelerate_configs/cpu_2proc.yaml", SLURM_GPUS_ON_NODE="1",
-                    FAKE_HOSTNAMES="127.0.0.1 localhost", SLURM_JOB_ID=str(port - 20000))  # the port is 20000 + id % 20000
+    env = slurm_env(
+        tmp_path,
+        CONFIG="accelerate_configs/cpu_2proc.yaml",
+        SLURM_GPUS_ON_NODE="1",
+        FAKE_HOSTNAMES="127.0.0.1 localhost",
+        SLURM_JOB_ID=str(port - 20000),
+    )  # the port is 20000 + id % 20000
     args = train_args(tiny_model, tiny_data, "unused", *STEPS)
     i = args.index("--output_dir")
-    del args[i:i + 2]  # the job script chooses the output dir
+    del args[i : i + 2]  # the job script chooses the output dir
     result = run_sbatch(env, "scripts/train.py", *args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_same_model(tmp_path / "out", one_node)
@@ -156,7 +221,10 @@ def test_slurm_script_runs_a_real_two_node_training_on_loopback(one_node, tiny_m
 
 def batch_args(call) -> list:
     argv = call["argv"]
-    return [argv[argv.index("--per_device_train_batch_size") + 1], argv[argv.index("--gradient_accumulation_steps") + 1]]
+    return [
+        argv[argv.index("--per_device_train_batch_size") + 1],
+        argv[argv.index("--gradient_accumulation_steps") + 1],
+    ]
 
 
 def test_slurm_script_splits_a_global_batch_over_the_nodes_of_each_attempt(tmp_path):
@@ -171,9 +239,13 @@ def test_slurm_script_splits_a_global_batch_over_the_nodes_of_each_attempt(tmp_p
         result = run_sbatch(env, "scripts/train.py", "--max_train_steps", 5)
         assert result.returncode == 0, result.stderr + result.stdout
         assert [batch_args(call) for call in recorded(tmp_path)] == [expected] * int(nodes)
-    refusals = {"GLOBAL_BATCH_SIZE=24 does not split over 16 processes": (["scripts/train.py"], {"GLOBAL_BATCH_SIZE": "24"}),
-                "GLOBAL_BATCH_SIZE sets --per_device_train_batch_size for each attempt's node count":
-                    (["scripts/train.py", "--per_device_train_batch_size", 4], {"GLOBAL_BATCH_SIZE": "64"})}
+    refusals = {
+        "GLOBAL_BATCH_SIZE=24 does not split over 16 processes": (["scripts/train.py"], {"GLOBAL_BATCH_SIZE": "24"}),
+        "GLOBAL_BATCH_SIZE sets --per_device_train_batch_size for each attempt's node count": (
+            ["scripts/train.py", "--per_device_train_batch_size", 4],
+            {"GLOBAL_BATCH_SIZE": "64"},
+        ),
+    }
     for message, (args, extra) in refusals.items():
         result = run_sbatch(slurm_env(tmp_path, PATH=recording, **extra), *args)
         assert result.returncode == 2 and message in result.stderr, result.stderr
@@ -185,19 +257,37 @@ def test_slurm_job_requeued_on_fewer_nodes_resumes_elastically(one_node, tiny_mo
     GLOBAL_BATCH_SIZE=8 becomes 1 process x 4 x 2 accumulation steps. It resumes from the
     preemption's checkpoint and ends with the parameters of the uninterrupted 2-process run."""
     port = next(p for p in iter(free_port, None) if 20000 <= p < 40000)
-    args = train_args(tiny_model, tiny_data, "unused", "--max_train_steps", 6, "--checkpointing_steps", "no", "--logging_steps", 2)
+    args = train_args(
+        tiny_model, tiny_data, "unused", "--max_train_steps", 6, "--checkpointing_steps", "no", "--logging_steps", 2
+    )
     i = args.index("--output_dir")
-    del args[i:i + 2]  # the job script chooses the output dir
-    job = {"CONFIG": "accelerate_configs/cpu_2proc.yaml", "SLURM_GPUS_ON_NODE": "1", "SLURM_JOB_ID": str(port - 20000),
-           "GLOBAL_BATCH_SIZE": "8", "PER_DEVICE_BATCH_SIZE": "4"}
-    preempted = run_sbatch(slurm_env(tmp_path, **job, FAKE_HOSTNAMES="127.0.0.1 localhost", SIGTERM_ON_WRITE="train_log.jsonl",
-                                     SIGTERM_TARGET="workers", PYTHONPATH=os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])),
-                           "scripts/train.py", *args)
+    del args[i : i + 2]  # the job script chooses the output dir
+    job = {
+        "CONFIG": "accelerate_configs/cpu_2proc.yaml",
+        "SLURM_GPUS_ON_NODE": "1",
+        "SLURM_JOB_ID": str(port - 20000),
+        "GLOBAL_BATCH_SIZE": "8",
+        "PER_DEVICE_BATCH_SIZE": "4",
+    }
+    preempted = run_sbatch(
+        slurm_env(
+            tmp_path,
+            **job,
+            FAKE_HOSTNAMES="127.0.0.1 localhost",
+            SIGTERM_ON_WRITE="train_log.jsonl",
+            SIGTERM_TARGET="workers",
+            PYTHONPATH=os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)]),
+        ),
+        "scripts/train.py",
+        *args,
+    )
     assert preempted.returncode == 0, preempted.stdout[-3000:] + preempted.stderr[-3000:]
     assert (tmp_path / "slurm.log").read_text().splitlines() == [f"requeue {port - 20000}"]
     assert "global batch 8 = 2 process(es) x 4 per device x 1 accumulation steps" in preempted.stdout
 
-    requeued = run_sbatch(slurm_env(tmp_path, **job, SLURM_NNODES="1", FAKE_HOSTNAMES="127.0.0.1"), "scripts/train.py", *args)
+    requeued = run_sbatch(
+        slurm_env(tmp_path, **job, SLURM_NNODES="1", FAKE_HOSTNAMES="127.0.0.1"), "scripts/train.py", *args
+    )
     output = requeued.stdout + requeued.stderr
     assert requeued.returncode == 0, output[-4000:]
     assert "global batch 8 = 1 process(es) x 4 per device x 2 accumulation steps" in output
@@ -216,16 +306,25 @@ def test_fsdp_and_deepspeed_configs_are_refused_on_a_machine_without_gpus(tiny_m
     """Measured with Accelerate 1.15: FSDP with cpu=True silently trains plain DDP, and without it
     every process trains alone. The scripts say so instead."""
     output_dir = tmp_path / "out"
-    result = launch(TRAIN, *train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 2),
-                    launcher_args=["--config_file", str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2",
-                                   "--mixed_precision", "no"])
+    result = launch(
+        TRAIN,
+        *train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 2),
+        launcher_args=[
+            "--config_file",
+            str(REPO / "accelerate_configs" / "fsdp.yaml"),
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "no",
+        ],
+    )
     assert_fails_cleanly(result, "asks for FSDP, which Accelerate runs on GPUs only", output_dir)
 
 
 def test_fsdp2_full_state_dict_save_reloads_the_gathered_parameters_on_cpu(tiny_model, tmp_path):
     """FSDP on CPU, as far as it goes: Accelerate will not run FSDP without GPUs, so the helper
     shards with torch's fully_shard over gloo, gathers as accelerator.get_state_dict does under
-    FSDP2, and writes with ddp_utils.io.write_pretrained. The file holds the full parameters; the
+    FSDP2, and writes with ddp_utils.output.write_pretrained. The file holds the full parameters; the
     plain state_dict would have held half of each sharded one."""
     import torch
     from transformers import AutoModelForSequenceClassification
@@ -235,11 +334,14 @@ def test_fsdp2_full_state_dict_save_reloads_the_gathered_parameters_on_cpu(tiny_
     reference = json.loads((tmp_path / "fsdp_reference.json").read_text())
     shards = reference["rank0_shards"]
     rows = len(reference["full"]["bert.embeddings.word_embeddings.weight"])
-    assert shards["bert.embeddings.word_embeddings.weight"][0] == -(-rows // 2) < rows, \
+    assert shards["bert.embeddings.word_embeddings.weight"][0] == -(-rows // 2) < rows, (
         "model.state_dict() under FSDP holds each rank's shard: half the rows"
+    )
     reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "saved")
     for name, param in reloaded.named_parameters():
         torch.testing.assert_close(param.detach(), torch.tensor(reference["full"][name]), msg=name)
     initial = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=3)
-    assert not torch.equal(initial.bert.encoder.layer[0].attention.self.query.weight,
-                           reloaded.bert.encoder.layer[0].attention.self.query.weight), "training changed the weights"
+    assert not torch.equal(
+        initial.bert.encoder.layer[0].attention.self.query.weight,
+        reloaded.bert.encoder.layer[0].attention.self.query.weight,
+    ), "training changed the weights"

@@ -14,15 +14,31 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import REPO, launch_env
 
 PACKAGE = REPO / "ddp_utils"
-SCRIPTS = {name: REPO / "scripts" / f"{name}.py" for name in ("train", "train_clm", "train_image")}
+SCRIPTS = {name: REPO / "scripts" / f"{name}.py" for name in ("train", "train_sft", "train_clm", "train_image")}
 # Calls that are collectives themselves: Accelerate's and torch.distributed's (`prepare` wraps in
 # DDP, which broadcasts the weights; `clip_grad_norm_` all-reduces the norm under FSDP).
-PRIMITIVES = {"Accelerator", "prepare", "reduce", "gather", "gather_for_metrics", "gather_object", "broadcast_object_list",
-              "wait_for_everyone", "save_state", "load_state", "get_state_dict", "clip_grad_norm_", "barrier", "all_reduce",
-              "broadcast", "init_process_group"}
+PRIMITIVES = {
+    "Accelerator",
+    "prepare",
+    "reduce",
+    "gather",
+    "gather_for_metrics",
+    "gather_object",
+    "broadcast_object_list",
+    "wait_for_everyone",
+    "save_state",
+    "load_state",
+    "get_state_dict",
+    "clip_grad_norm_",
+    "barrier",
+    "all_reduce",
+    "broadcast",
+    "init_process_group",
+}
 SAYS_SO = "All ranks call this"
 
 
@@ -47,7 +63,9 @@ def package_functions(kind: str = "called") -> dict[str, list]:
         for node in tree.body:
             members = [(node.name, node)] if isinstance(node, ast.FunctionDef) else []
             if isinstance(node, ast.ClassDef):
-                members = [(f"{node.name}.{item.name}", item) for item in node.body if isinstance(item, ast.FunctionDef)]
+                members = [
+                    (f"{node.name}.{item.name}", item) for item in node.body if isinstance(item, ast.FunctionDef)
+                ]
             for qualified, function in members:
                 is_property = any(ast.unparse(d) == "property" for d in function.decorator_list)
                 if is_property == (kind == "property"):
@@ -72,30 +90,56 @@ def collective_functions() -> dict[str, list]:
     return {name: functions[name] for name in collective}
 
 
+@pytest.mark.fast
 def test_every_collective_in_ddp_utils_says_all_ranks_call_this():
     collective = collective_functions()
-    assert {"count_step", "save_model", "write_results", "evaluate_classification", "resume", "load_on_main_first",
-            "prepare_output_dir", "refuse_together"} <= set(collective), sorted(collective)
-    silent = [f"{module}.{qualified}" for name, definitions in collective.items() for module, qualified, node in definitions
-              if not name.startswith("_") and not (ast.get_docstring(node) or "").startswith(SAYS_SO)]
-    assert silent == [], f"these take part in a collective but their docstring does not start with {SAYS_SO!r}: {silent}"
+    assert {
+        "count_step",
+        "save_model",
+        "write_results",
+        "evaluate_classification",
+        "resume",
+        "load_on_main_first",
+        "prepare_output_dir",
+        "refuse_together",
+    } <= set(collective), sorted(collective)
+    silent = [
+        f"{module}.{qualified}"
+        for name, definitions in collective.items()
+        for module, qualified, node in definitions
+        if not name.startswith("_") and not (ast.get_docstring(node) or "").startswith(SAYS_SO)
+    ]
+    assert silent == [], (
+        f"these take part in a collective but their docstring does not start with {SAYS_SO!r}: {silent}"
+    )
 
 
+@pytest.mark.fast
 def test_no_property_or_generator_in_ddp_utils_hides_a_collective():
     """A collective inside a property (`run.loss`) or a generator (`for batch in epoch(...)`) runs
     where the reader sees no call: it must be an explicit function call instead."""
     reaches = set(collective_functions()) | PRIMITIVES
-    hidden = [f"{module}.{qualified} (property)" for definitions in package_functions("property").values()
-              for module, qualified, node in definitions if called_names(node) & reaches]
-    hidden += [f"{module}.{qualified} (generator)" for definitions in package_functions().values() for module, qualified, node in definitions
-               if any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(node)) and called_names(node) & reaches]
+    hidden = [
+        f"{module}.{qualified} (property)"
+        for definitions in package_functions("property").values()
+        for module, qualified, node in definitions
+        if called_names(node) & reaches
+    ]
+    hidden += [
+        f"{module}.{qualified} (generator)"
+        for definitions in package_functions().values()
+        for module, qualified, node in definitions
+        if any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(node)) and called_names(node) & reaches
+    ]
     assert hidden == [], hidden
 
 
 def rank_conditions(tree):
     """Every `if` (or conditional expression) whose test reads which rank this is."""
     for node in ast.walk(tree):
-        if isinstance(node, (ast.If, ast.IfExp)) and any(word in ast.unparse(node.test) for word in ("is_main_process", "process_index")):
+        if isinstance(node, (ast.If, ast.IfExp)) and any(
+            word in ast.unparse(node.test) for word in ("is_main_process", "process_index")
+        ):
             yield node
 
 
@@ -107,11 +151,15 @@ def collectives_only_some_ranks_reach(source: str, collective: set[str]) -> list
     """'line N: names' for each call of a collective that only some ranks reach: one under a rank
     condition, or one after a rank condition that leaves its block early on some ranks."""
     tree = ast.parse(source)
-    collective = collective | {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and called_names(node) & collective}
+    collective = collective | {
+        node.name for node in tree.body if isinstance(node, ast.FunctionDef) and called_names(node) & collective
+    }
     found = []
     for condition in rank_conditions(tree):
         if called_names(condition) & collective:
-            found.append(f"line {condition.lineno}: {sorted(called_names(condition) & collective)} under a rank condition")
+            found.append(
+                f"line {condition.lineno}: {sorted(called_names(condition) & collective)} under a rank condition"
+            )
     for block in ast.walk(tree):
         for field in ("body", "orelse", "finalbody"):
             statements = getattr(block, field, None)
@@ -120,21 +168,35 @@ def collectives_only_some_ranks_reach(source: str, collective: set[str]) -> list
             early = None
             for statement in statements:
                 if early is not None and called_names(statement) & collective:
-                    found.append(f"line {statement.lineno}: {sorted(called_names(statement) & collective)} after the rank "
-                                 f"condition of line {early} that leaves early")
-                if isinstance(statement, ast.If) and statement in set(rank_conditions(statement)) and leaves_early(statement):
+                    found.append(
+                        f"line {statement.lineno}: {sorted(called_names(statement) & collective)} after the rank "
+                        f"condition of line {early} that leaves early"
+                    )
+                if (
+                    isinstance(statement, ast.If)
+                    and statement in set(rank_conditions(statement))
+                    and leaves_early(statement)
+                ):
                     early = statement.lineno
     return found
 
 
+@pytest.mark.fast
 def test_the_rank_condition_check_catches_the_ways_a_job_hangs():
     collective = set(collective_functions()) | PRIMITIVES
     hangs = {
         "guarded": "if accelerator.is_main_process:\n    log.step(plan, loss_sum, grad_norm, lr)\n",
-        "early return": "def f():\n    if not accelerator.is_main_process:\n        return\n    accelerator.wait_for_everyone()\n",
-        "break on one rank": ("for batch in loader:\n    if accelerator.process_index == 1 and batch is None:\n        break\n"
-                              "    step_size = ddp_utils.count_step(accelerator, batch, 1)\n"),
-        "script helper": "def save():\n    ddp_utils.save_model(accelerator, model, 'x')\nif accelerator.is_main_process:\n    save()\n",
+        "early return": (
+            "def f():\n    if not accelerator.is_main_process:\n        return\n    accelerator.wait_for_everyone()\n"
+        ),
+        "break on one rank": (
+            "for batch in loader:\n    if accelerator.process_index == 1 and batch is None:\n        break\n"
+            "    step_size = ddp_utils.count_step(accelerator, batch, 1)\n"
+        ),
+        "script helper": (
+            "def save():\n    ddp_utils.save_model(accelerator, model, 'x')\n"
+            "if accelerator.is_main_process:\n    save()\n"
+        ),
     }
     for name, source in hangs.items():
         assert collectives_only_some_ranks_reach(source, collective), f"missed: {name}"
@@ -142,12 +204,14 @@ def test_the_rank_condition_check_catches_the_ways_a_job_hangs():
     assert collectives_only_some_ranks_reach(fine, collective) == []
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_scripts_never_call_a_collective_that_only_some_ranks_reach(script):
     found = collectives_only_some_ranks_reach(SCRIPTS[script].read_text(), set(collective_functions()) | PRIMITIVES)
     assert found == [], f"{script}.py: {found}"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_each_script_shows_its_whole_training_step(script):
     """Forward and loss, backward of the exact loss, clipping, optimizer and scheduler steps: in
@@ -155,30 +219,45 @@ def test_each_script_shows_its_whole_training_step(script):
     tree = ast.parse(SCRIPTS[script].read_text())
     main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
     source = ast.unparse(main)
-    for piece in ("count_step(", "global_mean_loss(", "accelerator.backward(", "clip_grad_norm_(", "optimizer.step()",
-                  "optimizer.zero_grad()", "lr_scheduler.step()", "with accelerator.accumulate(model)"):
+    for piece in (
+        "count_step(",
+        "global_mean_loss(",
+        "accelerator.backward(",
+        "clip_grad_norm_(",
+        "optimizer.step()",
+        "optimizer.zero_grad()",
+        "lr_scheduler.step()",
+        "with accelerator.accumulate(model)",
+    ):
         assert piece in source, f"{script}.py: main() does not show {piece}"
 
 
-def test_the_error_types_are_a_leaf_and_data_and_io_do_not_import_the_launcher():
-    for module in ("errors", "data", "io", "sharding", "exact_loss", "lm", "vision", "metrics", "demo", "classification"):
-        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+@pytest.mark.fast
+def test_the_leaf_modules_stay_leaves_and_the_task_helpers_do_not_import_the_start_of_a_run():
+    """errors.py and sharded.py import nothing of ddp_utils; the data, model and task helpers never
+    import start.py, process_exit.py or launch_guard.py (the start and end of a process)."""
+    start_of_a_run = {"start", "process_exit", "launch_guard"}
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
-        assert "launch" not in imported, f"ddp_utils/{module}.py imports the launcher"
-        if module == "errors":
-            assert imported == set(), "errors.py imports nothing of ddp_utils"
+        if path.stem in ("errors", "sharded"):
+            assert imported == set(), f"ddp_utils/{path.stem}.py imports nothing of ddp_utils"
+        elif path.stem not in start_of_a_run | {"__init__"}:
+            assert not imported & start_of_a_run, f"ddp_utils/{path.stem}.py imports {imported & start_of_a_run}"
 
 
 def test_matplotlib_is_not_imported_on_the_training_path():
     """Only the report's drawing imports it, on the main process at the end of a run."""
     check = (
         "import importlib.util, sys\n"
-        "import ddp_utils, ddp_utils.lm, ddp_utils.vision, ddp_utils.report, ddp_utils.tracking\n"
+        "import ddp_utils, ddp_utils.causal_lm, ddp_utils.vision, ddp_utils.report, ddp_utils.training_log\n"
         f"for name in {sorted(SCRIPTS)!r}:\n"
         f"    spec = importlib.util.spec_from_file_location(name, {str(REPO / 'scripts')!r} + f'/{{name}}.py')\n"
         "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))\n"
     )
-    result = subprocess.run([sys.executable, "-c", check], env=launch_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", check], env=launch_env(), cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -5,18 +5,30 @@ with the command that launches it."""
 import re
 
 import pytest
+
 from conftest import REPO
 
 CONFIG_DIR = REPO / "accelerate_configs"
 CONFIGS = sorted(CONFIG_DIR.rglob("*.yaml")) + sorted(CONFIG_DIR.rglob("*.yml"))
 
 
+@pytest.mark.fast
 def test_configs_are_found_in_subfolders_too():
     assert len(CONFIGS) >= 9, CONFIGS
-    assert {p.stem for p in CONFIGS} >= {"cpu_2proc", "single_gpu", "multi_gpu_bf16", "multi_node_ddp", "fsdp", "deepspeed_zero2",
-                                         "deepspeed_zero3", "deepspeed_zero2_offload", "deepspeed_zero3_offload"}
+    assert {p.stem for p in CONFIGS} >= {
+        "cpu_2proc",
+        "single_gpu",
+        "multi_gpu_bf16",
+        "multi_node_ddp",
+        "fsdp",
+        "deepspeed_zero2",
+        "deepspeed_zero3",
+        "deepspeed_zero2_offload",
+        "deepspeed_zero3_offload",
+    }
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
 def test_config_loads_and_passes_accelerates_launch_validation(path):
     from accelerate.commands.config.config_args import load_config_from_file
@@ -33,11 +45,14 @@ def test_config_loads_and_passes_accelerates_launch_validation(path):
         assert args.use_deepspeed and int(args.zero_stage) in (2, 3)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
 def test_config_is_documented(path):
     lines = path.read_text().splitlines()
     header = [line for line in lines if line.startswith("#")]
-    assert any(f"accelerate launch --config_file accelerate_configs/{path.relative_to(CONFIG_DIR)}" in line for line in header[:8]), \
-        "the file must start with the command that launches it"
+    assert any(
+        f"accelerate launch --config_file accelerate_configs/{path.relative_to(CONFIG_DIR)}" in line
+        for line in header[:8]
+    ), "the file must start with the command that launches it"
     undocumented = [line for line in lines if re.match(r"^\s*\w[\w-]*:\s*\S", line) and "#" not in line]
     assert not undocumented, f"keys without a comment: {undocumented}"

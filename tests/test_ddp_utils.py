@@ -9,10 +9,11 @@ import torch
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
-from ddp_utils.io import check_output_dir, write_json
-from ddp_utils.sharding import pad_to_even_shards
+from ddp_utils.dataloaders import pad_to_even_shards
+from ddp_utils.output import check_output_dir, write_json
 
 
+@pytest.mark.fast
 def test_pad_to_even_shards_adds_weightless_fillers():
     import datasets
 
@@ -24,6 +25,7 @@ def test_pad_to_even_shards_adds_weightless_fillers():
     assert len(pad_to_even_shards(dataset.select(range(32)), 8)) == 32
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("seed", range(5))
 def test_local_f1_and_accuracy_modules_match_scikit_learn(seed):
     from sklearn.metrics import accuracy_score, f1_score
@@ -31,11 +33,14 @@ def test_local_f1_and_accuracy_modules_match_scikit_learn(seed):
     rng = np.random.default_rng(seed)
     predictions, references = rng.integers(0, 4, 200), rng.integers(0, 3, 200)
     f1 = ddp_utils.load_metric("f1")
-    assert f1.compute(predictions=predictions, references=references)["f1"] == pytest.approx(f1_score(references, predictions, average="macro"))
+    assert f1.compute(predictions=predictions, references=references)["f1"] == pytest.approx(
+        f1_score(references, predictions, average="macro")
+    )
     accuracy = ddp_utils.load_metric("accuracy").compute(predictions=predictions, references=references)["accuracy"]
     assert accuracy == pytest.approx(accuracy_score(references, predictions))
 
 
+@pytest.mark.fast
 def test_check_output_dir(tmp_path):
     check_output_dir(str(tmp_path / "new"), overwrite=False)
     check_output_dir(str(tmp_path), overwrite=False)  # exists but empty: fine
@@ -47,6 +52,7 @@ def test_check_output_dir(tmp_path):
         check_output_dir(str(tmp_path / "model.safetensors"), overwrite=True)
 
 
+@pytest.mark.fast
 def test_write_json_is_atomic_and_main_only(tmp_path):
     class Main:
         is_main_process = True
@@ -61,6 +67,7 @@ def test_write_json_is_atomic_and_main_only(tmp_path):
     assert os.listdir(tmp_path) == ["a.json"], "no temporary file may be left behind"
 
 
+@pytest.mark.fast
 def test_demo_data_is_the_documented_subset():
     from ddp_utils.demo import load_demo_reviews
 
@@ -72,6 +79,7 @@ def test_demo_data_is_the_documented_subset():
     assert "&#039;" not in " ".join(data["train"]["text"]), "HTML entities are decoded"
 
 
+@pytest.mark.fast
 def test_save_model_of_a_compiled_model_reloads_its_trained_weights(tiny_lm, tmp_path):
     """--torch_compile: the compiled wrapper prefixes every key with "_orig_mod."; saved as is,
     from_pretrained would load none of them and silently start from random weights."""
@@ -92,15 +100,16 @@ def test_save_model_of_a_compiled_model_reloads_its_trained_weights(tiny_lm, tmp
         assert torch.equal(expected, actual), name
 
 
+@pytest.mark.fast
 def test_step_aligned_sampler_spreads_the_last_step_over_ranks_and_micro_batches():
-    from ddp_utils.sharding import StepAlignedSampler
+    from ddp_utils.dataloaders import StepAlignedSampler
 
     # 13 real examples, 3 fillers; steps of 2 ranks x 2 micro-batches x batch 2 = 8.
     sampler = StepAlignedSampler(13, 16, batch_size=2, num_processes=2, accumulation=2, seed=1)
     order = list(sampler)
     assert sorted(order) == list(range(16))
     assert all(i < 13 for i in order[:8]), "full steps hold only real examples"
-    last_step_batches = [order[8 + 2 * k: 10 + 2 * k] for k in range(4)]
+    last_step_batches = [order[8 + 2 * k : 10 + 2 * k] for k in range(4)]
     # The last step's 5 real examples dealt out over its 4 micro-batches (ranks 0, 1, 0, 1), not 2, 2, 1, 0.
     assert [sum(i < 13 for i in batch) for batch in last_step_batches] == [2, 1, 1, 1]
     sampler.set_epoch(1)
@@ -109,16 +118,20 @@ def test_step_aligned_sampler_spreads_the_last_step_over_ranks_and_micro_batches
     assert list(sampler) == order, "the order depends on seed and epoch alone"
 
 
+@pytest.mark.fast
 def test_step_size_counts_real_rows_and_their_tokens_the_same_padded_or_packed():
     """Throughput counts real rows and non-padding tokens: fillers and padding are not work done,
     and packing the same examples must not change the tokens or the loss's weight."""
     from accelerate import Accelerator
 
-    from ddp_utils.lm import TARGET_TOKENS, CausalLMCollator, pack_sequences
+    from ddp_utils.causal_lm import TARGET_TOKENS, CausalLMCollator, pack_sequences
 
     accelerator = Accelerator(cpu=True)
     lengths = (5, 9, 3, 7)
-    rows = [{"input_ids": list(range(1, n + 1)), "labels": [-100, -100] + list(range(3, n + 1)), SAMPLE_WEIGHT: 1.0} for n in lengths]
+    rows = [
+        {"input_ids": list(range(1, n + 1)), "labels": [-100, -100] + list(range(3, n + 1)), SAMPLE_WEIGHT: 1.0}
+        for n in lengths
+    ]
     filler = {**rows[0], SAMPLE_WEIGHT: 0.0}
     collate = CausalLMCollator(pad_token_id=0)
 
@@ -132,14 +145,20 @@ def test_step_size_counts_real_rows_and_their_tokens_the_same_padded_or_packed()
     assert sum(p[2] for p in padded) == sum(lengths), "padding is not counted"
     columns = pack_sequences({key: [row[key] for row in rows] for key in ("input_ids", "labels")}, block_size=12)
     packed_batch = collate([dict(zip(columns, values)) for values in zip(*columns.values())])
-    assert "attention_mask" not in packed_batch, "packed rows are told apart by position_ids, so the tokens come from input_tokens"
+    assert "attention_mask" not in packed_batch, (
+        "packed rows are told apart by position_ids, so the tokens come from input_tokens"
+    )
     weight, examples, tokens = step_size([packed_batch])
-    assert (examples, tokens) == (2, sum(lengths)), "2 packed rows (best fit: 9 + 3 and 7 + 5) holding the same 24 tokens"
+    assert (examples, tokens) == (2, sum(lengths)), (
+        "2 packed rows (best fit: 9 + 3 and 7 + 5) holding the same 24 tokens"
+    )
     assert weight == sum(p[0] for p in padded) == sum(n - 2 for n in lengths), "the same target tokens"
 
 
+@pytest.mark.fast
 def test_report_to_and_secret_scrubbing(monkeypatch):
-    from ddp_utils.tracking import hide_secret_args, loggable_args, parse_report_to
+    from ddp_utils.redact import hide_secret_args, loggable_args
+    from ddp_utils.training_log import parse_report_to
 
     assert parse_report_to("none") == [] and parse_report_to("") == []
     assert parse_report_to("tensorboard, tensorboard") == ["tensorboard"]
@@ -153,16 +172,29 @@ def test_report_to_and_secret_scrubbing(monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-0123456789")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # named like "token" but not a credential
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(sys, "argv", ["train.py", "--hub_token=hf_abcdefgh123", "--run_name", "x-wandb-secret-0123456789"])
-    args = argparse.Namespace(hub_token="hf_abcdefgh123", run_name="x-wandb-secret-0123456789", sample_max_new_tokens=40,
-                              text_columns=["a", "b"], output_dir="out")
+    monkeypatch.setattr(
+        sys, "argv", ["train.py", "--hub_token=hf_abcdefgh123", "--run_name", "x-wandb-secret-0123456789"]
+    )
+    args = argparse.Namespace(
+        hub_token="hf_abcdefgh123",
+        run_name="x-wandb-secret-0123456789",
+        sample_max_new_tokens=40,
+        text_columns=["a", "b"],
+        output_dir="out",
+    )
     hide_secret_args(args)
     assert os.environ["HF_TOKEN"] == "hf_abcdefgh123", "--hub_token is the Hub credential of the run"
     assert sys.argv == ["train.py", "--hub_token=<redacted>", "--run_name", "x-<redacted>"]
-    assert loggable_args(args) == {"hub_token": "<redacted>", "run_name": "x-<redacted>", "sample_max_new_tokens": 40,
-                                   "text_columns": ["a", "b"], "output_dir": "out"}
+    assert loggable_args(args) == {
+        "hub_token": "<redacted>",
+        "run_name": "x-<redacted>",
+        "sample_max_new_tokens": 40,
+        "text_columns": ["a", "b"],
+        "output_dir": "out",
+    }
 
 
+@pytest.mark.fast
 def test_check_splits_is_the_one_data_check_of_every_script():
     import datasets
 
@@ -174,31 +206,54 @@ def test_check_splits_is_the_one_data_check_of_every_script():
         ddp_utils.check_splits(data(train=text, validation=text), {"text": "--text_column"}, "--train_file")
     clean = {"text": ["a", "  ", "b", "c"], "label": [0, 1, 0, 1]}
     with pytest.raises(UsageError, match=r"1 train records have an empty or missing 'text' \(first: record 1\)"):
-        ddp_utils.check_splits(data(train=clean, validation=clean), {"text": "--text_column"}, "--train_file", blank="refuse")
-    kept = ddp_utils.check_splits(data(train=clean, validation=clean), {"text": "--text_column"}, "--train_file", blank="drop")
+        ddp_utils.check_splits(
+            data(train=clean, validation=clean), {"text": "--text_column"}, "--train_file", blank="refuse"
+        )
+    kept = ddp_utils.check_splits(
+        data(train=clean, validation=clean), {"text": "--text_column"}, "--train_file", blank="drop"
+    )
     assert kept["train"]["text"] == ["a", "b", "c"], "blank lines of a .txt file are dropped"
     with pytest.raises(UsageError, match=r"\(first: record 4\)"):  # counted as given, before blank rows are dropped
-        ddp_utils.check_splits(data(train={"text": ["", "", " ", "a", None]}, validation=clean), {"text": "--text_column"}, "--train_file",
-                               blank="drop")
-    with pytest.raises(UsageError, match=r"has no column 'review'; its columns are \['text', 'label'\]. Name the right one with --text_column"):
+        ddp_utils.check_splits(
+            data(train={"text": ["", "", " ", "a", None]}, validation=clean),
+            {"text": "--text_column"},
+            "--train_file",
+            blank="drop",
+        )
+    with pytest.raises(
+        UsageError,
+        match=r"has no column 'review'; its columns are \['text', 'label'\]. Name the right one with --text_column",
+    ):
         ddp_utils.check_splits(data(train=clean, validation=clean), {"review": "--text_column"}, "--train_file")
     # No validation split: "test" if there is one, else a held-out part of train (if allowed), else an error.
-    tested = ddp_utils.check_splits(data(train=clean, test={"text": ["z"], "label": [1]}), {"text": "--text_column"}, "--train_file")
+    tested = ddp_utils.check_splits(
+        data(train=clean, test={"text": ["z"], "label": [1]}), {"text": "--text_column"}, "--train_file"
+    )
     assert tested["validation"]["text"] == ["z"]
     with pytest.raises(UsageError, match="the data has no 'validation' split .* give --train_file/--validation_file"):
         ddp_utils.check_splits(data(train=clean), {"text": "--text_column"}, "--train_file/--validation_file")
     many = {"text": [f"t{i}" for i in range(40)], "label": [i % 2 for i in range(40)]}
-    held = ddp_utils.check_splits(data(train=many), {"text": "--text_column"}, "--train_file", hold_out_percentage=10, seed=3,
-                                  limits={"train": 30})
+    held = ddp_utils.check_splits(
+        data(train=many),
+        {"text": "--text_column"},
+        "--train_file",
+        hold_out_percentage=10,
+        seed=3,
+        limits={"train": 30},
+    )
     assert (len(held["train"]), len(held["validation"])) == (30, 4)
     assert not set(held["train"]["text"]) & set(held["validation"]["text"]), "held-out records are not trained on"
     with pytest.raises(UsageError, match="1 training record\\(s\\) are too few to hold out a validation split"):
-        ddp_utils.check_splits(data(train={"text": ["a"], "label": [0]}), {"text": "--text_column"}, "--train_file", hold_out_percentage=5)
+        ddp_utils.check_splits(
+            data(train={"text": ["a"], "label": [0]}), {"text": "--text_column"}, "--train_file", hold_out_percentage=5
+        )
 
 
+@pytest.mark.fast
 def test_fetch_weights_finds_single_and_sharded_hub_weights_and_skips_local_dirs(tiny_lm, tmp_path, monkeypatch):
-    from conftest import put_in_hub_cache
     from transformers import AutoModelForCausalLM
+
+    from conftest import put_in_hub_cache
 
     sharded = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(tiny_lm).save_pretrained(sharded, max_shard_size="20KB")
@@ -218,11 +273,12 @@ def test_fetch_weights_finds_single_and_sharded_hub_weights_and_skips_local_dirs
     assert ddp_utils.fetch_weights(str(tiny_lm)) == []
 
 
+@pytest.mark.fast
 def test_length_grouped_order_loses_nothing_and_forms_the_same_global_steps_on_any_layout():
     """Grouping by length changes which examples share a micro-batch, never the promise: each epoch
     every example once, each global step the same examples whatever the layout, drawn from (seed,
     epoch) alone; and far less padding than a random order."""
-    from ddp_utils.sharding import StepAlignedSampler
+    from ddp_utils.dataloaders import StepAlignedSampler
 
     lengths = [int(x) for x in np.random.default_rng(0).integers(5, 200, size=203)]
     step = 8  # examples per optimizer step
@@ -230,7 +286,9 @@ def test_length_grouped_order_loses_nothing_and_forms_the_same_global_steps_on_a
 
     def order(batch, processes, accumulation, epoch, grouped=True):
         total = len(lengths) + (-len(lengths) % step)
-        sampler = StepAlignedSampler(len(lengths), total, batch, processes, accumulation, seed=3, lengths=lengths if grouped else None)
+        sampler = StepAlignedSampler(
+            len(lengths), total, batch, processes, accumulation, seed=3, lengths=lengths if grouped else None
+        )
         sampler.set_epoch(epoch)
         return list(sampler)
 
@@ -245,7 +303,7 @@ def test_length_grouped_order_loses_nothing_and_forms_the_same_global_steps_on_a
     assert order(8, 1, 1, 0) == order(8, 1, 1, 0), "drawn from (seed, epoch) alone"
 
     def padded(o, batch=4):
-        rows = [[lengths[i] for i in o[s:s + batch] if i < len(lengths)] for s in range(0, len(o), batch)]
+        rows = [[lengths[i] for i in o[s : s + batch] if i < len(lengths)] for s in range(0, len(o), batch)]
         return sum(max(r) * len(r) - sum(r) for r in rows if r) / sum(lengths)
 
     assert padded(order(4, 2, 1, 0)) < 0.1 < 0.3 < padded(order(4, 2, 1, 0, grouped=False))
@@ -257,10 +315,11 @@ def test_length_grouped_order_loses_nothing_and_forms_the_same_global_steps_on_a
     assert len({step_of_longest(order(8, 1, 1, e)) for e in range(8)}) > 1, "the longest step is not always first"
 
 
+@pytest.mark.fast
 def test_best_fit_packing_fills_rows_and_keeps_every_example_whole():
     """Every example lands whole in exactly one row of at most block_size tokens, and the rows are
     nearly full (first fit in the data's order left far more room)."""
-    from ddp_utils.lm import pack_sequences
+    from ddp_utils.causal_lm import pack_sequences
 
     rng = np.random.default_rng(0)
     examples = [list(range(100 * i, 100 * i + int(n))) for i, n in enumerate(rng.integers(3, 60, size=300))]
@@ -273,7 +332,11 @@ def test_best_fit_packing_fills_rows_and_keeps_every_example_whole():
     assert sorted(pieces) == sorted(examples), "each example once, whole"
     room = sum(64 - len(row) for row in packed["input_ids"]) / (64 * len(packed["input_ids"]))
     lower_bound_rows = -(-sum(map(len, examples)) // 64)
-    assert room < 0.05 and len(packed["input_ids"]) <= 1.05 * lower_bound_rows, (room, len(packed["input_ids"]), lower_bound_rows)
+    assert room < 0.05 and len(packed["input_ids"]) <= 1.05 * lower_bound_rows, (
+        room,
+        len(packed["input_ids"]),
+        lower_bound_rows,
+    )
 
 
 class OnDevice(torch.Tensor):
@@ -294,6 +357,7 @@ class OnDevice(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
+@pytest.mark.fast
 def test_the_training_path_syncs_with_the_device_once_per_logging_window(tmp_path):
     """Between two records of the log, what the scripts call around each optimizer step (count_step,
     global_mean_loss, StepPlan.advance, TrainingLog.step, Checkpointer.step) copies nothing to the
@@ -306,22 +370,26 @@ def test_the_training_path_syncs_with_the_device_once_per_logging_window(tmp_pat
     from accelerate import Accelerator
 
     from ddp_utils.checkpoint import PreemptionHandler
-    from ddp_utils.tracking import read_train_log
+    from ddp_utils.training_log import read_train_log
 
     parser = argparse.ArgumentParser()
-    ddp_utils.add_training_args(parser, learning_rate=1e-3, per_device_train_batch_size=8, per_device_eval_batch_size=8,
-                                num_train_epochs=1, output_dir=str(tmp_path))
-    args = parser.parse_args(["--logging_steps", "10", "--max_train_steps", "25", "--checkpointing_steps", "no", "--report_to", "none"])
+    ddp_utils.add_training_args(parser)
+    parser.set_defaults(learning_rate=1e-3, per_device_eval_batch_size=8, num_train_epochs=1, output_dir=str(tmp_path))
+    args = parser.parse_args(
+        ["--logging_steps", "10", "--max_train_steps", "25", "--checkpointing_steps", "no", "--report_to", "none"]
+    )
     ddp_utils.check_training_args(args)
     accelerator = Accelerator(cpu=True)
     rows = datasets.Dataset.from_dict({"length": [3 + i % 5 for i in range(200)]})
 
     def collate(batch):
         width = max(row["length"] for row in batch)
-        return {"attention_mask": torch.tensor([[1] * row["length"] + [0] * (width - row["length"]) for row in batch]),
-                SAMPLE_WEIGHT: torch.tensor([row[SAMPLE_WEIGHT] for row in batch])}
+        return {
+            "attention_mask": torch.tensor([[1] * row["length"] + [0] * (width - row["length"]) for row in batch]),
+            SAMPLE_WEIGHT: torch.tensor([row[SAMPLE_WEIGHT] for row in batch]),
+        }
 
-    train_dataloader = ddp_utils.make_train_dataloader(rows, batch_size=8, accelerator=accelerator, collate_fn=collate)
+    train_dataloader = ddp_utils.make_train_dataloader(rows, args, accelerator, collate)
     handlers = {signum: signal.getsignal(signum) for signum in PreemptionHandler.SIGNALS}
     try:
         plan = ddp_utils.StepPlan(accelerator, args, train_dataloader)
@@ -330,7 +398,9 @@ def test_the_training_path_syncs_with_the_device_once_per_logging_window(tmp_pat
         syncs_per_step = []
         for micro_batches in plan.optimizer_steps(accelerator.prepare(train_dataloader), epoch=0):
             OnDevice.host_syncs.clear()
-            micro_batches = [{key: value.as_subclass(OnDevice) for key, value in batch.items()} for batch in micro_batches]
+            micro_batches = [
+                {key: value.as_subclass(OnDevice) for key, value in batch.items()} for batch in micro_batches
+            ]
             step_size = ddp_utils.count_step(accelerator, micro_batches)
             weights = micro_batches[0][SAMPLE_WEIGHT]
             losses = torch.rand(len(weights)).as_subclass(OnDevice)

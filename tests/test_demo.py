@@ -7,8 +7,19 @@ from conftest import REPO, launch
 
 def test_default_demo_resolves_packaged_model_and_data(tmp_path):
     output_dir = tmp_path / "demo"
-    result = launch(REPO / "scripts" / "train.py", "--max_train_steps", 2, "--max_train_samples", 32, "--max_eval_samples", 20,
-                    "--output_dir", output_dir, num_processes=2, timeout=300)
+    result = launch(
+        REPO / "scripts" / "train.py",
+        "--max_train_steps",
+        2,
+        "--max_train_samples",
+        32,
+        "--max_eval_samples",
+        20,
+        "--output_dir",
+        output_dir,
+        num_processes=2,
+        timeout=300,
+    )
     assert result.returncode == 0, result.output[-4000:]
     scores = json.loads((output_dir / "metrics.json").read_text())
     assert scores["optimizer_steps"] == 2 and scores["world_size"] == 2 and scores["eval_examples"] == 20

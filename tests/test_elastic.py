@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 from accelerate.utils import DistributedType
-from conftest import AUDIT_HOOK_DIR, REPO, clm_args, launch, train_args
 from safetensors.numpy import load_file
 from test_image import image_args, make_tiny_vit, write_image_folder
 
+from conftest import AUDIT_HOOK_DIR, REPO, launch, sft_args, train_args
 from ddp_utils.checkpoint import fitting_layouts, read_checkpoint_state
 from ddp_utils.errors import UsageError
 from ddp_utils.oom_backoff import check_oom_backoff, split_batch
@@ -46,10 +46,27 @@ def train(model, data, output_dir, on, *extra, env=None):
     """scripts/train.py through record_steps.py: 3 epochs, a checkpoint every 5 steps (the 5
     newest kept); each rank's steps go to <output_dir>.steps.rank<r>."""
     processes, batch_args = on
-    args = train_args(model, data, output_dir, "--num_train_epochs", 3, "--seed", 7, "--checkpointing_steps", 5,
-                      "--checkpoints_total_limit", 5, *batch_args, *extra)
-    return launch(RECORD_STEPS, *args, num_processes=processes,
-                  env={"PYTHONPATH": HOOKS, "STEP_LOG": f"{output_dir}.steps", **(env or {})})
+    args = train_args(
+        model,
+        data,
+        output_dir,
+        "--num_train_epochs",
+        3,
+        "--seed",
+        7,
+        "--checkpointing_steps",
+        5,
+        "--checkpoints_total_limit",
+        5,
+        *batch_args,
+        *extra,
+    )
+    return launch(
+        RECORD_STEPS,
+        *args,
+        num_processes=processes,
+        env={"PYTHONPATH": HOOKS, "STEP_LOG": f"{output_dir}.steps", **(env or {})},
+    )
 
 
 def recorded_steps(output_dir) -> dict:
@@ -63,7 +80,10 @@ def recorded_steps(output_dir) -> dict:
 
 
 def assert_same_parameters(output_dir, reference_dir):
-    ours, reference = load_file(str(output_dir / "model.safetensors")), load_file(str(reference_dir / "model.safetensors"))
+    ours, reference = (
+        load_file(str(output_dir / "model.safetensors")),
+        load_file(str(reference_dir / "model.safetensors")),
+    )
     assert sorted(ours) == sorted(reference)
     for key in reference:
         if key.endswith(("attention.self.key.bias", "attention.attention.key.bias")):  # BERT's, ViT's
@@ -94,7 +114,9 @@ def freeze(on):
 
 
 @pytest.mark.parametrize("name", sorted(ELASTIC))
-def test_killed_mid_epoch_resumes_on_another_layout_with_the_same_steps(name, tiny_model, tiny_data, uninterrupted, tmp_path):
+def test_killed_mid_epoch_resumes_on_another_layout_with_the_same_steps(
+    name, tiny_model, tiny_data, uninterrupted, tmp_path
+):
     saved_on, resumed_on, described = ELASTIC[name]
     reference = uninterrupted(freeze(saved_on))
     output_dir = tmp_path / "run"
@@ -122,15 +144,22 @@ def test_killed_mid_epoch_resumes_on_another_layout_with_the_same_steps(name, ti
     after, expected = recorded_steps(output_dir), recorded_steps(reference)
     assert sorted(expected) == list(range(1, 25))
     assert sorted(after) == list(range(16, 25)), "the resumed run takes steps 16 to 24"
-    assert {step: after[step] for step in range(16, 25)} == {step: expected[step] for step in range(16, 25)}, \
+    assert {step: after[step] for step in range(16, 25)} == {step: expected[step] for step in range(16, 25)}, (
         "after the resume, each step trains on the examples the uninterrupted run's did"
+    )
     assert {step: before[step] for step in range(1, 16)} == {step: expected[step] for step in range(1, 16)}
     assert_same_parameters(output_dir, reference)
-    assert json.loads((output_dir / "metrics.json").read_text())["train_samples_seen"] == 180, "nothing lost or repeated"
+    assert json.loads((output_dir / "metrics.json").read_text())["train_samples_seen"] == 180, (
+        "nothing lost or repeated"
+    )
     saved = json.loads((output_dir / "checkpoint-20" / "trainer_state.json").read_text())
     processes, (_, batch, _, accumulation) = resumed_on
-    assert (saved["world_size"], saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"], saved["global_batch"]) == \
-        (processes, batch, accumulation, 8), "a checkpoint records the layout it was written on"
+    assert (
+        saved["world_size"],
+        saved["per_device_train_batch_size"],
+        saved["gradient_accumulation_steps"],
+        saved["global_batch"],
+    ) == (processes, batch, accumulation, 8), "a checkpoint records the layout it was written on"
 
 
 def snapshot(directory):
@@ -144,7 +173,9 @@ def snapshot(directory):
     return found
 
 
-def test_another_global_batch_is_refused_in_one_line_on_every_rank_writing_nothing(tiny_model, tiny_data, uninterrupted, tmp_path):
+def test_another_global_batch_is_refused_in_one_line_on_every_rank_writing_nothing(
+    tiny_model, tiny_data, uninterrupted, tmp_path
+):
     reference = uninterrupted(freeze(layout(2, 4)))
     output_dir = tmp_path / "run"
     output_dir.mkdir()
@@ -152,9 +183,12 @@ def test_another_global_batch_is_refused_in_one_line_on_every_rank_writing_nothi
     before = snapshot(output_dir)
     result = train(tiny_model, tiny_data, output_dir, layout(2, 2), "--resume_from_checkpoint", "latest")
     assert result.returncode != 0 and result.seconds < 60
-    expected = (f"[rank {{rank}}] error: checkpoint {str(output_dir / 'checkpoint-15')!r} was trained with 8 examples per optimizer "
-                "step (2 processes x 4 x 1), this run takes 4; resume it with the same global batch: on 2 processes, "
-                "--per_device_train_batch_size x --gradient_accumulation_steps 4 x 1, 2 x 2, 1 x 4\n")
+    expected = (
+        f"[rank {{rank}}] error: checkpoint {str(output_dir / 'checkpoint-15')!r} was trained with 8 examples per "
+        "optimizer "
+        "step (2 processes x 4 x 1), this run takes 4; resume it with the same global batch: on 2 processes, "
+        "--per_device_train_batch_size x --gradient_accumulation_steps 4 x 1, 2 x 2, 1 x 4\n"
+    )
     for rank in (0, 1):
         assert expected.format(rank=rank) in result.output, result.output[-3000:]
     assert "Traceback" not in result.output.split("[rank 0] error:")[0][-2000:], "no stack trace from inside torch"
@@ -168,65 +202,132 @@ def test_an_out_of_memory_error_on_one_rank_retakes_the_step_in_halves(tiny_mode
     micro-batch, where plain DDP would leave rank 0 alone in the gradient all-reduce."""
     common = ["--num_train_epochs", 1, "--seed", 7, "--checkpointing_steps", "no"]
     backed_off, reference = tmp_path / "backed_off", tmp_path / "reference"
-    result = launch(INJECT_OOM, "train", 1, 3, 2,
-                    *train_args(tiny_model, tiny_data, backed_off, *common, "--per_device_train_batch_size", 4, "--oom_backoff"),
-                    num_processes=2, timeout=120)
+    result = launch(
+        INJECT_OOM,
+        "train",
+        1,
+        3,
+        2,
+        *train_args(tiny_model, tiny_data, backed_off, *common, "--per_device_train_batch_size", 4, "--oom_backoff"),
+        num_processes=2,
+        timeout=120,
+    )
     assert result.returncode == 0, result.output[-4000:]
     assert result.output.count("injected: out of memory on rank 1") == 1
-    assert "rank 1 ran out of memory in step 3: every rank dropped the step and takes it again in micro-batches of 2" in result.output
+    assert (
+        "rank 1 ran out of memory in step 3: every rank dropped the step and takes it again in micro-batches of 2"
+        in result.output
+    )
     metrics = json.loads((backed_off / "metrics.json").read_text())
     assert metrics["oom_backoffs"] == [{"step": 3, "ranks": [1], "micro_batch": 2, "micro_batches_per_step": 2}]
     assert (metrics["optimizer_steps"], metrics["train_samples_seen"]) == (8, 60), "the dropped step is taken once"
 
-    smaller = launch(REPO / "scripts" / "train.py", *train_args(tiny_model, tiny_data, reference, *common, "--per_device_train_batch_size",
-                                                                2, "--gradient_accumulation_steps", 2), num_processes=2)
+    smaller = launch(
+        REPO / "scripts" / "train.py",
+        *train_args(
+            tiny_model,
+            tiny_data,
+            reference,
+            *common,
+            "--per_device_train_batch_size",
+            2,
+            "--gradient_accumulation_steps",
+            2,
+        ),
+        num_processes=2,
+    )
     assert smaller.returncode == 0, smaller.output[-4000:]
     assert_same_parameters(backed_off, reference)
 
 
 def short_run_args(script, tiny_lm, sft_data, tmp_path):
-    """The arguments of a one-epoch run of train_clm.py or train_image.py (a ViT: no BatchNorm,
+    """The arguments of a one-epoch run of train_sft.py or train_image.py (a ViT: no BatchNorm,
     whose statistics depend on the micro-batch), as a function of the output directory."""
-    if script == "train_clm":
+    if script == "train_sft":
+
         def args(output_dir, *extra):
-            return clm_args(tiny_lm, sft_data, output_dir, "--num_train_epochs", 1, "--eval_max_new_tokens", 0, "--skip_zero_shot",
-                            "--seed", 7, *extra)
+            return sft_args(
+                tiny_lm,
+                sft_data,
+                output_dir,
+                "--num_train_epochs",
+                1,
+                "--eval_max_new_tokens",
+                0,
+                "--skip_zero_shot",
+                "--seed",
+                7,
+                *extra,
+            )
+
         return args
-    images = {"train": write_image_folder(tmp_path / "train", {"dark": 14, "bright": 13, "striped": 13}, seed=1),
-              "validation": write_image_folder(tmp_path / "validation", {"dark": 3, "bright": 2}, seed=2)}
+    images = {
+        "train": write_image_folder(tmp_path / "train", {"dark": 14, "bright": 13, "striped": 13}, seed=1),
+        "validation": write_image_folder(tmp_path / "validation", {"dark": 3, "bright": 2}, seed=2),
+    }
     vit = make_tiny_vit(tmp_path / "vit")
 
     def args(output_dir, *extra):
         return image_args(vit, images, output_dir, "--num_train_epochs", 1, "--seed", 7, *extra)
+
     return args
 
 
-@pytest.mark.parametrize("script", ["train_clm", "train_image"])
+@pytest.mark.parametrize("script", ["train_sft", "train_image"])
 def test_the_other_scripts_back_off_the_same_way(script, tiny_lm, sft_data, tmp_path):
-    """The same step change in train_clm.py (rows are sequences, the loss is per target token)
+    """The same step change in train_sft.py (rows are sequences, the loss is per target token)
     and train_image.py: rank 1 holds 1 row from its 2nd micro-batch on."""
     args = short_run_args(script, tiny_lm, sft_data, tmp_path)
     backed_off, reference = tmp_path / "backed_off", tmp_path / "reference"
-    result = launch(INJECT_OOM, script, 1, 2, 1, *args(backed_off, "--per_device_train_batch_size", 2, "--oom_backoff"), num_processes=2)
+    result = launch(
+        INJECT_OOM,
+        script,
+        1,
+        2,
+        1,
+        *args(backed_off, "--per_device_train_batch_size", 2, "--oom_backoff"),
+        num_processes=2,
+    )
     assert result.returncode == 0, result.output[-4000:]
-    assert json.loads((backed_off / "metrics.json").read_text())["oom_backoffs"] == \
-        [{"step": 2, "ranks": [1], "micro_batch": 1, "micro_batches_per_step": 2}]
-    smaller = launch(REPO / "scripts" / f"{script}.py", *args(reference, "--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2),
-                     num_processes=2)
+    assert json.loads((backed_off / "metrics.json").read_text())["oom_backoffs"] == [
+        {"step": 2, "ranks": [1], "micro_batch": 1, "micro_batches_per_step": 2}
+    ]
+    smaller = launch(
+        REPO / "scripts" / f"{script}.py",
+        *args(reference, "--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2),
+        num_processes=2,
+    )
     assert smaller.returncode == 0, smaller.output[-4000:]
     assert_same_parameters(backed_off, reference)
 
 
 def test_out_of_memory_at_one_row_stops_every_rank_clearly(tiny_model, tiny_data, tmp_path):
-    result = launch(INJECT_OOM, "train", 1, 1, 0,
-                    *train_args(tiny_model, tiny_data, tmp_path / "run", "--max_train_steps", 2, "--per_device_train_batch_size", 4,
-                                "--oom_backoff"),
-                    num_processes=2, timeout=120)
+    result = launch(
+        INJECT_OOM,
+        "train",
+        1,
+        1,
+        0,
+        *train_args(
+            tiny_model,
+            tiny_data,
+            tmp_path / "run",
+            "--max_train_steps",
+            2,
+            "--per_device_train_batch_size",
+            4,
+            "--oom_backoff",
+        ),
+        num_processes=2,
+        timeout=120,
+    )
     assert result.returncode != 0 and result.seconds < 60
     assert result.output.count("injected: out of memory on rank 1") == 3, "4 rows, then 2, then 1"
     for rank in (0, 1):
-        assert (f"[rank {rank}] error: rank 1 ran out of memory in step 1 with a micro-batch of 1 example per process: "
-                "the model does not fit") in result.output, result.output[-3000:]
+        assert (
+            f"[rank {rank}] error: rank 1 ran out of memory in step 1 with a micro-batch of 1 example per process: "
+            "the model does not fit"
+        ) in result.output, result.output[-3000:]
 
 
 # --- no launch -------------------------------------------------------------------------------------
@@ -238,13 +339,19 @@ def write_state(directory, **state):
     return str(directory)
 
 
+@pytest.mark.fast
 def test_a_checkpoint_resumes_with_its_global_batch_old_or_new(tmp_path):
     old = write_state(tmp_path / "old", world_size=2, per_device_train_batch_size=4, gradient_accumulation_steps=1)
-    new = write_state(tmp_path / "new", world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=4, global_batch=8)
+    new = write_state(
+        tmp_path / "new", world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=4, global_batch=8
+    )
     for path in (old, new):
         assert read_checkpoint_state(path, {"model": "abc", "global_batch": 8}, world_size=4)["global_batch"] == 8
-        with pytest.raises(UsageError, match="was trained with 8 examples per optimizer step .*, this run takes 12; no layout on 3 "
-                                             "processes gives 8: resume on 1, 2, 4, 8 processes"):
+        with pytest.raises(
+            UsageError,
+            match="was trained with 8 examples per optimizer step .*, this run takes 12; no layout on 3 "
+            "processes gives 8: resume on 1, 2, 4, 8 processes",
+        ):
             read_checkpoint_state(path, {"model": "abc", "global_batch": 12}, world_size=3)
         with pytest.raises(UsageError, match=r"is from a different run \(model: checkpoint 'abc', this run 'xyz'\)"):
             read_checkpoint_state(path, {"model": "xyz", "global_batch": 8}, world_size=1)
@@ -252,8 +359,14 @@ def test_a_checkpoint_resumes_with_its_global_batch_old_or_new(tmp_path):
     assert fitting_layouts(8, 16) == []
 
 
+@pytest.mark.fast
 def test_split_batch_cuts_every_row_aligned_tensor_and_leaves_the_batch_whole():
-    batch = {"input_ids": torch.arange(10).reshape(5, 2), "sample_weight": torch.ones(5), "scale": torch.tensor(2.0), "name": "x"}
+    batch = {
+        "input_ids": torch.arange(10).reshape(5, 2),
+        "sample_weight": torch.ones(5),
+        "scale": torch.tensor(2.0),
+        "name": "x",
+    }
     parts = split_batch(batch, 2)
     assert [part["input_ids"].tolist() for part in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9]]]
     assert all(part["scale"] is batch["scale"] and part["name"] == "x" for part in parts)
@@ -261,6 +374,7 @@ def test_split_batch_cuts_every_row_aligned_tensor_and_leaves_the_batch_whole():
     assert "sample_weight" in batch, "the step pops keys from its parts, never from the batch a retry splits again"
 
 
+@pytest.mark.fast
 def test_oom_backoff_is_refused_where_a_forward_or_backward_pass_communicates():
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
     for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):

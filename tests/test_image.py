@@ -10,9 +10,10 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import AUDIT_HOOK_DIR, REPO, assert_fails_cleanly, launch
 from PIL import Image
 from safetensors.numpy import load_file
+
+from conftest import AUDIT_HOOK_DIR, REPO, assert_fails_cleanly, launch
 
 TRAIN_IMAGE = REPO / "scripts" / "train_image.py"
 CLASSES = ("dark", "bright", "striped")
@@ -22,7 +23,11 @@ def class_image(kind: str, rng: random.Random) -> Image.Image:
     """A 10-14 px image whose class shows in its pixels, saved in a mode that varies by image."""
     size = rng.randint(10, 14)
     noise = np.array([[rng.randint(0, 40) for _ in range(size)] for _ in range(size)])
-    pixels = {"dark": noise, "bright": 215 + noise, "striped": np.where(np.arange(size)[None, :] % 4 < 2, 230, 20) + noise // 2}.get(kind, 120 + noise)
+    pixels = {
+        "dark": noise,
+        "bright": 215 + noise,
+        "striped": np.where(np.arange(size)[None, :] % 4 < 2, 230, 20) + noise // 2,
+    }.get(kind, 120 + noise)
     image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), mode="L")
     return {0: image, 1: image.convert("RGB"), 2: image.convert("RGBA"), 3: image.convert("P")}[rng.randint(0, 3)]
 
@@ -42,10 +47,21 @@ def make_tiny_vit(directory):
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
     torch.manual_seed(0)
-    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                       intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = ViTConfig(
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     ViTForImageClassification(config).save_pretrained(directory)
-    ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(directory)
+    ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(
+        directory
+    )
     return directory
 
 
@@ -56,27 +72,53 @@ def make_tiny_resnet(directory):
     torch.manual_seed(0)
     config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
     ResNetForImageClassification(config).save_pretrained(directory)
-    ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(directory)
+    ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(
+        directory
+    )
     return directory
 
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     base = tmp_path_factory.mktemp("images")
-    return {"train": write_image_folder(base / "train", {"dark": 14, "bright": 13, "striped": 13}, seed=1),  # 40 images
-            "validation": write_image_folder(base / "validation", {"dark": 5, "bright": 4, "striped": 4}, seed=2)}  # 13: a prime
+    return {
+        "train": write_image_folder(base / "train", {"dark": 14, "bright": 13, "striped": 13}, seed=1),  # 40 images
+        "validation": write_image_folder(base / "validation", {"dark": 5, "bright": 4, "striped": 4}, seed=2),
+    }  # 13: a prime
 
 
 def image_args(model, images, output_dir, *extra):
-    return ["--model_name_or_path", model, "--train_dir", images["train"], "--validation_dir", images["validation"],
-            "--output_dir", output_dir, "--learning_rate", 3e-3, "--warmup_ratio", 0.0, "--num_train_epochs", 3,
-            "--per_device_eval_batch_size", 4, "--checkpointing_steps", "no", "--report_to", "none", *extra]
+    return [
+        "--model_name_or_path",
+        model,
+        "--train_dir",
+        images["train"],
+        "--validation_dir",
+        images["validation"],
+        "--output_dir",
+        output_dir,
+        "--learning_rate",
+        3e-3,
+        "--warmup_ratio",
+        0.0,
+        "--num_train_epochs",
+        3,
+        "--per_device_eval_batch_size",
+        4,
+        "--checkpointing_steps",
+        "no",
+        "--report_to",
+        "none",
+        *extra,
+    ]
 
 
 # The same training two ways: 1 process x batch 8, and 2 processes x batch 4 whose batches are made
 # by 2 persistent loader workers each (they must still shift each image by its own epoch's draw).
-LAYOUTS = {"one_process": (1, ["--per_device_train_batch_size", 8]),
-           "two_processes": (2, ["--per_device_train_batch_size", 4, "--num_workers", 2])}
+LAYOUTS = {
+    "one_process": (1, ["--per_device_train_batch_size", 8]),
+    "two_processes": (2, ["--per_device_train_batch_size", 4, "--num_workers", 2]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +145,9 @@ def test_without_batchnorm_two_processes_train_the_same_model_as_one(runs):
     reference, other = weights(runs["runs"]["vit", "one_process"]), weights(runs["runs"]["vit", "two_processes"])
     initial = weights(runs["models"]["vit"])
     same_shape = [k for k in initial if k in reference and initial[k].shape == reference[k].shape]
-    assert sum(not np.allclose(initial[k], reference[k]) for k in same_shape) > len(same_shape) // 2, "training barely changed the model"
+    assert sum(not np.allclose(initial[k], reference[k]) for k in same_shape) > len(same_shape) // 2, (
+        "training barely changed the model"
+    )
     for key in reference:
         if key.endswith("attention.key.bias"):
             # Its exact gradient is zero (a constant added to every key score leaves the softmax
@@ -123,15 +167,21 @@ def test_with_batchnorm_each_process_normalises_its_own_batch(runs):
     statistics = [k for k in reference if k.endswith(("running_mean", "running_var"))]
     assert len(statistics) >= 10, "every BatchNorm layer has running statistics"
     gaps = {k: float(np.abs(other[k] - reference[k]).max() / (np.abs(reference[k]).max() + 1e-8)) for k in statistics}
-    assert min(gaps.values()) > 1e-3, f"every layer's running statistics differ: {sorted(gaps.items(), key=lambda kv: kv[1])[:3]}"
+    assert min(gaps.values()) > 1e-3, (
+        f"every layer's running statistics differ: {sorted(gaps.items(), key=lambda kv: kv[1])[:3]}"
+    )
     convolution = [k for k in reference if k.endswith("convolution.weight")]
-    assert any(not np.allclose(other[k], reference[k], rtol=1e-4, atol=1e-5) for k in convolution), "and so do the weights"
+    assert any(not np.allclose(other[k], reference[k], rtol=1e-4, atol=1e-5) for k in convolution), (
+        "and so do the weights"
+    )
 
 
 def test_a_run_preempted_mid_epoch_resumes_to_the_same_model(runs, images, tmp_path):
     """Augmented images included: after the resume, each image gets the shift it would have got."""
     output_dir = tmp_path / "run"
-    args = image_args(runs["models"]["vit"], images, output_dir, *LAYOUTS["two_processes"][1], "--checkpointing_steps", 3)
+    args = image_args(
+        runs["models"]["vit"], images, output_dir, *LAYOUTS["two_processes"][1], "--checkpointing_steps", 3
+    )
     hooks = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}
     # SIGTERM while the checkpoint of step 6 is written: the ranks save after step 7 (epoch 1, its 2nd step) and exit.
     stopped = launch(TRAIN_IMAGE, *args, num_processes=2, env={**hooks, "SIGTERM_ON_WRITE": ".tmp-checkpoint-6/"})
@@ -140,18 +190,26 @@ def test_a_run_preempted_mid_epoch_resumes_to_the_same_model(runs, images, tmp_p
     assert resumed.returncode == 0, resumed.output[-4000:]
     reference = weights(runs["runs"]["vit", "two_processes"])
     ours = weights(output_dir)
-    assert [k for k in reference if not np.array_equal(ours[k], reference[k])] == [], "not bit for bit the uninterrupted run"
+    assert [k for k in reference if not np.array_equal(ours[k], reference[k])] == [], (
+        "not bit for bit the uninterrupted run"
+    )
 
 
 def test_evaluation_counts_each_image_once(runs):
     for model_name in ("vit", "resnet"):
-        scores = {layout: json.loads((runs["runs"][model_name, layout] / "metrics.json").read_text()) for layout in LAYOUTS}
+        scores = {
+            layout: json.loads((runs["runs"][model_name, layout] / "metrics.json").read_text()) for layout in LAYOUTS
+        }
         assert scores["one_process"]["eval_examples"] == scores["two_processes"]["eval_examples"] == 13
-        confusion = json.loads((runs["runs"][model_name, "two_processes"] / "report" / "confusion_matrix.json").read_text())
+        confusion = json.loads(
+            (runs["runs"][model_name, "two_processes"] / "report" / "confusion_matrix.json").read_text()
+        )
         assert np.sum(confusion["counts"]) == 13, "13 is prime: a duplicated padding image would show up here"
         assert confusion["labels"] == sorted(CLASSES)
     vit = {layout: json.loads((runs["runs"]["vit", layout] / "metrics.json").read_text()) for layout in LAYOUTS}
-    assert vit["two_processes"]["eval_accuracy"] == vit["one_process"]["eval_accuracy"] > 0.5, "the ViT learned the classes"
+    assert vit["two_processes"]["eval_accuracy"] == vit["one_process"]["eval_accuracy"] > 0.5, (
+        "the ViT learned the classes"
+    )
 
 
 def test_saved_model_reloads_through_pipeline_with_the_same_predictions(runs, images):
@@ -168,12 +226,19 @@ def test_saved_model_reloads_through_pipeline_with_the_same_predictions(runs, im
         logits = model(**processor(pictures, return_tensors="pt")).logits
     for picture, row in zip(pictures, logits):
         scores = {item["label"]: item["score"] for item in classifier(picture, top_k=None, function_to_apply="none")}
-        np.testing.assert_allclose([scores[model.config.id2label[i]] for i in range(len(row))], row.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            [scores[model.config.id2label[i]] for i in range(len(row))], row.numpy(), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_sync_batchnorm_is_refused_on_cpu_and_converts_every_batchnorm(runs, images, tmp_path):
     output_dir = tmp_path / "out"
-    result = launch(TRAIN_IMAGE, *image_args(runs["models"]["resnet"], images, output_dir, "--sync_batchnorm"), num_processes=2, timeout=120)
+    result = launch(
+        TRAIN_IMAGE,
+        *image_args(runs["models"]["resnet"], images, output_dir, "--sync_batchnorm"),
+        num_processes=2,
+        timeout=120,
+    )
     assert_fails_cleanly(result, "--sync_batchnorm needs GPUs: torch's SyncBatchNorm refuses CPU tensors", output_dir)
 
     from accelerate import PartialState
@@ -187,7 +252,10 @@ def test_sync_batchnorm_is_refused_on_cpu_and_converts_every_batchnorm(runs, ima
     converted = convert_sync_batchnorm(model)
     after = dict(converted.named_modules())
     assert len(before) >= 5
-    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm) for m in after.values())
+    assert not any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
+        for m in after.values()
+    )
     for name, old in before.items():
         assert isinstance(after[name], torch.nn.SyncBatchNorm), name
         torch.testing.assert_close(after[name].running_var, old.running_var)
@@ -200,16 +268,25 @@ def test_an_unreadable_image_is_named_or_skipped_and_counted(runs, images, tmp_p
     whole = (train / "dark" / "0.png").read_bytes()
     (train / "dark" / "cut.png").write_bytes(whole[: len(whole) // 2])  # a truncated download
     data = {"train": train, "validation": images["validation"]}
-    failed = launch(TRAIN_IMAGE, *image_args(runs["models"]["vit"], data, tmp_path / "refused"), num_processes=2, timeout=120)
+    failed = launch(
+        TRAIN_IMAGE, *image_args(runs["models"]["vit"], data, tmp_path / "refused"), num_processes=2, timeout=120
+    )
     assert_fails_cleanly(failed, "2 train image(s) cannot be read: ", tmp_path / "refused")
     assert "cut.png" in failed.output and "notes.png" in failed.output and "--skip_bad_images" in failed.output
 
     output_dir = tmp_path / "skipped"
-    result = launch(TRAIN_IMAGE, *image_args(runs["models"]["vit"], data, output_dir, "--skip_bad_images", "--num_train_epochs", 1),
-                    num_processes=2)
+    result = launch(
+        TRAIN_IMAGE,
+        *image_args(runs["models"]["vit"], data, output_dir, "--skip_bad_images", "--num_train_epochs", 1),
+        num_processes=2,
+    )
     assert result.returncode == 0, result.output[-4000:]
     metrics = json.loads((output_dir / "metrics.json").read_text())
-    assert (metrics["train_images_skipped"], metrics["validation_images_skipped"], metrics["train_samples_seen"]) == (2, 0, 18)
+    assert (metrics["train_images_skipped"], metrics["validation_images_skipped"], metrics["train_samples_seen"]) == (
+        2,
+        0,
+        18,
+    )
     assert "| train images skipped | 2 |" in (output_dir / "report" / "README.md").read_text()
 
 
@@ -224,7 +301,10 @@ def unseen_validation_class(tmp_path, images):
 
 BAD_INPUT = {
     "one_class": (one_class_folder, "holds images of one class only"),
-    "unseen_validation_class": (unseen_validation_class, "validation labels ['blurred'] never occur in the training data"),
+    "unseen_validation_class": (
+        unseen_validation_class,
+        "validation labels ['blurred'] never occur in the training data",
+    ),
 }
 
 
@@ -241,10 +321,14 @@ def test_bad_input_fails_fast_on_every_rank(case, runs, images, tmp_path):
 
 def test_offline_default_runs_a_few_steps(tmp_path):
     output_dir = tmp_path / "out"
-    result = launch(TRAIN_IMAGE, "--output_dir", output_dir, "--max_train_steps", 3, "--max_eval_samples", 50, num_processes=2)
+    result = launch(
+        TRAIN_IMAGE, "--output_dir", output_dir, "--max_train_steps", 3, "--max_eval_samples", 50, num_processes=2
+    )
     assert result.returncode == 0, result.output[-4000:]
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert (metrics["optimizer_steps"], metrics["eval_examples"], metrics["train_samples_seen"]) == (3, 50, 3 * 64)
     config = json.loads((output_dir / "config.json").read_text())
     assert config["model_type"] == "resnet" and config["id2label"]["7"] == "7"
-    assert (output_dir / "preprocessor_config.json").is_file() and (output_dir / "report" / "confusion_matrix.png").is_file()
+    assert (output_dir / "preprocessor_config.json").is_file() and (
+        output_dir / "report" / "confusion_matrix.png"
+    ).is_file()

@@ -3,6 +3,8 @@
 import json
 from collections import Counter
 
+import pytest
+
 from conftest import REPO, launch
 
 LAUNCHED = REPO / "tests" / "launched"
@@ -10,8 +12,13 @@ LAUNCHED = REPO / "tests" / "launched"
 
 def test_guard_refuses_cpu_flag_that_starts_one_process():
     # `accelerate launch --cpu --num_processes 2` goes through mpirun and starts ONE process.
-    result = launch(REPO / "scripts" / "train.py", "--output_dir", "/nonexistent/never-written",
-                    launcher_args=["--cpu", "--num_processes", "2"], timeout=120)
+    result = launch(
+        REPO / "scripts" / "train.py",
+        "--output_dir",
+        "/nonexistent/never-written",
+        launcher_args=["--cpu", "--num_processes", "2"],
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "asked for 2 processes but started only this one" in result.output
     assert "accelerate_configs/cpu_2proc.yaml" in result.output, "the message must name the fix"
@@ -30,7 +37,9 @@ def test_guard_refuses_a_world_per_process_on_every_rank():
 
 def run_sample_count(tmp_path, num_processes, batch_size, num_examples=37, epochs=3, resume=()):
     out = tmp_path / f"samples-{num_processes}.json"
-    result = launch(LAUNCHED / "count_samples.py", out, num_examples, batch_size, epochs, *resume, num_processes=num_processes)
+    result = launch(
+        LAUNCHED / "count_samples.py", out, num_examples, batch_size, epochs, *resume, num_processes=num_processes
+    )
     assert result.returncode == 0, result.output[-3000:]
     return json.loads(out.read_text())
 
@@ -40,6 +49,7 @@ def global_steps(epoch):
     return [sorted(i for rank in epoch for i, w in zip(*rank[step]) if w == 1.0) for step in range(len(epoch[0]))]
 
 
+@pytest.mark.fast
 def test_every_example_used_exactly_once_per_epoch_and_reshuffled(tmp_path):
     two = run_sample_count(tmp_path, num_processes=2, batch_size=4)
     assert two["world_size"] == 2
@@ -62,13 +72,18 @@ def test_every_example_used_exactly_once_per_epoch_and_reshuffled(tmp_path):
         assert global_steps(epoch_two) == global_steps(epoch_one)
 
 
+@pytest.mark.fast
 def test_resumed_epoch_continues_with_exactly_the_remaining_samples(tmp_path):
     # Accumulation 2, resumed after 3 optimizer steps of epoch 1: the skip is 6 micro-batches per rank.
     record = run_sample_count(tmp_path, num_processes=2, batch_size=2, num_examples=37, epochs=2, resume=(2, 1, 3))
     uninterrupted, resumed = record["epochs"][1], record["resumed"]
     for rank in (0, 1):
-        assert resumed[rank] == uninterrupted[rank][3 * 2 :], f"rank {rank}: the (rank, sample id) sequence after the resume point differs"
-    seen = Counter(i for rank in (0, 1) for ids, ws in uninterrupted[rank][:6] + resumed[rank] for i, w in zip(ids, ws) if w == 1.0)
+        assert resumed[rank] == uninterrupted[rank][3 * 2 :], (
+            f"rank {rank}: the (rank, sample id) sequence after the resume point differs"
+        )
+    seen = Counter(
+        i for rank in (0, 1) for ids, ws in uninterrupted[rank][:6] + resumed[rank] for i, w in zip(ids, ws) if w == 1.0
+    )
     assert seen == Counter(range(37)), "before + after the resume point: every example exactly once"
 
 

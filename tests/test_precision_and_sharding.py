@@ -15,18 +15,19 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, clm_args, launch, make_tiny_causal_lm, make_tiny_model, train_args
 
 import ddp_utils
+from conftest import REPO, launch, make_tiny_causal_lm, make_tiny_model, sft_args, train_args
 from ddp_utils import UsageError
 
 TRAIN = REPO / "scripts" / "train.py"
-TRAIN_CLM = REPO / "scripts" / "train_clm.py"
+TRAIN_SFT = REPO / "scripts" / "train_sft.py"
 TRAIN_IMAGE = REPO / "scripts" / "train_image.py"
 COLLECTIVE_MODEL_INIT = REPO / "tests" / "launched" / "collective_model_init.py"
 
 
 # --- 1. bf16 checkpoints train in fp32 ------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def same_model_in_bf16_and_fp32(tmp_path_factory):
@@ -46,7 +47,9 @@ def same_model_in_bf16_and_fp32(tmp_path_factory):
     return directories
 
 
-def test_a_bf16_checkpoint_trains_like_the_fp32_one_and_is_saved_in_bf16(same_model_in_bf16_and_fp32, sft_data, tmp_path):
+def test_a_bf16_checkpoint_trains_like_the_fp32_one_and_is_saved_in_bf16(
+    same_model_in_bf16_and_fp32, sft_data, tmp_path
+):
     """Full fine-tuning at the usual learning rate of 2e-5, 2 processes, 12 optimizer steps.
     Measured before the fix: the bf16 run moved 21% of the weights (the fp32 run 43%), and agreed
     with the fp32 run cast to bf16 on 62% of them; its small updates were rounded away."""
@@ -55,25 +58,50 @@ def test_a_bf16_checkpoint_trains_like_the_fp32_one_and_is_saved_in_bf16(same_mo
     saved, outputs = {}, {}
     for name, model_dir in same_model_in_bf16_and_fp32.items():
         output_dir = tmp_path / name
-        result = launch(TRAIN_CLM, *clm_args(model_dir, sft_data, output_dir, "--learning_rate", 2e-5, "--num_train_epochs", 2,
-                                             "--per_device_train_batch_size", 2, "--report_to", "none"), num_processes=2)
+        result = launch(
+            TRAIN_SFT,
+            *sft_args(
+                model_dir,
+                sft_data,
+                output_dir,
+                "--learning_rate",
+                2e-5,
+                "--num_train_epochs",
+                2,
+                "--per_device_train_batch_size",
+                2,
+                "--report_to",
+                "none",
+            ),
+            num_processes=2,
+        )
         assert result.returncode == 0, result.output[-4000:]
         saved[name], outputs[name] = load_file(str(output_dir / "model.safetensors")), result.output
         # Saved in the checkpoint's own dtype, and config.json says so (from_pretrained reads it).
-        assert json.loads((output_dir / "config.json").read_text())["dtype"] == {"bf16": "bfloat16", "fp32": "float32"}[name]
-        assert {tensor.dtype for tensor in saved[name].values()} == {{"bf16": torch.bfloat16, "fp32": torch.float32}[name]}
+        assert (
+            json.loads((output_dir / "config.json").read_text())["dtype"]
+            == {"bf16": "bfloat16", "fp32": "float32"}[name]
+        )
+        assert {tensor.dtype for tensor in saved[name].values()} == {
+            {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+        }
     assert "trainable parameter tensors cast from torch.bfloat16 to float32" in outputs["bf16"]
     assert "cast from" not in outputs["fp32"]
 
     initial = load_file(str(same_model_in_bf16_and_fp32["bf16"] / "model.safetensors"))
     fp32_as_bf16 = {key: value.to(torch.bfloat16) for key, value in saved["fp32"].items()}
-    changed = {name: np.mean([(weights[key].to(torch.bfloat16) != initial[key]).float().mean().item() for key in initial])
-               for name, weights in (("bf16", saved["bf16"]), ("fp32", fp32_as_bf16))}
+    changed = {
+        name: np.mean([(weights[key].to(torch.bfloat16) != initial[key]).float().mean().item() for key in initial])
+        for name, weights in (("bf16", saved["bf16"]), ("fp32", fp32_as_bf16))
+    }
     assert changed["bf16"] > 0.3 and changed["fp32"] > 0.3, f"both runs must move most weights: {changed}"
     agree = np.mean([(saved["bf16"][key] == fp32_as_bf16[key]).float().mean().item() for key in initial])
-    assert agree > 0.999, f"the bf16 run must equal the fp32 run up to the final cast; they agree on {agree:.1%} of the weights"
+    assert agree > 0.999, (
+        f"the bf16 run must equal the fp32 run up to the final cast; they agree on {agree:.1%} of the weights"
+    )
 
 
+@pytest.mark.fast
 def test_lora_keeps_the_frozen_base_in_the_checkpoint_dtype_and_trains_the_adapter_in_fp32(tmp_path):
     from accelerate import Accelerator
     from peft import LoraConfig, get_peft_model
@@ -89,7 +117,7 @@ def test_lora_keeps_the_frozen_base_in_the_checkpoint_dtype_and_trains_the_adapt
     frozen = {name: p.dtype for name, p in model.named_parameters() if not p.requires_grad}
     assert trainable and set(trainable.values()) == {torch.float32}
     assert frozen and set(frozen.values()) == {torch.bfloat16}, "the frozen base is not copied to fp32"
-    from ddp_utils.io import saved_dtype
+    from ddp_utils.output import saved_dtype
 
     assert saved_dtype(model) is None, "a LoRA adapter is saved as trained"
     assert saved_dtype(model.merge_and_unload()) == torch.bfloat16, "a merged model in the checkpoint's dtype"
@@ -98,7 +126,8 @@ def test_lora_keeps_the_frozen_base_in_the_checkpoint_dtype_and_trains_the_adapt
 
 # --- 2. ZeRO-3: building a model is a collective --------------------------------------------------
 
-@pytest.mark.parametrize("script", ["train", "train_clm", "train_image"])
+
+@pytest.mark.parametrize("script", ["train", "train_sft", "train_image"])
 def test_every_rank_builds_the_model_at_the_same_time(script, tiny_model, tiny_data, tiny_lm, sft_data, tmp_path):
     """Under ZeRO-3 (zero3_init_flag) transformers builds models inside deepspeed.zero.Init, whose
     broadcasts are collectives. Built inside load_on_main_first, the main process would build alone
@@ -108,8 +137,8 @@ def test_every_rank_builds_the_model_at_the_same_time(script, tiny_model, tiny_d
     common = ["--max_train_steps", 2, "--checkpointing_steps", "no", "--report_to", "none", "--ddp_timeout", 30]
     if script == "train":
         args = train_args(tiny_model, tiny_data, output_dir, *common)
-    elif script == "train_clm":
-        args = clm_args(tiny_lm, sft_data, output_dir, "--packing", *common)
+    elif script == "train_sft":
+        args = sft_args(tiny_lm, sft_data, output_dir, "--packing", *common)
     else:  # the offline demo: a ResNet built from its config, on scikit-learn's digits
         args = ["--output_dir", output_dir, "--max_train_samples", 64, "--max_eval_samples", 32, *common]
     result = launch(COLLECTIVE_MODEL_INIT, REPO / "scripts" / f"{script}.py", *args, num_processes=2, timeout=120)
@@ -119,6 +148,7 @@ def test_every_rank_builds_the_model_at_the_same_time(script, tiny_model, tiny_d
 
 
 # --- 3. what ZeRO-3 partitioning hides: shapes ---------------------------------------------------
+
 
 def partition_like_zero3(model):
     """What a model looks like once deepspeed.zero.Init has partitioned it: every parameter an
@@ -133,17 +163,27 @@ def decay_groups(model):
     return [[id(p) for p in group["params"]] for group in ddp_utils.make_adamw(model, 1e-3, 0.01).param_groups]
 
 
+@pytest.mark.fast
 def test_weight_decay_groups_and_fingerprint_do_not_depend_on_shapes(tmp_path):
     """Under ZeRO-3 a shape rule (ndim < 2: no decay) would exempt every weight from decay."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, ResNetConfig, ResNetForImageClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        ResNetConfig,
+        ResNetForImageClassification,
+    )
 
     from ddp_utils.checkpoint import model_fingerprint
-    from ddp_utils.optim import no_decay_parameter_names
+    from ddp_utils.optimizer import no_decay_parameter_names
 
     models = {
         "llama": lambda: AutoModelForCausalLM.from_pretrained(make_tiny_causal_lm(tmp_path / "llama")),
-        "bert": lambda: AutoModelForSequenceClassification.from_pretrained(make_tiny_model(tmp_path / "bert"), num_labels=3),
-        "resnet": lambda: ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])),
+        "bert": lambda: AutoModelForSequenceClassification.from_pretrained(
+            make_tiny_model(tmp_path / "bert"), num_labels=3
+        ),
+        "resnet": lambda: ResNetForImageClassification(
+            ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])
+        ),
     }
     for name, build in models.items():
         model = build()
@@ -152,22 +192,30 @@ def test_weight_decay_groups_and_fingerprint_do_not_depend_on_shapes(tmp_path):
         groups, fingerprint = decay_groups(model), model_fingerprint(model)
         assert groups[0] and groups[1]
         partitioned = partition_like_zero3(model)
-        assert decay_groups(partitioned) == groups, f"{name}: the groups must not change once the weights are partitioned"
+        assert decay_groups(partitioned) == groups, (
+            f"{name}: the groups must not change once the weights are partitioned"
+        )
         assert model_fingerprint(partitioned) == fingerprint, f"{name}: the fingerprint reads the full shapes"
     resnet = models["resnet"]()
-    assert any(".normalization." in n for n in no_decay_parameter_names(resnet)), "HF's ResNet names its BatchNorm 'normalization'"
+    assert any(".normalization." in n for n in no_decay_parameter_names(resnet)), (
+        "HF's ResNet names its BatchNorm 'normalization'"
+    )
 
 
+@pytest.mark.fast
 def test_the_packing_check_does_not_run_a_forward_pass_on_partitioned_weights(tiny_lm):
     from transformers import AutoModelForCausalLM
 
-    from ddp_utils.lm import packing_is_masked
+    from ddp_utils.causal_lm import packing_is_masked
 
     model = AutoModelForCausalLM.from_pretrained(tiny_lm)
     assert packing_is_masked(model) is True
-    assert packing_is_masked(partition_like_zero3(model)) is None, "no weights here to check with: no answer, not a crash"
+    assert packing_is_masked(partition_like_zero3(model)) is None, (
+        "no weights here to check with: no answer, not a crash"
+    )
 
 
+@pytest.mark.fast
 def test_partitioned_low_precision_weights_are_refused_unless_deepspeed_keeps_fp32_masters(tiny_lm):
     """ZeRO-3 partitions the weights before `train_in_fp32` sees them, so it cannot cast them; with
     bf16/fp16 mixed precision DeepSpeed keeps fp32 master weights itself, otherwise the run would
@@ -177,18 +225,23 @@ def test_partitioned_low_precision_weights_are_refused_unless_deepspeed_keeps_fp
     from transformers import AutoModelForCausalLM
 
     def accelerator(deepspeed, mixed_precision):
-        return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=object() if deepspeed else None), mixed_precision=mixed_precision)
+        return SimpleNamespace(
+            state=SimpleNamespace(deepspeed_plugin=object() if deepspeed else None), mixed_precision=mixed_precision
+        )
 
     model = partition_like_zero3(AutoModelForCausalLM.from_pretrained(tiny_lm, dtype=torch.bfloat16))
     ddp_utils.train_in_fp32(accelerator(deepspeed=True, mixed_precision="bf16"), model)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}, "DeepSpeed's own fp32 masters: nothing to cast"
     for mixed_precision in ("no", "bf16"):
-        deepspeed = mixed_precision == "no"  # DeepSpeed without mixed precision, or partitioned weights without DeepSpeed
+        deepspeed = (
+            mixed_precision == "no"
+        )  # DeepSpeed without mixed precision, or partitioned weights without DeepSpeed
         with pytest.raises(UsageError, match="partitioned them.*set mixed_precision: bf16"):
             ddp_utils.train_in_fp32(accelerator(deepspeed, mixed_precision), model)
 
 
 # --- 4. DeepSpeed options that would override the script in silence ------------------------------
+
 
 def deepspeed_config(**options):
     from accelerate.utils import DeepSpeedPlugin
@@ -196,12 +249,17 @@ def deepspeed_config(**options):
     return DeepSpeedPlugin(zero_stage=2, **options).deepspeed_config  # builds without the deepspeed package
 
 
+@pytest.mark.fast
 def test_deepspeed_gradient_clipping_must_agree_with_max_grad_norm():
-    from ddp_utils.launch import check_deepspeed_config
+    from ddp_utils.start import check_deepspeed_config
 
     config = deepspeed_config(gradient_clipping=1.0, gradient_accumulation_steps=1)
     check_deepspeed_config(config, gradient_accumulation_steps=1, max_grad_norm=1.0)
-    with pytest.raises(UsageError, match=r"clips gradients at 1.0, the script at --max_grad_norm 0.5.*set deepspeed_config.gradient_clipping to 0.5"):
+    with pytest.raises(
+        UsageError,
+        match=r"clips gradients at 1.0, the script at --max_grad_norm 0.5.*"
+        r"set deepspeed_config.gradient_clipping to 0.5",
+    ):
         check_deepspeed_config(config, gradient_accumulation_steps=1, max_grad_norm=0.5)
     # "auto": Accelerate would fill in 1.0 whatever the script says; the script's value goes in first.
     for max_grad_norm in (0.5, 0.0):
@@ -210,16 +268,19 @@ def test_deepspeed_gradient_clipping_must_agree_with_max_grad_norm():
         check_deepspeed_config(config, gradient_accumulation_steps=1, max_grad_norm=max_grad_norm)
         assert config["gradient_clipping"] == max_grad_norm
     with pytest.raises(UsageError, match="accumulates 4 micro-batches per step, the script 1"):
-        check_deepspeed_config(deepspeed_config(gradient_accumulation_steps=4), gradient_accumulation_steps=1, max_grad_norm=1.0)
+        check_deepspeed_config(
+            deepspeed_config(gradient_accumulation_steps=4), gradient_accumulation_steps=1, max_grad_norm=1.0
+        )
 
 
+@pytest.mark.fast
 def test_describe_optimizer_names_the_optimizer_that_really_runs():
     """Under DeepSpeed's optimizer offload, Accelerate swaps our fused AdamW for DeepSpeedCPUAdam;
     the scripts log what runs after `prepare` (a real run logs "optimizer: AdamW (fused)", checked
     in test_every_rank_builds_the_model_at_the_same_time)."""
     from accelerate import Accelerator
 
-    from ddp_utils.optim import describe_optimizer
+    from ddp_utils.optimizer import describe_optimizer
 
     class DeepSpeedCPUAdam:
         defaults = {"lr": 1e-4}

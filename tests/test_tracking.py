@@ -10,29 +10,55 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_fails_cleanly, launch, make_tiny_model, train_args, write_examples
 from PIL import Image
+
+from conftest import REPO, assert_fails_cleanly, launch, make_tiny_model, train_args, write_examples
 
 TRAIN = REPO / "scripts" / "train.py"
 RECORD_LOCAL_LOSSES = REPO / "tests" / "launched" / "record_local_losses.py"
 ENV_TOKEN = "hf_FakeEnvToken4242aa"
 ARG_TOKEN = "hf_FakeArgToken1717bb"
 STEPS = 8  # 64 examples / (2 processes x 4): every rank holds 4 real examples in every step
-TRAIN_TAGS = ["train/loss", "train/learning_rate", "train/grad_norm", "train/samples_per_second", "train/tokens_per_second",
-              "train/peak_memory_mb", "train/epoch"]
+TRAIN_TAGS = [
+    "train/loss",
+    "train/learning_rate",
+    "train/grad_norm",
+    "train/samples_per_second",
+    "train/tokens_per_second",
+    "train/peak_memory_mb",
+    "train/epoch",
+]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("tracking")
     model = make_tiny_model(base / "model")
-    data = {"train": write_examples(base / "train.csv", 64, seed=1), "validation": write_examples(base / "validation.csv", 37, seed=2)}
+    data = {
+        "train": write_examples(base / "train.csv", 64, seed=1),
+        "validation": write_examples(base / "validation.csv", 37, seed=2),
+    }
     output_dir = base / "out"
-    args = train_args(model, data, output_dir, "--per_device_train_batch_size", 4, "--num_train_epochs", 1, "--logging_steps", 1,
-                      "--hub_token", ARG_TOKEN)
-    result = launch(RECORD_LOCAL_LOSSES, *args, num_processes=2, env={"HF_TOKEN": ENV_TOKEN, "LOCAL_LOSS_LOG": str(base / "local")})
+    args = train_args(
+        model,
+        data,
+        output_dir,
+        "--per_device_train_batch_size",
+        4,
+        "--num_train_epochs",
+        1,
+        "--logging_steps",
+        1,
+        "--hub_token",
+        ARG_TOKEN,
+    )
+    result = launch(
+        RECORD_LOCAL_LOSSES, *args, num_processes=2, env={"HF_TOKEN": ENV_TOKEN, "LOCAL_LOSS_LOG": str(base / "local")}
+    )
     assert result.returncode == 0, result.output[-4000:]
-    local = {rank: [json.loads(line) for line in (base / f"local.rank{rank}").read_text().splitlines()] for rank in (0, 1)}
+    local = {
+        rank: [json.loads(line) for line in (base / f"local.rank{rank}").read_text().splitlines()] for rank in (0, 1)
+    }
     return {"dir": output_dir, "output": result.output, "local": local}
 
 
@@ -88,7 +114,13 @@ def test_report_pictures_exist_and_the_confusion_matrix_counts_each_eval_example
             width, height = image.size
             assert 300 <= width <= 3000 and 200 <= height <= 3000, (picture, image.size)
             assert len(image.convert("RGB").getcolors(maxcolors=1_000_000)) > 20, f"{picture} looks blank"
-    for fact in ("processes | 2 (MULTI_CPU", f"optimizer steps | {STEPS} (1 epochs)", "samples/s", "eval_accuracy", "wall time"):
+    for fact in (
+        "processes | 2 (MULTI_CPU",
+        f"optimizer steps | {STEPS} (1 epochs)",
+        "samples/s",
+        "eval_accuracy",
+        "wall time",
+    ):
         assert fact in summary, fact
     confusion = json.loads((report / "confusion_matrix.json").read_text())
     counts = np.array(confusion["counts"])
@@ -105,31 +137,51 @@ def test_no_secret_reaches_a_file_or_the_output(run):
     for path in run["dir"].rglob("*"):
         if path.is_file():
             content = path.read_bytes()
-            assert ENV_TOKEN.encode() not in content and ARG_TOKEN.encode() not in content, f"a token leaked into {path}"
+            assert ENV_TOKEN.encode() not in content and ARG_TOKEN.encode() not in content, (
+                f"a token leaked into {path}"
+            )
             checked += 1
     assert checked > 10
     saved = json.loads((run["dir"] / "training_args.json").read_text())
     assert saved["hub_token"] == "<redacted>"
     hparams = next((run["dir"] / "runs" / "train").glob("*/hparams.yml")).read_text()
-    assert "hub_token: <redacted>" in hparams and "learning_rate" in hparams, "hyper-parameters logged, the token redacted"
+    assert "hub_token: <redacted>" in hparams and "learning_rate" in hparams, (
+        "hyper-parameters logged, the token redacted"
+    )
 
 
 def test_plot_runs_draws_several_runs_on_shared_axes(run, tmp_path):
     out = tmp_path / "compare.png"
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "plot_runs.py"), str(run["dir"]), str(run["dir"]), "--out", str(out)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "plot_runs.py"), str(run["dir"]), str(run["dir"]), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "train/loss" in result.stdout and "eval/accuracy" in result.stdout
     with Image.open(out) as image:
         assert image.size[0] >= 600
-    missing = subprocess.run([sys.executable, str(REPO / "scripts" / "plot_runs.py"), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "plot_runs.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and "no train_log.jsonl" in missing.stderr
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_a_tracker_that_is_not_installed_is_refused_on_every_rank_before_training(tmp_path):
     model = make_tiny_model(tmp_path / "model")
-    data = {"train": write_examples(tmp_path / "train.csv", 16, seed=1), "validation": write_examples(tmp_path / "val.csv", 8, seed=2)}
+    data = {
+        "train": write_examples(tmp_path / "train.csv", 16, seed=1),
+        "validation": write_examples(tmp_path / "val.csv", 8, seed=2),
+    }
     output_dir = tmp_path / "out"
-    result = launch(TRAIN, *train_args(model, data, output_dir, "--report_to", "tensorboard,wandb"), num_processes=2, timeout=120)
-    assert_fails_cleanly(result, "--report_to wandb needs the 'wandb' package, which is not installed: pip install wandb", output_dir)
+    result = launch(
+        TRAIN, *train_args(model, data, output_dir, "--report_to", "tensorboard,wandb"), num_processes=2, timeout=120
+    )
+    assert_fails_cleanly(
+        result, "--report_to wandb needs the 'wandb' package, which is not installed: pip install wandb", output_dir
+    )

@@ -6,8 +6,9 @@ import os
 
 import numpy as np
 import pytest
-from conftest import AUDIT_HOOK_DIR, REPO, launch, put_in_hub_cache, train_args
 from safetensors.numpy import load_file
+
+from conftest import AUDIT_HOOK_DIR, REPO, launch, put_in_hub_cache, train_args
 
 TRAIN = REPO / "scripts" / "train.py"
 
@@ -30,8 +31,12 @@ def runs(tiny_model, tiny_data, tmp_path_factory):
             "WRITE_AUDIT_TARGET": str(output_dir),
             "WRITE_AUDIT_LOG": str(base / f"{name}.writes"),
         }
-        result = launch(TRAIN, *train_args(tiny_model, tiny_data, output_dir, "--num_train_epochs", 3, *extra),
-                        num_processes=num_processes, env=audit)
+        result = launch(
+            TRAIN,
+            *train_args(tiny_model, tiny_data, output_dir, "--num_train_epochs", 3, *extra),
+            num_processes=num_processes,
+            env=audit,
+        )
         assert result.returncode == 0, result.output[-4000:]
         results[name] = {"dir": output_dir, "launch": result, "writes": base / f"{name}.writes"}
     return results
@@ -45,9 +50,12 @@ def metrics(output_dir):
     return json.loads((output_dir / "metrics.json").read_text())
 
 
+@pytest.mark.fast
 def test_n_processes_train_the_same_model_as_one(runs, tiny_model):
     reference = weights(runs["one_process"]["dir"])
-    initial = load_file(str(tiny_model / "model.safetensors"))  # the encoder before training, without the "bert." prefix
+    initial = load_file(
+        str(tiny_model / "model.safetensors")
+    )  # the encoder before training, without the "bert." prefix
     changed = [k for k in initial if not np.allclose(initial[k], reference[f"bert.{k}"])]
     assert len(changed) > len(initial) // 2, "training barely changed the model: the comparison would prove nothing"
     for name in ("two_processes", "two_processes_accumulating"):
@@ -60,15 +68,21 @@ def test_n_processes_train_the_same_model_as_one(runs, tiny_model):
                 assert np.abs(other[key]).max() < 1e-4 and np.abs(reference[key]).max() < 1e-4, key
                 continue
             np.testing.assert_allclose(other[key], reference[key], rtol=1e-4, atol=1e-5, err_msg=f"{name}: {key}")
-        assert metrics(runs[name]["dir"])["optimizer_steps"] == metrics(runs["one_process"]["dir"])["optimizer_steps"] == 24
+        assert (
+            metrics(runs[name]["dir"])["optimizer_steps"]
+            == metrics(runs["one_process"]["dir"])["optimizer_steps"]
+            == 24
+        )
 
 
+@pytest.mark.fast
 def test_every_training_example_counted_once_per_epoch(runs):
     for name, run in runs.items():
         # 60 examples x 3 epochs: the fillers that even out the shards are not counted.
         assert metrics(run["dir"])["train_samples_seen"] == 180, name
 
 
+@pytest.mark.fast
 def test_evaluation_counts_each_example_once_and_matches_one_process(runs):
     reference = metrics(runs["one_process"]["dir"])
     assert reference["eval_examples"] == 37
@@ -93,10 +107,19 @@ def test_only_the_main_process_writes(runs):
             assert outside == [], f"{name}: {other.name} wrote outside checkpoint staging: {outside[:5]}"
         files = sorted(os.listdir(run["dir"]))
         assert [f for f in files if not f.startswith("checkpoint-")] == [
-            "config.json", "metrics.json", "model.safetensors", "report", "runs", "tokenizer.json", "tokenizer_config.json",
-            "train_log.jsonl", "training_args.json",
+            "config.json",
+            "metrics.json",
+            "model.safetensors",
+            "report",
+            "runs",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "train_log.jsonl",
+            "training_args.json",
         ]
-        assert [f for f in files if f.startswith("checkpoint-")] == ["checkpoint-16", "checkpoint-24"], "epoch checkpoints, newest 2 kept"
+        assert [f for f in files if f.startswith("checkpoint-")] == ["checkpoint-16", "checkpoint-24"], (
+            "epoch checkpoints, newest 2 kept"
+        )
 
 
 def test_overwrite_output_dir_is_replaced_by_the_main_process_alone(tmp_path):
@@ -118,7 +141,9 @@ def test_a_hub_model_id_trains_the_same_model_as_its_local_copy(runs, tiny_model
     offline Hub cache stands in for the Hub."""
     env = {"HF_HUB_CACHE": str(put_in_hub_cache(tmp_path / "hub", "tiny-org/tiny-bert", tiny_model))}
     output_dir = tmp_path / "from-hub"
-    args = train_args("tiny-org/tiny-bert", tiny_data, output_dir, "--num_train_epochs", 3, *LAYOUTS["two_processes"][1])
+    args = train_args(
+        "tiny-org/tiny-bert", tiny_data, output_dir, "--num_train_epochs", 3, *LAYOUTS["two_processes"][1]
+    )
     result = launch(TRAIN, *args, num_processes=2, env=env)
     assert result.returncode == 0, result.output[-4000:]
     reference = weights(runs["two_processes"]["dir"])
@@ -126,6 +151,7 @@ def test_a_hub_model_id_trains_the_same_model_as_its_local_copy(runs, tiny_model
         np.testing.assert_array_equal(value, reference[key], err_msg=key)
 
 
+@pytest.mark.fast
 def test_saved_model_reloads_with_from_pretrained_and_pipeline(runs, tiny_data):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
@@ -145,11 +171,15 @@ def test_saved_model_reloads_with_from_pretrained_and_pipeline(runs, tiny_data):
     classifier = pipeline("text-classification", model=str(output_dir), device=-1)
     for text, row in zip(texts, logits):
         scores = {item["label"]: item["score"] for item in classifier(text, top_k=None, function_to_apply="none")}
-        np.testing.assert_allclose([scores[model.config.id2label[i]] for i in range(len(row))], row.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            [scores[model.config.id2label[i]] for i in range(len(row))], row.numpy(), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_launch_exits_cleanly_right_after_the_last_line(runs):
     for name, run in runs.items():
         result = run["launch"]
         assert "saved to" in result.output
-        assert result.exit_after_last_line < 5.0, f"{name}: the launch took {result.exit_after_last_line:.1f}s to exit after its last line"
+        assert result.exit_after_last_line < 5.0, (
+            f"{name}: the launch took {result.exit_after_last_line:.1f}s to exit after its last line"
+        )

@@ -33,15 +33,18 @@ def demo_data(max_length, max_train_samples=None, max_eval_samples=None):
 
 
 def demo_text_blocks(block_size):
-    """The demo reviews' text as scripts/train_clm.py's text mode makes it: EOS after each review,
+    """The demo reviews' text as scripts/train_clm.py makes it: EOS after each review,
     concatenated, cut into blocks of `block_size` tokens. Returns (blocks DatasetDict, tokenizer)."""
-    from ddp_utils.lm import group_text_blocks
+    from ddp_utils.causal_lm import group_text_blocks
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     eos = tokenizer.sep_token_id  # this tokenizer has no EOS; train_clm.py uses its separator, as here
     raw = load_demo_reviews()
-    encoded = raw.map(lambda b: {"input_ids": [x + [eos] for x in tokenizer(b["text"], add_special_tokens=False)["input_ids"]]},
-                      batched=True, remove_columns=["text", "label"])
+    encoded = raw.map(
+        lambda b: {"input_ids": [x + [eos] for x in tokenizer(b["text"], add_special_tokens=False)["input_ids"]]},
+        batched=True,
+        remove_columns=["text", "label"],
+    )
     blocks = encoded.map(group_text_blocks, batched=True, batch_size=10_000, fn_kwargs={"block_size": block_size})
     return blocks, tokenizer
 
@@ -130,7 +133,7 @@ def tutorial_ddp_training(model, train_dataset, batch_size, collate_fn, lr, epoc
     from torch.utils.data import DataLoader, DistributedSampler
     from transformers import get_linear_schedule_with_warmup
 
-    from ddp_utils.optim import weight_decay_groups
+    from ddp_utils.optimizer import weight_decay_groups
 
     model = DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
     sampler = DistributedSampler(train_dataset, shuffle=True, seed=seed)

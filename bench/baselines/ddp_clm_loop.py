@@ -19,13 +19,20 @@ from ddp_utils.demo import bench_decoder_config_path
 
 
 def main():
-    out, epochs, batch_size, lr, block_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+    out, epochs, batch_size, lr, block_size = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        float(sys.argv[4]),
+        int(sys.argv[5]),
+    )
     rank, device = init_distributed()
 
     blocks, _ = demo_text_blocks(block_size)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(bench_decoder_config_path()))
     model, sampler, loader, optimizer, scheduler = tutorial_ddp_training(
-        model, blocks["train"], batch_size, default_data_collator, lr, epochs, device)
+        model, blocks["train"], batch_size, default_data_collator, lr, epochs, device
+    )
 
     train_time, perplexity = 0.0, None
     for epoch in range(epochs):
@@ -43,8 +50,14 @@ def main():
     if rank == 0:
         with open(out, "w") as handle:
             # Target tokens: every position of a block but the first predicts the next token.
-            json.dump({"train_tokens": epochs * len(blocks["train"]) * (block_size - 1), "train_time_s": train_time,
-                       "eval_perplexity": perplexity}, handle)
+            json.dump(
+                {
+                    "train_tokens": epochs * len(blocks["train"]) * (block_size - 1),
+                    "train_time_s": train_time,
+                    "eval_perplexity": perplexity,
+                },
+                handle,
+            )
     dist.destroy_process_group()
 
 

@@ -9,7 +9,15 @@ import json
 
 import torch
 import torch.distributed as dist
-from common import LABELS, PaddingCounter, baseline_arg_parser, demo_data, init_distributed, tutorial_ddp_training, tutorial_train_epoch
+from common import (
+    LABELS,
+    PaddingCounter,
+    baseline_arg_parser,
+    demo_data,
+    init_distributed,
+    tutorial_ddp_training,
+    tutorial_train_epoch,
+)
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification
 
@@ -24,7 +32,8 @@ def main():
     model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=len(LABELS))
     padding = PaddingCounter(collate)  # the training batches only; evaluation below uses the plain collator
     model, sampler, loader, optimizer, scheduler = tutorial_ddp_training(
-        model, tokenized["train"], args.batch_size, padding, args.lr, args.epochs, device, seed=args.seed)
+        model, tokenized["train"], args.batch_size, padding, args.lr, args.epochs, device, seed=args.seed
+    )
 
     train_time, accuracy = 0.0, None
     for epoch in range(args.epochs):
@@ -43,8 +52,16 @@ def main():
     counts = padding.totals()  # all ranks
     if rank == 0:
         with open(args.out, "w") as handle:
-            json.dump({"train_samples": args.epochs * len(tokenized["train"]), "train_time_s": train_time, "eval_accuracy": accuracy,
-                       "world_size": dist.get_world_size(), **counts}, handle)
+            json.dump(
+                {
+                    "train_samples": args.epochs * len(tokenized["train"]),
+                    "train_time_s": train_time,
+                    "eval_accuracy": accuracy,
+                    "world_size": dist.get_world_size(),
+                    **counts,
+                },
+                handle,
+            )
     dist.destroy_process_group()
 
 

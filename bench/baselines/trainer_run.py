@@ -25,20 +25,40 @@ def accuracy(eval_prediction):
 def main():
     p = baseline_arg_parser(__doc__)
     p.add_argument("--output_dir", required=True)
-    p.add_argument("--sampling", choices=["random", "group_by_length"], default="random", help="train_sampling_strategy")
+    p.add_argument(
+        "--sampling", choices=["random", "group_by_length"], default="random", help="train_sampling_strategy"
+    )
     args = p.parse_args()
     tokenized, tokenizer, collate = demo_data(args.max_length, args.max_train_samples, args.max_eval_samples)
     set_seed(args.seed)  # before the model, as run_glue.py does: the new head's initialisation follows the seed
     model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=len(LABELS))
     training_args = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=32,
-        learning_rate=args.lr, num_train_epochs=args.epochs, warmup_steps=0.1,  # a float: a ratio of the steps (transformers 5)
-        weight_decay=0.01, max_grad_norm=1.0, train_sampling_strategy=args.sampling,
-        eval_strategy="epoch", save_strategy="no", logging_strategy="epoch", report_to=[], seed=args.seed,
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=32,
+        learning_rate=args.lr,
+        num_train_epochs=args.epochs,
+        warmup_steps=0.1,  # a float: a ratio of the steps (transformers 5)
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        train_sampling_strategy=args.sampling,
+        eval_strategy="epoch",
+        save_strategy="no",
+        logging_strategy="epoch",
+        report_to=[],
+        seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=tokenized["train"], eval_dataset=tokenized["validation"],
-                      data_collator=collate, compute_metrics=accuracy)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=tokenized["train"],
+        eval_dataset=tokenized["validation"],
+        data_collator=collate,
+        compute_metrics=accuracy,
+    )
     padding = count_train_padding(trainer)
     result = trainer.train()
     eval_time = sum(entry.get("eval_runtime", 0.0) for entry in trainer.state.log_history)
@@ -46,8 +66,16 @@ def main():
     counts = padding.totals()  # all ranks
     if trainer.is_world_process_zero():
         with open(args.out, "w") as handle:
-            json.dump({"train_samples": args.epochs * len(tokenized["train"]), "train_time_s": result.metrics["train_runtime"] - eval_time,
-                       "eval_accuracy": final["eval_accuracy"], "world_size": trainer.accelerator.num_processes, **counts}, handle)
+            json.dump(
+                {
+                    "train_samples": args.epochs * len(tokenized["train"]),
+                    "train_time_s": result.metrics["train_runtime"] - eval_time,
+                    "eval_accuracy": final["eval_accuracy"],
+                    "world_size": trainer.accelerator.num_processes,
+                    **counts,
+                },
+                handle,
+            )
 
 
 if __name__ == "__main__":

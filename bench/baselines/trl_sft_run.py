@@ -1,5 +1,5 @@
 """Baseline: TRL's SFTTrainer with LoRA on the same model, chat data and hyper-parameters as
-scripts/train_clm.py in bench/bench_sft.py. Launched with torchrun (2 real processes on CPU, gloo).
+scripts/train_sft.py in bench/bench_sft.py. Launched with torchrun (2 real processes on CPU, gloo).
 
 usage: torchrun --nproc_per_node 2 bench/baselines/trl_sft_run.py --out OUT.json --epochs E --batch_size B --lr LR
            --max_length L --model DIR --train_file TRAIN.jsonl --output_dir DIR [--trl_defaults] [--time_cap_s S]
@@ -53,22 +53,45 @@ def main():
     p.add_argument("--lora_r", type=int, default=16)
     p.add_argument("--lora_alpha", type=float, default=16)
     p.add_argument("--lora_dropout", type=float, default=0.05)
-    p.add_argument("--trl_defaults", action="store_true", help="SFTConfig's own bf16 and gradient checkpointing (both on)")
-    p.add_argument("--time_cap_s", type=float, default=None, help="stop after the step that ends past this many seconds")
+    p.add_argument(
+        "--trl_defaults", action="store_true", help="SFTConfig's own bf16 and gradient checkpointing (both on)"
+    )
+    p.add_argument(
+        "--time_cap_s", type=float, default=None, help="stop after the step that ends past this many seconds"
+    )
     args = p.parse_args()
 
     set_seed(args.seed)  # the LoRA weights SFTTrainer initialises follow the seed, as ours do
     train = load_dataset("json", data_files=args.train_file, split="train")
-    matched = {} if args.trl_defaults else {"bf16": False, "gradient_checkpointing": False}  # ours: fp32, no checkpointing
+    matched = (
+        {} if args.trl_defaults else {"bf16": False, "gradient_checkpointing": False}
+    )  # ours: fp32, no checkpointing
     config = SFTConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, num_train_epochs=args.epochs,
-        learning_rate=args.lr, warmup_steps=0.1,  # a float: a ratio of the steps, as ours' --warmup_ratio 0.1
-        weight_decay=0.01, max_grad_norm=1.0, max_length=args.max_length, seed=args.seed,
-        eval_strategy="no", save_strategy="no", report_to="none", logging_steps=10, disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, **matched,
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch_size,
+        num_train_epochs=args.epochs,
+        learning_rate=args.lr,
+        warmup_steps=0.1,  # a float: a ratio of the steps, as ours' --warmup_ratio 0.1
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        max_length=args.max_length,
+        seed=args.seed,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        logging_steps=10,
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        **matched,
     )
-    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules="all-linear",
-                      task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
     clock = LoopClock(args.time_cap_s)
     trainer = SFTTrainer(model=args.model, args=config, train_dataset=train, peft_config=lora, callbacks=[clock])
     padding = count_train_padding(trainer)
@@ -77,13 +100,28 @@ def main():
     state = trainer.state
     if trainer.is_world_process_zero():
         # Stopped early, every step it took was full; otherwise it trained every record once per epoch.
-        samples = state.global_step * args.batch_size * trainer.accelerator.num_processes if clock.capped else args.epochs * len(train)
+        samples = (
+            state.global_step * args.batch_size * trainer.accelerator.num_processes
+            if clock.capped
+            else args.epochs * len(train)
+        )
         with open(args.out, "w") as handle:
-            json.dump({"train_samples": samples, "train_time_s": clock.seconds, "train_runtime": result.metrics["train_runtime"],
-                       "optimizer_steps": state.global_step, "planned_steps": state.max_steps, "capped": clock.capped,
-                       "bf16": config.bf16, "gradient_checkpointing": config.gradient_checkpointing,
-                       "world_size": trainer.accelerator.num_processes, "train_loss": result.metrics.get("train_loss"),
-                       **counts}, handle)
+            json.dump(
+                {
+                    "train_samples": samples,
+                    "train_time_s": clock.seconds,
+                    "train_runtime": result.metrics["train_runtime"],
+                    "optimizer_steps": state.global_step,
+                    "planned_steps": state.max_steps,
+                    "capped": clock.capped,
+                    "bf16": config.bf16,
+                    "gradient_checkpointing": config.gradient_checkpointing,
+                    "world_size": trainer.accelerator.num_processes,
+                    "train_loss": result.metrics.get("train_loss"),
+                    **counts,
+                },
+                handle,
+            )
 
 
 if __name__ == "__main__":

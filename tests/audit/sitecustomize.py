@@ -21,7 +21,16 @@ _sigterm_on = os.environ.get("SIGTERM_ON_WRITE") if os.environ.get("RANK") == "0
 if _target or _crash_on or _sigterm_on:
     _target = os.path.realpath(_target) if _target else None
     _log_path = f"{os.environ.get('WRITE_AUDIT_LOG')}.rank{os.environ.get('RANK', 'none')}"
-    _events = {"os.rename", "os.replace", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "shutil.move", "os.truncate"}
+    _events = {
+        "os.rename",
+        "os.replace",
+        "os.remove",
+        "os.rmdir",
+        "os.mkdir",
+        "shutil.rmtree",
+        "shutil.move",
+        "os.truncate",
+    }
     _signalled = []
 
     def _path(value):
@@ -33,7 +42,9 @@ if _target or _crash_on or _sigterm_on:
     def _audit(event, args):
         if event == "open":
             path, mode, flags = args
-            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & (
+                os.O_WRONLY | os.O_RDWR | os.O_CREAT
+            )
             paths = [_path(path)] if writes and path is not None else []
         elif event in _events:
             paths = [_path(a) for a in args if isinstance(a, (str, bytes, os.PathLike))]

@@ -16,7 +16,7 @@ from accelerate.utils import gather_object
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT
-from ddp_utils.launch import make_accelerator
+from ddp_utils.start import make_accelerator
 
 
 def collate(rows):
@@ -38,12 +38,16 @@ def main():
     accumulation, resume_epoch, resume_steps = map(int, sys.argv[5:8]) if len(sys.argv) > 5 else (1, None, None)
     accelerator = make_accelerator(seed=7, gradient_accumulation_steps=accumulation)
     dataset = datasets.Dataset.from_dict({"example_id": list(range(num_examples))})
-    loader = ddp_utils.make_train_dataloader(dataset, batch_size=batch_size, accelerator=accelerator, collate_fn=collate)
-    options = argparse.Namespace(max_train_steps=None, num_train_epochs=epochs, per_device_train_batch_size=batch_size)
+    options = argparse.Namespace(
+        max_train_steps=None, num_train_epochs=epochs, per_device_train_batch_size=batch_size, num_workers=0
+    )
+    loader = ddp_utils.make_train_dataloader(dataset, options, accelerator, collate)
     plan = ddp_utils.StepPlan(accelerator, options, loader)
     loader = accelerator.prepare(loader)
-    record = {"world_size": accelerator.num_processes,
-              "epochs": [gather_object([epoch_batches(accelerator, plan, loader, e)]) for e in range(epochs)]}
+    record = {
+        "world_size": accelerator.num_processes,
+        "epochs": [gather_object([epoch_batches(accelerator, plan, loader, e)]) for e in range(epochs)],
+    }
     if resume_epoch is not None:
         record["resumed"] = gather_object([epoch_batches(accelerator, plan, loader, resume_epoch, resume_steps)])
     if accelerator.is_main_process:

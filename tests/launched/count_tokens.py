@@ -1,8 +1,8 @@
 """Launched by the tests: which training rows (token ids and labels) each rank draws in two
-epochs of scripts/train_clm.py's data path: its own data loading, tokenizing, blocks or packing,
-collator, and ddp_utils' dataloader and step plan.
+epochs of a causal-LM script's data path (scripts/train_clm.py or train_sft.py): its own data
+loading, tokenizing, blocks or packing, collator, and ddp_utils' dataloader and step plan.
 
-usage: count_tokens.py OUT.json [train_clm.py arguments]
+usage: count_tokens.py SCRIPT OUT.json [script arguments]     (SCRIPT: train_clm or train_sft)
 """
 
 import importlib.util
@@ -13,41 +13,58 @@ from pathlib import Path
 from accelerate.utils import gather_object
 
 import ddp_utils
-from ddp_utils.launch import make_accelerator
-from ddp_utils.lm import TARGET_TOKENS
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_clm.py"
+from ddp_utils.causal_lm import TARGET_TOKENS, CausalLMCollator
+from ddp_utils.sft_data import sft_columns
+from ddp_utils.start import make_accelerator
 
 
 def main():
-    spec = importlib.util.spec_from_file_location("train_clm", SCRIPT)
-    train_clm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_clm)
-    out, args = sys.argv[1], train_clm.parse_args(sys.argv[2:])
+    name, out = sys.argv[1], sys.argv[2]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script.parse_args(sys.argv[3:])
     accelerator = make_accelerator(seed=args.seed, gradient_accumulation_steps=args.gradient_accumulation_steps)
-    tokenized, tokenizer, _, report, _, _ = ddp_utils.load_on_main_first(accelerator, train_clm.prepare_data, args)
-    collate = train_clm.CausalLMCollator(tokenizer.pad_token_id)
+    tokenized, tokenizer, _, report, *_ = ddp_utils.load_on_main_first(accelerator, script.prepare_data, args)
     loader = ddp_utils.make_train_dataloader(
-        tokenized["train"], batch_size=args.per_device_train_batch_size, accelerator=accelerator, collate_fn=collate)
+        tokenized["train"], args, accelerator, CausalLMCollator(tokenizer.pad_token_id)
+    )
     plan = ddp_utils.StepPlan(accelerator, args, loader, unit="target_tokens")
     loader = accelerator.prepare(loader)
     epochs = []
     for epoch in range(2):
         rows = []
         for micro_batches in plan.optimizer_steps(loader, epoch):
-            ddp_utils.count_step(accelerator, micro_batches, TARGET_TOKENS)  # as the script does: every rank, every step
+            ddp_utils.count_step(
+                accelerator, micro_batches, TARGET_TOKENS
+            )  # as the script does: every rank, every step
             for batch in micro_batches:
                 for i in range(len(batch["input_ids"])):
                     if batch[TARGET_TOKENS][i] > 0:  # a real row, not a filler that evens out the shards
-                        rows.append({"input_ids": batch["input_ids"][i].tolist(), "labels": batch["labels"][i].tolist()})
+                        rows.append(
+                            {"input_ids": batch["input_ids"][i].tolist(), "labels": batch["labels"][i].tolist()}
+                        )
         epochs.append(gather_object([rows]))
-    raw = train_clm.check_and_split(train_clm.load_raw_datasets(args), args)  # the same split, to compare against
+    # The same split, to compare against.
+    raw = script.load_raw_datasets(args)
+    text = name == "train_clm"
+    columns = {args.text_column: ""} if text else sft_columns(raw, args)
+    raw = ddp_utils.check_splits(
+        raw,
+        columns,
+        "",
+        hold_out_percentage=args.validation_split_percentage,
+        seed=args.seed,
+        blank="drop" if text else "refuse",
+    )
     if accelerator.is_main_process:
         record = {"epochs": epochs, "report": report}
-        if args.data_mode == "text":
+        if text:
             record["train_text"] = list(raw["train"][args.text_column])
         else:
-            record["train_records"] = [{"prompt": r[args.prompt_column], "completion": r[args.completion_column]} for r in raw["train"]]
+            record["train_records"] = [
+                {"prompt": r[args.prompt_column], "completion": r[args.completion_column]} for r in raw["train"]
+            ]
         Path(out).write_text(json.dumps(record))
     accelerator.end_training()
 

@@ -2,7 +2,7 @@
 FSDP on GPUs only, so the model is sharded here with torch's own `fully_shard` (one unit per
 transformer layer, as accelerate_configs/fsdp.yaml asks), trained a few steps, and saved the way
 `ddp_utils.save_model` saves under FSDP2: the full state dict that `accelerator.get_state_dict`
-gathers (the same `get_model_state_dict` options), written by `ddp_utils.io.write_pretrained`.
+gathers (the same `get_model_state_dict` options), written by `ddp_utils.output.write_pretrained`.
 
 usage: fsdp_save.py TINY_BERT_DIR OUTPUT_DIR
 """
@@ -17,8 +17,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForSequenceClassification
 
 import ddp_utils
-from ddp_utils.launch import make_accelerator
-from ddp_utils.io import write_pretrained
+from ddp_utils.output import write_pretrained
+from ddp_utils.start import make_accelerator
 
 
 def main():
@@ -32,16 +32,22 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(accelerator.process_index)
     for _ in range(3):
-        loss = model(input_ids=torch.randint(5, 30, (4, 8), generator=generator), labels=torch.tensor([0, 1, 2, 0])).loss
+        loss = model(
+            input_ids=torch.randint(5, 30, (4, 8), generator=generator), labels=torch.tensor([0, 1, 2, 0])
+        ).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
     # What saving model.state_dict() would write: this rank's shards only.
-    local = {name: tuple(value.to_local().shape) for name, value in model.state_dict().items() if hasattr(value, "to_local")}
+    local = {
+        name: tuple(value.to_local().shape) for name, value in model.state_dict().items() if hasattr(value, "to_local")
+    }
     # The full parameters, for the test to compare the saved file with (every rank takes part).
     full = {name: param.full_tensor().tolist() for name, param in model.named_parameters()}
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True))
+    state_dict = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True)
+    )
     if accelerator.is_main_process:
         write_pretrained(model, state_dict, str(output_dir))
         (output_dir.parent / "fsdp_reference.json").write_text(json.dumps({"full": full, "rank0_shards": local}))

@@ -6,7 +6,7 @@ would. It wraps `ddp_utils.global_mean_loss`, which the step calls once per micr
 per-example (or per-token) losses.
 
 usage: inject_oom.py SCRIPT RANK FROM_CALL MAX_ROWS <script arguments>
-       (SCRIPT: train, train_clm or train_image)
+       (SCRIPT: train, train_sft, train_clm or train_image)
 """
 
 import os

@@ -22,8 +22,16 @@ steps_taken = []
 def recording_global_mean_loss(per_example_loss, weights, step_weight, accelerator):
     steps_taken.append(1)
     with open(log_path, "a") as handle:
-        handle.write(json.dumps({"step": len(steps_taken), "loss_sum": float((per_example_loss.detach() * weights).sum()),
-                                 "examples": float(weights.sum())}) + "\n")
+        handle.write(
+            json.dumps(
+                {
+                    "step": len(steps_taken),
+                    "loss_sum": float((per_example_loss.detach() * weights).sum()),
+                    "examples": float(weights.sum()),
+                }
+            )
+            + "\n"
+        )
     return original_global_mean_loss(per_example_loss, weights, step_weight, accelerator)
 
 

@@ -27,14 +27,16 @@ original_make_train_dataloader, original_count_step = ddp_utils.make_train_datal
 original_advance = ddp_utils.StepPlan.advance
 
 
-def make_train_dataloader(dataset, *, collate_fn, **kwargs):
+def make_train_dataloader(dataset, args, accelerator, collate_fn, **kwargs):
     def collate(rows):
         ids = [row.pop(ID) for row in rows]
         batch = collate_fn(rows)
         batch[ID] = torch.tensor(ids)
         return batch
 
-    return original_make_train_dataloader(dataset.add_column(ID, list(range(len(dataset)))), collate_fn=collate, **kwargs)
+    return original_make_train_dataloader(
+        dataset.add_column(ID, list(range(len(dataset)))), args, accelerator, collate, **kwargs
+    )
 
 
 def count_step(accelerator, micro_batches, *args, **kwargs):
@@ -51,7 +53,11 @@ def advance(plan, size):
     pending.clear()
 
 
-ddp_utils.make_train_dataloader, ddp_utils.count_step, ddp_utils.StepPlan.advance = make_train_dataloader, count_step, advance
+ddp_utils.make_train_dataloader, ddp_utils.count_step, ddp_utils.StepPlan.advance = (
+    make_train_dataloader,
+    count_step,
+    advance,
+)
 script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "train.py")
 sys.argv = [script, *sys.argv[1:]]
 runpy.run_path(script, run_name="__main__")

@@ -9,8 +9,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
+from .dataloaders import epoch_dataloader, micro_batches_per_step, padding_waste
 from .exact_loss import StepSize
-from .sharding import epoch_dataloader, micro_batches_per_step
 
 logger = get_logger(__name__)
 
@@ -26,7 +26,8 @@ class StepPlan:
 
     `unit` names what the loss's weight counts ("samples", or "target_tokens" for a language
     model): `facts()` reports `train_<unit>_seen` and `train_<unit>_per_second`, and always the
-    samples and (non-padding input) tokens per second.
+    samples and (non-padding input) tokens per second, and for token rows the padding of the first
+    epoch's batches (`train_padding_waste`: padded positions / real tokens).
     """
 
     def __init__(self, accelerator: Accelerator, args, train_dataloader, unit: str = "samples"):
@@ -36,12 +37,22 @@ class StepPlan:
         self.max_train_steps = args.max_train_steps or args.num_train_epochs * self.steps_per_epoch
         self.num_epochs = math.ceil(self.max_train_steps / self.steps_per_epoch)
         self.examples_per_step = args.per_device_train_batch_size * accelerator.num_processes * accumulation
-        self._progress = {"step": 0, "epoch": 0, "step_in_epoch": 0, "trained_weight": 0.0, "samples_seen": 0.0,
-                         "tokens_seen": 0.0, "train_time_s": 0.0}
+        self._progress = {
+            "step": 0,
+            "epoch": 0,
+            "step_in_epoch": 0,
+            "trained_weight": 0.0,
+            "samples_seen": 0.0,
+            "tokens_seen": 0.0,
+            "train_time_s": 0.0,
+        }
         self._pending = None  # the weight, samples and tokens of the steps not yet read, on the device
+        self.padding_waste = padding_waste(train_dataloader)
         self.start_time = time.perf_counter()
         self._step_started = self.start_time
-        logger.info(f"{self.num_epochs} epochs, {self.max_train_steps} optimizer steps of {self.examples_per_step} examples")
+        logger.info(
+            f"{self.num_epochs} epochs, {self.max_train_steps} optimizer steps of {self.examples_per_step} examples"
+        )
 
     @property
     def progress(self) -> dict:
@@ -69,7 +80,9 @@ class StepPlan:
             progress["tokens_seen"] += values[2]
             progress["train_time_s"] += time.perf_counter() - started
             values = values[3:]
-        return self._progress, None if device_values is None else torch.tensor(values, dtype=torch.float64).reshape(device_values.shape)
+        return self._progress, None if device_values is None else torch.tensor(values, dtype=torch.float64).reshape(
+            device_values.shape
+        )
 
     @property
     def step(self) -> int:
@@ -89,7 +102,9 @@ class StepPlan:
         --gradient_accumulation_steps batches: the prepared dataloader set to the epoch's shuffle,
         past the steps a resumed run already took. No communication: the order is drawn from the
         seed and the epoch alone. It times each step, data loading included, for `advance`."""
-        batches = epoch_dataloader(self.accelerator, train_dataloader, epoch, steps_done=self._progress["step_in_epoch"])
+        batches = epoch_dataloader(
+            self.accelerator, train_dataloader, epoch, steps_done=self._progress["step_in_epoch"]
+        )
         self._step_started = time.perf_counter()
         for micro_batches in micro_batches_per_step(batches, self.accelerator.gradient_accumulation_steps):
             yield micro_batches
@@ -138,4 +153,6 @@ class StepPlan:
         }
         if not progress["tokens_seen"]:  # inputs that are not tokens (images)
             del facts["train_tokens_seen"], facts["train_tokens_per_second"]
+        if self.padding_waste is not None:
+            facts["train_padding_waste"] = self.padding_waste
         return facts

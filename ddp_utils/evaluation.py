@@ -10,19 +10,19 @@ from accelerate import Accelerator
 
 from .errors import UsageError
 
-METRICS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "metrics")
+METRICS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics")  # installed with the package
 
 
 def load_metric(name: str):
-    """Load the `evaluate` module `metrics/<name>/<name>.py` shipped in this repo (no Hub needed).
+    """Load the `evaluate` module `ddp_utils/metrics/<name>.py` shipped in this package (no Hub needed).
 
     Kept in memory, so each rank may compute it without sharing a cache file. Any rank may call it.
     """
     import evaluate
 
-    path = os.path.join(METRICS_DIR, name)
-    if not os.path.isfile(os.path.join(path, f"{name}.py")):
-        raise UsageError(f"metric {name!r} not found: expected the evaluate module {path}/{name}.py")
+    path = os.path.join(METRICS_DIR, f"{name}.py")
+    if not os.path.isfile(path):
+        raise UsageError(f"metric {name!r} not found: expected the evaluate module {path}")
     return evaluate.load(path, keep_in_memory=True)
 
 
@@ -41,5 +41,7 @@ def gather_for_eval(accelerator: Accelerator, model, dataloader, step) -> dict[s
         outputs = step(model, batch)
         outputs = accelerator.gather_for_metrics(outputs)
         for name, value in outputs.items():
-            gathered.setdefault(name, []).append(value.detach().float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy())
+            gathered.setdefault(name, []).append(
+                value.detach().float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy()
+            )
     return {name: np.concatenate(chunks) for name, chunks in gathered.items()}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import resource
 import sys
 
@@ -20,6 +19,7 @@ from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
 from .errors import UsageError
+from .redact import loggable_args
 
 logger = get_logger(__name__)
 
@@ -27,11 +27,6 @@ logger = get_logger(__name__)
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow"}
 TRAIN_LOG = "train_log.jsonl"
 TENSORBOARD_DIR = "runs"  # <output_dir>/runs/<project>/: point `tensorboard --logdir` at it (or at outputs/)
-REDACTED = "<redacted>"
-
-# Option and environment variable names that hold credentials: hub_token, HF_TOKEN, WANDB_API_KEY,
-# AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD, ... (not *_tokens: those are counts).
-_SECRET_NAME = re.compile(r"(token|secret|password|passwd|api_?key|access_?key|credentials?)$", re.IGNORECASE)
 
 
 def parse_report_to(value: str) -> list[str]:
@@ -47,63 +42,30 @@ def parse_report_to(value: str) -> list[str]:
         return []
     unknown = [name for name in names if name not in (*TRACKER_PACKAGES, "all")]
     if unknown:
-        raise UsageError(f"--report_to {unknown[0]!r} is not a tracker this project supports; "
-                         f"choose from {', '.join(TRACKER_PACKAGES)}, all or none")
+        raise UsageError(
+            f"--report_to {unknown[0]!r} is not a tracker this project supports; "
+            f"choose from {', '.join(TRACKER_PACKAGES)}, all or none"
+        )
     if "all" in names:
         return [name for name, package in TRACKER_PACKAGES.items() if importlib.util.find_spec(package)]
     for name in names:
         if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
-            raise UsageError(f"--report_to {name} needs the {TRACKER_PACKAGES[name]!r} package, which is not installed: "
-                             f"pip install {TRACKER_PACKAGES[name]}, or log with --report_to tensorboard (or none)")
+            raise UsageError(
+                f"--report_to {name} needs the {TRACKER_PACKAGES[name]!r} package, which is not installed: "
+                f"pip install {TRACKER_PACKAGES[name]}, or log with --report_to tensorboard (or none)"
+            )
     return list(dict.fromkeys(names))
-
-
-def is_secret_name(name: str) -> bool:
-    return bool(_SECRET_NAME.search(name))
-
-
-def secret_values(args=None) -> set[str]:
-    """The credentials this process knows: set environment variables named like one (8 characters
-    or more, so that a flag such as "1" is not taken for one) and the values of secret options."""
-    values = {value for name, value in os.environ.items() if is_secret_name(name) and len(value) >= 8}
-    if args is not None:
-        values |= {str(value) for name, value in vars(args).items() if is_secret_name(name) and value}
-    return values
-
-
-def scrub(data, secrets: set[str]):
-    """`data` (dicts, lists and strings, nested) with every secret value replaced by <redacted>,
-    and every non-empty value under a secret-looking key too."""
-    if isinstance(data, dict):
-        return {key: REDACTED if is_secret_name(str(key)) and data[key] else scrub(data[key], secrets) for key in data}
-    if isinstance(data, (list, tuple)):
-        return [scrub(item, secrets) for item in data]
-    if isinstance(data, str):
-        for secret in sorted(secrets, key=len, reverse=True):
-            data = data.replace(secret, REDACTED)
-    return data
-
-
-def loggable_args(args) -> dict:
-    """The run's options with secrets redacted, as a JSON-serialisable dict. Any rank may call it."""
-    return scrub({key: value for key, value in vars(args).items() if not key.startswith("_")}, secret_values(args))
-
-
-def hide_secret_args(args) -> None:
-    """Make --hub_token the Hub credential of this process, and take it out of `sys.argv`, which
-    wandb and mlflow record with the run. Every rank calls it, first thing."""
-    if getattr(args, "hub_token", None):
-        os.environ["HF_TOKEN"] = args.hub_token  # read by huggingface_hub on every Hub call
-    secrets = secret_values(args)
-    sys.argv[:] = scrub(sys.argv, secrets)
 
 
 def tracker_config(args, facts: dict) -> dict:
     """Hyper-parameters for `init_trackers`: the options (secrets redacted) and the run's shape,
     as the plain values trackers accept (lists become comma-separated text)."""
     config = {**loggable_args(args), **facts}
-    return {key: ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-            for key, value in config.items() if value is None or isinstance(value, (bool, int, float, str, list, tuple))}
+    return {
+        key: ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+        for key, value in config.items()
+        if value is None or isinstance(value, (bool, int, float, str, list, tuple))
+    }
 
 
 def peak_memory_mb(device: torch.device) -> dict[str, float]:
@@ -139,10 +101,17 @@ class TrainingLog:
         if resumed_step:  # TensorBoard hides the events a crashed run wrote after the checkpoint
             init_kwargs["tensorboard"] = {"purge_step": resumed_step + 1}
         if accelerator.log_with:
-            shape = {"world_size": accelerator.num_processes, "max_train_steps": plan.max_train_steps,
-                     "global_batch_size": plan.examples_per_step}
-            accelerator.init_trackers(args.project_name or script_name(), config=tracker_config(args, shape), init_kwargs=init_kwargs)
-        self.bar = tqdm(total=plan.max_train_steps, initial=resumed_step, desc="train", disable=not accelerator.is_main_process)
+            shape = {
+                "world_size": accelerator.num_processes,
+                "max_train_steps": plan.max_train_steps,
+                "global_batch_size": plan.examples_per_step,
+            }
+            accelerator.init_trackers(
+                args.project_name or script_name(), config=tracker_config(args, shape), init_kwargs=init_kwargs
+            )
+        self.bar = tqdm(
+            total=plan.max_train_steps, initial=resumed_step, desc="train", disable=not accelerator.is_main_process
+        )
         self._new_window(plan)
 
     def _new_window(self, plan) -> None:
@@ -160,7 +129,9 @@ class TrainingLog:
         Between records nothing leaves the device: one host sync per record."""
         self._loss_sum += loss_sum.detach().float()
         if grad_norm is not None:
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a DTensor (all ranks call this, so it may gather)
+            if hasattr(
+                grad_norm, "full_tensor"
+            ):  # FSDP2 returns the norm as a DTensor (all ranks call this, so it may gather)
                 grad_norm = grad_norm.full_tensor()
             self._grad_norm_sum += torch.as_tensor(grad_norm, dtype=torch.float32, device=self.accelerator.device)
             self._grad_norms += 1
@@ -203,7 +174,13 @@ class TrainingLog:
         scores; no communication."""
         logger.info(f"{when or 'epoch ' + str(plan.progress['epoch'] - 1)}: {describe(scores)}")
         record = {"epoch": plan.progress["epoch"]}
-        record.update({f"eval/{name.removeprefix('eval_')}": value for name, value in scores.items() if isinstance(value, (int, float))})
+        record.update(
+            {
+                f"eval/{name.removeprefix('eval_')}": value
+                for name, value in scores.items()
+                if isinstance(value, (int, float))
+            }
+        )
         self._write(record, plan.step)
 
     def _write(self, record: dict, step: int) -> None:

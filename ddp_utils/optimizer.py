@@ -1,5 +1,5 @@
-"""The optimizer side of a run: fp32 trainable weights, AdamW with decay groups chosen by name,
-and saying which optimizer really runs. Nothing here communicates."""
+"""The optimizer side of a run: fp32 trainable weights, AdamW with decay groups chosen by name, the
+learning-rate schedule, and saying which optimizer really runs. Nothing here communicates."""
 
 from __future__ import annotations
 
@@ -28,13 +28,19 @@ def train_in_fp32(accelerator: Accelerator, model) -> None:
     weights itself. Without it, parameters ZeRO-3 has already partitioned cannot be cast here, so
     a low-precision checkpoint is refused with the fix.
     """
-    cast = [(name, p) for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
+    cast = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32
+    ]
     if not cast or (accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision in ("bf16", "fp16")):
         return
     if any(hasattr(p, "ds_id") for _, p in cast):
-        raise UsageError(f"this checkpoint's weights are {cast[0][1].dtype} and DeepSpeed ZeRO-3 has partitioned them, so they "
-                         "would train in that dtype (updates rounded away); set mixed_precision: bf16 in the launch config "
-                         "(DeepSpeed then keeps fp32 master weights)")
+        raise UsageError(
+            f"this checkpoint's weights are {cast[0][1].dtype} and DeepSpeed ZeRO-3 has partitioned them, so they "
+            "would train in that dtype (updates rounded away); set mixed_precision: bf16 in the launch config "
+            "(DeepSpeed then keeps fp32 master weights)"
+        )
     logger.info(f"{len(cast)} trainable parameter tensors cast from {cast[0][1].dtype} to float32 for training")
     for _, parameter in cast:
         parameter.data = parameter.data.float()
@@ -47,6 +53,15 @@ def make_adamw(model, learning_rate: float, weight_decay: float) -> torch.optim.
     Under DeepSpeed's optimizer offload, Accelerate replaces it by DeepSpeedCPUAdam: the scripts
     log which optimizer runs (`describe_optimizer`)."""
     return torch.optim.AdamW(weight_decay_groups(model, weight_decay), lr=learning_rate, fused=True)
+
+
+def make_lr_scheduler(optimizer, args, max_train_steps: int):
+    """The learning-rate schedule over `max_train_steps` optimizer steps: linear warm-up over
+    --warmup_ratio of them, then linear decay to 0. Build it before `accelerator.prepare`; the
+    scripts step it once per optimizer step (see `start.make_accelerator`)."""
+    from transformers import get_linear_schedule_with_warmup
+
+    return get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * max_train_steps), max_train_steps)
 
 
 def weight_decay_groups(model, weight_decay: float) -> list[dict]:

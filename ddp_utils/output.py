@@ -34,6 +34,7 @@ def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite: boo
     Only the main process looks at the directory here: another rank listing it while the main
     process deletes it could fail with FileNotFoundError.
     """
+
     def replace_on_main():
         check_output_dir(output_dir, overwrite, resuming)
         if overwrite and not resuming and os.path.isdir(output_dir):
@@ -141,43 +142,3 @@ def _record_dtype(directory: str, dtype) -> None:
     with open(path, "w") as handle:
         json.dump(config, handle, indent=2, sort_keys=True)
         handle.write("\n")
-
-
-def fetch_weights(model_name_or_path: str) -> list[str]:
-    """Put a Hub model's weights in the local Hub cache, as `from_pretrained` looks for them
-    (model.safetensors, or its sharded index and shards, else the same for pytorch_model.bin), and
-    return their local paths; a local directory is left alone ([]). Call it inside
-    `load_on_main_first`: the main process downloads, a failure is reported on every rank, and the
-    ranks that then build the model together read the cache instead of all downloading at once.
-    No communication."""
-    if os.path.isdir(os.path.expanduser(model_name_or_path)):
-        return []
-    from transformers.utils.hub import cached_file, get_checkpoint_shard_files
-
-    for single, index in (("model.safetensors", "model.safetensors.index.json"), ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        path = cached_file(model_name_or_path, single, _raise_exceptions_for_missing_entries=False)
-        if path:
-            return [path]
-        index_file = cached_file(model_name_or_path, index, _raise_exceptions_for_missing_entries=False)
-        if index_file:
-            return list(get_checkpoint_shard_files(model_name_or_path, index_file)[0])
-    return []  # no weights file by these names: from_pretrained will say what it misses
-
-
-def load_model_config(model_name_or_path: str, **overrides):
-    """`AutoConfig.from_pretrained(model_name_or_path, **overrides)`, or a `UsageError` that names
-    the model when it is neither a local directory nor a reachable Hub model. Any rank may call it."""
-    from transformers import AutoConfig
-
-    path = model_name_or_path
-    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
-    if looks_local and not os.path.isdir(os.path.expanduser(path)):
-        raise UsageError(f"--model_name_or_path {path!r} is neither a local model directory nor a Hub model id; check the path")
-    try:
-        return AutoConfig.from_pretrained(path, **overrides)
-    except (OSError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(
-            f"--model_name_or_path {path!r} is neither a local model directory nor a reachable Hub model ({reason}); "
-            "give a directory with config.json or a Hub model id"
-        ) from exc

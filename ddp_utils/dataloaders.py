@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
@@ -53,8 +54,17 @@ class StepAlignedSampler(torch.utils.data.Sampler):
     step is still formed before it is dealt to the ranks, from (seed, epoch) alone.
     """
 
-    def __init__(self, num_real: int, num_total: int, batch_size: int, num_processes: int, accumulation: int, seed: int,
-                 lengths: list[int] | None = None, group_steps: int = 16):
+    def __init__(
+        self,
+        num_real: int,
+        num_total: int,
+        batch_size: int,
+        num_processes: int,
+        accumulation: int,
+        seed: int,
+        lengths: list[int] | None = None,
+        group_steps: int = 16,
+    ):
         self.num_real, self.num_total, self.seed, self.epoch = num_real, num_total, seed, 0
         self.batch_size, self.micro_batches_per_step = batch_size, num_processes * accumulation
         self.lengths, self.group_steps = lengths, group_steps
@@ -82,8 +92,8 @@ class StepAlignedSampler(torch.utils.data.Sampler):
         grouped, group_size = [], step_size * self.group_steps
         for start in range(0, len(order), group_size):
             # Longest first within a group; ties keep the shuffled order (a stable sort).
-            group = sorted(order[start:start + group_size], key=lambda index: -self.lengths[index])
-            steps = [group[i:i + step_size] for i in range(0, len(group), step_size)]
+            group = sorted(order[start : start + group_size], key=lambda index: -self.lengths[index])
+            steps = [group[i : i + step_size] for i in range(0, len(group), step_size)]
             # Not always the longest steps first: that would put every group's peak memory and
             # its largest gradients at the same place in the epoch.
             for k in torch.randperm(len(steps), generator=generator).tolist():
@@ -152,60 +162,91 @@ class _EpochTaggedRows(torch.utils.data.Dataset):
         return [{**row, EPOCH: epoch} for row, (epoch, _) in zip(rows, keys)]
 
 
-def make_train_dataloader(dataset, *, batch_size: int, accelerator: Accelerator, collate_fn,
-                          lengths: list[int] | None = None, group_steps: int = 16, num_workers: int = 0,
-                          epoch_in_rows: bool = False) -> DataLoader:
+def make_train_dataloader(
+    dataset, args, accelerator: Accelerator, collate_fn, *, epoch_in_rows: bool = False, group_steps: int = 16
+) -> DataLoader:
     """The training DataLoader, before `accelerator.prepare`: padded by `pad_to_even_shards` to
     whole optimizer steps, so every rank takes the same number of micro-batches and every optimizer
     step has all of its micro-batches; shuffled each epoch by `StepAlignedSampler` (from the
-    Accelerator's data seed), grouped by `lengths` when given; fillers dropped from the batches.
-    Every rank calls it with the same arguments (no communication).
+    Accelerator's data seed), grouped by the length of `input_ids` with --group_by_length; fillers
+    dropped from the batches. Every rank calls it with the same arguments (no communication).
 
-    `num_workers` processes per rank load and collate batches (persistent across epochs; pinned
-    memory on CUDA, for copies that do not wait). With `epoch_in_rows`, every row reaches
+    `args` gives --per_device_train_batch_size, --group_by_length (if the script has it) and
+    --num_workers: processes per rank that load and collate batches (persistent across epochs;
+    pinned memory on CUDA, for copies that do not wait). With `epoch_in_rows`, every row reaches
     `collate_fn` with its epoch under EPOCH, so random draws made there (augmentation) can be
     seeded from (seed, epoch, example) in any worker."""
+    batch_size, num_workers = args.per_device_train_batch_size, args.num_workers
     accumulation = accelerator.gradient_accumulation_steps
+    lengths = token_lengths(dataset) if getattr(args, "group_by_length", False) else None
     padded = pad_to_even_shards(dataset, batch_size * accelerator.num_processes * accumulation)
     seed = accelerator.dataloader_config.data_seed or 0
-    sampler = StepAlignedSampler(len(dataset), len(padded), batch_size, accelerator.num_processes, accumulation, seed,
-                                 lengths=lengths, group_steps=group_steps)
+    sampler = StepAlignedSampler(
+        len(dataset),
+        len(padded),
+        batch_size,
+        accelerator.num_processes,
+        accumulation,
+        seed,
+        lengths=lengths,
+        group_steps=group_steps,
+    )
     if epoch_in_rows:
         padded, sampler = _EpochTaggedRows(padded), _EpochTaggedSampler(sampler)
     # Its own generator: starting an iterator draws a seed from the loader's generator, which would
     # otherwise be the global torch RNG, and a run resumed mid-epoch (one extra iterator) would then
     # draw different dropout masks.
-    return DataLoader(padded, sampler=sampler, batch_size=batch_size, collate_fn=_WithoutFillers(collate_fn),
-                      generator=torch.Generator().manual_seed(0), num_workers=num_workers,
-                      persistent_workers=num_workers > 0, pin_memory=accelerator.device.type == "cuda",
-                      worker_init_fn=_leave_signals_to_the_training_process if num_workers else None)
+    return DataLoader(
+        padded,
+        sampler=sampler,
+        batch_size=batch_size,
+        collate_fn=_WithoutFillers(collate_fn),
+        generator=torch.Generator().manual_seed(0),
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=accelerator.device.type == "cuda",
+        worker_init_fn=_leave_signals_to_the_training_process if num_workers else None,
+    )
+
+
+def make_eval_dataloader(dataset, args, collate_fn) -> DataLoader:
+    """An evaluation DataLoader of --per_device_eval_batch_size, longest first when the rows are
+    token sequences (`longest_first`). Prepare it with the Accelerator. No communication."""
+    if "input_ids" in dataset.column_names:
+        dataset = longest_first(dataset)
+    return DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collate_fn)
+
+
+def token_lengths(dataset, column: str = "input_ids") -> np.ndarray:
+    """The length of each row's `column` (a list of token ids), read with Arrow's vectorised list
+    lengths: never a Python loop over the token lists."""
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(dataset.with_format("arrow")[column]).to_numpy(zero_copy_only=False)
 
 
 def longest_first(dataset, column: str = "input_ids"):
     """`dataset` reordered by the length of `column`, longest first, for evaluation: batches of
     one length pad little, and the first batch shows the peak memory. Evaluation results must be
     gathered by example (an index column, or order-free sums). No communication."""
-    import numpy as np
-
-    lengths = np.array([len(x) for x in dataset[column]])
-    return dataset.select(np.argsort(-lengths, kind="stable"))
+    return dataset.select(np.argsort(-token_lengths(dataset, column), kind="stable"))
 
 
-def padding_waste(train_dataloader) -> float:
+def padding_waste(train_dataloader) -> float | None:
     """Padded positions / real tokens in the first epoch of an unprepared training dataloader from
     `make_train_dataloader` over rows of `input_ids`: its sampler's order, cut into per-device
-    batches, each padded to its longest row (fillers dropped), as training does. Any rank may call
-    it (no communication)."""
+    batches, each padded to its longest row (fillers dropped), as training does; None for rows
+    that are not token sequences. Any rank may call it (no communication)."""
+    dataset = getattr(train_dataloader.dataset, "dataset", train_dataloader.dataset)  # under _EpochTaggedRows
+    if "input_ids" not in getattr(dataset, "column_names", ()):
+        return None
     sampler, batch_size = train_dataloader.sampler, train_dataloader.batch_size
-    lengths = [len(ids) for ids in train_dataloader.dataset["input_ids"]]
-    order = list(sampler)
-    padded = real = 0
-    for start in range(0, len(order), batch_size):
-        rows = [lengths[i] for i in order[start:start + batch_size] if i < sampler.num_real]
-        if rows:
-            padded += max(rows) * len(rows) - sum(rows)
-            real += sum(rows)
-    return padded / max(real, 1)
+    sampler = getattr(sampler, "sampler", sampler)  # under _EpochTaggedSampler
+    lengths = token_lengths(dataset).astype(np.int64)
+    order = np.fromiter(iter(sampler), dtype=np.int64, count=len(sampler))
+    rows = np.where(order < sampler.num_real, lengths[order], 0).reshape(-1, batch_size)  # fillers: length 0
+    padded = (rows.max(axis=1, keepdims=True) - rows)[rows > 0].sum()
+    return float(padded / max(rows.sum(), 1))
 
 
 def epoch_dataloader(accelerator: Accelerator, dataloader, epoch: int, steps_done: int = 0):

@@ -19,19 +19,27 @@ def read_data_files(data_files: dict[str, str]):
     splits = {}
     for split, path in data_files.items():
         if not os.path.isfile(path):
-            raise UsageError(f"--{split}_file {path!r} does not exist; give the path of a CSV, JSON/JSONL or Parquet file")
+            raise UsageError(
+                f"--{split}_file {path!r} does not exist; give the path of a CSV, JSON/JSONL or Parquet file"
+            )
         extension = os.path.splitext(path)[1].lower()
         if extension not in _BUILDERS:
-            raise UsageError(f"--{split}_file {path!r}: unknown extension {extension!r}; use one of {sorted(_BUILDERS)}")
+            raise UsageError(
+                f"--{split}_file {path!r}: unknown extension {extension!r}; use one of {sorted(_BUILDERS)}"
+            )
         if os.path.getsize(path) == 0:
             raise UsageError(f"--{split}_file {path!r} is empty; it needs a header and at least one example")
         if not _has_examples(path, extension):
             raise UsageError(f"--{split}_file {path!r} holds no examples; add at least one row")
         builder_kwargs = {"delimiter": "\t"} if extension == ".tsv" else {}
         try:
-            dataset = datasets.load_dataset(_BUILDERS[extension], data_files={split: path}, split=split, **builder_kwargs)
+            dataset = datasets.load_dataset(
+                _BUILDERS[extension], data_files={split: path}, split=split, **builder_kwargs
+            )
         except Exception as exc:
-            raise UsageError(f"--{split}_file {path!r} could not be parsed as {_BUILDERS[extension]}: {_first_line(exc)}") from exc
+            raise UsageError(
+                f"--{split}_file {path!r} could not be parsed as {_BUILDERS[extension]}: {_first_line(exc)}"
+            ) from exc
         if len(dataset) == 0:
             raise UsageError(f"--{split}_file {path!r} holds no examples")
         splits[split] = dataset
@@ -65,8 +73,17 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def check_splits(raw, columns: dict[str, str], data_options: str, *, limits: dict | None = None,
-                 hold_out_percentage: int | None = None, seed: int = 0, stratify_by: str | None = None, blank: str = "keep"):
+def check_splits(
+    raw,
+    columns: dict[str, str],
+    data_options: str = "--train_file/--validation_file or --dataset_name",
+    *,
+    limits: dict | None = None,
+    hold_out_percentage: int | None = None,
+    seed: int = 0,
+    stratify_by: str | None = None,
+    blank: str = "keep",
+):
     """The data check of every script: refuse data a run cannot use, naming the problem and the
     fix, and return a `DatasetDict` with the "train" and "validation" splits.
 
@@ -107,16 +124,20 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str):
     keep = None
     for column, option in columns.items():
         if column not in dataset.column_names:
-            raise UsageError(f"the {split} data has no column {column!r}; its columns are {dataset.column_names}. "
-                             f"Name the right one with {option}")
+            raise UsageError(
+                f"the {split} data has no column {column!r}; its columns are {dataset.column_names}. "
+                f"Name the right one with {option}"
+            )
         values = table[column]
         bad = values.is_null()
         if blank == "refuse" and _is_text(values):
             bad = pc.or_(bad, _is_blank(values))
         count = pc.sum(bad).as_py() or 0
         if count:
-            raise UsageError(f"{count} {split} records have an empty or missing {column!r} "
-                             f"(first: record {pc.index(bad, True).as_py()}); fill or drop them")
+            raise UsageError(
+                f"{count} {split} records have an empty or missing {column!r} "
+                f"(first: record {pc.index(bad, True).as_py()}); fill or drop them"
+            )
         if blank == "drop" and _is_text(values):
             keep = pc.invert(_is_blank(values)) if keep is None else pc.and_(keep, pc.invert(_is_blank(values)))
     if keep is not None:
@@ -143,8 +164,10 @@ def _hold_out(train, percentage: int, seed: int, stratify_by: str | None, data_o
 
     held_out = max(1, round(len(train) * percentage / 100))
     if len(train) - held_out < 1:
-        raise UsageError(f"{len(train)} training record(s) are too few to hold out a validation split; "
-                         f"give more data or a validation split ({data_options})")
+        raise UsageError(
+            f"{len(train)} training record(s) are too few to hold out a validation split; "
+            f"give more data or a validation split ({data_options})"
+        )
     stratify = stratify_by if isinstance(train.features.get(stratify_by), datasets.ClassLabel) else None
     parts = train.train_test_split(test_size=held_out, seed=seed, stratify_by_column=stratify)
     return {"train": parts["train"], "validation": parts["test"]}
