@@ -10,6 +10,9 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_SEEDS ?= 42 43 44
 LAUNCH := $(BIN)/accelerate launch --config_file $(CONFIG)
+# The LLM demos compute in bf16 where the CPU has native bf16 (avx512_bf16 or AMX): measured here, training
+# 1.5x and generation faster at the same accuracy (bench/README.md). Elsewhere bf16 would be emulated: fp32.
+LLM_PRECISION ?= $(shell grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null && echo bf16 || echo no)
 
 .PHONY: train train-sft train-clm train-image test test-fast lint format bench install clean
 
@@ -17,10 +20,10 @@ train: $(STAMP)  ## install if needed, then fine-tune the demo classifier on 2 C
 	$(LAUNCH) scripts/train.py $(TRAIN_ARGS)
 
 train-sft: $(STAMP)  ## the LLM demo: SmolLM2-135M-Instruct (LoRA) learns the reviews' sentiment as a chat task
-	$(LAUNCH) scripts/train_sft.py --output_dir outputs/demo_sft --overwrite_output_dir
+	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_sft.py --output_dir outputs/demo_sft --overwrite_output_dir
 
 train-clm: $(STAMP)  ## continued pre-training of SmolLM2-135M-Instruct (LoRA) on the reviews' text: perplexity drops
-	$(LAUNCH) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir
+	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir
 
 train-image: $(STAMP)  ## a small ResNet on scikit-learn's digits, from scratch (~20 s)
 	$(LAUNCH) scripts/train_image.py --output_dir outputs/demo_image --overwrite_output_dir

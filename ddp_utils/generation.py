@@ -102,10 +102,7 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
     shared_prefix = (
         dataloader.collate_fn.shared_prefix
     )  # where LeftPaddingCollator put the prompts' common first tokens
-    prefix, prefix_ids = (
-        None,
-        None,
-    )  # the shared prefix's cache and tokens, from the first batch (in eval mode, on every rank)
+    prefix = prefix_ids = None  # the shared prefix's cache and tokens, from the first batch (eval mode, every rank)
 
     def answer(model, batch):
         nonlocal prefix, prefix_ids
@@ -115,7 +112,7 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
                 from transformers import DynamicCache
 
                 prefix, prefix_ids = DynamicCache(config=generator.config), batch["input_ids"][:1, :shared_prefix]
-                with torch.no_grad():
+                with torch.no_grad(), accelerator.autocast():
                     generator(input_ids=prefix_ids, past_key_values=prefix, use_cache=True, logits_to_keep=1)
             if not torch.equal(batch["input_ids"][:, :shared_prefix], prefix_ids.expand(len(batch["input_ids"]), -1)):
                 raise RuntimeError(
@@ -124,13 +121,14 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
                 )
             cache = copy.deepcopy(prefix)
             cache.batch_repeat_interleave(len(batch["input_ids"]))
-        output = generator.generate(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            generation_config=config,
-            synced_gpus=synced,
-            past_key_values=cache,
-        )
+        with accelerator.autocast():  # the run's mixed precision: generate() bypasses the prepared model's forward
+            output = generator.generate(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                generation_config=config,
+                synced_gpus=synced,
+                past_key_values=cache,
+            )
         new = output[:, batch["input_ids"].shape[1] :]
         return {
             "index": batch["index"],
@@ -226,7 +224,7 @@ def show_sample(accelerator: Accelerator, model, tokenizer, prompt: str, max_new
         [bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=accelerator.device
     )
     generator = accelerator.unwrap_model(model).eval()
-    with torch.no_grad():
+    with torch.no_grad(), accelerator.autocast():
         output = generator.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
