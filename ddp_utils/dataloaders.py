@@ -18,56 +18,43 @@ SAMPLE_WEIGHT = "sample_weight"  # 1.0 for a real example, 0.0 for a filler that
 EPOCH = "epoch"  # in the rows of make_train_dataloader(epoch_in_rows=True): the epoch they are drawn for
 
 
-def pad_to_even_shards(dataset, multiple: int):
-    """Append filler examples (copies of the first ones, weight 0.0) so the dataset's length is
-    a multiple of `multiple` = processes x per-device batch size, and add a `sample_weight` column.
-
-    Accelerate evens out the shards itself by repeating examples on some ranks, which trains
-    those examples twice in that epoch. With the length a multiple of the global batch, every
-    rank gets the same number of full batches, every real example appears exactly once per
-    epoch, and the fillers weigh nothing in `global_mean_loss`.
-    """
-    import datasets
-
-    real = len(dataset)
-    fillers = -real % multiple
-    weights = [1.0] * real + [0.0] * fillers
-    if fillers:
-        filler_rows = dataset.select([i % real for i in range(fillers)])
-        dataset = datasets.concatenate_datasets([dataset, filler_rows])
-    return dataset.add_column(SAMPLE_WEIGHT, weights)
-
-
 class StepAlignedSampler(torch.utils.data.Sampler):
-    """The training order for a dataset from `pad_to_even_shards`: each epoch, the real examples in
-    a fresh order drawn from (seed, epoch) alone, so the examples of each optimizer step do not
-    depend on how the global batch is split over processes and micro-batches.
+    """The training order: each epoch, `num_real` examples in a fresh order drawn from (seed,
+    epoch) alone, padded with filler indices (`num_real` and up; `_TrainingRows` gives them weight
+    0.0) to whole optimizer steps of `batch_size` x `num_processes` x `accumulation` examples, so the
+    examples of each optimizer step do not depend on how the global batch is split over processes
+    and micro-batches, and every real example comes once per epoch.
 
-    Every optimizer step but the last is all real examples. In the last, partial one, the real
-    examples are dealt out evenly over its micro-batches on every rank and the fillers take the
-    remaining slots (Accelerate gives rank r batch j of the order when j % num_processes == r),
-    so that dropping the fillers (`make_train_dataloader` does) balances the ranks' work.
+    Accelerate evens out the shards itself by repeating examples on some ranks, which trains them
+    twice in that epoch; here every rank gets the same number of whole steps instead. In the last,
+    partial step, the real examples are dealt out evenly over its micro-batches on every rank and
+    the fillers take the remaining slots (Accelerate gives rank r batch j of the order when
+    j % num_processes == r), so that dropping the fillers (`make_train_dataloader` does) balances
+    the ranks' work.
 
     With `lengths` (tokens per example), the shuffled order is cut into groups of `group_steps`
     optimizer steps; each group is sorted by length, cut into its steps, and the steps shuffled
-    again, so every micro-batch holds examples of about one length and pads little. A global
-    step is still formed before it is dealt to the ranks, from (seed, epoch) alone.
+    again, so every micro-batch holds examples of about one length and pads little. Each step's
+    rows, longest first, are then dealt round-robin over its micro-batches, so every micro-batch
+    (and rank) gets the same mix of lengths. A global step is still formed before it is dealt,
+    from (seed, epoch) alone. The order is a NumPy array of indices: a few bytes per example.
     """
 
     def __init__(
         self,
         num_real: int,
-        num_total: int,
         batch_size: int,
         num_processes: int,
         accumulation: int,
         seed: int,
-        lengths: list[int] | None = None,
+        lengths: np.ndarray | None = None,
         group_steps: int = 16,
     ):
-        self.num_real, self.num_total, self.seed, self.epoch = num_real, num_total, seed, 0
+        self.num_real, self.seed, self.epoch = num_real, seed, 0
         self.batch_size, self.micro_batches_per_step = batch_size, num_processes * accumulation
-        self.lengths, self.group_steps = lengths, group_steps
+        self.step_size = batch_size * self.micro_batches_per_step
+        self.num_total = num_real + (-num_real % self.step_size)
+        self.lengths, self.group_steps = None if lengths is None else np.asarray(lengths), group_steps
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -76,29 +63,69 @@ class StepAlignedSampler(torch.utils.data.Sampler):
         return self.num_total
 
     def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.num_real, generator=generator).tolist()
-        step_size = self.batch_size * self.micro_batches_per_step
-        full = self.num_real - self.num_real % step_size
-        if self.lengths is not None:
-            order[:full] = self._grouped_by_length(order[:full], step_size, generator)
-        tail, last_step = order[full:], [None] * step_size if full < self.num_real else []
-        for i, index in enumerate(tail):  # the i-th goes to micro-batch i % n, row i // n of it
-            last_step[(i % self.micro_batches_per_step) * self.batch_size + i // self.micro_batches_per_step] = index
-        fillers = iter(range(self.num_real, self.num_total))
-        return iter(order[:full] + [next(fillers) if index is None else index for index in last_step])
+        return map(int, self.order())
 
-    def _grouped_by_length(self, order: list[int], step_size: int, generator: torch.Generator) -> list[int]:
-        grouped, group_size = [], step_size * self.group_steps
-        for start in range(0, len(order), group_size):
+    def order(self) -> np.ndarray:
+        """This epoch's indices, in training order (fillers are `num_real` and up)."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.num_real, generator=generator).numpy()
+        full = self.num_real - self.num_real % self.step_size
+        if self.lengths is not None and full:
+            order[:full] = self._grouped_by_length(order[:full], generator)
+        # The last step: the i-th real example goes to micro-batch i % n, row i // n of it.
+        tail, slots = order[full:], np.arange(self.num_real, self.num_total)
+        if len(tail):
+            i = np.arange(len(tail))
+            position = (i % self.micro_batches_per_step) * self.batch_size + i // self.micro_batches_per_step
+            filler = np.ones(self.step_size, dtype=bool)
+            filler[position] = False
+            last = np.empty(self.step_size, dtype=order.dtype)
+            last[position], last[filler] = tail, slots[: filler.sum()]
+            tail = last
+        return np.concatenate([order[:full], tail])
+
+    def _grouped_by_length(self, order: np.ndarray, generator: torch.Generator) -> np.ndarray:
+        step, micro = self.step_size, self.micro_batches_per_step
+        steps = []
+        for start in range(0, len(order), step * self.group_steps):
+            group = order[start : start + step * self.group_steps]
             # Longest first within a group; ties keep the shuffled order (a stable sort).
-            group = sorted(order[start : start + group_size], key=lambda index: -self.lengths[index])
-            steps = [group[i : i + step_size] for i in range(0, len(group), step_size)]
+            group = group[np.argsort(-self.lengths[group], kind="stable")].reshape(-1, step)
             # Not always the longest steps first: that would put every group's peak memory and
             # its largest gradients at the same place in the epoch.
-            for k in torch.randperm(len(steps), generator=generator).tolist():
-                grouped += steps[k]
-        return grouped
+            steps.append(group[torch.randperm(len(group), generator=generator).numpy()])
+        steps = np.concatenate(steps)
+        # Row r of a sorted step goes to micro-batch r % micro: the ranks get the same mix of lengths.
+        return steps.reshape(-1, self.batch_size, micro).transpose(0, 2, 1).reshape(-1)
+
+
+class _TrainingRows(torch.utils.data.Dataset):
+    """`dataset` read by the indices of a `StepAlignedSampler`: a real example with weight 1.0 under
+    SAMPLE_WEIGHT, or for a filler index (`num_real` and up) a copy of an early example with weight
+    0.0. With `with_epoch`, each key is an (epoch, index) pair and the row carries its epoch under
+    EPOCH: a persistent loader worker keeps the collate function it started with, so an epoch set
+    in the training process would never reach it. A class, not a closure, so that loader workers
+    started with `spawn` can unpickle it."""
+
+    def __init__(self, dataset, num_real: int, num_total: int, with_epoch: bool = False):
+        self.dataset, self.num_real, self.num_total, self.with_epoch = dataset, num_real, num_total, with_epoch
+
+    def __len__(self) -> int:
+        return self.num_total
+
+    def __getitem__(self, key):
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys):
+        epochs, indices = zip(*keys) if self.with_epoch else (None, keys)
+        rows_at = [index if index < self.num_real else (index - self.num_real) % self.num_real for index in indices]
+        read_rows = getattr(self.dataset, "__getitems__", None)  # one read per batch (datasets.Dataset has it)
+        rows = read_rows(rows_at) if read_rows else [self.dataset[i] for i in rows_at]
+        for n, (row, index) in enumerate(zip(rows, indices)):
+            row[SAMPLE_WEIGHT] = 1.0 if index < self.num_real else 0.0
+            if self.with_epoch:
+                row[EPOCH] = epochs[n]
+        return rows
 
 
 class _WithoutFillers:
@@ -125,8 +152,7 @@ def _leave_signals_to_the_training_process(worker_id: int) -> None:
 
 class _EpochTaggedSampler(torch.utils.data.Sampler):
     """`sampler`'s order as (epoch, index) pairs. The epoch travels with each index to the loader's
-    workers: a persistent worker keeps the collate function it started with, so an epoch set on
-    that in the training process would never reach it."""
+    workers (see `_TrainingRows`)."""
 
     def __init__(self, sampler: StepAlignedSampler):
         self.sampler = sampler
@@ -142,30 +168,10 @@ class _EpochTaggedSampler(torch.utils.data.Sampler):
         return ((epoch, index) for index in self.sampler)
 
 
-class _EpochTaggedRows(torch.utils.data.Dataset):
-    """`dataset` read by (epoch, index): the row, with its epoch under EPOCH."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key):
-        epoch, index = key
-        return {**self.dataset[index], EPOCH: epoch}
-
-    def __getitems__(self, keys):
-        indices = [index for _, index in keys]
-        read_rows = getattr(self.dataset, "__getitems__", None)  # one read per batch (datasets.Dataset has it)
-        rows = read_rows(indices) if read_rows else [self.dataset[index] for index in indices]
-        return [{**row, EPOCH: epoch} for row, (epoch, _) in zip(rows, keys)]
-
-
 def make_train_dataloader(
     dataset, args, accelerator: Accelerator, collate_fn, *, epoch_in_rows: bool = False, group_steps: int = 16
 ) -> DataLoader:
-    """The training DataLoader, before `accelerator.prepare`: padded by `pad_to_even_shards` to
+    """The training DataLoader, before `accelerator.prepare`: padded with weightless fillers to
     whole optimizer steps, so every rank takes the same number of micro-batches and every optimizer
     step has all of its micro-batches; shuffled each epoch by `StepAlignedSampler` (from the
     Accelerator's data seed), grouped by the length of `input_ids` with --group_by_length; fillers
@@ -177,27 +183,18 @@ def make_train_dataloader(
     `collate_fn` with its epoch under EPOCH, so random draws made there (augmentation) can be
     seeded from (seed, epoch, example) in any worker."""
     batch_size, num_workers = args.per_device_train_batch_size, args.num_workers
-    accumulation = accelerator.gradient_accumulation_steps
     lengths = token_lengths(dataset) if getattr(args, "group_by_length", False) else None
-    padded = pad_to_even_shards(dataset, batch_size * accelerator.num_processes * accumulation)
     seed = accelerator.dataloader_config.data_seed or 0
-    sampler = StepAlignedSampler(
-        len(dataset),
-        len(padded),
-        batch_size,
-        accelerator.num_processes,
-        accumulation,
-        seed,
-        lengths=lengths,
-        group_steps=group_steps,
-    )
+    layout = (batch_size, accelerator.num_processes, accelerator.gradient_accumulation_steps)
+    sampler = StepAlignedSampler(len(dataset), *layout, seed, lengths=lengths, group_steps=group_steps)
+    rows = _TrainingRows(dataset, len(dataset), len(sampler), with_epoch=epoch_in_rows)
     if epoch_in_rows:
-        padded, sampler = _EpochTaggedRows(padded), _EpochTaggedSampler(sampler)
+        sampler = _EpochTaggedSampler(sampler)
     # Its own generator: starting an iterator draws a seed from the loader's generator, which would
     # otherwise be the global torch RNG, and a run resumed mid-epoch (one extra iterator) would then
     # draw different dropout masks.
     return DataLoader(
-        padded,
+        rows,
         sampler=sampler,
         batch_size=batch_size,
         collate_fn=_WithoutFillers(collate_fn),
@@ -236,17 +233,17 @@ def padding_waste(train_dataloader) -> float | None:
     """Padded positions / real tokens in the first epoch of an unprepared training dataloader from
     `make_train_dataloader` over rows of `input_ids`: its sampler's order, cut into per-device
     batches, each padded to its longest row (fillers dropped), as training does; None for rows
-    that are not token sequences. Any rank may call it (no communication)."""
-    dataset = getattr(train_dataloader.dataset, "dataset", train_dataloader.dataset)  # under _EpochTaggedRows
-    if "input_ids" not in getattr(dataset, "column_names", ()):
+    that are not token sequences. Computed with NumPy from the token lengths. Any rank may call it
+    (no communication)."""
+    rows = train_dataloader.dataset
+    if "input_ids" not in getattr(rows.dataset, "column_names", ()):
         return None
-    sampler, batch_size = train_dataloader.sampler, train_dataloader.batch_size
-    sampler = getattr(sampler, "sampler", sampler)  # under _EpochTaggedSampler
-    lengths = token_lengths(dataset).astype(np.int64)
-    order = np.fromiter(iter(sampler), dtype=np.int64, count=len(sampler))
-    rows = np.where(order < sampler.num_real, lengths[order], 0).reshape(-1, batch_size)  # fillers: length 0
-    padded = (rows.max(axis=1, keepdims=True) - rows)[rows > 0].sum()
-    return float(padded / max(rows.sum(), 1))
+    sampler = getattr(train_dataloader.sampler, "sampler", train_dataloader.sampler)  # under _EpochTaggedSampler
+    lengths = np.append(token_lengths(rows.dataset).astype(np.int64), 0)  # index -1: a filler, length 0
+    order = sampler.order()
+    batches = lengths[np.where(order < sampler.num_real, order, -1)].reshape(-1, train_dataloader.batch_size)
+    padded = (batches.max(axis=1, keepdims=True) - batches)[batches > 0].sum()
+    return float(padded / max(batches.sum(), 1))
 
 
 def epoch_dataloader(accelerator: Accelerator, dataloader, epoch: int, steps_done: int = 0):

@@ -9,20 +9,26 @@ import torch
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
-from ddp_utils.dataloaders import pad_to_even_shards
 from ddp_utils.output import check_output_dir, write_json
 
 
 @pytest.mark.fast
-def test_pad_to_even_shards_adds_weightless_fillers():
+def test_the_training_rows_pad_to_whole_steps_with_weightless_fillers():
     import datasets
 
+    from ddp_utils.dataloaders import StepAlignedSampler, _TrainingRows
+
     dataset = datasets.Dataset.from_dict({"x": list(range(37))})
-    padded = pad_to_even_shards(dataset, 8)
-    assert len(padded) == 40
-    assert padded[SAMPLE_WEIGHT] == [1.0] * 37 + [0.0] * 3
-    assert padded["x"][37:] == [0, 1, 2]
-    assert len(pad_to_even_shards(dataset.select(range(32)), 8)) == 32
+    sampler = StepAlignedSampler(37, batch_size=4, num_processes=2, accumulation=1, seed=0)
+    rows = _TrainingRows(dataset, 37, len(sampler))
+    assert len(sampler) == len(rows) == 40
+    assert [(row["x"], row[SAMPLE_WEIGHT]) for row in rows.__getitems__([36, 37, 38, 39])] == [
+        (36, 1.0), (0, 0.0), (1, 0.0), (2, 0.0)
+    ]  # fmt: skip
+    assert sorted(sampler) == list(range(40))
+    assert len(StepAlignedSampler(32, 4, 2, 1, seed=0)) == 32
+    tagged = _TrainingRows(dataset, 37, 40, with_epoch=True).__getitems__([(3, 5), (3, 38)])
+    assert [(row["x"], row[SAMPLE_WEIGHT], row["epoch"]) for row in tagged] == [(5, 1.0, 3), (1, 0.0, 3)]
 
 
 @pytest.mark.fast
@@ -105,7 +111,7 @@ def test_step_aligned_sampler_spreads_the_last_step_over_ranks_and_micro_batches
     from ddp_utils.dataloaders import StepAlignedSampler
 
     # 13 real examples, 3 fillers; steps of 2 ranks x 2 micro-batches x batch 2 = 8.
-    sampler = StepAlignedSampler(13, 16, batch_size=2, num_processes=2, accumulation=2, seed=1)
+    sampler = StepAlignedSampler(13, batch_size=2, num_processes=2, accumulation=2, seed=1)
     order = list(sampler)
     assert sorted(order) == list(range(16))
     assert all(i < 13 for i in order[:8]), "full steps hold only real examples"
@@ -285,20 +291,20 @@ def test_length_grouped_order_loses_nothing_and_forms_the_same_global_steps_on_a
     layouts = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 4, 2)]  # (batch, processes, accumulation)
 
     def order(batch, processes, accumulation, epoch, grouped=True):
-        total = len(lengths) + (-len(lengths) % step)
         sampler = StepAlignedSampler(
-            len(lengths), total, batch, processes, accumulation, seed=3, lengths=lengths if grouped else None
+            len(lengths), batch, processes, accumulation, seed=3, lengths=lengths if grouped else None
         )
         sampler.set_epoch(epoch)
         return list(sampler)
 
-    full = len(lengths) - len(lengths) % step
+    def steps(o):  # the examples of each optimizer step
+        return [sorted(o[s : s + step]) for s in range(0, len(o), step)]
+
     for epoch in (0, 1):
         orders = [order(*layout, epoch) for layout in layouts]
         for o in orders:
             assert sorted(i for i in o if i < len(lengths)) == list(range(len(lengths))), "every example exactly once"
-            assert o[:full] == orders[0][:full], "the full global steps do not depend on the layout"
-            assert sorted(o[full:]) == sorted(orders[0][full:]), "nor does the last, partial one"
+            assert steps(o) == steps(orders[0]), "the global steps do not depend on the layout"
     assert order(8, 1, 1, 0) != order(8, 1, 1, 1), "a new order each epoch"
     assert order(8, 1, 1, 0) == order(8, 1, 1, 0), "drawn from (seed, epoch) alone"
 
@@ -307,6 +313,12 @@ def test_length_grouped_order_loses_nothing_and_forms_the_same_global_steps_on_a
         return sum(max(r) * len(r) - sum(r) for r in rows if r) / sum(lengths)
 
     assert padded(order(4, 2, 1, 0)) < 0.1 < 0.3 < padded(order(4, 2, 1, 0, grouped=False))
+    # Each sorted step is dealt round-robin: the micro-batches (so the ranks) get the same mix of lengths.
+    o, batch = order(2, 2, 2, 0), 2
+    for start in range(0, len(lengths) - len(lengths) % step, step):
+        micro = [[lengths[i] for i in o[start + m * batch : start + (m + 1) * batch]] for m in range(step // batch)]
+        spread = max(max(m) for m in micro) - min(min(m) for m in micro)
+        assert max(map(sum, micro)) - min(map(sum, micro)) <= spread, micro
     group = 16 * step  # the sampler's default group of 16 steps
 
     def step_of_longest(o):  # which step of the first group holds that group's longest example
