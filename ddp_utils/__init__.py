@@ -49,7 +49,7 @@ from .optimizer import describe_optimizer, make_adamw, make_lr_scheduler, train_
 from .output import prepare_output_dir, save_model, write_jsonl
 from .process_exit import run
 from .ranks import load_on_main_first, refuse_together
-from .raw_data import check_splits, read_data_files
+from .raw_data import check_splits, preparation_processes, read_data_files
 from .report import write_results
 from .sharded import is_sharded
 from .start import make_accelerator, start_run, start_training
@@ -92,6 +92,7 @@ __all__ = [
     "make_lr_scheduler",
     "make_train_dataloader",
     "prepare_output_dir",
+    "preparation_processes",
     "read_data_files",
     "refuse_together",
     "run",

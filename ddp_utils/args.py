@@ -46,6 +46,12 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
         default=0,
         help="processes per rank that prepare training batches (0: the training process)",
     )
+    p.add_argument(
+        "--preprocessing_num_workers",
+        type=int,
+        default=None,
+        help="processes that tokenize the data, on each node's main process (default: one per 25,000 rows)",
+    )
     p.add_argument("--seed", type=int, default=42, help="seed for initialisation, shuffling and dropout")
     p.add_argument("--logging_steps", type=int, default=10, help="show the loss every N optimizer steps")
     p.add_argument("--ddp_timeout", type=int, default=1800, help="seconds a collective may wait before the run fails")
@@ -116,6 +122,7 @@ def check_training_args(args) -> None:
         "max_train_steps",
         "logging_steps",
         "ddp_timeout",
+        "preprocessing_num_workers",
     )
     steps = args.checkpointing_steps
     if steps not in ("epoch", "no") and not (steps.isdigit() and int(steps) > 0):

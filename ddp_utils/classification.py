@@ -29,45 +29,49 @@ def confusion_matrix(predictions, references, num_labels: int) -> np.ndarray:
 def label_mapping(raw, label_column: str):
     """(label names in id order, function mapping a raw label value to its id), from the "train"
     split of `raw`; a UsageError if training holds fewer than two classes or a validation label
-    never occurs in training. Any rank may call it."""
-    names, to_id = _label_mapping(raw, label_column)
-    if len(set(raw["train"][label_column])) < 2:
+    never occurs in training. Reads the distinct labels with Arrow, not every row into Python. Any
+    rank may call it."""
+    import datasets
+
+    train, validation = (distinct_values(raw[split], label_column) for split in ("train", "validation"))
+    feature = raw["train"].features[label_column]
+    if isinstance(feature, datasets.ClassLabel):
+        names, to_id, unseen = feature.names, int, sorted(set(validation) - set(train))
+        if validation and min(validation) < 0:
+            raise UsageError("the validation split has unlabelled examples (label -1); use a labelled split")
+        if unseen:
+            raise UsageError(
+                f"validation labels {[names[i] for i in unseen][:10]} never occur in the training data; "
+                "add training examples of them or drop them from the validation data"
+            )
+    else:
+        names = sorted(train, key=lambda v: (isinstance(v, str), v))
+        unseen = sorted(set(validation) - set(names), key=str)
+        if unseen:
+            raise UsageError(
+                f"validation labels {unseen[:10]} never occur in the training data (training labels: {names[:20]}); "
+                "fix the labels or give training data that covers them"
+            )
+        to_id = {value: i for i, value in enumerate(names)}.__getitem__
+    if len(train) < 2:
         raise UsageError(
-            f"the training data holds one class only ({names[to_id(raw['train'][0][label_column])]!r}); "
+            f"the training data holds one class only ({names[to_id(train[0])]!r}); "
             "a classifier needs examples of at least two"
         )
     return [str(name) for name in names], to_id
+
+
+def distinct_values(dataset, column: str) -> list:
+    """The distinct values of `column`, read with Arrow (a few, however many rows there are)."""
+    import pyarrow.compute as pc
+
+    return pc.unique(dataset.with_format("arrow")[column]).to_pylist()
 
 
 def label_config(label_names: list[str]) -> dict:
     """The config entries of a classifier for these labels: num_labels, id2label, label2id."""
     id2label = dict(enumerate(label_names))
     return {"num_labels": len(label_names), "id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
-
-
-def _label_mapping(raw, label_column: str):
-    import datasets
-
-    feature = raw["train"].features[label_column]
-    if isinstance(feature, datasets.ClassLabel):
-        if min(raw["validation"][label_column]) < 0:
-            raise UsageError("the validation split has unlabelled examples (label -1); use a labelled split")
-        unseen = sorted(set(raw["validation"][label_column]) - set(raw["train"][label_column]))
-        if unseen:
-            raise UsageError(
-                f"validation labels {[feature.names[i] for i in unseen][:10]} never occur in the training data; "
-                "add training examples of them or drop them from the validation data"
-            )
-        return feature.names, int
-    names = sorted(set(raw["train"][label_column]), key=lambda v: (isinstance(v, str), v))
-    unseen = sorted(set(raw["validation"][label_column]) - set(names), key=str)
-    if unseen:
-        raise UsageError(
-            f"validation labels {unseen[:10]} never occur in the training data (training labels: {names[:20]}); "
-            "fix the labels or give training data that covers them"
-        )
-    label_to_id = {value: i for i, value in enumerate(names)}
-    return names, label_to_id.__getitem__
 
 
 def classification_outputs(model, batch):

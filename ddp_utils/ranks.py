@@ -40,18 +40,45 @@ def _share_outcome(accelerator: Accelerator, error: BaseException | None) -> Non
 
 def load_on_main_first(accelerator: Accelerator, load, *args, **kwargs):
     """All ranks call this: `load(*args, **kwargs)` runs on the main process first, then on the
-    others, and each rank gets its own result.
+    main process of every other node (local rank 0), then on the remaining ranks, and each rank
+    gets its own result.
 
-    This is `accelerator.main_process_first()` (the main process downloads and fills the
-    caches, the others then read them) made safe: if `load` raises on the main process, the
-    other ranks are told and raise the same error at once, instead of waiting at the barrier
-    until the distributed timeout. `load` must not itself call a collective (it runs on one
-    rank at a time): build models outside it, on every rank together.
+    This is `accelerator.main_process_first()` (the main process downloads and fills the caches,
+    the others then read them) made safe and node-aware:
+    - if `load` raises on the main process, the other ranks are told and raise the same error at
+      once (one broadcast), instead of waiting at the barrier until the distributed timeout; so
+      for a failure on another node's main process (one gather);
+    - each node prepares its data once: with node-local caches (no shared file system) its local
+      main process fills the node's cache and its other ranks read it; with a shared one, the
+      other nodes' main processes read what the main process wrote. Not once per rank.
+    `load` must not itself call a collective (it runs on a few ranks at a time): build models
+    outside it, on every rank together.
     """
     result = _on_main_process(accelerator, load, *args, **kwargs)
-    if not accelerator.is_main_process:
+    if accelerator.num_processes > 1:  # then each other node's main process, while its ranks wait
+        error = None
+        if accelerator.is_local_main_process and not accelerator.is_main_process:
+            try:
+                result = load(*args, **kwargs)
+            except Exception as exc:  # reported to every rank below
+                error = exc
+        _share_errors(accelerator, error)
+    if not accelerator.is_local_main_process:
         result = load(*args, **kwargs)
     return result
+
+
+def _share_errors(accelerator: Accelerator, error: BaseException | None) -> None:
+    """All ranks call this: every rank raises the first error any rank had, or none (one gather)."""
+    reports = gather_object(
+        [None if error is None else (isinstance(error, UsageError), str(error) or type(error).__name__)]
+    )
+    failed = [report for report in reports if report is not None]
+    if error is not None:
+        raise error
+    if failed:
+        is_usage, message = failed[0]
+        raise UsageError(message) if is_usage else RuntimeError(f"another rank failed: {message}")
 
 
 def from_main_process(accelerator: Accelerator, compute, *args, **kwargs):

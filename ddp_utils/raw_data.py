@@ -7,6 +7,8 @@ import os
 
 from .errors import UsageError
 
+ROWS_PER_PROCESS = 25_000  # below this, starting a tokenizing process costs more than it saves
+
 # File extension -> the `datasets` builder that reads it.
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
@@ -171,3 +173,15 @@ def _hold_out(train, percentage: int, seed: int, stratify_by: str | None, data_o
     stratify = stratify_by if isinstance(train.features.get(stratify_by), datasets.ClassLabel) else None
     parts = train.train_test_split(test_size=held_out, seed=seed, stratify_by_column=stratify)
     return {"train": parts["train"], "validation": parts["test"]}
+
+
+def preparation_processes(args, rows: int) -> int | None:
+    """How many processes `datasets.map` tokenizes `rows` rows with (its num_proc; None: in this
+    process): --preprocessing_num_workers if given, else one per 25,000 rows, up to the cores this
+    process may run on. The other ranks of the node wait meanwhile (`load_on_main_first`), so the
+    cores are free. No communication."""
+    wanted = getattr(args, "preprocessing_num_workers", None)
+    if wanted is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        wanted = min(cores, rows // ROWS_PER_PROCESS)
+    return wanted if wanted > 1 else None

@@ -80,12 +80,16 @@ def prepare_data(args):
     if args.max_length > limit:
         raise UsageError(f"--max_length {args.max_length} is above this model's limit of {limit} tokens; lower it")
 
+    # It sees only what tokenizing needs, so a second launch with other options (an output_dir) finds the cache.
+    text_columns, label_column, max_length = args.text_columns, args.label_column, args.max_length
+
     def tokenize(batch):
-        encoded = tokenizer(*(batch[c] for c in args.text_columns), truncation=True, max_length=args.max_length)
-        encoded["labels"] = [to_label_id(value) for value in batch[args.label_column]]
+        encoded = tokenizer(*(batch[c] for c in text_columns), truncation=True, max_length=max_length)
+        encoded["labels"] = [to_label_id(value) for value in batch[label_column]]
         return encoded
 
-    tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing")
+    processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
+    tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, num_proc=processes)
     return tokenized, tokenizer, config
 
 

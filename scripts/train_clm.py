@@ -24,6 +24,7 @@ from accelerate.logging import get_logger
 import ddp_utils
 from ddp_utils import UsageError
 from ddp_utils.causal_lm import TARGET_TOKENS, CausalLMCollator, causal_lm_loss, evaluate_perplexity, group_text_blocks
+from ddp_utils.dataloaders import token_lengths
 from ddp_utils.demo import demo_llm_gguf, load_demo_reviews
 from ddp_utils.generation import show_sample
 
@@ -91,23 +92,20 @@ def load_raw_datasets(args):
 def tokenize_in_blocks(raw, tokenizer, args, block_size):
     """Each split's text as one stream of tokens (BOS text EOS per row) cut into blocks of
     `block_size`; the report counts the tail that does not fill a block, dropped."""
+    column, eos = args.text_column, [tokenizer.eos_token_id]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
-    def encode(batch):
-        ids = tokenizer(batch[args.text_column], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [bos + x + [tokenizer.eos_token_id] for x in ids]}
+    def encode(batch):  # it sees only what it needs, so a second launch finds the datasets cache
+        return {
+            "input_ids": [bos + ids + eos for ids in tokenizer(batch[column], add_special_tokens=False)["input_ids"]]
+        }
 
-    encoded = raw.map(encode, batched=True, remove_columns=raw["train"].column_names, desc="Tokenizing")
-    blocks = encoded.map(
-        group_text_blocks,
-        batched=True,
-        batch_size=10_000,
-        fn_kwargs={"block_size": block_size},
-        desc=f"Blocks of {block_size}",
-    )
+    processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
+    encoded = raw.map(encode, batched=True, remove_columns=raw["train"].column_names, num_proc=processes)
+    blocks = encoded.map(group_text_blocks, batched=True, batch_size=10_000, fn_kwargs={"block_size": block_size})
     report = {}
     for split in ("train", "validation"):
-        total = sum(len(ids) for ids in encoded[split]["input_ids"])
+        total = int(token_lengths(encoded[split]).sum())
         if len(blocks[split]) == 0:
             raise UsageError(
                 f"the {split} data holds {total} tokens, fewer than one block of {block_size}; "

@@ -31,52 +31,13 @@ def one_node(tiny_model, tiny_data, tmp_path_factory):
     return load_file(str(output_dir / "model.safetensors"))
 
 
-def assert_same_model(output_dir, reference):
+def assert_same_model(output_dir, reference, world_size=2):
     metrics = json.loads((output_dir / "metrics.json").read_text())
-    assert metrics["world_size"] == 2 and metrics["optimizer_steps"] == 6
+    assert metrics["world_size"] == world_size and metrics["optimizer_steps"] == 6
     other = load_file(str(output_dir / "model.safetensors"))
     assert sorted(reference) == sorted(other)
     for key in reference:
         np.testing.assert_allclose(other[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
-
-
-def test_two_nodes_on_loopback_train_the_same_model_as_one_node(one_node, tiny_model, tiny_data, tmp_path):
-    """Two `accelerate launch` commands, --num_machines 2 and --machine_rank 0 / 1, one process each,
-    rendezvous on 127.0.0.1: the same parameters as one node with 2 processes."""
-    args = STEPS
-    port, output_dir = free_port(), tmp_path / "two_nodes"
-    nodes = []
-    for machine_rank in (0, 1):
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(CPU_CONFIG),
-            "--num_machines",
-            "2",
-            "--num_processes",
-            "2",
-            "--machine_rank",
-            str(machine_rank),
-            "--main_process_ip",
-            "127.0.0.1",
-            "--main_process_port",
-            str(port),
-            str(TRAIN),
-            *map(str, train_args(tiny_model, tiny_data, output_dir, *args)),
-        ]
-        nodes.append(
-            subprocess.Popen(
-                command, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output[-3000:]
-    assert "2 process(es), MULTI_CPU" in outputs[0], "node 0 must lead a 2-process world"
-
-    assert_same_model(output_dir, one_node)
 
 
 def slurm_env(tmp_path, **extra) -> dict:
@@ -345,3 +306,62 @@ def test_fsdp2_full_state_dict_save_reloads_the_gathered_parameters_on_cpu(tiny_
         initial.bert.encoder.layer[0].attention.self.query.weight,
         reloaded.bert.encoder.layer[0].attention.self.query.weight,
     ), "training changed the weights"
+
+
+def two_node_launch(script_args, port, caches, nodes=2, processes_per_node=2, extra_env=None):
+    """`nodes` accelerate launches on loopback, each with its own `datasets` cache (no shared file
+    system); returns their outputs."""
+    launched = []
+    for machine_rank in range(nodes):
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(CPU_CONFIG),
+            "--num_machines",
+            str(nodes),
+            "--num_processes",
+            str(nodes * processes_per_node),
+            "--machine_rank",
+            str(machine_rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            *map(str, script_args),
+        ]
+        env = launch_env({"HF_DATASETS_CACHE": str(caches[machine_rank]), **(extra_env or {})})
+        launched.append(
+            subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outputs = [node.communicate(timeout=300)[0] for node in launched]
+    for node, output in zip(launched, outputs):
+        assert node.returncode == 0, output[-3000:]
+    return outputs
+
+
+def test_two_nodes_train_the_same_model_as_one_and_each_prepares_the_data_once(
+    one_node, tiny_model, tiny_data, tmp_path
+):
+    """Two loopback "nodes" (`accelerate launch --num_machines 2`, rendezvous on 127.0.0.1) of 2
+    processes each, each node with its own datasets cache (no shared file system): the same
+    parameters as one node with 2 processes and the same global batch; the tokenizing runs on one
+    rank per node (ranks 0 and 2), not on every rank; and a second launch with another output
+    directory runs it on no rank at all."""
+    counter = REPO / "tests" / "launched" / "count_preparations.py"
+    caches = [tmp_path / "cache-node0", tmp_path / "cache-node1"]
+    # 4 processes x 2 examples: the reference's 8 examples per optimizer step (2 processes x 4).
+    half_batch = ["--max_train_steps", 6, "--per_device_train_batch_size", 2, "--checkpointing_steps", "no"]
+    for attempt in ("first", "second"):
+        log = tmp_path / f"prepared-{attempt}"
+        args = [counter, *train_args(tiny_model, tiny_data, tmp_path / attempt, *half_batch)]
+        outputs = two_node_launch(args, free_port(), caches, extra_env={"PREPARED_LOG": str(log)})
+        prepared = {rank: (tmp_path / f"{log.name}.rank{rank}").exists() for rank in range(4)}
+        if attempt == "first":
+            assert "4 process(es), MULTI_CPU" in outputs[0], "node 0 must lead a 4-process world"
+            assert_same_model(tmp_path / attempt, one_node, world_size=4)
+            assert prepared == {0: True, 1: False, 2: True, 3: False}, prepared
+            assert all(list(cache.rglob("cache-*.arrow")) for cache in caches), "each node filled its own cache"
+        else:
+            assert prepared == {0: False, 1: False, 2: False, 3: False}, prepared
