@@ -34,12 +34,15 @@ def as_messages(prompt, completion) -> list[dict]:
 def check_messages(messages, record: int, split: str) -> None:
     """A UsageError naming the record unless `messages` is a list of role/content turns with an
     assistant turn."""
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in messages
-    ):
+
+    def fits(turn):
+        return isinstance(turn, dict) and turn.get("role") is not None and turn.get("content") is not None
+
+    if not isinstance(messages, list) or not all(fits(turn) for turn in messages):
         raise UsageError(
-            f"{split} record {record}: a conversation must be a list of {{'role': ..., 'content': ...}} turns, "
-            f"got {str(messages)[:120]!r}"
+            f"{split} record {record} fits none of the SFT formats: a conversation must be a list of "
+            f"{{'role': ..., 'content': ...}} turns (or ShareGPT's {{'from': ..., 'value': ...}}), "
+            f"got {str(messages)[:120]!r}; name the right column with --messages_column"
         )
     if not any(m["role"] == "assistant" for m in messages):
         raise UsageError(

@@ -28,7 +28,7 @@ from ddp_utils.causal_lm import TARGET_TOKENS, CausalLMCollator, causal_lm_loss,
 from ddp_utils.chat import LOSS_ON
 from ddp_utils.demo import demo_llm_gguf, load_demo_reviews
 from ddp_utils.generation import make_generation_dataloader, score_by_generation
-from ddp_utils.sft_data import sft_columns, tokenize_sft
+from ddp_utils.sft_data import detect_format, tokenize_sft
 
 logger = get_logger(__name__)
 
@@ -117,23 +117,19 @@ def prepare_data(args):
     """Load, check and tokenize the records; load the model's config and tokenizer (a GGUF file
     dequantized into its cached copy first). Runs on the main process first, then on the others."""
     raw = load_raw_datasets(args)
+    fmt, columns = detect_format(raw, args)  # messages, ShareGPT, prompt/completion or Alpaca, from the columns
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
     raw = ddp_utils.check_splits(
         raw,
-        sft_columns(raw, args),
+        columns,
         limits=limits,
         blank="refuse",
-        hold_out_percentage=args.validation_split_percentage,
         seed=args.seed,
+        hold_out_percentage=args.validation_split_percentage,
     )
     config, tokenizer, block_size = ddp_utils.load_config_and_tokenizer(args)
-    if args.chat_template and not tokenizer.chat_template:
-        raise UsageError(
-            f"--chat_template: the tokenizer of {args.model_name_or_path!r} has no chat template; "
-            "use an instruct model's, or drop --chat_template and put the prompt format in the data"
-        )
-    tokenized, report = tokenize_sft(raw, tokenizer, args, block_size)
-    return tokenized, tokenizer, config, {"block_size": block_size, **report}
+    tokenized, report = tokenize_sft(raw, fmt, tokenizer, block_size, args.eval_max_new_tokens, args.packing)
+    return tokenized, tokenizer, config, {"block_size": block_size, "sft_format": fmt.kind, **report}
 
 
 def main():

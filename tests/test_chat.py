@@ -119,3 +119,90 @@ def test_prompt_completion_records_become_turns():
     system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert as_messages(system, "there") == [*system, {"role": "assistant", "content": "there"}]
     assert as_messages("hi", [{"role": "assistant", "content": "there"}])[-1]["content"] == "there"
+
+
+# --- the common SFT formats (ddp_utils.sft_data) ------------------------------------------------
+
+
+def sft_options(**overrides):
+    from types import SimpleNamespace
+
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # detect_format logs through Accelerate's logger
+    options = dict(
+        messages_column="messages",
+        prompt_column="prompt",
+        completion_column="completion",
+        chat_template=False,
+        loss_on="assistant",
+    )
+    return SimpleNamespace(**{**options, **overrides})
+
+
+SHAREGPT = [
+    {"from": "system", "value": "be brief"},
+    {"from": "human", "value": "the movie"},
+    {"from": "gpt", "value": "w1 w2"},
+]
+
+
+@pytest.mark.fast
+def test_the_common_sft_formats_are_found_from_the_columns_and_read_as_the_same_turns(tokenizer):
+    import datasets
+
+    from ddp_utils.sft_data import detect_format, tokenize_record
+
+    def data(rows):
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
+
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "the movie"},
+        {"role": "assistant", "content": "w1 w2"},
+    ]
+    cases = {
+        "messages": (data([{"messages": messages}]), "messages"),
+        "sharegpt": (data([{"conversations": SHAREGPT}]), "sharegpt"),
+        "sharegpt, named": (data([{"chats": SHAREGPT}]), "sharegpt"),
+        "prompt/completion": (data([{"prompt": "the movie\n\nwhy", "completion": "w1 w2"}]), "prompt/completion"),
+        "alpaca": (data([{"instruction": "the movie", "input": "why", "output": "w1 w2"}]), "alpaca"),
+        "alpaca without input": (data([{"instruction": "the movie\n\nwhy", "output": "w1 w2"}]), "alpaca"),
+    }
+    rows = {}
+    for name, (raw, kind) in cases.items():
+        fmt, columns = detect_format(
+            raw, sft_options(messages_column="chats" if name == "sharegpt, named" else "messages")
+        )
+        assert fmt.kind == kind, name
+        assert set(columns) <= set(raw["train"].column_names), name
+        rows[name] = tokenize_record(raw["train"][0], fmt, tokenizer, block_size=64)
+    assert rows["sharegpt"] == rows["messages"] == rows["sharegpt, named"], "ShareGPT reads as the same turns"
+    assert rows["alpaca"] == rows["prompt/completion"] == rows["alpaca without input"], "instruction, blank line, input"
+    chat = detect_format(cases["alpaca"][0], sft_options(chat_template=True))[0]
+    assert chat.turns(cases["alpaca"][0]["train"][0], 0, "train") == as_messages("the movie\n\nwhy", "w1 w2")
+
+
+@pytest.mark.fast
+def test_a_record_that_fits_no_format_is_named_with_the_formats_and_the_fix():
+    import datasets
+
+    from ddp_utils.sft_data import detect_format
+
+    with pytest.raises(
+        UsageError, match=r"columns \['text', 'label'\] fit none of the SFT formats: messages .*ShareGPT"
+    ):
+        detect_format(
+            datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "a", "label": 1}])}), sft_options()
+        )
+    raw = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list([{"conversations": SHAREGPT}, {"conversations": [{"from": "human"}]}])}
+    )
+    fmt = detect_format(raw, sft_options())[0]
+    with pytest.raises(
+        UsageError, match=r"train record 1 fits none of the SFT formats: its conversation is not a list of"
+    ):
+        fmt.turns(raw["train"][1], 1, "train")
+    bot = {"conversations": [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]}
+    with pytest.raises(UsageError, match="train record 7: ShareGPT role 'bot' is not one of"):
+        fmt.turns(bot, 7, "train")

@@ -24,7 +24,7 @@ from conftest import (
     sft_args,
 )
 from ddp_utils.causal_lm import CausalLMCollator, causal_lm_loss, load_causal_lm, load_tokenizer
-from ddp_utils.sft_data import tokenize_sft
+from ddp_utils.sft_data import detect_format, tokenize_sft
 
 TRAIN_SFT = REPO / "scripts" / "train_sft.py"
 COUNT_TOKENS = REPO / "tests" / "launched" / "count_tokens.py"
@@ -275,7 +275,7 @@ def test_prompt_tokens_never_contribute_to_the_loss(tiny_lm, tmp_path):
         tokenizer = load_tokenizer(args.model_name_or_path)
         record = {"prompt": "the movie was not good", "completion": "w1 w2 w3"}
         raw = datasets.DatasetDict({split: datasets.Dataset.from_list([record]) for split in ("train", "validation")})
-        row = tokenize_sft(raw, tokenizer, args, block_size=48)[0]["train"][0]
+        row = tokenize_sft(raw, detect_format(raw, args)[0], tokenizer, block_size=48)[0]["train"][0]
         words = tokenizer.convert_ids_to_tokens(row["input_ids"])
         learned = [w for w, label in zip(words, row["labels"]) if label != -100]
         assert learned == ["w1", "w2", "w3", "</s>"], (chat_template, words, row["labels"])
@@ -559,12 +559,10 @@ def test_a_gguf_checkpoint_is_dequantized_once_and_trains_a_model_that_loads_wit
     into the cache (a second run reuses the copy), the copy holds the weights it was written from,
     and the trained model loads with transformers alone (gguf made unimportable)."""
     gguf_path, source = make_tiny_gguf(tmp_path / "gguf")
-    turns = [
-        [{"role": "user", "content": f"say {word}"}, {"role": "assistant", "content": word}]
-        for word in ("yes", "no", "maybe")
-    ]
+    # ShareGPT records, as many public chat datasets are: read as the same turns as messages.
+    turns = [[{"from": "human", "value": f"say {w}"}, {"from": "gpt", "value": w}] for w in ("yes", "no", "maybe")]
     data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": m}) for m in turns * 4) + "\n")
+    data.write_text("\n".join(json.dumps({"conversations": m}) for m in turns * 4) + "\n")
     cache = tmp_path / "cache"
     common = [
         "--model_name_or_path",
@@ -593,6 +591,7 @@ def test_a_gguf_checkpoint_is_dequantized_once_and_trains_a_model_that_loads_wit
     first = launch(TRAIN_SFT, *common, "--output_dir", tmp_path / "first", num_processes=2)
     assert first.returncode == 0, first.output[-4000:]
     assert first.output.count("dequantizing once into") == 1
+    assert "SFT data format: ShareGPT (columns conversations)" in first.output
     copies = [d for d in cache.iterdir() if not d.name.startswith(".")]
     assert len(copies) == 1 and not [d for d in cache.iterdir() if d.name.startswith(".staging")]
     copy = load_file(str(copies[0] / "model.safetensors"))

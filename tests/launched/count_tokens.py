@@ -14,7 +14,7 @@ from accelerate.utils import gather_object
 
 import ddp_utils
 from ddp_utils.causal_lm import TARGET_TOKENS, CausalLMCollator
-from ddp_utils.sft_data import sft_columns
+from ddp_utils.sft_data import detect_format
 from ddp_utils.start import make_accelerator
 
 
@@ -48,7 +48,7 @@ def main():
     # The same split, to compare against.
     raw = script.load_raw_datasets(args)
     text = name == "train_clm"
-    columns = {args.text_column: ""} if text else sft_columns(raw, args)
+    columns = {args.text_column: ""} if text else detect_format(raw, args)[1]
     raw = ddp_utils.check_splits(
         raw,
         columns,
