@@ -55,12 +55,16 @@ def parse_args(argv=None):
 # ==================================== DATA ====================================
 # The one place to edit for your own dataset: return a DatasetDict with a "train" split and a
 # "validation" (or "test") split that hold the text column(s) and the label column.
+DEMO_REVIEW_WORDS = 90  # each review's last words: the verdict is usually at the end, and 41% run past 128 tokens
+
+
 def load_raw_datasets(args):
     if args.train_file:
         return ddp_utils.read_data_files({"train": args.train_file, "validation": args.validation_file})
     if args.dataset_name:
         return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
-    return load_demo_reviews()
+    reviews = load_demo_reviews()  # offline demo: 600 train / 379 validation drug reviews, 3 labels
+    return reviews.map(lambda review: {"text": " ".join(review["text"].split()[-DEMO_REVIEW_WORDS:])})
 
 
 # ==============================================================================
