@@ -12,5 +12,11 @@ class UsageError(Exception):
     """Bad input or a bad launch: reported as one clear line, without a stack trace."""
 
 
+class RunFailed(Exception):
+    """A fault the run cannot go past (a loss that turned NaN, a checkpoint that could not be
+    written), found on every rank together: reported as one clear line on every rank, exit code 1,
+    with nothing broken saved."""
+
+
 class Preempted(Exception):
     """Raised on every rank once the preemption checkpoint is written; `run` exits with EXIT_PREEMPTED."""

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-from .errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, UsageError
+from .errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, RunFailed, UsageError
 from .start import _accelerators
 
 
@@ -21,8 +21,9 @@ def run(main, *args) -> None:
     cleanly (after a last barrier when the run succeeded).
 
     A `UsageError` (bad input, bad launch) is printed as one line naming the rank, with exit
-    code 2; `Preempted` exits with EXIT_PREEMPTED (75); any other exception prints its
-    traceback and exits 1. Either way the trackers are ended first (their last events flushed,
+    code 2; a `RunFailed` (a diverged loss, a failed save) as one line, with exit code 1;
+    `Preempted` exits with EXIT_PREEMPTED (75); any other exception prints its traceback and
+    exits 1. Either way the trackers are ended first (their last events flushed,
     wandb and mlflow runs closed as failed or preempted), the launcher then stops the other ranks,
     and the process ends without the interpreter teardown that can hang in the gloo destructor.
     """
@@ -34,6 +35,9 @@ def run(main, *args) -> None:
         _say(f"[rank {rank}] error: {error}")
         exit_code = EXIT_USAGE
         _meet_the_other_ranks()
+    except RunFailed as failure:  # every rank found it together: one line each, no traceback
+        _say(f"[rank {rank}] error: {failure}")
+        exit_code = 1
     except Preempted as stop:
         _say(f"[rank {rank}] preempted: {stop}")
         exit_code = EXIT_PREEMPTED

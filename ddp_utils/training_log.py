@@ -19,6 +19,7 @@ from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
 from .errors import UsageError
+from .nonfinite import NonFiniteWatch
 from .redact import loggable_args
 
 logger = get_logger(__name__)
@@ -83,6 +84,9 @@ class TrainingLog:
     last) the loss, learning rate, gradient norm, throughput and memory, and each evaluation's
     scores, to the trackers of --report_to, `train_log.jsonl` and the progress bar.
 
+    A loss or gradient norm that turns NaN or infinite stops the run at the next record, on every
+    rank (`NonFiniteWatch`, `finite`; the Checkpointer asks it too before saving).
+
     Build it on every rank after `Checkpointer.resume` (it starts the trackers, and needs the step
     a resumed run starts from). Only the main process writes.
     """
@@ -90,6 +94,7 @@ class TrainingLog:
     def __init__(self, accelerator: Accelerator, args, plan):
         self.accelerator, self.logging_steps = accelerator, args.logging_steps
         self.path = os.path.join(args.output_dir, TRAIN_LOG)
+        self.finite = NonFiniteWatch(accelerator, args)
         resumed_step = plan.step
         if accelerator.is_main_process and os.path.isfile(self.path):
             # After a resume, drop the records of the steps after the checkpoint: the run takes them again.
@@ -125,16 +130,17 @@ class TrainingLog:
         """All ranks call this after every optimizer step (after `plan.advance`), with this
         rank's weighted loss sum over its micro-batches, the gradient norm before clipping (None if
         DeepSpeed keeps it) and the learning rate the step used. Every --logging_steps steps and at
-        the last step it writes a record, with one gather of every rank's loss and peak memory.
-        Between records nothing leaves the device: one host sync per record."""
+        the last step it writes a record, with one gather of every rank's loss and peak memory, and
+        stops the run on every rank if a step's loss or gradient norm was not finite. Between records
+        nothing leaves the device: one host sync per record."""
         self._loss_sum += loss_sum.detach().float()
         if grad_norm is not None:
-            if hasattr(
-                grad_norm, "full_tensor"
-            ):  # FSDP2 returns the norm as a DTensor (all ranks call this, so it may gather)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2's norm is a DTensor (all ranks call this: it may gather)
                 grad_norm = grad_norm.full_tensor()
-            self._grad_norm_sum += torch.as_tensor(grad_norm, dtype=torch.float32, device=self.accelerator.device)
+            grad_norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=self.accelerator.device)
+            self._grad_norm_sum += grad_norm
             self._grad_norms += 1
+        self.finite.note(plan.step, loss_sum, grad_norm)
         self._learning_rate = learning_rate
         self.bar.update(1)
         if plan.step % self.logging_steps == 0 or plan.done:
@@ -148,8 +154,10 @@ class TrainingLog:
         memory = peak_memory_mb(accelerator.device)
         # Copied without waiting: a blocking copy to the device would wait for the steps queued before it.
         host_values = torch.tensor(list(memory.values()), dtype=torch.float32).to(accelerator.device, non_blocking=True)
-        local = torch.cat([torch.stack([self._loss_sum.float(), self._grad_norm_sum]), host_values])
-        now, everyone = plan.read(accelerator.gather(local[None]))  # (world size, 2 + memory kinds), on the host
+        local = torch.cat(
+            [torch.stack([self._loss_sum.float(), self._grad_norm_sum]), host_values, self.finite.first_bad]
+        )
+        now, everyone = plan.read(accelerator.gather(local[None]))  # (world size, 4 + memory kinds), on the host
         seconds = max(now["train_time_s"] - start["train_time_s"], 1e-9)
         weight, tokens = now["trained_weight"] - start["trained_weight"], now["tokens_seen"] - start["tokens_seen"]
         loss = everyone[:, 0].sum().item() / max(weight, 1.0)
@@ -167,6 +175,7 @@ class TrainingLog:
             speed += f", {record['train/tokens_per_second']:,.0f} tok/s"
         self.bar.set_postfix_str(f"loss {loss:.4f}, {speed}")
         self._new_window(plan)
+        self.finite.check(everyone[:, -2:])  # every rank raises together if a step was not finite
 
     def evaluation(self, plan, scores: dict, when: str | None = None) -> None:
         """After each epoch's evaluation (and `plan.end_epoch`), or before training (`when`
