@@ -33,8 +33,9 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
-from .errors import EXIT_PREEMPTED, Preempted, UsageError
-from .output import write_json
+from .errors import EXIT_PREEMPTED, Preempted, RunFailed, UsageError
+from .manifest import checkpoint_problem, write_manifest
+from .output import agree_on_write, existing_parent, write_json
 from .ranks import from_main_process, refuse_together
 
 logger = get_logger(__name__)
@@ -84,22 +85,33 @@ def list_checkpoints(output_dir: str) -> list[str]:
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str, state: dict, total_limit: int | None = None) -> str:
-    """All ranks call this: write a complete checkpoint of the run at `state["step"]` (barriers,
-    and `accelerator.save_state`, a collective under FSDP and DeepSpeed).
+    """All ranks call this: write a complete checkpoint of the run at `state["step"]` (gathers
+    that stand for barriers, and `accelerator.save_state`, a collective under FSDP and DeepSpeed).
 
-    `state` is the script's progress (step, epoch, step_in_epoch, ...), stored as trainer_state.json.
-    Returns the checkpoint's path.
+    `state` is the script's progress (step, epoch, step_in_epoch, ...), stored as trainer_state.json,
+    with a manifest of every file's size and checksum (`manifest.write_manifest`). It is written
+    into `.tmp-checkpoint-<step>` and renamed once complete. A write that fails on any rank (no
+    space, quota, file too large, permissions) stops every rank with one line (`RunFailed`: the
+    directory, the cause, the newest complete checkpoint, the fix); the staging directory is
+    removed and the older checkpoints are kept. Returns the checkpoint's path.
     """
     name = f"checkpoint-{state['step']}"
     final, staging = os.path.join(output_dir, name), os.path.join(output_dir, f".tmp-{name}")
-    if accelerator.is_main_process:
+    what = f"checkpoint {final!r}"
+
+    def write(step):
+        try:
+            step()
+        except Exception as exc:  # every rank reports it, in agree_on_write
+            return exc
+        return None
+
+    def make_staging():
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
         os.makedirs(staging)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(staging)  # each rank writes its own RNG states
-    write_json(accelerator, os.path.join(staging, STATE_FILE), state)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+
+    def seal():
+        write_manifest(staging)
         _fsync_tree(staging)
         if os.path.isdir(final):  # the same step saved again (e.g. step and epoch interval coincide)
             shutil.rmtree(final)
@@ -108,24 +120,63 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, state: dict, tota
         if total_limit:
             for old in list_checkpoints(output_dir)[:-total_limit]:
                 shutil.rmtree(old)
-    accelerator.wait_for_everyone()
+
+    try:
+        agree_on_write(accelerator, write(make_staging) if accelerator.is_main_process else None, what, output_dir)
+        error = write(lambda: accelerator.save_state(staging))  # each rank writes its own RNG states
+        if error is None and accelerator.is_main_process:
+            error = write(lambda: write_json(accelerator, os.path.join(staging, STATE_FILE), state))
+        agree_on_write(accelerator, error, what, output_dir)
+        agree_on_write(accelerator, write(seal) if accelerator.is_main_process else None, what, output_dir)
+    except RunFailed:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)  # never half a checkpoint, and its space back
+        raise
     return final
+
+
+def newest_good_checkpoint(output_dir: str, skip_damaged: bool = True) -> str | None:
+    """The newest complete checkpoint in `output_dir` that checks out against its manifest
+    (`manifest.checkpoint_problem`); damaged ones are skipped with a warning that names them.
+    None when there is none. Reads this rank's view of the file system."""
+    for path in reversed(list_checkpoints(output_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        if skip_damaged:
+            logger.warning(f"checkpoint {path!r} is damaged ({problem}): skipped, an older one is used")
+    return None
 
 
 def resolve_resume_path(output_dir: str, resume_from: str | None) -> str | None:
     """`--resume_from_checkpoint`: None, a checkpoint path, or "latest" (the newest complete
-    checkpoint in output_dir, or None if there is none). It reads this rank's view of the file
-    system: `Checkpointer.resume` calls it on the main process only and shares the answer."""
+    checkpoint in output_dir that checks out against its manifest, or None if there is none). A
+    damaged checkpoint named explicitly is refused, naming the newest good one. It reads this
+    rank's view of the file system: `Checkpointer.resume` calls it on the main process only and
+    shares the answer."""
     if not resume_from:
         return None
     if resume_from == "latest":
-        checkpoints = list_checkpoints(output_dir)
-        return checkpoints[-1] if checkpoints else None
+        found = list_checkpoints(output_dir)
+        path = newest_good_checkpoint(output_dir)
+        if found and path is None:
+            raise UsageError(
+                f"every checkpoint in {output_dir!r} is damaged (the newest, {found[-1]!r}: "
+                f"{checkpoint_problem(found[-1])}); start afresh with --overwrite_output_dir instead of resuming"
+            )
+        return path
     if not os.path.isdir(resume_from):
         raise UsageError(
             f"--resume_from_checkpoint {resume_from!r} is not a directory; "
             "give a checkpoint-<step> directory or 'latest'"
         )
+    problem = checkpoint_problem(resume_from)
+    if problem is not None:
+        good = newest_good_checkpoint(os.path.dirname(os.path.abspath(resume_from)), skip_damaged=False)
+        fix = (
+            f"the newest that checks out is {good!r}: resume from it" if good else "no checkpoint beside it checks out"
+        )
+        raise UsageError(f"checkpoint {resume_from!r} is damaged ({problem}); {fix}")
     return resume_from
 
 
@@ -302,13 +353,44 @@ def clear_preempted_marker(accelerator: Accelerator, output_dir: str) -> None:
         os.remove(marker)
 
 
+def checkpoint_bytes(model) -> int:
+    """About what one checkpoint of `model` takes on disk: every weight as stored, and AdamW's two
+    fp32 moments per trainable weight (the sampler, scheduler and RNG states are small). Under
+    DeepSpeed ZeRO-3 a weight's full size is its `ds_numel`."""
+    weights = trainable = 0
+    for p in model.parameters():
+        numel = getattr(p, "ds_numel", p.numel())
+        weights += numel * p.element_size()
+        trainable += numel if p.requires_grad else 0
+    return weights + 2 * 4 * trainable
+
+
+def warn_if_the_disk_is_small(output_dir: str, one_checkpoint: int, total_limit: int | None) -> None:
+    """Warn, naming the numbers, when the disk of `output_dir` cannot hold the checkpoints that
+    --checkpoints_total_limit keeps plus the one being written. The main process calls it."""
+
+    kept = (total_limit or 1) + 1
+    free = shutil.disk_usage(existing_parent(output_dir)).free
+    if free < kept * one_checkpoint:
+        gib = 2**30
+        logger.warning(
+            f"the disk of {output_dir!r} has {free / gib:.2f} GiB free, and checkpoints take about "
+            f"{one_checkpoint / gib:.2f} GiB each: --checkpoints_total_limit {total_limit} keeps {kept - 1}, "
+            f"with one more being written {kept * one_checkpoint / gib:.2f} GiB; free space, lower "
+            "--checkpoints_total_limit, or "
+            "checkpoint less often (--checkpointing_steps)"
+        )
+
+
 class Checkpointer:
     """Saves the run's checkpoints (every --checkpointing_steps, and when the job is preempted) and
     resumes from one, on this layout or any other with the same global batch.
 
-    Build it on every rank before `accelerator.prepare` (it fingerprints the unwrapped model).
-    From then on SIGTERM / SIGUSR1 do not kill the process: they ask for a checkpoint after the
-    optimizer step in flight, then every process exits with code 75.
+    Build it on every rank with the unwrapped model (it fingerprints it): `start.start_training`
+    does. From then on SIGTERM / SIGUSR1 do not kill the process: they ask for a checkpoint after
+    the optimizer step in flight, then every process exits with code 75. With `finite` (the log's
+    `NonFiniteWatch`) set, a run whose loss or gradient norm turned NaN is stopped before any
+    checkpoint of it is written, so the newest checkpoint stays a good one.
     """
 
     def __init__(self, accelerator: Accelerator, args, model):
@@ -329,6 +411,9 @@ class Checkpointer:
             isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()
         )
         self.preemption = PreemptionHandler(accelerator, args.ddp_timeout)
+        self.finite = None  # the log's NonFiniteWatch, set by start_training
+        if accelerator.is_main_process and self.every != "no":
+            warn_if_the_disk_is_small(self.output_dir, checkpoint_bytes(model), self.total_limit)
 
     def resume(self, plan) -> None:
         """All ranks call this once, after `accelerator.prepare` and `prepare_output_dir`: resume
@@ -377,7 +462,10 @@ class Checkpointer:
             )
 
     def save(self, plan) -> str:
-        """All ranks call this: a checkpoint of the run as it stands. Returns its path."""
+        """All ranks call this: a checkpoint of the run as it stands, unless a step's loss or
+        gradient norm was not finite (then `RunFailed`, on every rank). Returns its path."""
+        if self.finite is not None:
+            self.finite.check_now()  # never a checkpoint of NaN weights
         return save_checkpoint(
             self.accelerator, self.output_dir, {**self.identity, **self.layout, **plan.progress}, self.total_limit
         )

@@ -1,4 +1,6 @@
-"""Output directory and files: only the main process writes, and nothing is left half-written."""
+"""Output directory and files: only the main process writes, nothing is left half-written, and a
+write that fails (no space, quota, file too large, permissions) is reported on every rank in one
+line that names the directory, the cause, the newest complete checkpoint and the fix."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import tempfile
 
 from accelerate import Accelerator
 
-from .errors import UsageError
+from .errors import RunFailed, UsageError
 from .ranks import from_main_process
 
 
@@ -81,10 +83,14 @@ def save_model(accelerator: Accelerator, model, output_dir: str, *processors, dt
     """
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)
+    error = None
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
-        write_pretrained(unwrapped, state_dict, output_dir, *processors, dtype=saved_dtype(unwrapped, dtype))
-    accelerator.wait_for_everyone()
+        try:
+            write_pretrained(unwrapped, state_dict, output_dir, *processors, dtype=saved_dtype(unwrapped, dtype))
+        except Exception as exc:  # reported on every rank by agree_on_write
+            error = exc
+    agree_on_write(accelerator, error, f"the model to {output_dir!r}", output_dir)  # instead of the last barrier
 
 
 def saved_dtype(model, dtype: str = "auto"):
@@ -142,3 +148,55 @@ def _record_dtype(directory: str, dtype) -> None:
     with open(path, "w") as handle:
         json.dump(config, handle, indent=2, sort_keys=True)
         handle.write("\n")
+
+
+def agree_on_write(accelerator: Accelerator, error: BaseException | None, what: str, output_dir: str) -> None:
+    """All ranks call this after writing (one gather), each with the error its write raised, or
+    None: if any rank failed, every rank raises `RunFailed` with one line that names `what` could
+    not be written, the cause, the newest complete checkpoint in `output_dir` and the fix. Stands
+    where a barrier would: the ranks that did not fail wait here, not in a collective the failed
+    rank never reaches."""
+    from accelerate.utils import gather_object
+
+    reports = gather_object([None if error is None else write_failure(error, what, output_dir)])
+    failed = [report for report in reports if report is not None]
+    if failed:
+        raise RunFailed(failed[0])
+
+
+def write_failure(error: BaseException, what: str, output_dir: str) -> str:
+    """The one line for a write of `what` that raised `error`: the cause (the OS error, found in
+    the exception's chain; torch's writer reports only "iostream error", so the free space and the
+    file size limit are named then), the newest complete checkpoint and the fix."""
+    import resource
+
+    from .checkpoint import list_checkpoints
+
+    cause, found = None, error
+    while found is not None and cause is None:
+        if isinstance(found, OSError) and found.errno:
+            cause = f"[Errno {found.errno}] {found.strerror or os.strerror(found.errno)}"
+        found = found.__cause__ or found.__context__
+    if cause is None:  # torch's writer raises RuntimeError("unexpected pos ..."): name the likely limits first
+        free = shutil.disk_usage(existing_parent(output_dir)).free
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        facts = [f"files are limited to {limit / 2**20:.1f} MiB (ulimit -f)"] if limit != resource.RLIM_INFINITY else []
+        facts += [
+            f"{free / 2**30:.1f} GiB free there",
+            f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:120]}",
+        ]
+        cause = "; ".join(facts)
+    newest = (list_checkpoints(output_dir) or [None])[-1]
+    kept = f"the newest complete checkpoint is {newest!r}" if newest else "no complete checkpoint was saved yet"
+    return (
+        f"could not write {what} ({cause}); {kept}. Free space there (or raise the quota or file size limit), or give "
+        "an --output_dir on a larger disk, then resume with --resume_from_checkpoint latest"
+    )
+
+
+def existing_parent(path: str) -> str:
+    """`path`, or its nearest existing parent."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path

@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from .output import write_json
+from .output import agree_on_write, write_json
 from .redact import loggable_args
 from .training_log import describe, peak_memory_mb, read_train_log
 
@@ -55,12 +55,15 @@ def write_results(
         **{f"{name}_per_rank": [round(v, 1) for v in per_rank[:, i].tolist()] for i, name in enumerate(memory)},
     }
     metrics = {**scores, **facts, **(extra or {})}
-    output_dir = args.output_dir
-    write_json(accelerator, f"{output_dir}/metrics.json", metrics)
-    write_json(accelerator, f"{output_dir}/training_args.json", loggable_args(args))
-    if accelerator.is_main_process:
-        write_report(output_dir, summary_table(args, facts, extra), scores, confusion)
-    accelerator.wait_for_everyone()
+    output_dir, error = args.output_dir, None
+    try:
+        write_json(accelerator, f"{output_dir}/metrics.json", metrics)
+        write_json(accelerator, f"{output_dir}/training_args.json", loggable_args(args))
+        if accelerator.is_main_process:
+            write_report(output_dir, summary_table(args, facts, extra), scores, confusion)
+    except Exception as exc:  # reported on every rank by agree_on_write
+        error = exc
+    agree_on_write(accelerator, error, f"the results to {output_dir!r}", output_dir)
     logger.info(f"saved to {output_dir}: {describe(plan.facts())}; report in {output_dir}/report/README.md")
     return metrics
 
