@@ -59,8 +59,11 @@ def launch_env(extra: dict | None = None) -> dict:
     return env
 
 
-def launch(script, *args, num_processes=2, launcher_args=(), env=None, timeout=300) -> LaunchResult:
-    """Run `accelerate launch <script> <args>` on `num_processes` CPU processes and time its exit."""
+def launch(
+    script, *args, num_processes=2, launcher_args=(), env=None, timeout=300, file_size_limit=None
+) -> LaunchResult:
+    """Run `accelerate launch <script> <args>` on `num_processes` CPU processes and time its exit.
+    `file_size_limit` (bytes): no process of the launch may write a larger file (ulimit -f)."""
     command = [
         sys.executable,
         "-m",
@@ -72,8 +75,20 @@ def launch(script, *args, num_processes=2, launcher_args=(), env=None, timeout=3
         *map(str, args),
     ]
     start = time.monotonic()
+
+    def limit_file_size():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
     process = subprocess.Popen(
-        command, cwd=REPO, env=launch_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        cwd=REPO,
+        env=launch_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=limit_file_size if file_size_limit else None,
     )
     lines: list[tuple[float, str]] = []
 

@@ -238,17 +238,22 @@ def test_resume_latest_without_checkpoints_starts_fresh(tiny_model, tiny_data, t
     assert "starting from scratch" in result.output
 
 
-@pytest.mark.parametrize("damage", ["truncated_weights", "no_trainer_state", "other_model"])
+@pytest.mark.parametrize(
+    "damage", ["truncated_weights", "truncated_weights_no_manifest", "no_trainer_state", "other_model"]
+)
 def test_damaged_or_foreign_checkpoint_is_refused_clearly(damage, dropout_model, tiny_data, uninterrupted, tmp_path):
     checkpoint = tmp_path / "checkpoint-24"
     shutil.copytree(uninterrupted["plain"] / "checkpoint-24", checkpoint)
-    model, expected = dropout_model, "is damaged and could not be loaded"
-    if damage == "truncated_weights":
+    model, expected = dropout_model, "is damaged (model.safetensors holds 1,000 bytes,"
+    if damage.startswith("truncated_weights"):
         weights = checkpoint / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:1000])
+        if damage.endswith("no_manifest"):  # as saved before manifests existed: found when loading
+            (checkpoint / "manifest.json").unlink()
+            expected = "is damaged and could not be loaded"
     elif damage == "no_trainer_state":
         (checkpoint / "trainer_state.json").unlink()
-        expected = "is not a complete checkpoint"
+        expected = "is damaged (trainer_state.json is missing); no checkpoint beside it checks out"
     else:
         model, expected = (
             make_tiny_model(tmp_path / "wider", hidden_size=48),
@@ -271,3 +276,36 @@ def test_one_failing_or_stuck_rank_ends_the_launch(mode):
         assert "boom on rank 1" in result.output and result.seconds < 30
     else:  # rank 0 waits in a collective that rank 1 never reaches: the 10 s timeout ends it
         assert result.seconds < 45, f"took {result.seconds:.0f}s with a 10s --ddp_timeout"
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_by_latest_and_refused_by_name(
+    dropout_model, tiny_data, uninterrupted, tmp_path
+):
+    """optimizer.bin of the newest checkpoint cut short (a copy interrupted): `latest` warns, names
+    it, and resumes from the one before, ending with the uninterrupted run's parameters; naming the
+    damaged one is refused with the good one named; a checkpoint without a manifest (saved before
+    manifests existed) still resumes."""
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    for name in ("checkpoint-22", "checkpoint-24"):
+        shutil.copytree(uninterrupted["plain"] / name, output_dir / name)
+    optimizer = output_dir / "checkpoint-24" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:-100])
+    (output_dir / "checkpoint-22" / "manifest.json").unlink()  # as an older checkpoint: trusted, loaded as before
+
+    refused = run_train(
+        dropout_model, tiny_data, output_dir, "plain", "--resume_from_checkpoint", output_dir / "checkpoint-24"
+    )
+    assert refused.returncode != 0 and refused.seconds < 60
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] error: checkpoint {str(output_dir / 'checkpoint-24')!r} is damaged (optimizer.bin holds "
+            in refused.output
+        ), refused.output[-3000:]
+    assert f"the newest that checks out is {str(output_dir / 'checkpoint-22')!r}: resume from it" in refused.output
+
+    resumed = run_train(dropout_model, tiny_data, output_dir, "plain", "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"checkpoint {str(output_dir / 'checkpoint-24')!r} is damaged (optimizer.bin holds" in resumed.output
+    assert f"resumed from {output_dir / 'checkpoint-22'}" in resumed.output
+    assert_same_parameters(output_dir, uninterrupted["plain"])

@@ -1,0 +1,134 @@
+"""Faults users meet, each answered in one clear line on every rank with nothing broken saved: a
+loss that turns NaN, a checkpoint or model that cannot be written (a full disk, a file size
+limit). Damaged checkpoints are in test_checkpoint.py."""
+
+import json
+import math
+import os
+
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import REPO, launch, train_args
+
+TRAIN = REPO / "scripts" / "train.py"
+FAIL_WRITES = REPO / "tests" / "launched" / "fail_writes.py"
+
+
+def assert_one_line_on_every_rank(result, expected: str):
+    assert result.returncode == 1 and result.seconds < 60, result.output[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: {expected}" in result.output, result.output[-3000:]
+    ours = result.output.split("[rank 0] error:")[0]  # the launcher prints its own traceback after
+    assert "Traceback" not in ours, "one line, not a stack trace"
+
+
+def test_a_diverging_run_stops_on_every_rank_and_saves_no_nan_weights(tiny_model, tiny_data, tmp_path):
+    """A learning rate of 1e4: the loss turns NaN within a few steps. The run stops with one line
+    naming the step, saves no model, and every checkpoint it kept holds finite weights."""
+    output_dir = tmp_path / "run"
+    args = train_args(tiny_model, tiny_data, output_dir, "--learning_rate", 1e4, "--max_train_steps", 12)
+    result = launch(TRAIN, *args, "--checkpointing_steps", 1, "--checkpoints_total_limit", 20, "--logging_steps", 10)
+    assert_one_line_on_every_rank(result, "the ")
+    line = result.output.split("[rank 0] error:")[1].splitlines()[0]
+    assert "became NaN or infinite at optimizer step" in line and "Try a lower --learning_rate (it was 10000)" in line
+    bad_step = int(line.split("at optimizer step ")[1].split()[0].rstrip(",("))
+    assert 1 <= bad_step < 12, line
+    assert not (output_dir / "model.safetensors").exists(), "no model of NaN weights"
+    kept = sorted(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
+    assert kept == list(range(1, bad_step)), f"a checkpoint for every good step and none after: {kept}"
+    if kept:
+        assert f"the newest checkpoint is {str(output_dir / f'checkpoint-{kept[-1]}')!r}" in line
+    for step in kept:
+        weights = load_file(str(output_dir / f"checkpoint-{step}" / "model.safetensors"))
+        assert all(math.isfinite(float(abs(w).max())) for w in weights.values()), f"checkpoint-{step} is finite"
+
+
+def test_a_checkpoint_past_the_file_size_limit_stops_every_rank_with_one_line(tiny_model, tiny_data, tmp_path):
+    """A file size limit that the optimizer state does not fit (ulimit -f): torch's writer says
+    only "iostream error"; the line names the checkpoint, the limit, that none was saved, and the
+    fix, and no half-written checkpoint is left."""
+    output_dir = tmp_path / "run"
+    model_bytes = (tiny_model / "model.safetensors").stat().st_size  # the optimizer state is about twice this
+    args = train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 4, "--checkpointing_steps", 2)
+    result = launch(TRAIN, *args, "--report_to", "none", file_size_limit=int(1.5 * model_bytes))
+    assert_one_line_on_every_rank(result, f"could not write checkpoint {str(output_dir / 'checkpoint-2')!r} (")
+    assert "files are limited to" in result.output and "no complete checkpoint was saved yet" in result.output
+    assert "give an --output_dir on a larger disk, then resume with --resume_from_checkpoint latest" in result.output
+    assert not [p.name for p in output_dir.iterdir() if "checkpoint" in p.name], "nothing half-written is left"
+
+
+@pytest.mark.parametrize("what", ["checkpoint 2", "model"])
+def test_a_full_disk_names_the_newest_complete_checkpoint(what, tiny_model, tiny_data, tmp_path):
+    """No space left on device (rank 0's write fails, the other rank's does not): every rank says
+    what could not be written, why, and which checkpoint to resume from."""
+    output_dir = tmp_path / "run"
+    args = train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 4, "--checkpointing_steps", 2)
+    result = launch(FAIL_WRITES, what, *args, "--report_to", "none")
+    target = (
+        f"checkpoint {str(output_dir / 'checkpoint-4')!r}" if what != "model" else f"the model to {str(output_dir)!r}"
+    )
+    newest = "checkpoint-2" if what != "model" else "checkpoint-4"
+    assert_one_line_on_every_rank(
+        result,
+        f"could not write {target} ([Errno 28] No space left on device); "
+        f"the newest complete checkpoint is {str(output_dir / newest)!r}. Free space there",
+    )
+    assert not list(output_dir.glob(".tmp-*")), "the failed checkpoint's staging directory is removed"
+    assert json.loads((output_dir / newest / "trainer_state.json").read_text())["step"] == int(newest.split("-")[1])
+    assert os.path.isfile(output_dir / newest / "manifest.json")
+
+
+@pytest.mark.fast
+def test_the_non_finite_watch_names_the_first_bad_step_on_any_rank(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from ddp_utils.errors import RunFailed
+    from ddp_utils.nonfinite import NonFiniteWatch
+
+    args = SimpleNamespace(output_dir=str(tmp_path), learning_rate=3e-4, max_grad_norm=0.0)
+    watch = NonFiniteWatch(SimpleNamespace(device=torch.device("cpu")), args)
+    watch.note(1, torch.tensor(2.0), torch.tensor(1.0))
+    watch.check(watch.device_values()[None])  # all finite: nothing
+    watch.note(2, torch.tensor(2.0), torch.tensor(float("inf")))
+    watch.note(3, torch.tensor(float("nan")), torch.tensor(float("nan")))
+    other_rank = torch.tensor([2.0, 0.0])  # its own loss was NaN at step 2
+    with pytest.raises(RunFailed, match=r"^the loss and the gradient norm became NaN or infinite at optimizer step 2,"):
+        watch.check(torch.stack([watch.device_values(), other_rank]))
+    with pytest.raises(
+        RunFailed,
+        match=r"^the gradient norm became NaN .* step 2 \(the loss later\).*no checkpoint "
+        r"was saved. Try a lower --learning_rate \(it was 0.0003\).*clipping was off",
+    ):
+        watch.check(watch.device_values()[None])
+
+
+@pytest.mark.fast
+def test_the_disk_is_checked_for_the_checkpoints_kept_and_the_numbers_named(tmp_path, monkeypatch, caplog):
+    import logging
+    import shutil
+    from collections import namedtuple
+
+    import torch
+    from accelerate import PartialState
+
+    from ddp_utils import checkpoint
+
+    PartialState(cpu=True)
+    model = torch.nn.Linear(1000, 1000)  # 4 MB of fp32 weights, 8 MB of AdamW moments
+    assert checkpoint.checkpoint_bytes(model) == 3 * 4 * (1000 * 1000 + 1000)
+    usage = namedtuple("usage", "total used free")
+    one = checkpoint.checkpoint_bytes(model)
+    with caplog.at_level(logging.WARNING):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 40 * 2**20))
+        checkpoint.warn_if_the_disk_is_small(str(tmp_path / "new" / "dir"), one, 2)  # 2 kept + 1: 36 MB fit
+        assert "GiB free" not in caplog.text
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 30 * 2**20))
+        checkpoint.warn_if_the_disk_is_small(str(tmp_path / "new" / "dir"), one, 2)
+    assert (
+        "has 0.03 GiB free, and checkpoints take about 0.01 GiB each: --checkpoints_total_limit 2 keeps 2, "
+        in caplog.text
+    )
+    assert "with one more being written 0.03 GiB" in caplog.text
