@@ -11,6 +11,19 @@ import argparse
 from .errors import UsageError
 from .training_log import parse_report_to
 
+# transformers.get_scheduler's schedules that need no more than the step count (reduce_lr_on_plateau needs a metric).
+SCHEDULES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+)
+
 
 def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) -> None:
     """Add the shared options to `parser`. A script sets its own defaults after this call with
@@ -32,7 +45,15 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
     p.add_argument(
         "--max_train_steps", type=int, default=None, help="stop after this many optimizer steps (overrides epochs)"
     )
-    p.add_argument("--warmup_ratio", type=float, default=0.1, help="fraction of steps of linear LR warm-up")
+    p.add_argument(
+        "--lr_scheduler_type",
+        default="linear",
+        help=f"learning-rate schedule after the warm-up: {', '.join(SCHEDULES)}",
+    )
+    p.add_argument(
+        "--warmup_ratio", type=float, default=0.1, help="fraction of the steps that warm the learning rate up"
+    )
+    p.add_argument("--warmup_steps", type=int, default=None, help="warm-up steps (overrides --warmup_ratio)")
     if lengths:
         p.add_argument(
             "--group_by_length",
@@ -73,6 +94,15 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
         default=None,
         help="a checkpoint-<step> dir, or 'latest' in output_dir (fresh if none)",
     )
+    p = parser.add_argument_group("evaluation")
+    p.add_argument(
+        "--eval_steps", type=int, default=None, help="also evaluate every N optimizer steps (each epoch ends with one)"
+    )
+    p.add_argument(
+        "--metric_for_best_model",
+        default=None,
+        help="the eval score that picks the best checkpoint (default: the script's; a loss or perplexity: lower wins)",
+    )
     p = parser.add_argument_group("output and tracking")
     p.add_argument(
         "--output_dir",
@@ -100,6 +130,13 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
         default=None,
         help="Hub token for private models and data (default: HF_TOKEN or `hf auth login`); never logged",
     )
+    p.add_argument("--trust_remote_code", action="store_true", help="run a Hub model's own Python code (read it first)")
+    p.add_argument("--push_to_hub", action="store_true", help="upload the output directory to the Hub at the end")
+    p.add_argument(
+        "--hub_model_id", default=None, help="the Hub repository to push to (default: the output_dir's name)"
+    )
+    p.add_argument("--hub_private_repo", action="store_true", help="create that repository private")
+    p.add_argument("--language", default=None, help="the data's language for the model card (ISO 639-1, e.g. en)")
 
 
 def check_positive(args, *names: str) -> None:
@@ -123,6 +160,7 @@ def check_training_args(args) -> None:
         "logging_steps",
         "ddp_timeout",
         "preprocessing_num_workers",
+        "eval_steps",
     )
     steps = args.checkpointing_steps
     if steps not in ("epoch", "no") and not (steps.isdigit() and int(steps) > 0):
@@ -138,6 +176,19 @@ def check_training_args(args) -> None:
         )
     if args.max_grad_norm < 0:
         raise UsageError(f"--max_grad_norm must be 0 (no clipping) or positive, got {args.max_grad_norm}")
+    if args.lr_scheduler_type not in SCHEDULES:
+        raise UsageError(f"--lr_scheduler_type {args.lr_scheduler_type!r} is not one of {', '.join(SCHEDULES)}")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise UsageError(f"--warmup_steps must be 0 or more, got {args.warmup_steps}")
+    if args.eval_steps and steps.isdigit() and int(steps) % args.eval_steps:
+        raise UsageError(
+            f"--checkpointing_steps {steps} is not a multiple of --eval_steps {args.eval_steps}: every "
+            "checkpoint needs an evaluation at its step to be ranked by --metric_for_best_model"
+        )
+    if args.push_to_hub:
+        from .hub import check_hub_push
+
+        check_hub_push(args)
 
 
 def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:

@@ -56,12 +56,15 @@ def make_adamw(model, learning_rate: float, weight_decay: float) -> torch.optim.
 
 
 def make_lr_scheduler(optimizer, args, max_train_steps: int):
-    """The learning-rate schedule over `max_train_steps` optimizer steps: linear warm-up over
-    --warmup_ratio of them, then linear decay to 0. Build it before `accelerator.prepare`; the
-    scripts step it once per optimizer step (see `start.make_accelerator`)."""
-    from transformers import get_linear_schedule_with_warmup
+    """The learning-rate schedule over `max_train_steps` optimizer steps, from
+    `transformers.get_scheduler`: --lr_scheduler_type (linear decay to 0 by default, cosine,
+    constant_with_warmup, ...) after a warm-up of --warmup_steps, or --warmup_ratio of the steps.
+    Build it before `accelerator.prepare`; the scripts step it once per optimizer step (see
+    `start.make_accelerator`)."""
+    from transformers import get_scheduler
 
-    return get_linear_schedule_with_warmup(optimizer, round(args.warmup_ratio * max_train_steps), max_train_steps)
+    warmup = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * max_train_steps)
+    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_train_steps)
 
 
 def weight_decay_groups(model, weight_decay: float) -> list[dict]:
