@@ -84,13 +84,16 @@ def list_checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: str, state: dict, total_limit: int | None = None) -> str:
+def save_checkpoint(
+    accelerator: Accelerator, output_dir: str, state: dict, total_limit: int | None = None, keep: str | None = None
+) -> str:
     """All ranks call this: write a complete checkpoint of the run at `state["step"]` (gathers
     that stand for barriers, and `accelerator.save_state`, a collective under FSDP and DeepSpeed).
 
     `state` is the script's progress (step, epoch, step_in_epoch, ...), stored as trainer_state.json,
     with a manifest of every file's size and checksum (`manifest.write_manifest`). It is written
-    into `.tmp-checkpoint-<step>` and renamed once complete. A write that fails on any rank (no
+    into `.tmp-checkpoint-<step>` and renamed once complete; then only the `total_limit` newest are
+    kept, and `keep` (the best checkpoint) besides. A write that fails on any rank (no
     space, quota, file too large, permissions) stops every rank with one line (`RunFailed`: the
     directory, the cause, the newest complete checkpoint, the fix); the staging directory is
     removed and the older checkpoints are kept. Returns the checkpoint's path.
@@ -119,7 +122,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str, state: dict, tota
         _fsync_dir(output_dir)
         if total_limit:
             for old in list_checkpoints(output_dir)[:-total_limit]:
-                shutil.rmtree(old)
+                if old != keep:
+                    shutil.rmtree(old)
 
     try:
         agree_on_write(accelerator, write(make_staging) if accelerator.is_main_process else None, what, output_dir)
@@ -388,9 +392,10 @@ class Checkpointer:
 
     Build it on every rank with the unwrapped model (it fingerprints it): `start.start_training`
     does. From then on SIGTERM / SIGUSR1 do not kill the process: they ask for a checkpoint after
-    the optimizer step in flight, then every process exits with code 75. With `finite` (the log's
-    `NonFiniteWatch`) set, a run whose loss or gradient norm turned NaN is stopped before any
-    checkpoint of it is written, so the newest checkpoint stays a good one.
+    the optimizer step in flight, then every process exits with code 75. With `log` (the run's
+    `TrainingLog`) set, a run whose loss or gradient norm turned NaN is stopped before any
+    checkpoint of it is written, so the newest checkpoint stays a good one; and each checkpoint
+    is ranked by the evaluation of its step (--metric_for_best_model), the best one kept.
     """
 
     def __init__(self, accelerator: Accelerator, args, model):
@@ -411,7 +416,10 @@ class Checkpointer:
             isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()
         )
         self.preemption = PreemptionHandler(accelerator, args.ddp_timeout)
-        self.finite = None  # the log's NonFiniteWatch, set by start_training
+        self.log = None  # the TrainingLog (its NonFiniteWatch and newest evaluation), set by start_training
+        self.metric = getattr(args, "metric_for_best_model", None)  # ranks the checkpoints; lower wins for a loss
+        self.best: dict | None = None  # {"checkpoint", "metric", "step"} of the best checkpoint so far
+        self._after_evaluation = False  # a checkpoint due at an epoch's last step, saved after its evaluation
         if accelerator.is_main_process and self.every != "no":
             warn_if_the_disk_is_small(self.output_dir, checkpoint_bytes(model), self.total_limit)
 
@@ -430,6 +438,8 @@ class Checkpointer:
             # gradients. It was saved per rank, in the checkpoint's micro-batches: count it in this run's.
             self.accelerator.step = plan.step * self.accelerator.gradient_accumulation_steps
             logger.info(f"resumed from {path}: epoch {plan.progress['epoch']}, step {plan.step}")
+            if saved.get("metric_for_best_model") == self.metric:  # the best so far, if ranked the same way
+                self.best = saved.get("best")
             saved_layout = {key: saved.get(key) for key in LAYOUT}
             if saved_layout != self.layout:
                 self._resumed_elastically(saved_layout, plan.step)
@@ -463,24 +473,55 @@ class Checkpointer:
 
     def save(self, plan) -> str:
         """All ranks call this: a checkpoint of the run as it stands, unless a step's loss or
-        gradient norm was not finite (then `RunFailed`, on every rank). Returns its path."""
-        if self.finite is not None:
-            self.finite.check_now()  # never a checkpoint of NaN weights
-        return save_checkpoint(
-            self.accelerator, self.output_dir, {**self.identity, **self.layout, **plan.progress}, self.total_limit
-        )
+        gradient norm was not finite (then `RunFailed`, on every rank). When the log's newest
+        evaluation is of this step, its --metric_for_best_model ranks the checkpoint: the best so
+        far is recorded with it and kept whatever --checkpoints_total_limit. Returns its path."""
+        if self.log is not None:
+            self.log.finite.check_now()  # never a checkpoint of NaN weights
+        path = os.path.join(self.output_dir, f"checkpoint-{plan.step}")
+        evaluated = self.log.last_evaluation if self.log is not None else None
+        if self.metric and evaluated and evaluated[0] == plan.step and self.metric in evaluated[1]:
+            value = float(evaluated[1][self.metric])
+            lower_wins = "loss" in self.metric or "perplexity" in self.metric
+            if self.best is None or (value < self.best["metric"] if lower_wins else value > self.best["metric"]):
+                self.best = {"checkpoint": path, "metric": value, "step": plan.step}
+        state = {
+            **self.identity,
+            **self.layout,
+            **plan.progress,
+            "best": self.best,
+            "metric_for_best_model": self.metric,
+        }
+        keep = self.best["checkpoint"] if self.best else None
+        return save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, keep=keep)
+
+    def facts(self) -> dict:
+        """What metrics.json records of the checkpoints: the best one, by --metric_for_best_model."""
+        if not self.best:
+            return {}
+        return {
+            "metric_for_best_model": self.metric,
+            "best_checkpoint": self.best["checkpoint"],
+            "best_metric": self.best["metric"],
+            "best_step": self.best["step"],
+        }
 
     def step(self, plan) -> None:
         """All ranks call this after every optimizer step: stop for a preemption signal on any rank
         (one scalar all-reduce; then a checkpoint, preempted.json and `Preempted`), and save a
-        checkpoint when one is due every --checkpointing_steps steps."""
+        checkpoint when one is due every --checkpointing_steps steps. One due at an epoch's last
+        step waits for the epoch's evaluation (`epoch`), which ranks it."""
         if self.preemption.requested():
             self.preemption.stop(self.output_dir, self.save(plan))
         if self.every.isdigit() and plan.step % int(self.every) == 0:
-            self.save(plan)
+            if plan.progress["step_in_epoch"] == plan.steps_per_epoch or plan.done:
+                self._after_evaluation = True
+            else:
+                self.save(plan)
 
     def epoch(self, plan) -> None:
         """All ranks call this after each epoch (its evaluation done): a checkpoint when one is due
-        per epoch."""
-        if self.every == "epoch":
+        per epoch, or was due at its last step."""
+        if self.every == "epoch" or self._after_evaluation:
+            self._after_evaluation = False
             self.save(plan)

@@ -35,6 +35,7 @@ def gather_for_eval(accelerator: Accelerator, model, dataloader, step) -> dict[s
     `gather_for_metrics` drops the examples Accelerate repeats to even
     out the last batches, so N examples give exactly N rows, whatever the number of processes.
     """
+    was_training = model.training  # an evaluation in the middle of an epoch hands the model back to training
     model.eval()
     gathered: dict[str, list[np.ndarray]] = {}
     for batch in dataloader:
@@ -44,4 +45,5 @@ def gather_for_eval(accelerator: Accelerator, model, dataloader, step) -> dict[s
             gathered.setdefault(name, []).append(
                 value.detach().float().cpu().numpy() if value.is_floating_point() else value.cpu().numpy()
             )
+    model.train(was_training)
     return {name: np.concatenate(chunks) for name, chunks in gathered.items()}

@@ -173,5 +173,5 @@ def start_training(accelerator: Accelerator, args, model, optimizer, plan):
     prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
     log = TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar (after the resume)
-    checkpointer.finite = log.finite  # no checkpoint of a run whose loss turned NaN
+    checkpointer.log = log  # no checkpoint of a run whose loss turned NaN; the best ranked by its evaluations
     return checkpointer, log, backoff

@@ -37,6 +37,7 @@ class StepPlan:
         self.max_train_steps = args.max_train_steps or args.num_train_epochs * self.steps_per_epoch
         self.num_epochs = math.ceil(self.max_train_steps / self.steps_per_epoch)
         self.examples_per_step = args.per_device_train_batch_size * accelerator.num_processes * accumulation
+        self.eval_steps = getattr(args, "eval_steps", None)
         self._progress = {
             "step": 0,
             "epoch": 0,
@@ -122,6 +123,13 @@ class StepPlan:
         progress["step"] += 1
         progress["step_in_epoch"] += 1
         progress["train_time_s"] += time.perf_counter() - self._step_started
+
+    def evaluation_due(self) -> bool:
+        """Whether an evaluation is due after the step just taken: every --eval_steps steps, but
+        not at an epoch's last step or the run's, where the epoch's own evaluation follows."""
+        progress = self._progress
+        at_the_end = progress["step_in_epoch"] == self.steps_per_epoch or self.done
+        return bool(self.eval_steps) and progress["step"] % self.eval_steps == 0 and not at_the_end
 
     def end_epoch(self) -> None:
         """Count an epoch as finished (its evaluation done)."""

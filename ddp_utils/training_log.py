@@ -95,6 +95,7 @@ class TrainingLog:
         self.accelerator, self.logging_steps = accelerator, args.logging_steps
         self.path = os.path.join(args.output_dir, TRAIN_LOG)
         self.finite = NonFiniteWatch(accelerator, args)
+        self.last_evaluation: tuple[int, dict] | None = None  # (step, scores) of the newest evaluation
         resumed_step = plan.step
         if accelerator.is_main_process and os.path.isfile(self.path):
             # After a resume, drop the records of the steps after the checkpoint: the run takes them again.
@@ -178,11 +179,16 @@ class TrainingLog:
         self.finite.check(everyone[:, -2:])  # every rank raises together if a step was not finite
 
     def evaluation(self, plan, scores: dict, when: str | None = None) -> None:
-        """After each epoch's evaluation (and `plan.end_epoch`), or before training (`when`
-        "zero-shot"): log its scores at the current step. Every rank calls it with the same
-        scores; no communication."""
-        logger.info(f"{when or 'epoch ' + str(plan.progress['epoch'] - 1)}: {describe(scores)}")
-        record = {"epoch": plan.progress["epoch"]}
+        """After an evaluation: at an epoch's end (after `plan.end_epoch`), every --eval_steps
+        steps, or before training (`when`: "zero-shot"). Logs its scores at the current step and
+        epoch (fractional in mid-epoch) and keeps them as `last_evaluation` (step, scores), which
+        the Checkpointer ranks checkpoints by. Every rank calls it with the same scores; no
+        communication."""
+        epoch = plan.fractional_epoch
+        if when is None:  # epochs are counted from 0 in the log; an epoch's end: the next one's start
+            when = f"epoch {int(epoch) - 1}" if epoch == int(epoch) else f"step {plan.step} (epoch {epoch:.2f})"
+        logger.info(f"{when}: {describe(scores)}")
+        record = {"epoch": epoch}
         record.update(
             {
                 f"eval/{name.removeprefix('eval_')}": value
@@ -191,6 +197,7 @@ class TrainingLog:
             }
         )
         self._write(record, plan.step)
+        self.last_evaluation = (plan.step, scores)
 
     def _write(self, record: dict, step: int) -> None:
         """Send `record` for optimizer step `step` to the trackers and append it, with the step, to

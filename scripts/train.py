@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation examples")
     ddp_utils.add_training_args(p, lengths=True)  # batch sizes, learning rate, checkpoints, output, tracking
     p.set_defaults(learning_rate=1e-4, per_device_eval_batch_size=32, output_dir="outputs/train")
+    p.set_defaults(metric_for_best_model="eval_accuracy")  # with --eval_steps: which checkpoint is the best
     args = p.parse_args(argv)
 
     ddp_utils.check_training_args(args)
@@ -77,9 +78,10 @@ def prepare_data(args):
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
     raw = ddp_utils.check_splits(load_raw_datasets(args), columns, limits=limits)
     label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
-    config = ddp_utils.load_model_config(args.model_name_or_path, **ddp_utils.label_config(label_names))
+    labels = ddp_utils.label_config(label_names)  # id2label, label2id
+    config = ddp_utils.load_model_config(args.model_name_or_path, args.trust_remote_code, **labels)
     ddp_utils.fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     limit = tokenizer.model_max_length if tokenizer.model_max_length < 100_000 else config.max_position_embeddings
     if args.max_length > limit:
         raise UsageError(f"--max_length {args.max_length} is above this model's limit of {limit} tokens; lower it")
@@ -106,7 +108,7 @@ def main():
     tokenized, tokenizer, config = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
     # Every rank builds the model at the same time: under DeepSpeed ZeRO-3 building it is a collective.
     model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, config=config, ignore_mismatched_sizes=True
+        args.model_name_or_path, config=config, ignore_mismatched_sizes=True, trust_remote_code=args.trust_remote_code
     )  # a new head
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     multiple = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
@@ -123,6 +125,9 @@ def main():
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
     checkpointer, log, backoff = ddp_utils.start_training(accelerator, args, model, optimizer, plan)  # all ranks
+
+    def evaluate():  # all ranks: the scores on the whole eval set, each example once, and the confusion matrix
+        return ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)
 
     def forward_backward(micro_batches, step_size):  # this rank's share of one optimizer step
         loss_sum = torch.zeros((), device=accelerator.device)
@@ -150,10 +155,13 @@ def main():
             lr_scheduler.step()
             plan.advance(step_size)  # count the step; no communication
             log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
+            if plan.evaluation_due():  # every --eval_steps steps
+                scores, confusion = evaluate()  # all ranks
+                log.evaluation(plan, scores)
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:
                 break
-        scores, confusion = ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)  # all ranks
+        scores, confusion = evaluate()  # all ranks
         plan.end_epoch()
         log.evaluation(plan, scores)
         checkpointer.epoch(plan)  # all ranks: saves when due
@@ -162,7 +170,10 @@ def main():
 
     log.close()
     ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)  # all ranks
-    ddp_utils.write_results(accelerator, args, plan, scores, backoff.facts(), confusion=confusion)  # all ranks
+    facts = {**backoff.facts(), **checkpointer.facts()}
+    ddp_utils.write_results(
+        accelerator, args, plan, scores, facts, confusion=confusion
+    )  # all ranks: metrics.json, report
     accelerator.end_training()
 
 

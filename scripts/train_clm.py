@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--sample_max_new_tokens", type=int, default=40, help="length of that sample")
     ddp_utils.add_causal_lm_args(p)  # GGUF, --block_size, LoRA, gradient checkpointing, torch.compile
     ddp_utils.add_training_args(p)  # batch sizes, learning rate, checkpoints, output, tracking
-    p.set_defaults(output_dir="outputs/train_clm")
+    p.set_defaults(output_dir="outputs/train_clm", metric_for_best_model="eval_loss")
     args = p.parse_args(argv)
     if args.model_name_or_path is None:  # the demo's own defaults; what the command line gives still wins
         if args.gguf_file:
@@ -189,6 +189,9 @@ def main():
             lr_scheduler.step()
             plan.advance(step_size)  # count the step; no communication
             log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
+            if plan.evaluation_due():  # every --eval_steps steps
+                scores = evaluate_perplexity(accelerator, model, eval_dataloader)  # all ranks
+                log.evaluation(plan, scores)
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:
                 break
@@ -205,7 +208,7 @@ def main():
     if args.merge_lora:  # a full model that loads with AutoModelForCausalLM alone, without peft
         model = accelerator.unwrap_model(model).merge_and_unload()
         ddp_utils.save_model(accelerator, model, f"{args.output_dir}/merged", tokenizer, dtype=args.save_dtype)
-    facts = {**data_report, **backoff.facts()}
+    facts = {**data_report, **backoff.facts(), **checkpointer.facts()}
     ddp_utils.write_results(accelerator, args, plan, {**scores, **before}, facts)  # all ranks: metrics.json, report/
     show_sample(accelerator, model, tokenizer, prompt, args.sample_max_new_tokens)  # main process, unless sharded
     accelerator.end_training()

@@ -57,12 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training images")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation images")
     ddp_utils.add_training_args(p)  # batch sizes, learning rate, checkpoints, output, tracking
-    p.set_defaults(
-        per_device_train_batch_size=32,
-        per_device_eval_batch_size=64,
-        num_train_epochs=None,
-        output_dir="outputs/train_image",
-    )
+    p.set_defaults(per_device_train_batch_size=32, per_device_eval_batch_size=64, output_dir="outputs/train_image")
+    p.set_defaults(num_train_epochs=None, metric_for_best_model="eval_accuracy")  # epochs: set below
     args = p.parse_args(argv)
 
     args.demo_model = args.model_name_or_path is None
@@ -117,11 +113,11 @@ def prepare_data(args):
         raw = raw.map(lambda label: {args.label_column: to_label_id(label)}, input_columns=[args.label_column])
     labels = ddp_utils.label_config(label_names)
     source = demo_resnet_path() if args.demo_model else args.model_name_or_path
-    image_processor = AutoImageProcessor.from_pretrained(source)
+    image_processor = AutoImageProcessor.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     if args.demo_model:
         config = AutoConfig.from_pretrained(demo_resnet_path(), **labels)
     else:
-        config = ddp_utils.load_model_config(args.model_name_or_path, **labels)
+        config = ddp_utils.load_model_config(args.model_name_or_path, args.trust_remote_code, **labels)
         ddp_utils.fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     train = raw["train"].add_column(EXAMPLE_ID, list(range(len(raw["train"]))))
     return datasets.DatasetDict({"train": train, "validation": raw["validation"]}), image_processor, config, skipped
@@ -139,7 +135,10 @@ def main():
         model = AutoModelForImageClassification.from_config(config)
     else:
         model = AutoModelForImageClassification.from_pretrained(
-            args.model_name_or_path, config=config, ignore_mismatched_sizes=True
+            args.model_name_or_path,
+            config=config,
+            ignore_mismatched_sizes=True,
+            trust_remote_code=args.trust_remote_code,
         )  # a new head
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     channels = getattr(model.config, "num_channels", 3)
@@ -171,6 +170,9 @@ def main():
     )
     checkpointer, log, backoff = ddp_utils.start_training(accelerator, args, model, optimizer, plan)  # all ranks
 
+    def evaluate():  # all ranks: the scores on the whole eval set, each image once, and the confusion matrix
+        return ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)
+
     def forward_backward(micro_batches, step_size):  # this rank's share of one optimizer step
         loss_sum = torch.zeros((), device=accelerator.device)
         for batch in micro_batches:
@@ -197,10 +199,13 @@ def main():
             lr_scheduler.step()
             plan.advance(step_size)  # count the step; no communication
             log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
+            if plan.evaluation_due():  # every --eval_steps steps
+                scores, confusion = evaluate()  # all ranks
+                log.evaluation(plan, scores)
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:
                 break
-        scores, confusion = ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)  # all ranks
+        scores, confusion = evaluate()  # all ranks
         plan.end_epoch()
         log.evaluation(plan, scores)
         checkpointer.epoch(plan)  # all ranks: saves when due
@@ -209,7 +214,7 @@ def main():
 
     log.close()
     ddp_utils.save_model(accelerator, model, args.output_dir, image_processor, dtype=args.save_dtype)  # all ranks
-    facts = {**skipped, **backoff.facts()}
+    facts = {**skipped, **backoff.facts(), **checkpointer.facts()}
     ddp_utils.write_results(accelerator, args, plan, scores, facts, confusion=confusion)  # all ranks: metrics.json
     accelerator.end_training()
 

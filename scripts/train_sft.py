@@ -67,9 +67,10 @@ def parse_args(argv=None):
     p.add_argument("--eval_max_new_tokens", type=int, default=64, help="answer length when scoring; 0: no generation")
     p.add_argument("--skip_zero_shot", action="store_true", help="do not score the model before training")
     p.add_argument("--eval_perplexity", action=argparse.BooleanOptionalAction, default=True, help="eval perplexity too")
+    p.add_argument("--generate_at_eval_steps", action="store_true", help="score by generation at --eval_steps too")
     ddp_utils.add_causal_lm_args(p)  # GGUF, --block_size, LoRA, gradient checkpointing, torch.compile
     ddp_utils.add_training_args(p, lengths=True)  # batch sizes, learning rate, checkpoints, output, tracking
-    p.set_defaults(output_dir="outputs/train_sft")
+    p.set_defaults(output_dir="outputs/train_sft", metric_for_best_model="eval_loss")
     args = p.parse_args(argv)
     if args.model_name_or_path is None:  # the demo's own defaults; what the command line gives still wins
         if args.gguf_file:
@@ -80,6 +81,10 @@ def parse_args(argv=None):
     ddp_utils.check_training_args(args)
     ddp_utils.check_causal_lm_args(args)
     ddp_utils.check_data_args(args, "train_file", "validation_file")
+    if args.eval_steps and not (args.eval_perplexity or args.generate_at_eval_steps):
+        raise UsageError(
+            "--eval_steps measures perplexity, which --no-eval_perplexity turns off: add --generate_at_eval_steps"
+        )
     if args.eval_max_new_tokens < 0:
         raise UsageError(f"--eval_max_new_tokens must be 0 (no generation) or more, got {args.eval_max_new_tokens}")
     return args
@@ -162,9 +167,9 @@ def main():
         generate_dataloader = accelerator.prepare(generate_dataloader)
     checkpointer, log, backoff = ddp_utils.start_training(accelerator, args, model, optimizer, plan)  # all ranks
 
-    def evaluate(name):  # all ranks: perplexity, and every eval prompt answered once and scored
+    def evaluate(name, generate=True):  # all ranks: perplexity, and every eval prompt answered once and scored
         scores = evaluate_perplexity(accelerator, model, eval_dataloader) if args.eval_perplexity else {}
-        if prompts is None:
+        if prompts is None or not generate:
             return scores, None
         path = f"{args.output_dir}/{name}.jsonl"
         answers, confusion = score_by_generation(
@@ -202,6 +207,11 @@ def main():
             lr_scheduler.step()
             plan.advance(step_size)  # count the step; no communication
             log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
+            if (
+                plan.evaluation_due()
+            ):  # every --eval_steps steps: perplexity (and with --generate_at_eval_steps, answers)
+                scores, confusion = evaluate("predictions", generate=args.generate_at_eval_steps)  # all ranks
+                log.evaluation(plan, scores)
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:
                 break
@@ -218,7 +228,7 @@ def main():
     if args.merge_lora:  # a full model that loads with AutoModelForCausalLM alone, without peft
         merged = accelerator.unwrap_model(model).merge_and_unload()
         ddp_utils.save_model(accelerator, merged, f"{args.output_dir}/merged", tokenizer, dtype=args.save_dtype)
-    facts = {**data_report, **backoff.facts()}
+    facts = {**data_report, **backoff.facts(), **checkpointer.facts()}
     ddp_utils.write_results(accelerator, args, plan, {**scores, **zero_shot}, facts, confusion=confusion)  # all ranks
     accelerator.end_training()
 
