@@ -160,13 +160,14 @@ def load_config_and_tokenizer(args):
     copy). The block size is --block_size, else the model's context up to 1024, and never above
     the context. Call it inside `load_on_main_first`: the main process converts and downloads,
     the others read the caches. No communication."""
+    args.source_model = args.model_name_or_path  # before a GGUF file's copy replaces it: for the model card
     if args.gguf_file:
         from .gguf import dequantized_gguf
 
         args.model_name_or_path = dequantized_gguf(args.model_name_or_path, args.gguf_file, args.gguf_cache_dir)
-    config = load_model_config(args.model_name_or_path)
+    config = load_model_config(args.model_name_or_path, args.trust_remote_code)
     fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     context = getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length
     block_size = args.block_size or min(context, 1024)
     if block_size > context:
@@ -174,11 +175,11 @@ def load_config_and_tokenizer(args):
     return config, tokenizer, block_size
 
 
-def load_tokenizer(model_name_or_path: str):
+def load_tokenizer(model_name_or_path: str, trust_remote_code: bool = False):
     """The tokenizer, with an end-of-sequence and a pad token (set, and said so, when missing)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.eos_token is None:
         if tokenizer.sep_token is None:
             raise UsageError(
@@ -203,7 +204,9 @@ def load_causal_lm(args, config, tokenizer):
     it at the same time: under DeepSpeed ZeRO-3 building a model is a collective."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, config=config)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
+    )
     model.config.pad_token_id = tokenizer.pad_token_id
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise UsageError(

@@ -11,8 +11,8 @@ import tempfile
 
 from accelerate import Accelerator
 
-from .errors import RunFailed, UsageError
-from .ranks import from_main_process
+from .errors import UsageError
+from .ranks import fail_together, from_main_process
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool = False) -> None:
@@ -156,12 +156,7 @@ def agree_on_write(accelerator: Accelerator, error: BaseException | None, what: 
     not be written, the cause, the newest complete checkpoint in `output_dir` and the fix. Stands
     where a barrier would: the ranks that did not fail wait here, not in a collective the failed
     rank never reaches."""
-    from accelerate.utils import gather_object
-
-    reports = gather_object([None if error is None else write_failure(error, what, output_dir)])
-    failed = [report for report in reports if report is not None]
-    if failed:
-        raise RunFailed(failed[0])
+    fail_together(accelerator, None if error is None else write_failure(error, what, output_dir))
 
 
 def write_failure(error: BaseException, what: str, output_dir: str) -> str:

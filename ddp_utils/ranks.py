@@ -9,7 +9,7 @@ from __future__ import annotations
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 
-from .errors import UsageError
+from .errors import RunFailed, UsageError
 
 
 def _on_main_process(accelerator: Accelerator, work, *args, **kwargs):
@@ -100,3 +100,13 @@ def refuse_together(accelerator: Accelerator, problem: str | None) -> None:
     found = [p for p in problems if p]
     if found:
         raise UsageError(found[0])
+
+
+def fail_together(accelerator: Accelerator, problem: str | None) -> None:
+    """All ranks call this, each with the fault it met (a one-line description) or None: if any
+    rank met one, every rank raises `RunFailed` with the first (one gather). It stands where a
+    barrier would, so the ranks that did not fail never wait in a collective the failed one skips."""
+    problems = gather_object([problem]) if accelerator.num_processes > 1 else [problem]
+    found = [p for p in problems if p]
+    if found:
+        raise RunFailed(found[0])

@@ -19,6 +19,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
+from .hub import push_to_hub
+from .model_card import write_model_card
 from .output import agree_on_write, write_json
 from .redact import loggable_args
 from .training_log import describe, peak_memory_mb, read_train_log
@@ -46,8 +48,9 @@ def write_results(
     """All ranks call this at the end of training (it gathers each rank's peak memory): the main
     process writes metrics.json (the last evaluation's `scores`, the run's facts from `plan`, peak
     memory per rank and `extra`, what the script reports about its data), training_args.json
-    (secrets redacted) and report/ (plots and summary; with `confusion`, a `ConfusionMatrix` from
-    the last evaluation, its picture too). Returns the metrics, on every rank."""
+    (secrets redacted), report/ (plots and summary; with `confusion`, a `ConfusionMatrix` from
+    the last evaluation, its picture too) and the model card, README.md; with --push_to_hub it
+    then uploads the output directory (`hub.push_to_hub`). Returns the metrics, on every rank."""
     memory = peak_memory_mb(accelerator.device)
     per_rank = accelerator.gather(torch.tensor([list(memory.values())], device=accelerator.device)).cpu()
     facts = {
@@ -61,9 +64,12 @@ def write_results(
         write_json(accelerator, f"{output_dir}/training_args.json", loggable_args(args))
         if accelerator.is_main_process:
             write_report(output_dir, summary_table(args, facts, extra), scores, confusion)
+            write_model_card(args, metrics)  # README.md: what the Hub shows
     except Exception as exc:  # reported on every rank by agree_on_write
         error = exc
     agree_on_write(accelerator, error, f"the results to {output_dir!r}", output_dir)
+    if getattr(args, "push_to_hub", False):
+        logger.info(f"pushed to {push_to_hub(accelerator, args)}")  # all ranks: the main process uploads
     logger.info(f"saved to {output_dir}: {describe(plan.facts())}; report in {output_dir}/report/README.md")
     return metrics
 
