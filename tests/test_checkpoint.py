@@ -126,10 +126,12 @@ def train_log(output_dir):
     return [json.loads(line) for line in (output_dir / "train_log.jsonl").read_text().splitlines()]
 
 
-def test_total_limit_keeps_the_newest_complete_checkpoints(uninterrupted):
+def test_total_limit_keeps_the_newest_complete_checkpoints_and_the_best(uninterrupted):
     entries = sorted(os.listdir(uninterrupted["plain"]))
-    assert [e for e in entries if "checkpoint" in e] == ["checkpoint-22", "checkpoint-24"], (
-        "12 saves, 2 kept, no staging left"
+    best = os.path.basename(json.loads((uninterrupted["plain"] / "metrics.json").read_text())["best_checkpoint"])
+    assert best in ("checkpoint-8", "checkpoint-16", "checkpoint-24"), "ranked by the evaluations at epochs' ends"
+    assert [e for e in entries if "checkpoint" in e] == sorted({"checkpoint-22", "checkpoint-24", best}), (
+        "12 saves, the 2 newest kept and the best, no staging left"
     )
 
 

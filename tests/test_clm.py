@@ -72,7 +72,8 @@ def text_runs(tiny_lm, tmp_path_factory):
             num_processes=processes,
         )
         assert result.returncode == 0, result.output[-4000:]
-        runs[name] = {"output": result.output, "metrics": json.loads((base / name / "metrics.json").read_text())}
+        metrics = json.loads((base / name / "metrics.json").read_text())
+        runs[name] = {"output": result.output, "metrics": metrics, "dir": base / name}
     return runs
 
 
@@ -85,9 +86,14 @@ def test_perplexity_drops_and_is_the_same_on_one_and_two_processes(text_runs):
     assert one["train_tokens_dropped"] < 16 and one["block_size"] == 16
 
 
-def test_the_sample_is_shown_once_at_the_end(text_runs):
+def test_the_sample_is_shown_once_at_the_end_and_the_card_gives_both_perplexities(text_runs):
+    from huggingface_hub import ModelCard
+
     for run in text_runs.values():
         assert run["output"].count("--- sample ---") == 1 and "prompt: w1 w2 w3" in run["output"]
+        card = ModelCard.load(run["dir"] / "README.md")
+        assert card.data.pipeline_tag == "text-generation" and "| perplexity |" in card.text
+        assert "Before training (the same evaluation):" in card.text
 
 
 def test_every_token_trained_exactly_once_per_epoch_across_ranks(tiny_lm, tmp_path):

@@ -329,6 +329,9 @@ def test_offline_default_runs_a_few_steps(tmp_path):
     assert (metrics["optimizer_steps"], metrics["eval_examples"], metrics["train_samples_seen"]) == (3, 50, 3 * 64)
     config = json.loads((output_dir / "config.json").read_text())
     assert config["model_type"] == "resnet" and config["id2label"]["7"] == "7"
+    from huggingface_hub import ModelCard
+
+    assert ModelCard.load(output_dir / "README.md").data.pipeline_tag == "image-classification"
     assert (output_dir / "preprocessor_config.json").is_file() and (
         output_dir / "report" / "confusion_matrix.png"
     ).is_file()

@@ -29,7 +29,7 @@ def test_a_non_editable_install_runs_the_scripts_from_outside_the_repository(tmp
     assert built.returncode == 0, built.stderr[-3000:]
     wheel = next(tmp_path.glob("ddp_finetune-*.whl"))
     install = subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--no-deps", wheel],
+        [python, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall", wheel],
         capture_output=True,
         text=True,
         timeout=300,

@@ -473,6 +473,11 @@ def test_lora_adapter_and_merged_model_reload_with_the_same_logits(tiny_lm, sft_
     assert result.returncode == 0, result.output[-4000:]
     assert "LoRA r=4:" in result.output
     assert (output_dir / "adapter_model.safetensors").exists() and (output_dir / "adapter_config.json").exists()
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(output_dir / "README.md")  # the model card of an adapter
+    assert (card.data.library_name, card.data.pipeline_tag) == ("peft", "text-generation") and "lora" in card.data.tags
+    assert "AutoPeftModelForCausalLM.from_pretrained" in card.text and "| `lora_r` | 4 |" in card.text
     adapted_modules = {
         key.split(".layers.")[1].split(".lora_")[0] for key in load_file(str(output_dir / "adapter_model.safetensors"))
     }

@@ -107,6 +107,7 @@ def test_only_the_main_process_writes(runs):
             assert outside == [], f"{name}: {other.name} wrote outside checkpoint staging: {outside[:5]}"
         files = sorted(os.listdir(run["dir"]))
         assert [f for f in files if not f.startswith("checkpoint-")] == [
+            "README.md",  # the model card
             "config.json",
             "metrics.json",
             "model.safetensors",
@@ -117,8 +118,9 @@ def test_only_the_main_process_writes(runs):
             "train_log.jsonl",
             "training_args.json",
         ]
-        assert [f for f in files if f.startswith("checkpoint-")] == ["checkpoint-16", "checkpoint-24"], (
-            "epoch checkpoints, newest 2 kept"
+        best = os.path.basename(json.loads((run["dir"] / "metrics.json").read_text())["best_checkpoint"])
+        assert [f for f in files if f.startswith("checkpoint-")] == sorted({"checkpoint-16", "checkpoint-24", best}), (
+            "epoch checkpoints, the newest 2 kept and the best by eval_accuracy"
         )
 
 

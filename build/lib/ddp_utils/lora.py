@@ -1,0 +1,97 @@
+"""LoRA through `peft`: which modules get adapters (all linear layers by default, or the last N
+layers only, so the backward pass stops below them), with errors that name the fix. Nothing here
+communicates; every rank calls `add_lora` on its own model, before `accelerator.prepare`."""
+
+from __future__ import annotations
+
+import torch
+from accelerate.logging import get_logger
+
+from .errors import UsageError
+from .sharded import is_sharded
+
+logger = get_logger(__name__)
+
+
+def check_lora_args(args) -> None:
+    """Refuse LoRA options that cannot work together, while parsing (every rank, no communication)."""
+    if args.lora_r < 0:
+        raise UsageError(f"--lora_r must be 0 (no LoRA) or positive, got {args.lora_r}")
+    if args.merge_lora and not args.lora_r:
+        raise UsageError("--merge_lora needs LoRA: give --lora_r as well")
+    if args.lora_last_layers < 0 or (args.lora_last_layers and not args.lora_r):
+        raise UsageError(
+            f"--lora_last_layers takes a positive number of layers, with --lora_r (got {args.lora_last_layers})"
+        )
+
+
+def linear_module_names(model, exclude=None) -> list[str]:
+    """The names (last part) of the model's linear layers, GPT-2's Conv1D included, except `exclude`."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not exclude
+        }
+    )
+
+
+def add_lora(model, args):
+    """`model` with LoRA adapters (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules,
+    --lora_last_layers); only the adapters train. A target module the model does not have, or more
+    layers than it has, is a UsageError that lists what it has."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UsageError("--lora_r needs the peft package: pip install -r requirements.txt") from None
+    targets = args.lora_target_modules
+    if targets != "all-linear":
+        targets = [m.strip() for m in targets.split(",")]
+    layers = model.config.num_hidden_layers
+    if args.lora_last_layers and targets == "all-linear":  # peft takes layer numbers only with named modules
+        targets = linear_module_names(model, exclude=model.get_output_embeddings())
+    if args.lora_last_layers > layers:
+        raise UsageError(
+            f"--lora_last_layers {args.lora_last_layers} is more than this model's {layers} layers; "
+            f"give at most {layers}"
+        )
+    last_layers = list(range(layers - args.lora_last_layers, layers)) if args.lora_last_layers else None
+    lora = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        layers_to_transform=last_layers,
+    )
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:
+        reason = str(exc).splitlines()[0][:160]
+        raise UsageError(
+            f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({reason}); "
+            f"its linear layers are {linear_module_names(model)}"
+        ) from None
+    if args.lora_last_layers and args.gradient_checkpointing:
+        # transformers (in load_causal_lm) and peft each make the embeddings' output require grad,
+        # for reentrant checkpointing; that would carry the backward pass through every layer. The
+        # non-reentrant checkpointing used here needs no such thing.
+        model.get_base_model().disable_input_require_grads()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info(
+        f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters"
+    )
+    return model
+
+
+def check_merge_lora(accelerator, args) -> None:
+    """Refuse --merge_lora where the model is sharded (FSDP, DeepSpeed): merging needs the whole
+    model on one process. Every rank calls it before any work; no communication."""
+    if getattr(args, "merge_lora", False) and is_sharded(accelerator):
+        raise UsageError(
+            "--merge_lora needs the whole model on one process, not shards (FSDP/DeepSpeed); train without "
+            "it, then merge: PeftModel.from_pretrained(base_model, output_dir).merge_and_unload()"
+            ".save_pretrained(...)"
+        )

@@ -1,0 +1,243 @@
+"""SFT records as training rows: each record (a conversation, or a prompt/completion pair) as
+token ids with labels -100 where a token is not learned, cut to the block from its start (never
+the answer), counted when cut or dropped; the eval prompts answered by generation; packing.
+Nothing here communicates: the script calls `tokenize_sft` inside `load_on_main_first`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+from accelerate.logging import get_logger
+
+from .causal_lm import IGNORE_INDEX, pack_sequences
+from .chat import as_messages, check_messages, fit_block, generation_prompt, tokenize_conversation
+from .errors import UsageError
+
+logger = get_logger(__name__)
+
+
+FORMATS = "messages ([{'role', 'content'}, ...]), ShareGPT ([{'from', 'value'}, ...]), prompt/completion, Alpaca"
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class SFTFormat:
+    """How an SFT dataset's records read as conversations: `kind` is "messages", "sharegpt",
+    "prompt/completion" or "alpaca", found from its columns (`detect_format`). Small and hashable:
+    it is what the tokenizing function closes over, so a second launch on the same data, tokenizer
+    and options finds the `datasets` cache (the run's other options do not change the fingerprint)."""
+
+    kind: str
+    columns: tuple[str, ...]  # the columns read, in the order of `kind`
+    chat_template: bool  # wrap plain prompt/completion strings in the tokenizer's chat template
+    loss_on: str
+
+    def turns(self, record: dict, index: int, split: str) -> list[dict] | None:
+        """The record as role/content turns, or None for a plain prompt/completion pair trained
+        without a chat template. A record that does not fit the format is a UsageError naming it."""
+        if self.kind in ("messages", "sharegpt"):
+            turns = record[self.columns[0]]
+            if self.kind == "sharegpt":
+                turns = _from_sharegpt(turns, index, split)
+            check_messages(turns, index, split)
+            return turns
+        prompt, completion = self.prompt_and_completion(record)
+        if isinstance(prompt, str) and isinstance(completion, str) and not self.chat_template:
+            return None
+        return as_messages(prompt, completion)
+
+    def prompt_and_completion(self, record: dict):
+        """A prompt/completion or Alpaca record's prompt and answer (Alpaca: the instruction, then
+        its input after a blank line when there is one)."""
+        if self.kind == "alpaca":
+            instruction, extra, output = (record.get(c) for c in self.columns)
+            return (f"{instruction}\n\n{extra}" if extra else instruction), output
+        return record[self.columns[0]], record[self.columns[1]]
+
+
+def detect_format(raw, args) -> tuple[SFTFormat, dict[str, str]]:
+    """The SFT format of `raw` from its training split's columns, and the columns it needs (each
+    with the option that names it, for `check_splits`): a conversation column (--messages_column,
+    else "conversations") of role/content turns (messages) or from/value turns (ShareGPT); else
+    --prompt_column and --completion_column; else Alpaca's instruction, optional input, output.
+    Logged. Data that fits none is a UsageError that lists the formats and the options."""
+    train = raw["train"] if "train" in raw else next(iter(raw.values()))  # check_splits refuses data without one
+    columns, options = train.column_names, dict(chat_template=args.chat_template, loss_on=args.loss_on)
+    conversations = next((c for c in (args.messages_column, "conversations") if c in columns), None)
+    if conversations is not None:
+        first = next((turns for turns in train.select_columns(conversations).to_iterable_dataset() if turns), None)
+        first = (first or {}).get(conversations) or [{}]
+        kind = "sharegpt" if isinstance(first[0], dict) and "from" in first[0] else "messages"
+        fmt, needed = SFTFormat(kind, (conversations,), **options), {conversations: "--messages_column"}
+    elif args.prompt_column in columns or args.completion_column in columns:
+        fmt = SFTFormat("prompt/completion", (args.prompt_column, args.completion_column), **options)
+        needed = {args.prompt_column: "--prompt_column", args.completion_column: "--completion_column"}
+    elif "instruction" in columns and "output" in columns:
+        fmt = SFTFormat("alpaca", ("instruction", "input", "output"), **options)
+        needed = {"instruction": "the Alpaca format", "output": "the Alpaca format"}
+    else:
+        raise UsageError(
+            f"the train data's columns {columns} fit none of the SFT formats: {FORMATS}; name the conversation "
+            "column with --messages_column, or the prompt and answer with --prompt_column and --completion_column"
+        )
+    name = {
+        "messages": "messages",
+        "sharegpt": "ShareGPT",
+        "prompt/completion": "prompt/completion",
+        "alpaca": "Alpaca",
+    }
+    logger.info(f"SFT data format: {name[fmt.kind]} (columns {', '.join(c for c in fmt.columns if c in columns)})")
+    return fmt, needed
+
+
+def _from_sharegpt(turns, index: int, split: str) -> list[dict]:
+    """ShareGPT turns ({"from": "human"|"gpt"|"system"|..., "value": ...}) as role/content turns."""
+
+    def fits(turn):
+        return isinstance(turn, dict) and turn.get("from") is not None and turn.get("value") is not None
+
+    if not isinstance(turns, list) or not all(fits(turn) for turn in turns):
+        raise UsageError(
+            f"{split} record {index} fits none of the SFT formats: its conversation is not a list of "
+            f"{{'from': ..., 'value': ...}} turns (ShareGPT), got {str(turns)[:120]!r}; the formats: {FORMATS}; "
+            "name the right column with --messages_column"
+        )
+    unknown = sorted({t["from"] for t in turns} - set(SHAREGPT_ROLES))
+    if unknown:
+        raise UsageError(
+            f"{split} record {index}: ShareGPT role {unknown[0]!r} is not one of {sorted(SHAREGPT_ROLES)}; "
+            "map it in your data, or convert the records to messages"
+        )
+    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+
+
+def _bos(tokenizer) -> list[int]:
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, index: int = 0, split: str = "train"):
+    """(input_ids, labels, tokens of context cut) of one SFT record, or None when its answer does
+    not fit in `block_size` tokens. Conversations: the chat template, the loss on --loss_on's
+    turns. Plain pairs: BOS + prompt + completion + EOS, the loss on the completion and EOS."""
+    messages = fmt.turns(record, index, split)
+    if messages is not None:
+        return tokenize_conversation(tokenizer, messages, fmt.loss_on, block_size)
+    prompt, completion = fmt.prompt_and_completion(record)
+    prompt = _bos(tokenizer) + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    completion = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    labels = (prompt if fmt.loss_on == "all" else [IGNORE_INDEX] * len(prompt)) + completion
+    return fit_block(prompt + completion, labels, block_size, cut_targets=fmt.loss_on == "all")
+
+
+def generation_prompt_ids(record: dict, fmt: SFTFormat, tokenizer, max_prompt_tokens: int, index: int = 0):
+    """(prompt ids that ask for the record's last answer, cut from the start to
+    `max_prompt_tokens`; the reference answer; whether it was cut)."""
+    messages = fmt.turns(record, index, "validation")
+    if messages is not None:
+        text, reference = generation_prompt(tokenizer, messages)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        prompt, reference = fmt.prompt_and_completion(record)
+        ids = _bos(tokenizer) + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return ids[-max_prompt_tokens:], reference, len(ids) > max_prompt_tokens
+
+
+def tokenize_sft(raw, fmt: SFTFormat, tokenizer, block_size: int, eval_max_new_tokens: int = 0, packing: bool = False):
+    """(tokenized splits, report). "train" and "validation": one sequence per record (or packed,
+    with `packing`), with labels -100 where a token is not learned; "generate": the validation
+    prompts answered by generation, with their references (when `eval_max_new_tokens`). The report
+    counts records whose context was cut and records dropped (their answer alone does not fit), per
+    split. The functions given to `datasets.map` see only `fmt`, the tokenizer and the sizes, so the
+    `datasets` cache serves a second launch on the same data and options."""
+    if fmt.chat_template and not tokenizer.chat_template:
+        raise UsageError(
+            f"--chat_template: the tokenizer of {tokenizer.name_or_path!r} has no chat template; use an instruct "
+            "model's, or drop --chat_template and put the prompt format in the data"
+        )
+    if fmt.kind in ("messages", "sharegpt") and not tokenizer.chat_template:
+        raise UsageError(
+            f"these conversations need a chat template, and the tokenizer of {tokenizer.name_or_path!r} "
+            "has none; use an instruct model's tokenizer, or give plain prompt/completion strings "
+            "without --chat_template"
+        )
+
+    def encode(batch, indices, split):
+        out = {"input_ids": [], "labels": [], "context_cut": []}
+        for n, index in enumerate(indices):
+            record = {key: values[n] for key, values in batch.items()}
+            row = tokenize_record(record, fmt, tokenizer, block_size, index, split)
+            out["input_ids"].append(row.input_ids if row else [])
+            out["labels"].append(row.labels if row else [])
+            out["context_cut"].append(row.context_cut if row else -1)  # -1: dropped
+        return out
+
+    tokenized, report = datasets.DatasetDict(), {}
+    for split in ("train", "validation"):
+        rows = raw[split].map(
+            encode,
+            batched=True,
+            with_indices=True,
+            fn_kwargs={"split": split},
+            remove_columns=raw[split].column_names,
+            desc=f"Tokenizing {split}",
+        )
+        report.update(_count_cuts(np.asarray(rows.with_format("numpy")["context_cut"]), split, block_size))
+        tokenized[split] = rows.filter(lambda cut: cut >= 0, input_columns="context_cut").remove_columns("context_cut")
+        if len(tokenized[split]) == 0:
+            raise UsageError(f"no {split} record's answer fits in --block_size {block_size} tokens; raise --block_size")
+    if eval_max_new_tokens:
+        tokenized["generate"], report["eval_prompts_cut"] = _eval_prompts(
+            raw["validation"], fmt, tokenizer, block_size - eval_max_new_tokens
+        )
+    if packing:
+        tokenized["train"] = tokenized["train"].map(
+            pack_sequences, batched=True, batch_size=10_000, fn_kwargs={"block_size": block_size}, desc="Packing"
+        )
+    return tokenized, report
+
+
+def _count_cuts(cut: np.ndarray, split: str, block_size: int) -> dict:
+    """The report's counts for one split, from each record's tokens of context cut (-1: dropped), logged."""
+    counts = {
+        f"{split}_records_context_cut": int((cut > 0).sum()),
+        f"{split}_context_tokens_cut": int(cut[cut > 0].sum()),
+        f"{split}_records_dropped": int((cut < 0).sum()),
+    }
+    if counts[f"{split}_records_context_cut"]:
+        logger.info(
+            f"{split}: {counts[f'{split}_records_context_cut']} records longer than --block_size {block_size} "
+            f"lost {counts[f'{split}_context_tokens_cut']} tokens of context from their start; their answers "
+            "are whole"
+        )
+    if counts[f"{split}_records_dropped"]:
+        logger.warning(
+            f"{split}: {counts[f'{split}_records_dropped']} records dropped: their answers alone do not fit "
+            f"in --block_size {block_size} tokens; raise --block_size"
+        )
+    return counts
+
+
+def _eval_prompts(validation, fmt: SFTFormat, tokenizer, max_prompt: int):
+    """(the prompts answered by generation: index, input_ids, reference; how many were cut to fit
+    `max_prompt` tokens, the block less the room for the answer)."""
+    if max_prompt < 1:
+        raise UsageError("--eval_max_new_tokens leaves no room for a prompt in --block_size; lower it")
+
+    def prompts(batch, indices):
+        rows = [
+            generation_prompt_ids({key: values[n] for key, values in batch.items()}, fmt, tokenizer, max_prompt, index)
+            for n, index in enumerate(indices)
+        ]
+        return {
+            "index": indices,
+            "input_ids": [r[0] for r in rows],
+            "reference": [r[1] for r in rows],
+            "cut": [r[2] for r in rows],
+        }
+
+    generate = validation.map(
+        prompts, batched=True, with_indices=True, remove_columns=validation.column_names, desc="Eval prompts"
+    )
+    return generate.remove_columns("cut"), int(np.asarray(generate.with_format("numpy")["cut"]).sum())
