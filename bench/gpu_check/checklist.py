@@ -793,18 +793,26 @@ class Checklist:
 
     def save(self) -> None:
         self.data["updated"] = now()
-        write_atomic(self.json_path, json.dumps(self.data, indent=2, default=str) + "\n")
-        write_atomic(self.md_path, markdown(self.data))
-        if self.copy_to:
-            try:
-                self.copy_to.mkdir(parents=True, exist_ok=True)
-                shutil.copy(self.json_path, self.copy_to / "gpu_check.json")
-                shutil.copy(self.md_path, self.copy_to / "gpu_check.md")
-                with tarfile.open(self.copy_to / "gpu_check_logs.tar.gz", "w:gz") as tar:
-                    for log in sorted(self.logs.glob("*.log")):
-                        tar.add(log, arcname=f"logs/{log.name}")
-            except OSError as exc:
-                print(f"could not copy the results to {self.copy_to}: {exc}", flush=True)
+        self.data["steps"] = {step: self.data["steps"][step] for step in STEPS if step in self.data["steps"]}
+        write_results(self.results, self.data, self.copy_to)
+
+
+def write_results(results: Path, data: dict, copy_to: Path | None) -> None:
+    """gpu_check.json and gpu_check.md in `results`; with `copy_to` ($OUT on the GPU machine) also there,
+    with every log (logs/, lanes/*/logs/) in gpu_check_logs.tar.gz."""
+    write_atomic(results / "gpu_check.json", json.dumps(data, indent=2, default=str) + "\n")
+    write_atomic(results / "gpu_check.md", markdown(data))
+    if not copy_to:
+        return
+    try:
+        copy_to.mkdir(parents=True, exist_ok=True)
+        shutil.copy(results / "gpu_check.json", copy_to / "gpu_check.json")
+        shutil.copy(results / "gpu_check.md", copy_to / "gpu_check.md")
+        with tarfile.open(copy_to / "gpu_check_logs.tar.gz", "w:gz") as tar:
+            for log in sorted(results.glob("logs/*.log")) + sorted(results.glob("lanes/*/logs/*.log")):
+                tar.add(log, arcname=str(log.relative_to(results)))
+    except OSError as exc:
+        print(f"could not copy the results to {copy_to}: {exc}", flush=True)
 
 
 class Skip(Exception):
@@ -1286,6 +1294,9 @@ def main() -> int:
     p.add_argument(
         "--site", default=None, help="the wheels payload.py installed (default /tmp/gpu_check_site if there)"
     )
+    p.add_argument(
+        "--jobs", type=int, default=None, help="dry run only: steps side by side in 2 processes (its default)"
+    )
     p.add_argument("--fresh", action="store_true", help="start a new JSON instead of adding to the one in --results")
     p.add_argument("--report", nargs="*", default=None, help="merge these gpu_check.json files into --results, render")
     p.add_argument("--helper", default=None, help=argparse.SUPPRESS)
@@ -1301,6 +1312,14 @@ def main() -> int:
     if args.report is not None:
         return report(args)
     steps = parse_steps(args.steps)
+    if args.jobs is None:
+        args.jobs = 2 if args.dry_run else 1
+    if args.jobs > 1 and not args.dry_run:
+        raise SystemExit(
+            "--jobs: only the dry run runs steps side by side; on a GPU they would share it and time nothing"
+        )
+    if args.jobs > 1:
+        return run_lanes(args, steps)
     checklist = Checklist(args)
     print(
         f"GPU check{' (dry run)' if args.dry_run else ''}: steps {', '.join(steps)}; results in {checklist.results}"
@@ -1313,6 +1332,61 @@ def main() -> int:
     records = [checklist.data["steps"][s] for s in steps]
     unexpected = [r["id"] for r in records if r["status"] == "failed" and not r.get("expected_in_dry_run")]
     print(f"done: {checklist.md_path}" + (f"; failed: {', '.join(unexpected)}" if unexpected else ""), flush=True)
+    return 1 if unexpected else 0
+
+
+# The dry run's two lanes: step 3 reads step 2a's run, so they share a lane; about equal halves on a CPU.
+LANES = [("1", "2a", "3", "6"), ("2b", "4", "5")]
+
+
+def run_lanes(args, steps: list[str]) -> int:
+    """The dry run on a 2-core machine: its steps in two processes of this file at once (each with its own
+    results in lanes/N), then merged into one JSON and one table. CI's time, not the figures', is what counts."""
+    results = Path(args.results).resolve()
+    shutil.rmtree(results / "lanes", ignore_errors=True)
+    started, processes = now(), []
+    for index, lane in enumerate(LANES):
+        mine = [step for step in steps if step in lane]
+        if not mine:
+            continue
+        command = [sys.executable, str(Path(__file__).resolve()), "--dry_run", "--jobs", "1", "--fresh"]
+        command += ["--steps", ",".join(mine), "--results", str(results / "lanes" / str(index))]
+        if args.site:
+            command += ["--site", args.site]
+        env = {key: value for key, value in os.environ.items() if key != "OUT"}
+        processes.append((index, subprocess.Popen(command, cwd=REPO, env=env)))
+    merged: dict = {"dry_run": True, "schema": 1, "steps": {}, "lanes": {}}
+    merged["calls"] = [{"started": started, "steps": args.steps, "argv": sys.argv[1:], "lanes": len(processes)}]
+    for index, process in processes:
+        rc = process.wait()
+        lane_json = results / "lanes" / str(index) / "gpu_check.json"
+        merged["lanes"][str(index)] = {"steps": [s for s in steps if s in LANES[index]], "exit": rc}
+        if not lane_json.exists():
+            for step in (s for s in steps if s in LANES[index]):
+                merged["steps"][step] = {
+                    "id": step,
+                    "title": STEPS[step],
+                    "status": "failed",
+                    "runs": {},
+                    "error": f"its lane ended with exit {rc} and no results",
+                }
+            continue
+        data = read_json(lane_json)
+        merged.setdefault("environment", data.get("environment"))
+        for step, record in data["steps"].items():
+            for run in record.get("runs", {}).values():
+                if run.get("log"):
+                    run["log"] = f"lanes/{index}/{run['log']}"
+            merged["steps"][step] = record
+    merged["steps"] = {step: merged["steps"][step] for step in STEPS if step in merged["steps"]}
+    merged["updated"] = now()
+    write_results(results, merged, Path(args.copy_to) if args.copy_to else None)
+    unexpected = [
+        r["id"] for r in merged["steps"].values() if r["status"] == "failed" and not r.get("expected_in_dry_run")
+    ]
+    print(
+        f"done: {results / 'gpu_check.md'}" + (f"; failed: {', '.join(unexpected)}" if unexpected else ""), flush=True
+    )
     return 1 if unexpected else 0
 
 
