@@ -213,8 +213,9 @@ class Checklist:
             self.save()
             return record
         timeout = timeout or self.sizes.timeout
-        if left is not None:
-            timeout = int(min(timeout, left - 5))
+        budget_ends_it = left is not None and left - 5 < timeout
+        if budget_ends_it:
+            timeout = int(left - 5)
         log = self.logs / f"{self.step_record['id']}-{name}.log"
         record["log"] = str(log.relative_to(self.results))
         if result_file is not None:
@@ -240,7 +241,9 @@ class Checklist:
                 rc = None
         record["wall_s"] = round(time.monotonic() - start, 2)
         text = log.read_text(errors="replace")
-        if rc is None:
+        if rc is None and budget_ends_it:  # not a failure of the run: this call's time ran out
+            record.update(status="skipped", reason=f"stopped after {timeout} s, at the end of --budget_s: run it again")
+        elif rc is None:
             record.update(status="failed", error=f"timed out after {timeout} s; last line: {error_line(text, 0)}")
         elif rc != 0:
             record.update(status="failed", error=error_line(text, rc))
@@ -1297,6 +1300,9 @@ def main() -> int:
     p.add_argument(
         "--jobs", type=int, default=None, help="dry run only: steps side by side in 2 processes (its default)"
     )
+    p.add_argument(
+        "--require_site", action="store_true", help="stop at once unless payload.py install has run on this machine"
+    )
     p.add_argument("--fresh", action="store_true", help="start a new JSON instead of adding to the one in --results")
     p.add_argument("--report", nargs="*", default=None, help="merge these gpu_check.json files into --results, render")
     p.add_argument("--helper", default=None, help=argparse.SUPPRESS)
@@ -1320,6 +1326,11 @@ def main() -> int:
         )
     if args.jobs > 1:
         return run_lanes(args, steps)
+    if args.require_site and not (Path(args.site or DEFAULT_SITE) / SITE_MARKER).exists():
+        raise SystemExit(
+            f"the carried wheels are not installed here ({args.site or DEFAULT_SITE} has no {SITE_MARKER}): the "
+            "machine was started afresh, so send the payload again and install it (bench/gpu_check/README.md)"
+        )
     checklist = Checklist(args)
     print(
         f"GPU check{' (dry run)' if args.dry_run else ''}: steps {', '.join(steps)}; results in {checklist.results}"

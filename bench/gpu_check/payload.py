@@ -103,7 +103,7 @@ WHEELS = [
     Wheel("typing-extensions==4.16.0", "pydantic 2.14.3 needs typing-extensions>=4.16; the machine's may be older"),
     Wheel(
         "pyarrow==26.0.1",
-        "datasets 5.2.0 needs pyarrow>=24 (trl >=21); carried only if the machine's is older (42 MB, a part of "
+        "datasets 5.2.0 needs pyarrow>=24 (trl >=21); carried only if the machine's is older (52 MiB, a part of "
         "its own)",
         group="optional",
         needed_if_not="pyarrow>=24.0.0",
