@@ -850,6 +850,8 @@ def sft_figures(data: dict, facts: dict, peak: float | None, who: str, case: str
     """Throughput, MFU, memory and accuracy of one SFT run (ours: metrics.json; TRL: its results JSON)."""
     if who == "ours":
         seconds, records = data["train_runtime_s"], data["train_samples_seen"]
+        if case.endswith("_packed"):  # ours counts packed rows as its samples: the records are what both train
+            records = (facts["records"] - data.get("train_records_dropped", 0)) * data["epochs"]
         tokens, targets = data["train_tokens_seen"], data["train_target_tokens_seen"]
         memory = max(data.get("peak_gpu_memory_mb_per_rank") or [None], key=none_low)
         padded = 1 + data.get("train_padding_waste", 0.0)
@@ -868,6 +870,7 @@ def sft_figures(data: dict, facts: dict, peak: float | None, who: str, case: str
         "mfu": flops / seconds / peak if peak else None,
         "peak_gpu_memory_mib": memory,
         "accuracy": data.get("eval_accuracy"),
+        "zero_shot_accuracy": data.get("zero_shot_accuracy"),
         "padded_per_real": padded,
         "records": records,
         "input_tokens": tokens,
@@ -893,7 +896,10 @@ def row_of(figures: dict, trl: dict | None) -> list:
         f(figures["records_per_s"] / trl["records_per_s"], 3) if trl else "-",
         f(figures["mfu"], 4),
         f(figures["peak_gpu_memory_mib"], 0),
-        f(figures["accuracy"], 4),
+        f(figures["accuracy"], 4)
+        + (
+            f" (zero-shot {figures['zero_shot_accuracy']:.4f})" if figures.get("zero_shot_accuracy") is not None else ""
+        ),
         f(figures["padded_per_real"], 3),
         f(figures["train_s"], 1),
     ]
@@ -932,7 +938,9 @@ def markdown(data: dict) -> str:
     lines += [
         f"- updated {data.get('updated')}; calls: "
         + "; ".join(f"{c['started']} steps {c['steps']}" for c in data.get("calls", [])),
-        f"- GPU: {gpu.get('name') or 'none'}; driver {gpu.get('driver')}; {gpu.get('memory')}",
+        f"- GPU: {gpu['name']}; driver {gpu.get('driver')}; {gpu.get('memory')}"
+        if gpu
+        else "- GPU: none (no CUDA device)",
         f"- python {env.get('python')}; torch {env.get('torch')} (CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')})",
     ]
     if env.get("error"):
