@@ -1373,24 +1373,24 @@ def run_lanes(args, steps: list[str]) -> int:
         if args.site:
             command += ["--site", args.site]
         env = {key: value for key, value in os.environ.items() if key != "OUT"}
-        processes.append((index, subprocess.Popen(command, cwd=REPO, env=env)))
+        output = results / "lanes" / f"output-{index}.log"  # two lanes printing at once would interleave
+        output.parent.mkdir(parents=True, exist_ok=True)
+        print(f"lane {index}: steps {','.join(mine)} (its output: {output})", flush=True)
+        with open(output, "w") as handle:
+            processes.append(
+                (index, subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT))
+            )
     merged: dict = {"dry_run": True, "schema": 1, "steps": {}, "lanes": {}}
     merged["calls"] = [{"started": started, "steps": args.steps, "argv": sys.argv[1:], "lanes": len(processes)}]
     for index, process in processes:
         rc = process.wait()
         lane_json = results / "lanes" / str(index) / "gpu_check.json"
         merged["lanes"][str(index)] = {"steps": [s for s in steps if s in LANES[index]], "exit": rc}
-        if not lane_json.exists():
-            for step in (s for s in steps if s in LANES[index]):
-                merged["steps"][step] = {
-                    "id": step,
-                    "title": STEPS[step],
-                    "status": "failed",
-                    "runs": {},
-                    "error": f"its lane ended with exit {rc} and no results",
-                }
-            continue
-        data = read_json(lane_json)
+        data = read_json(lane_json) if lane_json.exists() else {"steps": {}}
+        for step in (s for s in steps if s in LANES[index] and s not in data["steps"]):
+            output = (results / "lanes" / f"output-{index}.log").read_text(errors="replace")
+            error = f"its lane ended (exit {rc}) before this step: {error_line(output, rc)}"
+            merged["steps"][step] = {"id": step, "title": STEPS[step], "status": "failed", "runs": {}, "error": error}
         merged.setdefault("environment", data.get("environment"))
         for step, record in data["steps"].items():
             for run in record.get("runs", {}).values():
@@ -1400,6 +1400,9 @@ def run_lanes(args, steps: list[str]) -> int:
     merged["steps"] = {step: merged["steps"][step] for step in STEPS if step in merged["steps"]}
     merged["updated"] = now()
     write_results(results, merged, Path(args.copy_to) if args.copy_to else None)
+    for record in merged["steps"].values():
+        why = record.get("error") or record.get("reason") or ""
+        print(f"step {record['id']}: {record['status']} in {f(record.get('wall_s'), 1)} s {why}".rstrip(), flush=True)
     unexpected = [
         r["id"] for r in merged["steps"].values() if r["status"] == "failed" and not r.get("expected_in_dry_run")
     ]
