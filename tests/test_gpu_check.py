@@ -145,8 +145,9 @@ def test_model_flops_count_what_each_kind_of_training_computes():
     checklist = load(CHECKLIST)
     facts = {"linear_params": 100, "head_params": 10, "layers": 2, "attention_width": 4, "mean_tokens_attended": 5}
     facts["lora_params"] = 1
-    forward = 2 * 100 * 1000 + 2 * 10 * 50 + 2 * 2 * 4 * 5 * 1000  # 1,000 tokens, 50 of them targets
-    attention = 2 * 2 * 4 * 5 * 1000
+    # 1,000 tokens, 50 of them targets; attention: 2 layers x width 4 x 5 tokens attended x 4 FLOPs (scores, sum)
+    attention = 4 * 2 * 4 * 5 * 1000
+    forward = 2 * 100 * 1000 + 2 * 10 * 50 + attention
     assert checklist.model_flops(facts, 1000, 50, lora=False) == 3 * forward
     # LoRA: no gradients of the frozen weights: their matmuls and the head twice, attention thrice, the adapters 6x.
     assert checklist.model_flops(facts, 1000, 50, lora=True) == 2 * (forward - attention) + 3 * attention + 6 * 1000

@@ -882,7 +882,8 @@ def model_flops(facts: dict, tokens: float, targets: float, lora: bool) -> float
     """Model FLOPs of training on `tokens` real input tokens with `targets` loss positions (see MFU_NOTE)."""
     linear = 2 * facts["linear_params"] * tokens
     head = 2 * facts["head_params"] * targets
-    attention = 2 * facts["layers"] * facts["attention_width"] * facts["mean_tokens_attended"] * tokens
+    # Per layer, a token attending to n earlier ones: n·d multiply-adds for the scores, n·d for the weighted sum.
+    attention = 4 * facts["layers"] * facts["attention_width"] * facts["mean_tokens_attended"] * tokens
     if not lora:
         return 3 * (linear + head + attention)
     return 2 * (linear + head) + 3 * attention + 6 * facts["lora_params"] * tokens
@@ -1153,8 +1154,8 @@ def helper_llm_prep(args) -> dict:
         "lora_params": 16 * sum(m.in_features + m.out_features for m in linears),  # r 16 on every linear map
         "layers": config.num_hidden_layers,
         "attention_width": heads * head_dim,
-        # Each token attends to ~L/2 earlier ones of its record (causal), so attention costs 2·2·d·L/2 per
-        # layer: the token-weighted mean of L over the records is sum(L²)/sum(L).
+        # Each token attends to ~L/2 tokens of its record (causal): 4·d·L/2 FLOPs per layer, with L weighted by
+        # the tokens of each record: sum(L²)/sum(L).
         "mean_tokens_attended": sum(n * n for n in lengths) / max(sum(lengths), 1) / 2,
         "records": len(lengths),
         "max_record_tokens": max(lengths, default=0),
