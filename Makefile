@@ -14,7 +14,7 @@ LAUNCH := $(BIN)/accelerate launch --config_file $(CONFIG)
 # 1.5x and generation faster at the same accuracy (bench/README.md). Elsewhere bf16 would be emulated: fp32.
 LLM_PRECISION ?= $(shell grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null && echo bf16 || echo no)
 
-.PHONY: train train-sft train-clm train-image test test-fast lint format bench install clean
+.PHONY: train train-sft train-clm train-image test test-fast lint format bench gpu-check gpu-payload install clean
 
 train: $(STAMP)  ## install if needed, then fine-tune the demo classifier on 2 CPU processes
 	$(LAUNCH) scripts/train.py $(TRAIN_ARGS)
@@ -49,6 +49,19 @@ bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer 
 	$(BIN)/python bench/bench_sft.py
 	$(BIN)/python bench/bench_lm_head.py
 	$(LAUNCH) bench/bench_checkpoint.py
+
+# The GPU checklist (bench/gpu_check/README.md): STEPS=1,2a,2b,3,4,5,6 (2 = 2a,2b; default all), DRY_RUN=1 for
+# the CPU dry run CI runs (tiny sizes), BUDGET_S=540 to start no run that would end later. Here it runs with
+# .venv; the GPU machine has no venv, so give its interpreter there: make gpu-check PYTHON=python3 STEPS=1,2a
+STEPS ?= all
+GPU_CHECK_OWN_PYTHON := $(filter command line,$(origin PYTHON))
+gpu-check: $(if $(GPU_CHECK_OWN_PYTHON),,$(STAMP))  ## the GPU checklist: every step timed, figures in outputs/gpu_check/
+	$(if $(GPU_CHECK_OWN_PYTHON),$(PYTHON),$(BIN)/python) bench/gpu_check/checklist.py --steps $(STEPS) \
+		$(if $(filter 1 yes true,$(DRY_RUN)),--dry_run) $(if $(BUDGET_S),--budget_s $(BUDGET_S))
+
+gpu-payload: $(STAMP)  ## here, with network: the wheels the GPU machine lacks, in parts of 55 MiB (.gpu_payload/)
+	$(BIN)/python bench/gpu_check/payload.py fetch
+	$(BIN)/python bench/gpu_check/payload.py pack
 
 # The benchmarks' own peers (TRL), kept out of requirements.txt; re-installed when the file changes.
 $(BENCH_STAMP): $(STAMP) bench/requirements-bench.txt

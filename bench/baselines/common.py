@@ -85,10 +85,12 @@ def reduce_over_ranks(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
 class PaddingCounter:
     """A collator wrapper that counts the padded and the real token positions of the batches it
     makes (attention_mask zeros and ones; a batch without an attention_mask, padding-free, counts
-    as all real). Every contender's padding is measured this way, over all its training batches."""
+    as all real), and for language-model batches (2-D labels) the target tokens: the positions
+    whose next token is learned (labels[:, 1:] != -100). Every contender's padding is measured
+    this way, over all its training batches."""
 
     def __init__(self, collate_fn):
-        self.collate_fn, self.padded, self.real = collate_fn, 0, 0
+        self.collate_fn, self.padded, self.real, self.targets = collate_fn, 0, 0, 0
 
     def __call__(self, rows):
         batch = self.collate_fn(rows)
@@ -96,13 +98,27 @@ class PaddingCounter:
         real = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
         self.real += real
         self.padded += batch["input_ids"].numel() - real
+        labels = batch.get("labels")
+        if labels is not None and labels.dim() == 2:
+            self.targets += int((labels[:, 1:] != -100).sum())
         return batch
 
     def totals(self) -> dict:
-        """{"padded_tokens", "real_tokens"} of all ranks together. All ranks call this when a process
-        group exists (an all-reduce)."""
-        padded, real = reduce_over_ranks([self.padded, self.real])
-        return {"padded_tokens": int(padded), "real_tokens": int(real)}
+        """{"padded_tokens", "real_tokens", "target_tokens"} of all ranks together. All ranks call this
+        when a process group exists (an all-reduce)."""
+        padded, real, targets = reduce_over_ranks([self.padded, self.real, self.targets])
+        return {"padded_tokens": int(padded), "real_tokens": int(real), "target_tokens": int(targets)}
+
+
+def peak_gpu_memory() -> dict:
+    """This process's peak GPU memory (tensors allocated, and reserved by the caching allocator), in
+    MiB, as ours reports it in metrics.json; nothing without a GPU."""
+    if not torch.cuda.is_available():
+        return {}
+    return {
+        "peak_gpu_memory_mb": torch.cuda.max_memory_allocated() / 2**20,
+        "peak_gpu_reserved_mb": torch.cuda.max_memory_reserved() / 2**20,
+    }
 
 
 def count_train_padding(trainer) -> PaddingCounter:

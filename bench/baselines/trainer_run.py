@@ -1,7 +1,9 @@
 """Baseline: transformers.Trainer on the same model, data and hyper-parameters. Launched with torchrun.
 
 usage: torchrun --nproc_per_node 2 bench/baselines/trainer_run.py --out OUT.json --epochs E --batch_size B --lr LR
-           --max_length L --output_dir DIR [--seed S] [--sampling random|group_by_length] [--max_train_samples N] ...
+           --max_length L --output_dir DIR [--seed S] [--sampling random|group_by_length] [--bf16]
+           [--max_train_samples N] ...
+       python bench/baselines/trainer_run.py ...   # one process, no DDP (bench/gpu_check/checklist.py on one GPU)
 
 --sampling group_by_length is what older transformers called `group_by_length=True`; in transformers 5
 it is `train_sampling_strategy="group_by_length"` (LengthGroupedSampler).
@@ -11,7 +13,7 @@ import json
 
 import numpy as np
 import torch
-from common import LABELS, baseline_arg_parser, count_train_padding, demo_data
+from common import LABELS, baseline_arg_parser, count_train_padding, demo_data, peak_gpu_memory
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments, set_seed
 
 from ddp_utils.demo import demo_model_path
@@ -28,6 +30,7 @@ def main():
     p.add_argument(
         "--sampling", choices=["random", "group_by_length"], default="random", help="train_sampling_strategy"
     )
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (ours: a bf16 launch config)")
     args = p.parse_args()
     tokenized, tokenizer, collate = demo_data(args.max_length, args.max_train_samples, args.max_eval_samples)
     set_seed(args.seed)  # before the model, as run_glue.py does: the new head's initialisation follows the seed
@@ -50,6 +53,7 @@ def main():
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
         disable_tqdm=True,
+        bf16=args.bf16,
     )
     trainer = Trainer(
         model=model,
@@ -72,6 +76,8 @@ def main():
                     "train_time_s": result.metrics["train_runtime"] - eval_time,
                     "eval_accuracy": final["eval_accuracy"],
                     "world_size": trainer.accelerator.num_processes,
+                    "mixed_precision": trainer.accelerator.mixed_precision,
+                    **peak_gpu_memory(),
                     **counts,
                 },
                 handle,

@@ -3,11 +3,20 @@ scripts/train_sft.py in bench/bench_sft.py. Launched with torchrun (2 real proce
 
 usage: torchrun --nproc_per_node 2 bench/baselines/trl_sft_run.py --out OUT.json --epochs E --batch_size B --lr LR
            --max_length L --model DIR --train_file TRAIN.jsonl --output_dir DIR [--trl_defaults] [--time_cap_s S]
+           [--bf16] [--gradient_checkpointing] [--full] [--padding_free | --packing] [--prompt_completion]
 
-Matched (the default): fp32, no gradient checkpointing, like ours. --trl_defaults leaves precision and
-gradient checkpointing to SFTConfig's own defaults (bf16=True, gradient_checkpointing=True), what a
-user gets; --time_cap_s stops it after the first optimizer step that ends past that many seconds of
-training, and the results say how many steps it finished.
+Matched (the default): fp32, no gradient checkpointing, like ours on a CPU. --trl_defaults leaves
+precision and gradient checkpointing to SFTConfig's own defaults (bf16=True, gradient_checkpointing=True),
+what a user gets; --time_cap_s stops it after the first optimizer step that ends past that many seconds
+of training, and the results say how many steps it finished.
+
+On a GPU (bench/gpu_check/checklist.py), each of our runs is matched by TRL with its best settings for
+the same case: --bf16, --gradient_checkpointing when ours uses it, --full for full fine-tuning, and
+--padding_free (no padding: every batch flattened into one sequence) or --packing (best-fit decreasing
+into rows of --max_length). --prompt_completion gives TRL each conversation as a conversational
+prompt/completion pair (the last assistant turn is the completion), so that it learns the answer
+only, as ours does. The results add the real input tokens and the target tokens of its batches and,
+on a GPU, the peak GPU memory.
 """
 
 import json
@@ -15,7 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import baseline_arg_parser, count_train_padding, reduce_over_ranks
+from common import baseline_arg_parser, count_train_padding, peak_gpu_memory, reduce_over_ranks
 from datasets import load_dataset
 from peft import LoraConfig
 from transformers import TrainerCallback, set_seed
@@ -59,13 +68,33 @@ def main():
     p.add_argument(
         "--time_cap_s", type=float, default=None, help="stop after the step that ends past this many seconds"
     )
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (ours: a bf16 launch config)")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations, as ours' flag")
+    p.add_argument("--full", action="store_true", help="full fine-tuning: no LoRA")
+    p.add_argument("--padding_free", action="store_true", help="each batch flattened into one sequence, no padding")
+    p.add_argument("--packing", action="store_true", help="best-fit decreasing packing into rows of --max_length")
+    p.add_argument(
+        "--prompt_completion",
+        action="store_true",
+        help="train on the last assistant turn only: each conversation as a prompt/completion pair",
+    )
     args = p.parse_args()
 
     set_seed(args.seed)  # the LoRA weights SFTTrainer initialises follow the seed, as ours do
     train = load_dataset("json", data_files=args.train_file, split="train")
-    matched = (
-        {} if args.trl_defaults else {"bf16": False, "gradient_checkpointing": False}
-    )  # ours: fp32, no checkpointing
+    if args.prompt_completion:  # conversational prompt/completion: TRL's loss is then on the completion only
+        train = train.map(
+            lambda r: {"prompt": r["messages"][:-1], "completion": r["messages"][-1:]}, remove_columns=["messages"]
+        )
+    if args.trl_defaults:
+        matched = {}
+    else:  # ours: fp32 without checkpointing on a CPU; on a GPU, bf16 and checkpointing as the case asks
+        matched = {"bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing}
+    if args.padding_free or args.packing:
+        matched["padding_free"] = True
+        matched["packing"] = args.packing
+    if args.padding_free and not args.packing:
+        matched["max_length"] = None  # TRL refuses a max_length it would not enforce; the records are shorter
     config = SFTConfig(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
@@ -74,7 +103,6 @@ def main():
         warmup_steps=0.1,  # a float: a ratio of the steps, as ours' --warmup_ratio 0.1
         weight_decay=0.01,
         max_grad_norm=1.0,
-        max_length=args.max_length,
         seed=args.seed,
         eval_strategy="no",
         save_strategy="no",
@@ -83,7 +111,7 @@ def main():
         disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
-        **matched,
+        **{"max_length": args.max_length, **matched},
     )
     lora = LoraConfig(
         r=args.lora_r,
@@ -93,7 +121,8 @@ def main():
         task_type="CAUSAL_LM",
     )
     clock = LoopClock(args.time_cap_s)
-    trainer = SFTTrainer(model=args.model, args=config, train_dataset=train, peft_config=lora, callbacks=[clock])
+    peft_config = None if args.full else lora
+    trainer = SFTTrainer(model=args.model, args=config, train_dataset=train, peft_config=peft_config, callbacks=[clock])
     padding = count_train_padding(trainer)
     result = trainer.train()
     counts = padding.totals()  # all ranks
@@ -118,6 +147,11 @@ def main():
                     "gradient_checkpointing": config.gradient_checkpointing,
                     "world_size": trainer.accelerator.num_processes,
                     "train_loss": result.metrics.get("train_loss"),
+                    "padding_free": getattr(trainer, "padding_free", False),
+                    "packing": config.packing,
+                    "lora": not args.full,
+                    "completion_only_loss": getattr(trainer, "completion_only_loss", None),
+                    **peak_gpu_memory(),
                     **counts,
                 },
                 handle,

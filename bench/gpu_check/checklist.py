@@ -1,0 +1,1434 @@
+#!/usr/bin/env python
+"""The GPU checklist (issue 24): every step timed, every failure caught and recorded, so one broken
+step does not cost the others; every figure in one JSON file and a Markdown table.
+
+    make gpu-check                                  # all steps, here with the project's .venv
+    make gpu-check PYTHON=python3 STEPS=1,2a        # on the GPU machine: its python3, some steps per call
+    make gpu-check DRY_RUN=1                        # on a CPU: every step with tiny sizes (what CI runs)
+    python bench/gpu_check/checklist.py --steps 4,5,6 --budget_s 540
+
+Steps (bench/gpu_check/README.md says what each measures and how):
+
+  1   scripts/train.py demo in bf16 (single_gpu.yaml) against transformers.Trainer in bf16
+  2a  scripts/train_sft.py on the default LLM, LoRA: plain, gradient checkpointing, packing; each against
+      TRL's SFTTrainer with its best settings for the case
+  2b  the same, full fine-tuning: plain, gradient checkpointing
+  3   --torch_compile on the LLM: compile time and speed-up
+  4   accelerate_configs/fsdp.yaml with one process: trains, saves a full model that reloads with
+      from_pretrained, resumes from a checkpoint
+  5   DeepSpeed ZeRO-2 and ZeRO-3 with one process (skipped, with why, where deepspeed cannot be imported)
+  6   scripts/train_image.py --sync_batchnorm on one GPU
+
+Results accumulate in --results (default outputs/gpu_check): gpu_check.json (a step run again replaces
+its record), gpu_check.md and logs/. With --copy_to (default: $OUT, set on the GPU machine) they are
+copied there after every run, so a call stopped at its time limit still brings back what it did.
+
+The runner itself imports only the standard library: each run is a subprocess, and so is every piece
+of work that needs torch (this file with --helper), so a broken import breaks one step, not the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+BENCH = REPO / "bench"
+CONFIGS = REPO / "accelerate_configs"
+SITE_MARKER = ".gpu_check_installed.json"  # written by payload.py install
+DEFAULT_SITE = Path(os.environ.get("GPU_CHECK_SITE", "/tmp/gpu_check_site"))
+STEPS = {
+    "1": "train.py demo in bf16 against transformers.Trainer",
+    "2a": "SFT on the default LLM, LoRA (plain, gradient checkpointing, packing) against TRL",
+    "2b": "SFT on the default LLM, full fine-tuning (plain, gradient checkpointing) against TRL",
+    "3": "--torch_compile on the LLM: compile time and speed-up",
+    "4": "FSDP (fsdp.yaml), one process: trains, saves a full model that reloads, resumes",
+    "5": "DeepSpeed ZeRO-2 and ZeRO-3, one process",
+    "6": "train_image.py --sync_batchnorm on one GPU",
+}
+# Dense bf16 peaks (no sparsity) that MFU divides by, by GPU name. H100 SXM (HBM3) and H200: 989 TFLOP/s.
+PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
+# The LLM cases of step 2: (step, our options, TRL's best settings for the same case).
+LORA = ["--lora_r", "16", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-3"]
+FULL = ["--lora_r", "0", "--learning_rate", "2e-5"]
+TRL_LORA = ["--lora_r", "16", "--lora_alpha", "16", "--lora_dropout", "0.0", "--lr", "1e-3"]
+TRL_FULL = ["--full", "--lr", "2e-5"]
+LLM_CASES = {
+    "lora": ("2a", LORA, [*TRL_LORA, "--padding_free"]),
+    "lora_gc": ("2a", [*LORA, "--gradient_checkpointing"], [*TRL_LORA, "--padding_free", "--gradient_checkpointing"]),
+    "lora_packed": ("2a", [*LORA, "--packing"], [*TRL_LORA, "--packing"]),
+    "full": ("2b", FULL, [*TRL_FULL, "--padding_free"]),
+    "full_gc": ("2b", [*FULL, "--gradient_checkpointing"], [*TRL_FULL, "--padding_free", "--gradient_checkpointing"]),
+}
+DRY_RUN_CASES = {"lora_packed", "full_gc"}  # between them: LoRA, full, packing, checkpointing (CI time)
+
+
+class Sizes:
+    """The work of each step: the demos' own on a GPU; a few records and steps in the dry run."""
+
+    def __init__(self, dry_run: bool):
+        self.cls = ["--max_train_samples", "48", "--max_eval_samples", "16"] if dry_run else []
+        self.cls_epochs, self.cls_max_length = (1, 32) if dry_run else (3, 128)
+        self.llm_train, self.llm_eval = (16, 8) if dry_run else (600, 379)  # the demo's records, all of them
+        self.llm_batch, self.llm_epochs = (4, 1) if dry_run else (16, 2)
+        self.block_size = 256
+        self.sharded_steps, self.checkpoint_every, self.sharded_eval = (4, 2, 4) if dry_run else (20, 10, 64)
+        self.image = (
+            ["--max_train_samples", "64", "--max_eval_samples", "32", "--num_train_epochs", "1"] if dry_run else []
+        )
+        self.timeout = 240 if dry_run else 420
+
+
+class StepFailed(Exception):
+    pass
+
+
+class Checklist:
+    def __init__(self, args):
+        self.args, self.dry_run = args, args.dry_run
+        self.sizes = Sizes(self.dry_run)
+        self.results = Path(args.results).resolve()
+        self.logs = self.results / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.json_path, self.md_path = self.results / "gpu_check.json", self.results / "gpu_check.md"
+        self.deadline = time.monotonic() + args.budget_s if args.budget_s else None
+        self.site = self.find_site(args.site)
+        self.copy_to = Path(args.copy_to) if args.copy_to else None
+        self.data = json.loads(self.json_path.read_text()) if self.json_path.exists() and not args.fresh else {}
+        if self.data.get("dry_run", self.dry_run) != self.dry_run:
+            self.data = {}  # never mix a dry run's figures with a GPU run's
+        self.data.update(dry_run=self.dry_run, schema=1)
+        self.data.setdefault("steps", {})
+        self.data.setdefault("calls", []).append(
+            {"started": now(), "steps": args.steps, "argv": sys.argv[1:], "site": str(self.site) if self.site else None}
+        )
+        self.step_record: dict | None = None
+        self._llm: dict | None = None
+
+    # --- environment ------------------------------------------------------------------------------
+
+    def find_site(self, site: str | None) -> Path | None:
+        """The folder payload.py install filled with the carried wheels (put first on every run's path)."""
+        path = Path(site) if site else DEFAULT_SITE
+        if site or (path / SITE_MARKER).exists():
+            return path
+        return None
+
+    def env(self, extra: dict | None = None) -> dict:
+        """Every run's environment: offline, the carried wheels first on the path, then this repository
+        (not an editable install of another checkout), the benchmarks and their baselines."""
+        env = dict(os.environ)
+        path = [str(self.site)] if self.site else []
+        path += [str(REPO), str(BENCH), str(BENCH / "baselines")]
+        if env.get("PYTHONPATH"):
+            path.append(env["PYTHONPATH"])
+        env.update(
+            PYTHONPATH=os.pathsep.join(path),
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+            HF_HOME=str(self.results / "hf_home"),  # the dequantized GGUF is kept here between calls
+        )
+        if self.dry_run:
+            env["OMP_NUM_THREADS"] = "1"  # the 2-core CI machine
+        env.update(extra or {})
+        return env
+
+    def helper(self, name: str, *args, timeout: int = 600) -> dict:
+        """Work that needs torch, in a subprocess of this file (`--helper`): returns its JSON."""
+        out = self.results / f"helper-{name}.json"
+        out.unlink(missing_ok=True)
+        log = self.logs / f"helper-{name}.log"
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--helper",
+            name,
+            "--helper_out",
+            str(out),
+            *map(str, args),
+        ]
+        if self.dry_run:
+            command.append("--dry_run")
+        with open(log, "w") as handle:
+            done = subprocess.run(
+                command, cwd=REPO, env=self.env(), stdout=handle, stderr=subprocess.STDOUT, timeout=timeout
+            )
+        if done.returncode != 0 or not out.exists():
+            raise StepFailed(f"helper {name}: {error_line(log.read_text(errors='replace'), done.returncode)}")
+        return json.loads(out.read_text())
+
+    def environment(self, steps: list[str]) -> None:
+        """The machine's facts, and (when an LLM step is to run) the LLM's model, data and MFU facts, in one
+        helper process (each one costs an import of torch and transformers)."""
+        args = []
+        if set(steps) & {"2a", "2b", "3", "4", "5"}:
+            args = ["--llm", self.results / "llm", self.sizes.llm_train, self.sizes.llm_eval]
+        try:
+            found = self.helper("env", *args)
+            self.data["environment"], self._llm = found["environment"], found.get("llm")
+        except Exception as exc:  # recorded; the steps still run (an LLM step then fails on its own)
+            self.data["environment"], self._llm = {"error": str(exc)}, None
+            self._llm_error = str(exc)
+        self.save()
+
+    # --- runs -------------------------------------------------------------------------------------
+
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def launch(
+        self,
+        name: str,
+        command: list,
+        result_file: Path | None = None,
+        timeout: int | None = None,
+        expect_error: str | None = None,
+        env: dict | None = None,
+        estimate_s: int = 60,
+    ) -> dict:
+        """Run one command of this step; record it (command, wall time, status, error line, log). A run
+        that would not fit in what is left of --budget_s is skipped and said so."""
+        record = {"name": name, "command": shlex.join(map(str, command))}
+        self.step_record["runs"][name] = record
+        left = self.time_left()
+        if left is not None and left < estimate_s:
+            record.update(
+                status="skipped", reason=f"{left:.0f} s left of --budget_s, this run takes about {estimate_s} s"
+            )
+            self.save()
+            return record
+        timeout = timeout or self.sizes.timeout
+        budget_ends_it = left is not None and left - 5 < timeout
+        if budget_ends_it:
+            timeout = int(left - 5)
+        log = self.logs / f"{self.step_record['id']}-{name}.log"
+        record["log"] = str(log.relative_to(self.results))
+        if result_file is not None:
+            Path(result_file).unlink(missing_ok=True)
+        print(f"  {name}: {record['command']}", flush=True)
+        start = time.monotonic()
+        with open(log, "w") as handle:
+            handle.write(record["command"] + "\n\n")
+            handle.flush()
+            process = subprocess.Popen(
+                [str(c) for c in command],
+                cwd=REPO,
+                env=self.env(env),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                rc = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, 9)  # the launcher and its workers
+                process.wait()
+                rc = None
+        record["wall_s"] = round(time.monotonic() - start, 2)
+        text = log.read_text(errors="replace")
+        if rc is None and budget_ends_it:  # not a failure of the run: this call's time ran out
+            record.update(status="skipped", reason=f"stopped after {timeout} s, at the end of --budget_s: run it again")
+        elif rc is None:
+            record.update(status="failed", error=f"timed out after {timeout} s; last line: {error_line(text, 0)}")
+        elif rc != 0:
+            record.update(status="failed", error=error_line(text, rc))
+        elif result_file is not None and not Path(result_file).exists():
+            record.update(
+                status="failed", error=f"exit 0 but no {Path(result_file).name}; last line: {error_line(text, 0)}"
+            )
+        else:
+            record["status"] = "ok"
+        if record["status"] == "failed" and expect_error and self.dry_run:
+            record["expected_in_dry_run"] = expect_error in record["error"]
+        print(
+            f"    {record['status']} in {record['wall_s']:.1f} s"
+            + (f": {record.get('error')}" if record.get("error") else ""),
+            flush=True,
+        )
+        self.save()
+        return record
+
+    def accelerate(self, config: str, script: str, *args, processes: int = 1) -> tuple[list, str]:
+        """`accelerate launch` with a repository config; in the dry run a config that needs GPUs (FSDP,
+        DeepSpeed) becomes cpu_2proc.yaml, and the step records that it did."""
+        used = config
+        if self.dry_run and config.startswith(("fsdp", "deepspeed")):
+            used = "cpu_2proc.yaml"
+            self.note(f"dry run: accelerate_configs/{config} replaced by cpu_2proc.yaml (it runs on GPUs only)")
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / used]
+        command += ["--num_processes", processes, "--main_process_port", free_port(), REPO / "scripts" / script, *args]
+        return command, used
+
+    def note(self, text: str) -> None:
+        notes = self.step_record.setdefault("notes", [])
+        if text not in notes:
+            notes.append(text)
+
+    # --- steps ------------------------------------------------------------------------------------
+
+    def run_step(self, step: str) -> None:
+        record = {"id": step, "title": STEPS[step], "started": now(), "runs": {}, "figures": {}}
+        self.step_record = self.data["steps"][step] = record
+        print(f"step {step}: {STEPS[step]}", flush=True)
+        start = time.monotonic()
+        try:
+            getattr(self, "step_" + step)()
+            failed = [r for r in record["runs"].values() if r.get("status") == "failed"]
+            if failed:
+                record.update(status="failed", error="; ".join(f"{r['name']}: {r['error']}" for r in failed))
+                if self.dry_run and all(r.get("expected_in_dry_run") for r in failed):
+                    record["expected_in_dry_run"] = True
+            elif record["runs"] and all(r.get("status") == "skipped" for r in record["runs"].values()):
+                record.update(
+                    status="skipped", reason="; ".join(f"{r['name']}: {r['reason']}" for r in record["runs"].values())
+                )
+            else:
+                record["status"] = "ok"
+        except StepFailed as exc:
+            record.update(status="failed", error=str(exc))
+        except Skip as exc:
+            record.update(status="skipped", reason=str(exc))
+        except Exception as exc:  # a bug in this step must not cost the others
+            record.update(
+                status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:]
+            )
+        record["wall_s"] = round(time.monotonic() - start, 2)
+        print(f"  -> {record['status']} in {record['wall_s']:.1f} s", flush=True)
+        self.save()
+
+    def step_1(self) -> None:
+        """scripts/train.py's demo against transformers.Trainer (random batches, and grouped by length),
+        both in bf16 on one process, the same work: the demo model and reviews, batch 8, max length 128,
+        lr 1e-4 with 10% warm-up, 3 epochs, no checkpoints."""
+        s, work = self.sizes, self.results / "step1"
+        work.mkdir(exist_ok=True)
+        common = ["--max_length", s.cls_max_length, "--seed", 42, *s.cls]
+        command, _ = self.accelerate(
+            "single_gpu.yaml",
+            "train.py",
+            "--num_train_epochs",
+            s.cls_epochs,
+            "--per_device_train_batch_size",
+            8,
+            "--learning_rate",
+            "1e-4",
+            "--checkpointing_steps",
+            "no",
+            "--output_dir",
+            work / "ours",
+            "--overwrite_output_dir",
+            *common,
+        )
+        runs = {"ours": self.launch("ours", command, work / "ours" / "metrics.json", estimate_s=60)}
+        for name, sampling in (("trainer", "random"), ("trainer_grouped", "group_by_length")):
+            if self.dry_run and name == "trainer_grouped":
+                reason = "dry run: the same script as trainer, with --sampling group_by_length"
+                self.step_record["runs"][name] = {"name": name, "status": "skipped", "reason": reason}
+                continue
+            out = work / f"{name}.json"
+            command = [
+                sys.executable,
+                BENCH / "baselines" / "trainer_run.py",
+                "--out",
+                out,
+                "--epochs",
+                s.cls_epochs,
+                "--batch_size",
+                8,
+                "--lr",
+                "1e-4",
+                "--output_dir",
+                work / f"{name}_out",
+                "--sampling",
+                sampling,
+                "--bf16",
+                *common,
+            ]
+            runs[name] = self.launch(name, command, out, estimate_s=60)
+        rows = {}
+        for name, run in runs.items():
+            if run["status"] != "ok":
+                continue
+            if name == "ours":
+                data = read_json(work / "ours" / "metrics.json")
+                figures = {
+                    "samples_per_s": data["train_samples_per_second"],
+                    "peak_gpu_memory_mib": max(data.get("peak_gpu_memory_mb_per_rank") or [None], key=none_low),
+                    "accuracy": data.get("eval_accuracy"),
+                    "padded_per_real": 1 + data.get("train_padding_waste", 0.0),
+                    "mixed_precision": data.get("mixed_precision"),
+                }
+            else:
+                data = read_json(work / f"{name}.json")
+                figures = {
+                    "samples_per_s": data["train_samples"] / data["train_time_s"],
+                    "peak_gpu_memory_mib": data.get("peak_gpu_memory_mb"),
+                    "accuracy": data.get("eval_accuracy"),
+                    "padded_per_real": (data["padded_tokens"] + data["real_tokens"]) / max(data["real_tokens"], 1),
+                    "mixed_precision": data.get("mixed_precision"),
+                }
+            run["figures"] = rows[name] = figures
+        for base in ("trainer", "trainer_grouped"):
+            if "ours" in rows and base in rows:
+                self.step_record["figures"][f"ours_x_{base}"] = (
+                    rows["ours"]["samples_per_s"] / rows[base]["samples_per_s"]
+                )
+        self.table(
+            [
+                "run",
+                "samples/s",
+                "× Trainer",
+                "× Trainer grouped",
+                "peak GPU MiB",
+                "accuracy",
+                "padded/real",
+                "precision",
+            ],
+            [
+                [
+                    name,
+                    f(r["samples_per_s"], 2),
+                    ratio(r, rows.get("trainer"), "samples_per_s"),
+                    ratio(r, rows.get("trainer_grouped"), "samples_per_s"),
+                    f(r["peak_gpu_memory_mib"], 0),
+                    f(r["accuracy"], 4),
+                    f(r["padded_per_real"], 3),
+                    r["mixed_precision"],
+                ]
+                for name, r in rows.items()
+            ],
+        )
+        self.step_record["figures"]["target"] = "ours ≥ 1.2× the Trainer's samples/s in bf16"
+
+    def llm(self) -> dict:
+        """The LLM's model directory, data files and the facts MFU needs (made once per call, by `environment`)."""
+        if not self._llm:
+            raise StepFailed(
+                f"the LLM could not be prepared: {getattr(self, '_llm_error', 'no LLM step was asked for')}"
+            )
+        self.step_record["figures"].setdefault("model", self._llm["facts"]["summary"])
+        return self._llm
+
+    def sft_command(
+        self,
+        out: Path,
+        *extra,
+        config: str = "single_gpu.yaml",
+        eval_samples: int | None = None,
+        zero_shot: bool = False,
+    ) -> tuple[list, str]:
+        """scripts/train_sft.py on the step-2 work: the demo's chat records from files both trainers read,
+        block 256, bf16 through the launch config, the demo's generation settings; no checkpoints."""
+        s, llm = self.sizes, self.llm()
+        model = ["--model_name_or_path", llm["gguf_dir"], "--gguf_file", llm["gguf_file"]] if self.dry_run else []
+        args = [
+            *model,
+            "--train_file",
+            llm["train_file"],
+            "--validation_file",
+            llm["validation_file"],
+            "--block_size",
+            s.block_size,
+            "--per_device_train_batch_size",
+            s.llm_batch,
+            "--num_train_epochs",
+            s.llm_epochs,
+            "--per_device_eval_batch_size",
+            32,
+            "--eval_max_new_tokens",
+            8,
+            "--no-eval_perplexity",
+            "--logging_steps",
+            5,
+            "--seed",
+            42,
+            "--output_dir",
+            out,
+            "--overwrite_output_dir",
+            *([] if zero_shot else ["--skip_zero_shot"]),
+            *(["--max_eval_samples", eval_samples] if eval_samples else []),
+            *map(str, extra),
+        ]
+        if "--checkpointing_steps" not in args:
+            args += ["--checkpointing_steps", "no"]
+        return self.accelerate(config, "train_sft.py", *args)
+
+    def trl_command(self, out: Path, case_args: list) -> list:
+        s, llm = self.sizes, self.llm()
+        return [
+            sys.executable,
+            BENCH / "baselines" / "trl_sft_run.py",
+            "--out",
+            out,
+            "--epochs",
+            s.llm_epochs,
+            "--batch_size",
+            s.llm_batch,
+            "--max_length",
+            s.block_size,
+            "--seed",
+            42,
+            "--model",
+            llm["model_dir"],
+            "--train_file",
+            llm["train_file"],
+            "--output_dir",
+            out.with_suffix(""),
+            "--bf16",
+            "--prompt_completion",
+            *case_args,
+        ]
+
+    def step_llm(self, step: str) -> None:
+        """Our SFT against TRL's SFTTrainer, case by case, on the same records, model, batch, epochs,
+        learning rate and schedule, both in bf16 on one process."""
+        work, llm = self.results / "step2", self.llm()
+        work.mkdir(exist_ok=True)
+        have_trl = self.env_has("trl")
+        if not have_trl:
+            self.note("trl is not installed here: TRL's runs are skipped (on the GPU machine it comes in the payload)")
+        rows = []
+        for case, (case_step, ours_args, trl_args) in LLM_CASES.items():
+            if case_step != step:
+                continue
+            if self.dry_run and case not in DRY_RUN_CASES:
+                self.step_record["runs"][case] = {
+                    "name": case,
+                    "status": "skipped",
+                    "reason": f"dry run: its options are covered by {', '.join(sorted(DRY_RUN_CASES))}",
+                }
+                continue
+            command, _ = self.sft_command(work / case, *ours_args, zero_shot=case == "lora")
+            ours = self.launch(case, command, work / case / "metrics.json", estimate_s=60)
+            if ours["status"] == "ok":
+                ours["figures"] = sft_figures(
+                    read_json(work / case / "metrics.json"), llm["facts"], self.peak(), "ours", case
+                )
+                rows.append([case, "ours", *row_of(ours["figures"], None)])
+            name = f"{case}_trl"
+            if not have_trl:
+                self.step_record["runs"][name] = {"name": name, "status": "skipped", "reason": "trl is not installed"}
+                continue
+            trl = self.launch(
+                name, self.trl_command(work / f"{name}.json", trl_args), work / f"{name}.json", estimate_s=60
+            )
+            if trl["status"] == "ok":
+                trl["figures"] = sft_figures(read_json(work / f"{name}.json"), llm["facts"], self.peak(), "trl", case)
+                base = ours.get("figures")
+                if base:
+                    base["x_trl"] = base["records_per_s"] / trl["figures"]["records_per_s"]
+                    self.step_record["figures"][f"{case}_ours_x_trl"] = base["x_trl"]
+                    rows[-1] = [case, "ours", *row_of(base, trl["figures"])]
+                rows.append([case, "TRL SFTTrainer", *row_of(trl["figures"], None)])
+        self.table(
+            [
+                "case",
+                "trainer",
+                "target tokens/s",
+                "input tokens/s",
+                "records/s",
+                "× TRL",
+                "MFU",
+                "peak GPU MiB",
+                "accuracy",
+                "padded/real",
+                "train s",
+            ],
+            rows,
+        )
+        self.step_record["figures"]["target"] = "ours ≥ 1.2× TRL's target tokens/s (= records/s: the same records)"
+        self.note(MFU_NOTE)
+        self.note(TRL_DIFFERS)
+
+    def step_2a(self) -> None:
+        self.step_llm("2a")
+
+    def step_2b(self) -> None:
+        self.step_llm("2b")
+
+    def step_3(self) -> None:
+        """--torch_compile on the LoRA case (in the dry run, LoRA with packing): compile time (training time
+        above the compiled steady state) and speed-up (steady-state tokens/s, compiled over eager), against
+        step 2a's eager run of the same case."""
+        work = self.results / "step3"
+        work.mkdir(exist_ok=True)
+        case = "lora_packed" if self.dry_run else "lora"  # the dry run's step 2a runs lora_packed only
+        ours_args = LLM_CASES[case][1]
+        eager_dir = self.results / "step2" / case
+        earlier = self.data["steps"].get("2a", {}).get("runs", {}).get(case, {})
+        if earlier.get("status") == "ok" and (eager_dir / "metrics.json").exists():
+            self.note(f"eager reference: step 2a's {case} run (the same work)")
+        else:
+            eager_dir = work / "eager"
+            command, _ = self.sft_command(eager_dir, *ours_args, "--eval_max_new_tokens", 0)
+            if self.launch("eager", command, eager_dir / "metrics.json", estimate_s=60)["status"] != "ok":
+                raise StepFailed("the eager reference run failed")
+        command, _ = self.sft_command(work / "compiled", *ours_args, "--torch_compile", "--eval_max_new_tokens", 0)
+        env = {"TORCH_LOGS": "recompiles"}
+        if (
+            self.dry_run
+        ):  # inductor's C++ build of even a tiny model takes minutes on 2 cores: the path, not the compiler
+            env["TORCHDYNAMO_DISABLE"] = "1"
+            self.note("dry run: TORCHDYNAMO_DISABLE=1, so --torch_compile wraps the model but compiles nothing")
+        run = self.launch("compiled", command, work / "compiled" / "metrics.json", env=env, timeout=600, estimate_s=240)
+        if run["status"] != "ok":
+            return
+        eager, compiled = steady(eager_dir), steady(work / "compiled")
+        log = (self.results / run["log"]).read_text(errors="replace")
+        figures = {
+            "eager_steady_tokens_per_s": eager["steady_tokens_per_s"],
+            "compiled_steady_tokens_per_s": compiled["steady_tokens_per_s"],
+            "speed_up_steady": ratio_of(compiled["steady_tokens_per_s"], eager["steady_tokens_per_s"]),
+            "eager_train_s": eager["train_s"],
+            "compiled_train_s": compiled["train_s"],
+            "speed_up_end_to_end": ratio_of(eager["train_s"], compiled["train_s"]),
+            "compile_s": compiled["train_s"] - compiled["tokens"] / compiled["steady_tokens_per_s"]
+            if compiled["steady_tokens_per_s"]
+            else None,
+            "recompiles": log.count("Recompiling function"),
+        }
+        run["figures"] = figures
+        self.step_record["figures"].update(figures)
+        self.table(["figure", "value"], [[k, f(v, 3)] for k, v in figures.items()])
+        self.note(
+            "compile_s: the compiled run's training time minus its tokens at the compiled steady speed (median "
+            "tokens/s of the logged windows of the second half: compilation and recompiles for new shapes)"
+        )
+
+    def step_4(self) -> None:
+        """FSDP (fsdp.yaml: FSDP2, full shard per layer, bf16) with one process: full fine-tuning for N steps
+        with a checkpoint every N/2; the saved model reloads with from_pretrained; a second run resumes from
+        the middle checkpoint and ends where the first did."""
+        s, work = self.sizes, self.results / "step4"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        # A record every step: the resumed run's last loss is compared with the uninterrupted run's at that step.
+        steps = [
+            "--max_train_steps",
+            s.sharded_steps,
+            "--checkpointing_steps",
+            s.checkpoint_every,
+            "--logging_steps",
+            1,
+        ]
+        command, _ = self.sft_command(work / "run", *FULL, *steps, config="fsdp.yaml", eval_samples=s.sharded_eval)
+        first = self.launch("train", command, work / "run" / "metrics.json", estimate_s=90)
+        if first["status"] != "ok":
+            raise StepFailed(f"train: {first['error']}")
+        data = read_json(work / "run" / "metrics.json")
+        first["figures"] = sft_figures(data, self.llm()["facts"], self.peak(), "ours", "full")
+        middle = work / "run" / f"checkpoint-{s.checkpoint_every}"
+        resume_args = [*FULL, *steps, "--resume_from_checkpoint", middle]
+        command, _ = self.sft_command(work / "resumed", *resume_args, config="fsdp.yaml", eval_samples=s.sharded_eval)
+        resumed = self.launch("resume", command, work / "resumed" / "metrics.json", estimate_s=90)
+        saved = [work / "run"] + ([work / "resumed"] if resumed["status"] == "ok" else [])
+        reloaded = self.helper("reload", *saved, "--reference", work / "run")  # one process loads both
+        reload = reloaded["run"]
+        self.step_record["runs"]["reload"] = {
+            "name": "reload",
+            "status": "ok" if reload["ok"] else "failed",
+            "figures": reload,
+            **({} if reload["ok"] else {"error": reload["problem"]}),
+        }
+        figures = {"train": first["figures"], "reload": reload}
+        if resumed["status"] == "ok":
+            compare = reloaded["resumed"]
+            figures["resume"] = {
+                "from": middle.name,
+                "max_abs_diff_vs_uninterrupted": compare.get("max_abs_diff"),
+                "final_loss": last_loss(work / "resumed"),
+                "final_loss_uninterrupted": last_loss(work / "run"),
+                "reloads": compare["ok"],
+            }
+            resumed["figures"] = figures["resume"]
+        self.step_record["figures"].update(figures)
+        t = first["figures"]
+        self.table(
+            ["check", "result"],
+            [
+                [
+                    "trains (target tokens/s, MFU, peak GPU MiB)",
+                    f"{f(t['target_tokens_per_s'], 0)}, {f(t['mfu'], 4)}, {f(t['peak_gpu_memory_mib'], 0)}",
+                ],
+                ["accuracy on the eval prompts (generation under FSDP)", f(t["accuracy"], 4)],
+                ["saved model reloads with from_pretrained", reload.get("summary")],
+                [
+                    "resumes from the middle checkpoint: max |Δ| of the weights vs the run not stopped",
+                    f(figures.get("resume", {}).get("max_abs_diff_vs_uninterrupted"), 6),
+                ],
+                [
+                    "final loss: resumed / not stopped",
+                    f"{f(figures.get('resume', {}).get('final_loss'), 5)} / "
+                    f"{f(figures.get('resume', {}).get('final_loss_uninterrupted'), 5)}",
+                ],
+            ],
+        )
+
+    def step_5(self) -> None:
+        """DeepSpeed ZeRO-2 and ZeRO-3 (the repository's configs, bf16) with one process: full fine-tuning for
+        N steps, generation on a few eval prompts, the saved model reloaded."""
+        s, work = self.sizes, self.results / "step5"
+        work.mkdir(exist_ok=True)
+        environment = self.data.get("environment", {})
+        if not (environment.get("packages") or {}).get("deepspeed"):
+            why = environment.get("deepspeed_import_error") or (
+                (environment.get("payload") or {}).get("skipped_wheels") or {}
+            ).get("deepspeed")
+            reason = f"deepspeed cannot be imported here{f' ({why})' if why else ''}"
+            if not self.dry_run:
+                raise Skip(reason)
+            self.note(f"on the GPU machine this step would be skipped: {reason}")
+        rows = []
+        for stage in (2, 3):
+            name = f"zero{stage}"
+            if self.dry_run and stage == 3:
+                self.step_record["runs"][name] = {
+                    "name": name,
+                    "status": "skipped",
+                    "reason": "dry run: on a CPU both stages run the same cpu_2proc.yaml command",
+                }
+                continue
+            steps = ["--max_train_steps", s.sharded_steps]
+            command, _ = self.sft_command(
+                work / name, *FULL, *steps, config=f"deepspeed_zero{stage}.yaml", eval_samples=s.sharded_eval
+            )
+            run = self.launch(name, command, work / name / "metrics.json", estimate_s=120)
+            if run["status"] != "ok":
+                continue
+            figures = sft_figures(
+                read_json(work / name / "metrics.json"), self.llm()["facts"], self.peak(), "ours", "full"
+            )
+            if self.dry_run:  # the same helper as step 4's, on a CPU run that is no ZeRO run
+                figures["reload"] = {"summary": "not checked in the dry run"}
+            else:
+                figures["reload"] = self.helper("reload", work / name)[name]
+            run["figures"] = figures
+            rows.append(
+                [
+                    name,
+                    f(figures["target_tokens_per_s"], 0),
+                    f(figures["mfu"], 4),
+                    f(figures["peak_gpu_memory_mib"], 0),
+                    f(figures["accuracy"], 4),
+                    figures["reload"].get("summary"),
+                ]
+            )
+        self.table(["stage", "target tokens/s", "MFU", "peak GPU MiB", "accuracy", "saved model reloads"], rows)
+
+    def step_6(self) -> None:
+        """train_image.py's demo on one GPU (single_gpu.yaml, bf16), plain and with --sync_batchnorm. On one
+        process torch's SyncBatchNorm computes plain BatchNorm (it syncs only in a world of more than one
+        process): this checks the conversion, the GPU guard and the training, not the all-reduce."""
+        s, work = self.sizes, self.results / "step6"
+        work.mkdir(exist_ok=True)
+        rows = []
+        for name, extra in (("plain", []), ("sync_batchnorm", ["--sync_batchnorm"])):
+            command, _ = self.accelerate(
+                "single_gpu.yaml",
+                "train_image.py",
+                "--output_dir",
+                work / name,
+                "--overwrite_output_dir",
+                "--checkpointing_steps",
+                "no",
+                "--seed",
+                42,
+                *s.image,
+                *extra,
+            )
+            run = self.launch(
+                name,
+                command,
+                work / name / "metrics.json",
+                estimate_s=60,
+                expect_error="--sync_batchnorm needs GPUs" if extra else None,
+            )
+            if run["status"] != "ok":
+                continue
+            data = read_json(work / name / "metrics.json")
+            log = (self.results / run["log"]).read_text(errors="replace")
+            converted = re.search(r"--sync_batchnorm: (\d+) BatchNorm layers", log)
+            run["figures"] = figures = {
+                "images_per_s": data["train_samples_per_second"],
+                "accuracy": data.get("eval_accuracy"),
+                "peak_gpu_memory_mib": max(data.get("peak_gpu_memory_mb_per_rank") or [None], key=none_low),
+                "batchnorm_layers_converted": int(converted.group(1)) if converted else 0,
+            }
+            rows.append(
+                [
+                    name,
+                    f(figures["images_per_s"], 0),
+                    f(figures["accuracy"], 4),
+                    f(figures["peak_gpu_memory_mib"], 0),
+                    figures["batchnorm_layers_converted"],
+                ]
+            )
+        self.table(["run", "images/s", "accuracy", "peak GPU MiB", "BatchNorm layers converted"], rows)
+
+    # --- helpers of the steps ---------------------------------------------------------------------------
+
+    def env_has(self, package: str) -> bool:
+        return bool(self.data.get("environment", {}).get("packages", {}).get(package))
+
+    def peak(self) -> float | None:
+        gpu = (self.data.get("environment", {}).get("gpu") or {}).get("name") or ""
+        return next((peak for name, peak in PEAK_BF16 if name in gpu), None)
+
+    def table(self, columns: list, rows: list) -> None:
+        self.step_record["table"] = {"columns": columns, "rows": rows}
+
+    # --- results ----------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        self.data["updated"] = now()
+        self.data["steps"] = {step: self.data["steps"][step] for step in STEPS if step in self.data["steps"]}
+        write_results(self.results, self.data, self.copy_to)
+
+
+def write_results(results: Path, data: dict, copy_to: Path | None) -> None:
+    """gpu_check.json and gpu_check.md in `results`; with `copy_to` ($OUT on the GPU machine) also there,
+    with every log (logs/, lanes/*/logs/) in gpu_check_logs.tar.gz."""
+    write_atomic(results / "gpu_check.json", json.dumps(data, indent=2, default=str) + "\n")
+    write_atomic(results / "gpu_check.md", markdown(data))
+    if not copy_to:
+        return
+    try:
+        copy_to.mkdir(parents=True, exist_ok=True)
+        shutil.copy(results / "gpu_check.json", copy_to / "gpu_check.json")
+        shutil.copy(results / "gpu_check.md", copy_to / "gpu_check.md")
+        with tarfile.open(copy_to / "gpu_check_logs.tar.gz", "w:gz") as tar:
+            for log in sorted(results.glob("logs/*.log")) + sorted(results.glob("lanes/*/logs/*.log")):
+                tar.add(log, arcname=str(log.relative_to(results)))
+    except OSError as exc:
+        print(f"could not copy the results to {copy_to}: {exc}", flush=True)
+
+
+class Skip(Exception):
+    pass
+
+
+MFU_NOTE = (
+    "MFU = model FLOPs of the work / training seconds / the GPU's dense bf16 peak (H100 SXM and H200: 989 TFLOP/s). "
+    "Model FLOPs, counted from the model (not the kernels): per real input token 2 FLOPs per weight of the "
+    "transformer layers' linear maps (P), at each target position 2 per weight of the LM head (V×d; the loss needs "
+    "no logits elsewhere), and causal attention 2·layers·d_attn·L per token (L: its record's length, from the "
+    "records' token counts). Full fine-tuning: 3× that forward (the backward computes gradients of the inputs and of "
+    "the weights). LoRA: the frozen weights need only the gradients of their inputs, so 2× the forward of the "
+    "linear maps and the head, 3× the attention, plus 6 per LoRA weight per token. Gradient checkpointing's "
+    "recomputed forward is not counted (MFU, not hardware FLOPs utilisation). TRL's MFU counts its own loss "
+    "positions as targets; its LM head at the other positions is work outside the model FLOPs."
+)
+TRL_DIFFERS = (
+    "What differs from TRL: TRL's loss covers the completion's tokens as its chat template renders them (the "
+    "answer, <|im_end|> and the newline after it; ours stops at <|im_end|>); TRL computes the LM head at every "
+    "position (in chunks, its fused head) and per-step token accuracy and entropy metrics with host syncs; ours "
+    "runs the head at target positions only. TRL without packing is padding-free (each batch one flattened "
+    "sequence, block-diagonal attention from position_ids); ours pads each length-grouped batch to a multiple of "
+    "8. Both: bf16 autocast with fp32 trainable weights, fused AdamW, one process, no DDP."
+)
+
+
+# --- figures ----------------------------------------------------------------------------------------
+
+
+def sft_figures(data: dict, facts: dict, peak: float | None, who: str, case: str) -> dict:
+    """Throughput, MFU, memory and accuracy of one SFT run (ours: metrics.json; TRL: its results JSON)."""
+    if who == "ours":
+        seconds, records = data["train_runtime_s"], data["train_samples_seen"]
+        if case.endswith("_packed"):  # ours counts packed rows as its samples: the records are what both train
+            records = (facts["records"] - data.get("train_records_dropped", 0)) * data["epochs"]
+        tokens, targets = data["train_tokens_seen"], data["train_target_tokens_seen"]
+        memory = max(data.get("peak_gpu_memory_mb_per_rank") or [None], key=none_low)
+        padded = 1 + data.get("train_padding_waste", 0.0)
+    else:
+        seconds, records = data["train_time_s"], data["train_samples"]
+        tokens, targets = data["real_tokens"], data["target_tokens"]
+        memory = data.get("peak_gpu_memory_mb")
+        padded = (data["padded_tokens"] + data["real_tokens"]) / max(data["real_tokens"], 1)
+    flops = model_flops(facts, tokens, targets, lora=case.startswith("lora"))
+    return {
+        "train_s": seconds,
+        "records_per_s": records / seconds,
+        "input_tokens_per_s": tokens / seconds,
+        "target_tokens_per_s": targets / seconds,
+        "model_tflop_per_s": flops / seconds / 1e12,
+        "mfu": flops / seconds / peak if peak else None,
+        "peak_gpu_memory_mib": memory,
+        "accuracy": data.get("eval_accuracy"),
+        "zero_shot_accuracy": data.get("zero_shot_accuracy"),
+        "padded_per_real": padded,
+        "records": records,
+        "input_tokens": tokens,
+        "target_tokens": targets,
+    }
+
+
+def model_flops(facts: dict, tokens: float, targets: float, lora: bool) -> float:
+    """Model FLOPs of training on `tokens` real input tokens with `targets` loss positions (see MFU_NOTE)."""
+    linear = 2 * facts["linear_params"] * tokens
+    head = 2 * facts["head_params"] * targets
+    # Per layer, a token attending to n earlier ones: n·d multiply-adds for the scores, n·d for the weighted sum.
+    attention = 4 * facts["layers"] * facts["attention_width"] * facts["mean_tokens_attended"] * tokens
+    if not lora:
+        return 3 * (linear + head + attention)
+    return 2 * (linear + head) + 3 * attention + 6 * facts["lora_params"] * tokens
+
+
+def row_of(figures: dict, trl: dict | None) -> list:
+    return [
+        f(figures["target_tokens_per_s"], 0),
+        f(figures["input_tokens_per_s"], 0),
+        f(figures["records_per_s"], 2),
+        f(figures["records_per_s"] / trl["records_per_s"], 3) if trl else "-",
+        f(figures["mfu"], 4),
+        f(figures["peak_gpu_memory_mib"], 0),
+        f(figures["accuracy"], 4)
+        + (
+            f" (zero-shot {figures['zero_shot_accuracy']:.4f})" if figures.get("zero_shot_accuracy") is not None else ""
+        ),
+        f(figures["padded_per_real"], 3),
+        f(figures["train_s"], 1),
+    ]
+
+
+def steady(run_dir: Path) -> dict:
+    """A run's training seconds and tokens, and its steady-state tokens/s: the median over the logged
+    windows of the second half of training."""
+    data = read_json(run_dir / "metrics.json")
+    speeds = [
+        r["train/tokens_per_second"] for r in read_jsonl(run_dir / "train_log.jsonl") if "train/tokens_per_second" in r
+    ]
+    late = speeds[len(speeds) // 2 :] or speeds
+    return {
+        "train_s": data["train_runtime_s"],
+        "tokens": data["train_tokens_seen"],
+        "steady_tokens_per_s": statistics.median(late) if late else None,
+    }
+
+
+def last_loss(run_dir: Path) -> float | None:
+    losses = [r["train/loss"] for r in read_jsonl(run_dir / "train_log.jsonl") if "train/loss" in r]
+    return losses[-1] if losses else None
+
+
+# --- markdown ---------------------------------------------------------------------------------------
+
+
+def markdown(data: dict) -> str:
+    env = data.get("environment", {})
+    gpu = env.get("gpu") or {}
+    lines = [
+        "# GPU check" + (" (dry run: CPU, tiny sizes; the figures mean nothing)" if data.get("dry_run") else ""),
+        "",
+    ]
+    lines += [
+        f"- updated {data.get('updated')}; calls: "
+        + "; ".join(f"{c['started']} steps {c['steps']}" for c in data.get("calls", [])),
+        f"- GPU: {gpu['name']}; driver {gpu.get('driver')}; {gpu.get('memory')}"
+        if gpu
+        else "- GPU: none (no CUDA device)",
+        f"- python {env.get('python')}; torch {env.get('torch')} (CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')})",
+    ]
+    if env.get("error"):
+        lines.append(f"- environment not read: {env['error']}")
+    differs = env.get("differs_from_requirements") or []
+    if differs:
+        lines += [
+            "",
+            "Versions that differ from requirements*.txt:",
+            "",
+            "| package | required | found here |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {d['name']} | {d['required']} | {d['found']} |" for d in differs]
+    unmet = (env.get("payload") or {}).get("unmet_requirements") or []
+    if unmet:
+        lines += ["", "Requirements of the carried packages not met here: " + "; ".join(unmet)]
+    lines += ["", "| step | what | status | wall (s) | headline |", "|---|---|---|---:|---|"]
+    for step in STEPS:
+        record = data.get("steps", {}).get(step)
+        if record is None:
+            lines.append(f"| {step} | {STEPS[step]} | not run | | |")
+            continue
+        status = record.get("status", "?")
+        if status == "failed":
+            status += f": {record.get('error', '')}" + (
+                " (expected in the dry run)" if record.get("expected_in_dry_run") else ""
+            )
+        elif status == "skipped":
+            status += f": {record.get('reason', '')}"
+        lines.append(
+            f"| {step} | {record['title']} | {cell(status)} | {f(record.get('wall_s'), 1)} | {cell(headline(record))} |"
+        )
+    for step in STEPS:
+        record = data.get("steps", {}).get(step)
+        if record is None:
+            continue
+        lines += ["", f"## Step {step}: {record['title']}", ""]
+        table = record.get("table")
+        if table and table["rows"]:
+            lines += ["| " + " | ".join(table["columns"]) + " |", "|" + "---|" * len(table["columns"])]
+            lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table["rows"]]
+            lines.append("")
+        lines += ["| run | status | wall (s) | command |", "|---|---|---:|---|"]
+        for run in record.get("runs", {}).values():
+            status = run.get("status", "?") + (
+                f": {run.get('error') or run.get('reason')}" if run.get("status") != "ok" else ""
+            )
+            lines.append(
+                f"| {run['name']} | {cell(status)} | {f(run.get('wall_s'), 1)} | `{cell(run.get('command', ''))}` |"
+            )
+        for note in record.get("notes", []):
+            lines += ["", f"- {note}"]
+    return "\n".join(lines) + "\n"
+
+
+def headline(record: dict) -> str:
+    figures = record.get("figures", {})
+    parts = []
+    for key, value in figures.items():
+        if isinstance(value, float) and ("_x_" in key or key.startswith("speed_up") or key == "compile_s"):
+            parts.append(f"{key} {value:.3f}")
+    return ", ".join(parts)
+
+
+def cell(value) -> str:
+    return str(value if value is not None else "").replace("|", "\\|").replace("\n", " ")
+
+
+# --- helpers run as subprocesses (they import torch) --------------------------------------------------
+
+
+def helper_env(args) -> dict:
+    """The machine (`machine`), and with --llm the LLM's preparation (`helper_llm_prep`)."""
+    found = {"environment": machine()}
+    if args.llm:
+        found["llm"] = helper_llm_prep(args)
+    return found
+
+
+def machine() -> dict:
+    """The machine: GPU, driver, torch, CUDA, every package of requirements*.txt and what differs."""
+    import importlib.metadata as metadata
+    import platform
+
+    import torch
+
+    info = {
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "gpu": None,
+        "platform": platform.platform(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = {
+            "name": props.name,
+            "memory": f"{props.total_memory / 2**30:.1f} GiB",
+            "capability": f"{props.major}.{props.minor}",
+            "count": torch.cuda.device_count(),
+        }
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            done = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+            )
+            info["gpu"]["driver"] = (
+                done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+            )
+    required = {}
+    for name in ("requirements.txt", "requirements-demo.txt", "bench/requirements-bench.txt"):  # not the dev tools
+        for line in (REPO / name).read_text().splitlines():
+            line = line.split("#")[0].strip()
+            match = re.match(r"^([A-Za-z0-9_.\-]+)\s*([<>=!~].*)?$", line)
+            if match and not line.startswith("-"):
+                required[match.group(1)] = (match.group(2) or "").strip()
+    extra = ["huggingface_hub", "tokenizers", "pyarrow", "fsspec", "triton", "deepspeed", "pydantic", "trl"]
+    packages = {}
+    for name in [*required, *extra]:
+        try:
+            packages[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            packages[name] = None
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # recorded, not raised: step 5 reads it
+        if packages.get("deepspeed"):
+            packages["deepspeed"] = None
+            info["deepspeed_import_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    info["packages"] = packages
+    info["differs_from_requirements"] = [
+        {"name": name, "required": spec or "(any)", "found": packages.get(name)}
+        for name, spec in required.items()
+        if not version_meets(packages.get(name), spec)
+    ]
+    site = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
+    marker = Path(site, SITE_MARKER) if site else None
+    info["payload"] = json.loads(marker.read_text()) if marker and marker.exists() else None
+    return info
+
+
+def version_meets(found: str | None, spec: str) -> bool:
+    if found is None:
+        return False
+    if not spec:
+        return True
+    try:
+        from packaging.specifiers import SpecifierSet
+
+        return SpecifierSet(spec).contains(found, prereleases=True)
+    except ImportError:
+        return spec == f"=={found}"
+
+
+def helper_llm_prep(args) -> dict:
+    """The LLM of steps 2 to 5, dequantized once into <HF_HOME>/dequantized-gguf (the demo's GGUF on a GPU,
+    a tiny Llama written as GGUF in the dry run), the chat records both trainers read (bench_sft's, the
+    demo's own), and the facts MFU needs: the model's weights by kind, and the records' token counts."""
+    import torch
+    from accelerate import PartialState
+    from bench_sft import write_chat_data
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from ddp_utils.demo import demo_llm_gguf
+    from ddp_utils.gguf import dequantized_gguf
+
+    work, train_records, eval_records = Path(args.llm[0]), int(args.llm[1]), int(args.llm[2])
+    work.mkdir(parents=True, exist_ok=True)
+    PartialState()  # ddp_utils logs through Accelerate's logger
+    if args.dry_run:
+        sys.path.insert(0, str(REPO / "tests"))
+        from conftest import make_tiny_gguf
+
+        path = work / "tiny-gguf" / "tiny.Q.gguf"
+        if not path.exists():  # made once: its dequantized copy is cached by the file's path, size and time
+            path, _ = make_tiny_gguf(path.parent)
+        gguf_dir, gguf_file = str(path.parent), path.name
+    else:
+        gguf_dir, gguf_file = demo_llm_gguf()
+    model_dir = dequantized_gguf(gguf_dir, gguf_file)
+    files = write_chat_data(work, train_records, eval_records)
+    if (
+        args.dry_run
+    ):  # the tiny model's tokenizer is byte-level with a 256-token context: short reviews, so nothing is cut
+        for path in files.values():
+            records = [json.loads(line) for line in path.read_text().splitlines()]
+            for record in records:
+                turn = record["messages"][1]
+                review, question = turn["content"].rsplit("\n\n", 1)
+                turn["content"] = f"{review[-80:]}\n\n{question}"
+            path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
+    linears = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lengths = []
+    for line in files["train"].read_text().splitlines():
+        ids = tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=True)
+        lengths.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))  # transformers 5: a BatchEncoding
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    facts = {
+        "linear_params": sum(m.in_features * m.out_features for m in linears),
+        "head_params": head.in_features * head.out_features,
+        "lora_params": 16 * sum(m.in_features + m.out_features for m in linears),  # r 16 on every linear map
+        "layers": config.num_hidden_layers,
+        "attention_width": heads * head_dim,
+        # Each token attends to ~L/2 tokens of its record (causal): 4·d·L/2 FLOPs per layer, with L weighted by
+        # the tokens of each record: sum(L²)/sum(L).
+        "mean_tokens_attended": sum(n * n for n in lengths) / max(sum(lengths), 1) / 2,
+        "records": len(lengths),
+        "max_record_tokens": max(lengths, default=0),
+        "records_over_256_tokens": sum(n > 256 for n in lengths),
+        "mean_record_tokens": sum(lengths) / max(len(lengths), 1),
+        "total_params": sum(p.numel() for p in model.parameters()),
+    }
+    facts["summary"] = (
+        f"{config.model_type}, {facts['total_params'] / 1e6:.1f}M parameters ({facts['linear_params'] / 1e6:.1f}M in "
+        f"the layers' linear maps, LM head {facts['head_params'] / 1e6:.1f}M), {len(lengths)} records of "
+        f"{facts['mean_record_tokens']:.0f} tokens on average (longest {facts['max_record_tokens']})"
+    )
+    return {
+        "model_dir": model_dir,
+        "gguf_dir": gguf_dir,
+        "gguf_file": gguf_file,
+        "train_file": str(files["train"]),
+        "validation_file": str(files["validation"]),
+        "facts": facts,
+    }
+
+
+def helper_reload(args) -> dict:
+    """Each saved model (args.rest) loads with from_pretrained, with every weight found, and computes
+    finite logits; each one other than --reference gets the largest difference of its weights from it."""
+    return {Path(directory).name: reload_one(Path(directory), args.reference) for directory in args.rest}
+
+
+def reload_one(directory: Path, reference: str | None) -> dict:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    with torch.no_grad():
+        finite = bool(torch.isfinite(model(**tokenizer("The review says", return_tensors="pt")).logits).all())
+    problems = {
+        k: list(v)[:5] for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+    }
+    problem = "; ".join(f"{k}: {v}" for k, v in problems.items()) or ("" if finite else "non-finite logits")
+    result = {
+        "ok": not problem,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(next(model.parameters()).dtype),
+        "files": sorted(p.name for p in directory.glob("*.safetensors")),
+        "problem": problem,
+    }
+    if reference and Path(reference).resolve() != directory.resolve():
+        mine, theirs = {}, {}
+        for target, folder in ((mine, directory), (theirs, Path(reference))):
+            for file in sorted(folder.glob("*.safetensors")):
+                target.update(load_file(file))
+        common = sorted(set(mine) & set(theirs))
+        diffs = [float((mine[k].float() - theirs[k].float()).abs().max()) for k in common]
+        result.update(max_abs_diff=max(diffs, default=None), tensors_compared=len(common))
+    result["summary"] = (
+        f"yes: {result['parameters'] / 1e6:.1f}M parameters, {result['dtype']}" if result["ok"] else f"no: {problem}"
+    )
+    return result
+
+
+HELPERS = {"env": helper_env, "reload": helper_reload}
+
+
+# --- small things -------------------------------------------------------------------------------------
+
+
+def error_line(text: str, rc: int | None) -> str:
+    """The line that says why a run failed: our scripts' one-line error ("[rank 0] error: ..."), else the
+    last exception line of a traceback, else the last line printed."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.search(r"\berror: ", line) and line.startswith("[rank"):
+            return line[:400]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*", line) and "ChildFailedError" not in line:
+            return line[:400]
+    return (f"exit {rc}: " if rc else "") + (lines[-1][:400] if lines else "no output")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def f(value, digits: int) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def none_low(value):
+    return -1 if value is None else value
+
+
+def ratio(row: dict, base: dict | None, key: str) -> str:
+    return f(row[key] / base[key], 3) if base and base.get(key) else "-"
+
+
+def ratio_of(a, b):
+    return a / b if a is not None and b else None
+
+
+def parse_steps(text: str) -> list[str]:
+    steps = []
+    for item in [s.strip() for s in text.split(",") if s.strip()]:
+        if item == "all":
+            steps += list(STEPS)
+        elif item == "2":
+            steps += ["2a", "2b"]
+        elif item in STEPS:
+            steps.append(item)
+        else:
+            raise SystemExit(f"--steps: unknown step {item!r}; the steps are {', '.join(STEPS)} (2 = 2a,2b), or all")
+    return list(dict.fromkeys(steps))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,4,5,6 (2 = 2a,2b), or all")
+    p.add_argument("--dry_run", action="store_true", help="a CPU, tiny sizes: checks the checklist, not the GPU")
+    p.add_argument("--results", default=None, help="where the JSON, Markdown and logs go (default outputs/gpu_check)")
+    p.add_argument("--budget_s", type=float, default=None, help="start no run that would end after this many seconds")
+    p.add_argument("--copy_to", default=os.environ.get("OUT"), help="copy the results here after every run ($OUT)")
+    p.add_argument(
+        "--site", default=None, help="the wheels payload.py installed (default /tmp/gpu_check_site if there)"
+    )
+    p.add_argument(
+        "--jobs", type=int, default=None, help="dry run only: steps side by side in 2 processes (its default)"
+    )
+    p.add_argument(
+        "--require_site", action="store_true", help="stop at once unless payload.py install has run on this machine"
+    )
+    p.add_argument("--fresh", action="store_true", help="start a new JSON instead of adding to the one in --results")
+    p.add_argument("--report", nargs="*", default=None, help="merge these gpu_check.json files into --results, render")
+    p.add_argument("--helper", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--helper_out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reference", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--llm", nargs=3, default=None, help=argparse.SUPPRESS)
+    p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.helper:
+        write_atomic(Path(args.helper_out), json.dumps(HELPERS[args.helper](args), indent=2, default=str) + "\n")
+        return 0
+    args.results = args.results or str(REPO / "outputs" / ("gpu_check_dry_run" if args.dry_run else "gpu_check"))
+    if args.report is not None:
+        return report(args)
+    steps = parse_steps(args.steps)
+    if args.jobs is None:
+        args.jobs = 2 if args.dry_run else 1
+    if args.jobs > 1 and not args.dry_run:
+        raise SystemExit(
+            "--jobs: only the dry run runs steps side by side; on a GPU they would share it and time nothing"
+        )
+    if args.jobs > 1:
+        return run_lanes(args, steps)
+    if args.require_site and not (Path(args.site or DEFAULT_SITE) / SITE_MARKER).exists():
+        raise SystemExit(
+            f"the carried wheels are not installed here ({args.site or DEFAULT_SITE} has no {SITE_MARKER}): the "
+            "machine was started afresh, so send the payload again and install it (bench/gpu_check/README.md)"
+        )
+    checklist = Checklist(args)
+    print(
+        f"GPU check{' (dry run)' if args.dry_run else ''}: steps {', '.join(steps)}; results in {checklist.results}"
+        + (f"; wheels from {checklist.site}" if checklist.site else ""),
+        flush=True,
+    )
+    checklist.environment(steps)
+    for step in steps:
+        checklist.run_step(step)
+    records = [checklist.data["steps"][s] for s in steps]
+    unexpected = [r["id"] for r in records if r["status"] == "failed" and not r.get("expected_in_dry_run")]
+    print(f"done: {checklist.md_path}" + (f"; failed: {', '.join(unexpected)}" if unexpected else ""), flush=True)
+    return 1 if unexpected else 0
+
+
+# The dry run's two lanes: step 3 reads step 2a's run, so they share a lane; about equal halves on a CPU.
+LANES = [("1", "2a", "3", "6"), ("2b", "4", "5")]
+
+
+def run_lanes(args, steps: list[str]) -> int:
+    """The dry run on a 2-core machine: its steps in two processes of this file at once (each with its own
+    results in lanes/N), then merged into one JSON and one table. CI's time, not the figures', is what counts."""
+    results = Path(args.results).resolve()
+    shutil.rmtree(results / "lanes", ignore_errors=True)
+    started, processes = now(), []
+    for index, lane in enumerate(LANES):
+        mine = [step for step in steps if step in lane]
+        if not mine:
+            continue
+        command = [sys.executable, str(Path(__file__).resolve()), "--dry_run", "--jobs", "1", "--fresh"]
+        command += ["--steps", ",".join(mine), "--results", str(results / "lanes" / str(index))]
+        if args.site:
+            command += ["--site", args.site]
+        env = {key: value for key, value in os.environ.items() if key != "OUT"}
+        output = results / "lanes" / f"output-{index}.log"  # two lanes printing at once would interleave
+        output.parent.mkdir(parents=True, exist_ok=True)
+        print(f"lane {index}: steps {','.join(mine)} (its output: {output})", flush=True)
+        with open(output, "w") as handle:
+            processes.append(
+                (index, subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT))
+            )
+    merged: dict = {"dry_run": True, "schema": 1, "steps": {}, "lanes": {}}
+    merged["calls"] = [{"started": started, "steps": args.steps, "argv": sys.argv[1:], "lanes": len(processes)}]
+    for index, process in processes:
+        rc = process.wait()
+        lane_json = results / "lanes" / str(index) / "gpu_check.json"
+        merged["lanes"][str(index)] = {"steps": [s for s in steps if s in LANES[index]], "exit": rc}
+        data = read_json(lane_json) if lane_json.exists() else {"steps": {}}
+        for step in (s for s in steps if s in LANES[index] and s not in data["steps"]):
+            output = (results / "lanes" / f"output-{index}.log").read_text(errors="replace")
+            error = f"its lane ended (exit {rc}) before this step: {error_line(output, rc)}"
+            merged["steps"][step] = {"id": step, "title": STEPS[step], "status": "failed", "runs": {}, "error": error}
+        merged.setdefault("environment", data.get("environment"))
+        for step, record in data["steps"].items():
+            for run in record.get("runs", {}).values():
+                if run.get("log"):
+                    run["log"] = f"lanes/{index}/{run['log']}"
+            merged["steps"][step] = record
+    merged["steps"] = {step: merged["steps"][step] for step in STEPS if step in merged["steps"]}
+    merged["updated"] = now()
+    write_results(results, merged, Path(args.copy_to) if args.copy_to else None)
+    for record in merged["steps"].values():
+        why = record.get("error") or record.get("reason") or ""
+        print(f"step {record['id']}: {record['status']} in {f(record.get('wall_s'), 1)} s {why}".rstrip(), flush=True)
+    unexpected = [
+        r["id"] for r in merged["steps"].values() if r["status"] == "failed" and not r.get("expected_in_dry_run")
+    ]
+    print(
+        f"done: {results / 'gpu_check.md'}" + (f"; failed: {', '.join(unexpected)}" if unexpected else ""), flush=True
+    )
+    return 1 if unexpected else 0
+
+
+def report(args) -> int:
+    """Merge the JSON files several calls brought back (later steps win) and write the Markdown."""
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    merged: dict = {}
+    for name in args.report:
+        data = read_json(Path(name))
+        steps = {**merged.get("steps", {}), **data.get("steps", {})}
+        calls = merged.get("calls", []) + data.get("calls", [])
+        merged = {**merged, **data, "steps": steps, "calls": calls}
+    merged["updated"] = now()
+    write_atomic(results / "gpu_check.json", json.dumps(merged, indent=2, default=str) + "\n")
+    write_atomic(results / "gpu_check.md", markdown(merged))
+    print(results / "gpu_check.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
