@@ -14,11 +14,31 @@ from ddp_utils.demo import demo_model_path, load_demo_reviews
 LABELS = ["negative", "neutral", "positive"]
 
 
-def demo_data(max_length, max_train_samples=None, max_eval_samples=None):
-    """(tokenized DatasetDict with train/validation, tokenizer, collator). The limits keep the first
-    N examples, as scripts/train.py's --max_train_samples/--max_eval_samples do."""
+def demo_reviews():
+    """The demo's reviews exactly as scripts/train.py reads them: its own DATA section's
+    `load_raw_datasets` (each review's last words)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
+    spec = importlib.util.spec_from_file_location("train", path)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    return train.load_raw_datasets(argparse.Namespace(train_file=None, dataset_name=None))
+
+
+def demo_data(max_length, max_train_samples=None, max_eval_samples=None, files=None):
+    """(tokenized DatasetDict with train/validation, tokenizer, collator): the demo's reviews, or
+    with `files` ({"train": csv, "validation": csv}) those files, tokenized in one process, as the
+    Transformers examples do by default. The limits keep the first N examples, as
+    scripts/train.py's --max_train_samples/--max_eval_samples do."""
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
-    raw = load_demo_reviews()
+    if files:
+        from datasets import load_dataset
+
+        raw = load_dataset("csv", data_files=files)
+    else:
+        raw = demo_reviews()
     for split, limit in (("train", max_train_samples), ("validation", max_eval_samples)):
         if limit:
             raw[split] = raw[split].select(range(min(limit, len(raw[split]))))

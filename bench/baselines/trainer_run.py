@@ -31,8 +31,12 @@ def main():
         "--sampling", choices=["random", "group_by_length"], default="random", help="train_sampling_strategy"
     )
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (ours: a bf16 launch config)")
+    p.add_argument("--train_file", default=None, help="a CSV of text and label instead of the demo (bench_scale.py)")
+    p.add_argument("--validation_file", default=None, help="its validation CSV")
+    p.add_argument("--max_steps", type=int, default=-1, help="stop after this many optimizer steps (bench_scale.py)")
     args = p.parse_args()
-    tokenized, tokenizer, collate = demo_data(args.max_length, args.max_train_samples, args.max_eval_samples)
+    files = {"train": args.train_file, "validation": args.validation_file} if args.train_file else None
+    tokenized, tokenizer, collate = demo_data(args.max_length, args.max_train_samples, args.max_eval_samples, files)
     set_seed(args.seed)  # before the model, as run_glue.py does: the new head's initialisation follows the seed
     model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=len(LABELS))
     training_args = TrainingArguments(
@@ -41,6 +45,7 @@ def main():
         per_device_eval_batch_size=32,
         learning_rate=args.lr,
         num_train_epochs=args.epochs,
+        max_steps=args.max_steps,
         warmup_steps=0.1,  # a float: a ratio of the steps (transformers 5)
         weight_decay=0.01,
         max_grad_norm=1.0,
