@@ -123,6 +123,28 @@ def assert_fails_cleanly(result: LaunchResult, expected: str, output_dir: Path) 
     assert not output_dir.exists(), "bad input must not leave an output directory behind"
 
 
+def refused_in_process(script: str, args, expected: str) -> None:
+    """A script's own check of its input, run here without a launch: its `parse_args` and
+    `prepare_data` (and for the causal-LM scripts the model's set-up, where LoRA is checked) raise a
+    `UsageError` whose one line holds `expected`. Each test file keeps a few real 2-process
+    launches of bad input, which show that the line reaches every rank fast with nothing written;
+    the other cases need only the check itself, in a fraction of a launch's time."""
+    from accelerate import PartialState
+
+    from ddp_utils import UsageError
+
+    PartialState(cpu=True)  # the scripts log through Accelerate's logger
+    module = load_script(script)
+    with pytest.raises(UsageError) as refused:
+        args = module.parse_args([str(a) for a in args])
+        data = module.prepare_data(args)
+        if script in ("train_sft", "train_clm"):
+            import ddp_utils
+
+            ddp_utils.load_causal_lm(args, data[2], data[1])
+    assert expected in str(refused.value), str(refused.value)
+
+
 def make_tiny_model(directory: Path, dropout: float = 0.0, hidden_size: int = 32) -> Path:
     """A 2-layer BERT (hidden 32) with a word-level vocabulary, built from a config: no Hub."""
     from transformers import BertConfig, BertModel, BertTokenizer
