@@ -92,7 +92,6 @@ def main():
     results = {}
     for rows in args.rows:
         train = write_csv(workdir / f"train_{rows}.csv", rows)
-        cache = workdir / f"cache_{rows}"
         ours = [
             sys.executable,
             "-m",
@@ -140,17 +139,20 @@ def main():
             "--max_eval_samples",
             64,
         ]
+        # Each contender has its own cache: the Trainer's cold launch must not empty the one ours_warm reads.
         contenders = {
-            "ours": (ours + ["--output_dir", workdir / f"ours_{rows}"], True),
+            "ours": (ours + ["--output_dir", workdir / f"ours_{rows}"], "ours", True),
             "trainer_grouped": (
                 trainer + ["--out", workdir / f"trainer_{rows}.json", "--output_dir", workdir / f"trainer_{rows}"],
+                "trainer",
                 True,
             ),
-            "ours_warm": (ours + ["--output_dir", workdir / f"ours_warm_{rows}"], False),
+            "ours_warm": (ours + ["--output_dir", workdir / f"ours_warm_{rows}"], "ours", False),
         }
-        for name, (command, cold) in contenders.items():
+        for name, (command, owner, cold) in contenders.items():
             if args.only and name not in args.only:
                 continue
+            cache = workdir / f"cache_{owner}_{rows}"
             if cold:
                 shutil.rmtree(cache, ignore_errors=True)
             env = launch_env({"HF_DATASETS_CACHE": str(cache), "PYTHONPATH": f"{HOOK}:{REPO}"})
@@ -158,7 +160,9 @@ def main():
             result = timed_launch(command, env, workdir / f"{name}_{rows}.log")
             results[f"{name} {rows}"] = result
             print(f"{name:16s} {rows:>9,} rows: {json.dumps(result)}", flush=True)
-    (workdir / "results.json").write_text(json.dumps(results, indent=1))
+    saved = workdir / "results.json"  # a run of some contenders or sizes updates the others' figures
+    results = {**(json.loads(saved.read_text()) if saved.exists() else {}), **results}
+    saved.write_text(json.dumps(results, indent=1))
     print("\n| rows | run | to the first step (s) | wall (s) | × Trainer's wall | peak RSS, largest process (MiB) |")
     print("|---:|---|---:|---:|---:|---:|")
     for key, r in results.items():

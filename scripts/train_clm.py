@@ -203,11 +203,8 @@ def main():
             break
 
     log.close()
-    # The model (or with LoRA the adapter), unwrapped, as safetensors, with config and tokenizer.
-    ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)  # all ranks
-    if args.merge_lora:  # a full model that loads with AutoModelForCausalLM alone, without peft
-        model = accelerator.unwrap_model(model).merge_and_unload()
-        ddp_utils.save_model(accelerator, model, f"{args.output_dir}/merged", tokenizer, dtype=args.save_dtype)
+    # The model (or with LoRA the adapter, and with --merge_lora also merged/) as safetensors, with the tokenizer.
+    ddp_utils.save_with_merged(accelerator, model, args, tokenizer)  # all ranks
     facts = {**data_report, **backoff.facts(), **checkpointer.facts()}
     ddp_utils.write_results(accelerator, args, plan, {**scores, **before}, facts)  # all ranks: metrics.json, report/
     show_sample(accelerator, model, tokenizer, prompt, args.sample_max_new_tokens)  # main process, unless sharded

@@ -207,9 +207,7 @@ def main():
             lr_scheduler.step()
             plan.advance(step_size)  # count the step; no communication
             log.step(plan, loss_sum, grad_norm, learning_rate)  # all ranks: every --logging_steps a record
-            if (
-                plan.evaluation_due()
-            ):  # every --eval_steps steps: perplexity (and with --generate_at_eval_steps, answers)
+            if plan.evaluation_due():  # every --eval_steps: perplexity (--generate_at_eval_steps: answers too)
                 scores, confusion = evaluate("predictions", generate=args.generate_at_eval_steps)  # all ranks
                 log.evaluation(plan, scores)
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
@@ -223,11 +221,8 @@ def main():
             break
 
     log.close()
-    # The model (or with LoRA the adapter), unwrapped, as safetensors, with config and tokenizer.
-    ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)  # all ranks
-    if args.merge_lora:  # a full model that loads with AutoModelForCausalLM alone, without peft
-        merged = accelerator.unwrap_model(model).merge_and_unload()
-        ddp_utils.save_model(accelerator, merged, f"{args.output_dir}/merged", tokenizer, dtype=args.save_dtype)
+    # The model (or with LoRA the adapter, and with --merge_lora also merged/) as safetensors, with the tokenizer.
+    ddp_utils.save_with_merged(accelerator, model, args, tokenizer)  # all ranks
     facts = {**data_report, **backoff.facts(), **checkpointer.facts()}
     ddp_utils.write_results(accelerator, args, plan, {**scores, **zero_shot}, facts, confusion=confusion)  # all ranks
     accelerator.end_training()
