@@ -87,13 +87,10 @@ def main():
         "--report_to",
         "tensorboard",
     ]
+    # The launch's output goes to a file: a pipe read only at the end fills up, and the ranks block writing to it.
+    output_log = open(workdir / "launch.log", "w")
     launcher = subprocess.Popen(
-        [str(c) for c in command],
-        env=launch_env(),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        [str(c) for c in command], env=launch_env(), cwd=REPO, stdout=output_log, stderr=subprocess.STDOUT
     )
     samples, started = [], time.monotonic()
     with open(workdir / "samples.jsonl", "w") as out:
@@ -112,9 +109,9 @@ def main():
                 samples.append(sample)
                 out.write(json.dumps(sample) + "\n")
             time.sleep(args.interval_s)
-    output = launcher.stdout.read()
+    output_log.close()
     if launcher.returncode:
-        raise SystemExit(output[-3000:])
+        raise SystemExit((workdir / "launch.log").read_text()[-3000:])
     log = [json.loads(line) for line in open(scratch / "run" / "train_log.jsonl")]
     steps = [r for r in log if "train/loss" in r]
     ranks = sorted(k for k in samples[0] if k.startswith("rss_mib_"))
