@@ -7,7 +7,8 @@ samples every rank's *current* resident memory (not the peak) from outside.
     python bench/bench_memory.py [--steps 3000]
 
 It prints the memory of each rank at the start of training, in the middle and at the end, and
-the slope fitted over the second half, in MiB per 1,000 steps; the samples go to
+the slope fitted over the second half of training (the last twentieth left out: the final save
+imports matplotlib and writes the model), in MiB per 1,000 steps; the samples go to
 bench/runs/memory/samples.jsonl. Not a test: it takes minutes.
 """
 
@@ -118,18 +119,19 @@ def main():
     t = np.array([s["t"] for s in samples])
     print(f"\n{args.steps} optimizer steps, {len(steps)} log records, {len(samples)} samples over {t[-1]:.0f} s\n")
     print(
-        "| rank | after start-up (MiB) | middle (MiB) | end (MiB) | slope over the second half (MiB per 1,000 steps) |"
+        "| rank | after start-up (MiB) | middle (MiB) | before the final save (MiB) | at the end (MiB) | "
+        "slope over the second half (MiB per 1,000 steps) |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     for key in ranks:
         rss = np.array([s.get(key, np.nan) for s in samples])
         settled = len(rss) // 10  # the first tenth: imports, data, the first steps
-        half = len(rss) // 2
-        slope_per_s = np.polyfit(t[half:], rss[half:], 1)[0]
+        half, last = len(rss) // 2, len(rss) - max(1, len(rss) // 20)  # the last twentieth: the final save
+        slope_per_s = np.polyfit(t[half:last], rss[half:last], 1)[0]
         per_step_s = t[-1] / args.steps  # the run's mean pace, start-up included: the slope errs high
         print(
-            f"| {key.removeprefix('rss_mib_')} | {rss[settled]:.0f} | {rss[half]:.0f} | {rss[-1]:.0f} | "
-            f"{slope_per_s * per_step_s * 1000:+.1f} |"
+            f"| {key.removeprefix('rss_mib_')} | {rss[settled]:.0f} | {rss[half]:.0f} | {rss[last - 1]:.0f} | "
+            f"{rss[-1]:.0f} | {slope_per_s * per_step_s * 1000:+.1f} |"
         )
 
 
