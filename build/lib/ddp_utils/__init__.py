@@ -12,7 +12,7 @@ What the scripts use, in the order they use it, and the module that holds it:
             `load_metric` (evaluation.py)
 - model:    `load_model_config`, `fetch_weights` (hub.py), `train_in_fp32`, `make_adamw`,
             `make_lr_scheduler` (optimizer.py); causal LMs: `load_config_and_tokenizer`,
-            `load_causal_lm` (causal_lm.py), `check_merge_lora` (lora.py)
+            `load_causal_lm` (causal_lm.py), `check_merge_lora`, `save_with_merged` (lora.py)
 - the run:  `StepPlan` (steps, epochs, progress; step_plan.py), `start_training` (output directory,
             `Checkpointer` with resume, `TrainingLog`, `OOMBackoff`; start.py)
 - a step:   `count_step` (what the step holds on all ranks), `global_mean_loss` (the exact loss;
@@ -43,7 +43,7 @@ from .errors import UsageError
 from .evaluation import gather_for_eval, load_metric
 from .exact_loss import count_step, global_mean_loss
 from .hub import fetch_weights, load_model_config
-from .lora import check_merge_lora
+from .lora import check_merge_lora, save_with_merged
 from .oom_backoff import OOMBackoff
 from .optimizer import describe_optimizer, make_adamw, make_lr_scheduler, train_in_fp32
 from .output import prepare_output_dir, save_model, write_jsonl
@@ -97,6 +97,7 @@ __all__ = [
     "refuse_together",
     "run",
     "save_model",
+    "save_with_merged",
     "start_run",
     "start_training",
     "train_in_fp32",

@@ -4,10 +4,13 @@ communicates; every rank calls `add_lora` on its own model, before `accelerator.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from accelerate.logging import get_logger
 
 from .errors import UsageError
+from .output import save_model
 from .sharded import is_sharded
 
 logger = get_logger(__name__)
@@ -95,3 +98,14 @@ def check_merge_lora(accelerator, args) -> None:
             "it, then merge: PeftModel.from_pretrained(base_model, output_dir).merge_and_unload()"
             ".save_pretrained(...)"
         )
+
+
+def save_with_merged(accelerator, model, args, tokenizer) -> None:
+    """All ranks call this (`save_model` is a collective under FSDP and DeepSpeed): save the model
+    to --output_dir, with LoRA as its adapter; with --merge_lora also the adapter merged into the
+    base weights in `merged/`, a full model that loads with AutoModelForCausalLM alone, without
+    peft. The merge changes the model in place: it computes the same afterwards, without LoRA layers."""
+    save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)
+    if args.merge_lora:  # check_merge_lora refused it at start where the weights are sharded
+        merged = accelerator.unwrap_model(model).merge_and_unload()
+        save_model(accelerator, merged, os.path.join(args.output_dir, "merged"), tokenizer, dtype=args.save_dtype)
