@@ -131,7 +131,7 @@ def main():
         per_step_s = t[-1] / args.steps  # the run's mean pace, start-up included: the slope errs high
         print(
             f"| {key.removeprefix('rss_mib_')} | {rss[settled]:.0f} | {rss[half]:.0f} | {rss[last - 1]:.0f} | "
-            f"{rss[-1]:.0f} | {slope_per_s * per_step_s * 1000:+.1f} |"
+            f"{rss[-1]:.0f} | {slope_per_s * per_step_s * 1000:+.2f} |"
         )
 
 

@@ -155,12 +155,16 @@ def main():
             cache = workdir / f"cache_{owner}_{rows}"
             if cold:
                 shutil.rmtree(cache, ignore_errors=True)
+            elif not cache.exists():
+                raise SystemExit(f"{name} needs the cache of a cold launch of ours first: add ours to --only")
             env = launch_env({"HF_DATASETS_CACHE": str(cache), "PYTHONPATH": f"{HOOK}:{REPO}"})
             env.pop("OMP_NUM_THREADS")  # as a user's launch: torchrun and accelerate set one thread per process
             result = timed_launch(command, env, workdir / f"{name}_{rows}.log")
-            results[f"{name} {rows}"] = result
+            results[f"{name} {rows}"] = {**result, "steps": args.steps, "at": time.strftime("%Y-%m-%d %H:%M")}
             print(f"{name:16s} {rows:>9,} rows: {json.dumps(result)}", flush=True)
-    saved = workdir / "results.json"  # a run of some contenders or sizes updates the others' figures
+    # A run of some contenders or sizes replaces their entries and keeps the others (each says when it ran);
+    # the ratio below is then against the Trainer's latest launch of that size.
+    saved = workdir / "results.json"
     results = {**(json.loads(saved.read_text()) if saved.exists() else {}), **results}
     saved.write_text(json.dumps(results, indent=1))
     print("\n| rows | run | to the first step (s) | wall (s) | × Trainer's wall | peak RSS, largest process (MiB) |")

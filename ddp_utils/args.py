@@ -88,7 +88,7 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
     p.add_argument(
         "--checkpointing_steps", default="epoch", help="checkpoint every N optimizer steps, every 'epoch', or 'no'"
     )
-    p.add_argument("--checkpoints_total_limit", type=int, default=2, help="keep only the K newest checkpoints")
+    p.add_argument("--checkpoints_total_limit", type=int, default=2, help="keep the K newest checkpoints, and the best")
     p.add_argument(
         "--resume_from_checkpoint",
         default=None,

@@ -1,6 +1,7 @@
 """LoRA through `peft`: which modules get adapters (all linear layers by default, or the last N
-layers only, so the backward pass stops below them), with errors that name the fix. Nothing here
-communicates; every rank calls `add_lora` on its own model, before `accelerator.prepare`."""
+layers only, so the backward pass stops below them), with errors that name the fix; every rank
+calls `add_lora` on its own model, before `accelerator.prepare`. At the end, `save_with_merged`
+saves the adapter and, with --merge_lora, the merged model (a collective, like `save_model`)."""
 
 from __future__ import annotations
 
