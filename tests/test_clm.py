@@ -96,6 +96,28 @@ def test_the_sample_is_shown_once_at_the_end_and_the_card_gives_both_perplexitie
         assert "Before training (the same evaluation):" in card.text
 
 
+def test_lora_saves_the_adapter_and_a_merged_model_with_the_same_logits(tiny_lm, tmp_path):
+    """--lora_r with --merge_lora: the output is the adapter, merged/ a full model that loads without
+    peft and computes what base + adapter computes; the sample is still shown after the merge."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    corpus, output_dir = write_sentences(tmp_path / "corpus.txt", lines=40), tmp_path / "lora"
+    extra = ["--lora_r", 4, "--merge_lora", "--max_train_steps", 3, "--sample_prompt", "w1 w2"]
+    result = launch(TRAIN_CLM, *text_args(tiny_lm, corpus, output_dir, *extra), num_processes=1)
+    assert result.returncode == 0, result.output[-4000:]
+    assert (output_dir / "adapter_model.safetensors").exists() and not (output_dir / "model.safetensors").exists()
+    assert "--- sample ---" in result.output
+    ids = torch.tensor([[1, 27, 18, 40, 41, 42]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(output_dir / "merged").eval()(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_lm), output_dir).eval()
+        base = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()(input_ids=ids).logits
+        assert torch.allclose(merged, adapted(input_ids=ids).logits, atol=1e-4)
+    assert not torch.allclose(merged, base, atol=1e-3), "the adapter learned something"
+
+
 def test_every_token_trained_exactly_once_per_epoch_across_ranks(tiny_lm, tmp_path):
     corpus = write_text_corpus(tmp_path / "corpus.txt")
     out = tmp_path / "tokens.json"
