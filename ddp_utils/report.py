@@ -79,15 +79,38 @@ def _series(records: list[dict], key: str, x: str = "step"):
     return [a for a, _ in rows], [b for _, b in rows]
 
 
-def _figure(panels: int, width: float = 5.0, height: float = 3.2):
+def _figure(panels: int, width: float = 5.0, height: float = 3.2, fit_labels: bool = False):
+    """A figure of `panels` axes, two per row, with fixed margins (`_fixed_margins`), or with
+    `fit_labels` matplotlib's constrained layout, for tick labels of any length (the confusion
+    matrix's label names)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     columns = min(panels, 2)
     rows = -(-panels // columns)
-    figure = Figure(figsize=(width * columns, height * rows), dpi=100, layout="constrained")
+    figure = Figure(figsize=(width * columns, height * rows), dpi=100, layout="constrained" if fit_labels else None)
     FigureCanvasAgg(figure)
+    if not fit_labels:
+        _fixed_margins(figure, rows, columns)
     return figure, [figure.add_subplot(rows, columns, i + 1) for i in range(panels)]
+
+
+def _fixed_margins(figure, rows: int, columns: int) -> None:
+    """Margins in inches, wide enough for numeric tick labels, a title and an x label. Not a layout
+    engine: the constrained layout measured half the cost of writing the report, which every run
+    pays at its end."""
+    width, height = figure.get_size_inches()
+    left, right, top, bottom, gap = 0.75, 0.2, 0.35, 0.5, 0.8  # gap: the next column's y tick labels
+    axes_width = (width - left - right - gap * (columns - 1)) / columns
+    axes_height = (height - (top + bottom) * rows) / rows
+    figure.subplots_adjust(
+        left=left / width,
+        right=1 - right / width,
+        bottom=bottom / height,
+        top=1 - top / height,
+        wspace=gap / axes_width,
+        hspace=(top + bottom) / axes_height,
+    )
 
 
 def eval_keys(records: list[dict]) -> list[str]:
@@ -135,7 +158,7 @@ def plot_eval(records: list[dict], path: str) -> bool:
 def plot_confusion_matrix(counts: np.ndarray, label_names: list[str], path: str) -> None:
     """The confusion matrix as a heat map with the count in each cell."""
     size = max(4.0, 0.6 * len(label_names) + 2.5)
-    figure, (ax,) = _figure(1, width=size, height=size)
+    figure, (ax,) = _figure(1, width=size, height=size, fit_labels=True)
     ax.imshow(counts, cmap="Blues")
     ticks = range(len(label_names))
     ax.set_xticks(ticks, label_names, rotation=45, ha="right")
