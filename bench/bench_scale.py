@@ -60,7 +60,7 @@ def timed_launch(command: list, env: dict, log: Path) -> dict:
     step (from the hook's file) and the peak RSS of the largest process (MiB)."""
     first_step = log.with_suffix(".first_step")
     first_step.unlink(missing_ok=True)
-    env = {**env, "FIRST_STEP_FILE": str(first_step), "LAUNCH_TIME": repr(time.time())}
+    env = {**env, "FIRST_STEP_FILE": str(first_step)}
     started = time.time()
     with open(log, "w") as handle:
         process = subprocess.run(
