@@ -136,6 +136,11 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
         "--hub_model_id", default=None, help="the Hub repository to push to (default: the output_dir's name)"
     )
     p.add_argument("--hub_private_repo", action="store_true", help="create that repository private")
+    p.add_argument(
+        "--push_predictions",
+        action="store_true",
+        help="also upload predictions*.jsonl, which hold the validation prompts and answers (off: kept local)",
+    )
     p.add_argument("--language", default=None, help="the data's language for the model card (ISO 639-1, e.g. en)")
 
 

@@ -81,40 +81,49 @@ def check_hub_push(args) -> None:
         )
 
 
-# What is not uploaded: checkpoints (large, and resumable only here), staging directories, the preemption marker.
+# What is never uploaded: checkpoints (large, and resumable only here), staging directories, the preemption marker.
 PUSH_IGNORE = ["checkpoint-*/**", ".tmp-*/**", ".staging-*/**", "preempted.json"]
+# The validation data, prompt by prompt with its reference answer (train_sft.py's scoring by generation):
+# uploaded only with --push_predictions, since the repository is public unless --hub_private_repo.
+PREDICTIONS = "predictions*.jsonl"
 
 
-def push_to_hub(accelerator, args) -> str | None:
-    """All ranks call this at the end of a run with --push_to_hub (one gather): the main process
-    creates the repository (--hub_model_id, private with --hub_private_repo) if needed and uploads
-    the output directory (model, tokenizer, model card, metrics.json, training_args.json with its
-    secrets redacted, report/, the TensorBoard events), not the checkpoints. The token comes from
-    HF_TOKEN (--hub_token becomes it) or `hf auth login`; it is never written to a file. A failed
-    push stops every rank with one line that says the run is saved and how to push it by hand.
-    Returns the repository's URL on the main process."""
-    from .ranks import fail_together
+def push_ignore_patterns(args) -> list[str]:
+    """What --push_to_hub leaves out of the upload: `PUSH_IGNORE`, and the predictions files
+    unless --push_predictions."""
+    return PUSH_IGNORE + ([] if getattr(args, "push_predictions", False) else [PREDICTIONS])
 
-    url, problem = None, None
-    if accelerator.is_main_process:
-        from huggingface_hub import HfApi
 
-        repo_id = hub_repo_id(args)
-        try:
-            api = HfApi()
-            repo = api.create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
-            api.upload_folder(
-                repo_id=repo.repo_id,
-                folder_path=args.output_dir,
-                ignore_patterns=PUSH_IGNORE,
-                commit_message="Upload the fine-tuned model, its card and its report",
-            )
-            url = str(repo)
-        except Exception as exc:  # reported on every rank
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            problem = (
-                f"the run is saved in {args.output_dir!r}, but the push to the Hub repository {repo_id!r} failed "
-                f"({type(exc).__name__}: {reason}); push it later with `hf upload {repo_id} {args.output_dir}`"
-            )
-    fail_together(accelerator, problem)
-    return url
+def push_to_hub(args) -> str:
+    """Upload the output directory of a run with --push_to_hub: create the repository
+    (--hub_model_id, private with --hub_private_repo) if needed and upload the model, tokenizer,
+    model card, metrics.json, training_args.json (secrets redacted), report/ and the TensorBoard
+    events; never the checkpoints, and the predictions (validation prompts and answers) only with
+    --push_predictions. The token comes from HF_TOKEN (--hub_token becomes it) or `hf auth login`;
+    it is never written to a file. Returns the line that says where it went, or raises `RunFailed`
+    with one line that says the run is saved and how to push it by hand.
+
+    The main process calls it alone, after every rank has finished (`report.write_results` queues
+    it with `after_the_run.after_every_rank`): an upload can outlast --ddp_timeout, and no rank
+    waits for it in a collective. No communication."""
+    from huggingface_hub import HfApi
+
+    from .errors import RunFailed
+
+    repo_id = hub_repo_id(args)
+    try:
+        api = HfApi()
+        repo = api.create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
+        api.upload_folder(
+            repo_id=repo.repo_id,
+            folder_path=args.output_dir,
+            ignore_patterns=push_ignore_patterns(args),
+            commit_message="Upload the fine-tuned model, its card and its report",
+        )
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise RunFailed(
+            f"the run is saved in {args.output_dir!r}, but the push to the Hub repository {repo_id!r} failed "
+            f"({type(exc).__name__}: {reason}); push it later with `hf upload {repo_id} {args.output_dir}`"
+        ) from None
+    return f"pushed {args.output_dir} to {repo}"

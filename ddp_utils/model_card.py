@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+from fnmatch import fnmatch
 
+from .hub import PREDICTIONS
 from .redact import loggable_args
 
 # What the saved model is, from its own files: config.json's architecture, or a LoRA adapter.
@@ -118,6 +120,18 @@ def write_model_card(args, metrics: dict) -> str:
             "",
             f"The best checkpoint by `{metrics['metric_for_best_model']}` "
             f"({_value(metrics['best_metric'])}) was `{os.path.basename(metrics['best_checkpoint'])}`.",
+        ]
+    predictions = sorted(name for name in os.listdir(output_dir) if fnmatch(name, PREDICTIONS))
+    if predictions:
+        shared = (
+            "--push_predictions uploads them with the model"
+            if getattr(args, "push_predictions", False)
+            else "--push_to_hub leaves them out, unless --push_predictions"
+        )
+        lines += [
+            "",
+            f"The answers to the validation prompts ({', '.join(f'`{name}`' for name in predictions)}: each prompt "
+            f"with its reference answer) hold the validation data: {shared}.",
         ]
     lines += [
         "",

@@ -1,9 +1,13 @@
 """Ending a run's processes cleanly: bad input as one line on every rank (exit 2), a preemption as
-exit 75, any other failure with its traceback (exit 1); trackers closed first, and no hang in the
-interpreter's teardown."""
+exit 75, any other failure with its traceback (exit 1); trackers closed first, the work queued for
+after the run done by the main process once every rank has finished, and no hang in the
+interpreter's teardown. The one line is also the launcher's summary of the failure: torchrun shows
+a failed process's error file (`TORCHELASTIC_ERROR_FILE`) as its "Root Cause", the last thing the
+user reads, instead of "To enable traceback see ..." under 30 lines of the launcher's own stack."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -12,6 +16,7 @@ from datetime import timedelta
 
 import torch
 
+from .after_the_run import queued_jobs
 from .errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, RunFailed, UsageError
 from .start import _accelerators
 
@@ -23,31 +28,55 @@ def run(main, *args) -> None:
     A `UsageError` (bad input, bad launch) is printed as one line naming the rank, with exit
     code 2; a `RunFailed` (a diverged loss, a failed save) as one line, with exit code 1;
     `Preempted` exits with EXIT_PREEMPTED (75); any other exception prints its traceback and
-    exits 1. Either way the trackers are ended first (their last events flushed,
-    wandb and mlflow runs closed as failed or preempted), the launcher then stops the other ranks,
-    and the process ends without the interpreter teardown that can hang in the gloo destructor.
+    exits 1. Either way the line goes to the launcher's error file too, the trackers are ended
+    first (their last events flushed, wandb and mlflow runs closed as failed or preempted), the
+    launcher then stops the other ranks, and the process ends without the interpreter teardown
+    that can hang in the gloo destructor. After a run that succeeded, the main process does the
+    work queued with `after_the_run.after_every_rank` (the Hub upload) once every rank has passed
+    the last barrier, so no rank waits for it in a collective with a time limit.
     """
     rank = os.environ.get("RANK", "0")
     exit_code = 0
     try:
         main(*args)
     except UsageError as error:
-        _say(f"[rank {rank}] error: {error}")
-        exit_code = EXIT_USAGE
+        exit_code = _fail(f"[rank {rank}] error: {error}", EXIT_USAGE)
         _meet_the_other_ranks()
     except RunFailed as failure:  # every rank found it together: one line each, no traceback
-        _say(f"[rank {rank}] error: {failure}")
-        exit_code = 1
+        exit_code = _fail(f"[rank {rank}] error: {failure}", 1)
     except Preempted as stop:
-        _say(f"[rank {rank}] preempted: {stop}")
-        exit_code = EXIT_PREEMPTED
+        exit_code = _fail(f"[rank {rank}] preempted: {stop}", EXIT_PREEMPTED)
     except Exception:
-        traceback.print_exc()
-        _say(f"[rank {rank}] failed, see the traceback above")
-        exit_code = 1
+        stack = traceback.format_exc()
+        sys.stderr.write(stack)
+        exit_code = _fail(f"[rank {rank}] failed, see the traceback above", 1, summary=stack)
     if exit_code:
         _end_trackers(exit_code)
-    _shutdown(exit_code)
+    _shutdown(exit_code, rank)
+
+
+def _fail(line: str, exit_code: int, summary: str | None = None) -> int:
+    """Say `line` and leave it (or `summary`, a traceback) in the launcher's error file; return `exit_code`."""
+    _say(line)
+    _write_error_file(summary or line)
+    return exit_code
+
+
+def _write_error_file(text: str) -> None:
+    """Write `text` where torch elastic's launcher reads a failed process's error
+    (`TORCHELASTIC_ERROR_FILE`, set by torchrun and `accelerate launch` for every process), in the
+    format of its own `record` decorator: the launcher's summary then ends with it as the root
+    cause. Nothing without that variable (a plain `python` run)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    error = {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}
+    try:
+        with open(f"{path}.tmp", "w") as handle:
+            json.dump({"message": error}, handle)
+        os.replace(f"{path}.tmp", path)
+    except OSError:  # the launcher then shows its own summary; the line was printed anyway
+        pass
 
 
 def _say(line: str) -> None:
@@ -110,8 +139,9 @@ def _meet_the_other_ranks(timeout_s: int = 30) -> None:
         pass
 
 
-def _shutdown(exit_code: int) -> None:
-    """End the process without running the interpreter's final garbage collection.
+def _shutdown(exit_code: int, rank: str = "0") -> None:
+    """End the process without running the interpreter's final garbage collection; after a run
+    that succeeded, first a last barrier, then the work queued for after the run (`_do_queued_work`).
 
     With torch 2.13 and gloo, a process group that is freed after `destroy_process_group`
     (it is still referenced by the DDP reducer, the Accelerator state, ...) can block for ever
@@ -125,6 +155,27 @@ def _shutdown(exit_code: int) -> None:
     if exit_code == 0 and torch.distributed.is_available() and torch.distributed.is_initialized():
         # A last barrier so no rank leaves while another still needs it.
         torch.distributed.barrier()
+    if exit_code == 0:
+        exit_code = _do_queued_work(rank)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _do_queued_work(rank: str) -> int:
+    """Do the work queued for after the run (only the main process queues any), once every rank
+    has passed the last barrier: the other ranks exit meanwhile, and the launcher waits for this
+    one. A job that fails is one line here and in the launcher's summary, with exit code 1."""
+    for what, job in queued_jobs():
+        _say(f"[rank {rank}] {what}, now that every process has finished")
+        try:
+            done = job()
+        except RunFailed as failure:
+            return _fail(f"[rank {rank}] error: {failure}", 1)
+        except Exception:
+            stack = traceback.format_exc()
+            sys.stderr.write(stack)
+            return _fail(f"[rank {rank}] failed while {what}, see the traceback above", 1, summary=stack)
+        if done:
+            _say(f"[rank {rank}] {done}")
+    return 0

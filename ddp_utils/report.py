@@ -19,6 +19,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
+from .after_the_run import after_every_rank
 from .hub import push_to_hub
 from .model_card import write_model_card
 from .output import agree_on_write, write_json
@@ -50,7 +51,8 @@ def write_results(
     memory per rank and `extra`, what the script reports about its data), training_args.json
     (secrets redacted), report/ (plots and summary; with `confusion`, a `ConfusionMatrix` from
     the last evaluation, its picture too) and the model card, README.md; with --push_to_hub it
-    then uploads the output directory (`hub.push_to_hub`). Returns the metrics, on every rank."""
+    queues the upload of the output directory (`hub.push_to_hub`), which the main process does once
+    every rank has finished (`process_exit.run`). Returns the metrics, on every rank."""
     memory = peak_memory_mb(accelerator.device)
     per_rank = accelerator.gather(torch.tensor([list(memory.values())], device=accelerator.device)).cpu()
     facts = {
@@ -68,8 +70,9 @@ def write_results(
     except Exception as exc:  # reported on every rank by agree_on_write
         error = exc
     agree_on_write(accelerator, error, f"the results to {output_dir!r}", output_dir)
-    if getattr(args, "push_to_hub", False):
-        logger.info(f"pushed to {push_to_hub(accelerator, args)}")  # all ranks: the main process uploads
+    if getattr(args, "push_to_hub", False) and accelerator.is_main_process:
+        # Not now: the other ranks would wait for the upload in a collective that --ddp_timeout ends.
+        after_every_rank(f"uploading {output_dir} to the Hub", lambda: push_to_hub(args))
     logger.info(f"saved to {output_dir}: {describe(plan.facts())}; report in {output_dir}/report/README.md")
     return metrics
 

@@ -121,6 +121,15 @@ def assert_fails_cleanly(result: LaunchResult, expected: str, output_dir: Path) 
         )
     assert expected in result.output, result.output[-3000:]
     assert not output_dir.exists(), "bad input must not leave an output directory behind"
+    assert_error_is_last(result, expected)
+
+
+def assert_error_is_last(result: LaunchResult, expected: str) -> None:
+    """The launcher's summary ends with the error line as its root cause (read from the failed
+    process's error file), so the line holding `expected` is the last one but the closing rule."""
+    lines = result.output.rstrip().splitlines()
+    last = max((i for i, text in enumerate(lines) if expected in text), default=-1)
+    assert last >= 0 and len(lines) - 1 - last <= 1, "the error is not the last line:\n" + "\n".join(lines[last:])
 
 
 def refused_in_process(script: str, args, expected: str) -> None:

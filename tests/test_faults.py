@@ -9,7 +9,7 @@ import os
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import REPO, launch, train_args
+from conftest import REPO, assert_error_is_last, launch, train_args
 
 TRAIN = REPO / "scripts" / "train.py"
 FAIL_WRITES = REPO / "tests" / "launched" / "fail_writes.py"
@@ -21,6 +21,7 @@ def assert_one_line_on_every_rank(result, expected: str):
         assert f"[rank {rank}] error: {expected}" in result.output, result.output[-3000:]
     ours = result.output.split("[rank 0] error:")[0]  # the launcher prints its own traceback after
     assert "Traceback" not in ours, "one line, not a stack trace"
+    assert_error_is_last(result, f"error: {expected}")
 
 
 def test_a_diverging_run_stops_on_every_rank_and_saves_no_nan_weights(tiny_model, tiny_data, tmp_path):

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import AUDIT_HOOK_DIR, REPO, launch, train_args
+from conftest import AUDIT_HOOK_DIR, REPO, assert_error_is_last, launch, sft_args, train_args
 from ddp_utils import UsageError
 
 TRAIN = REPO / "scripts" / "train.py"
+TRAIN_SFT = REPO / "scripts" / "train_sft.py"
 # 60 examples, global batch 8: 8 optimizer steps per epoch, 24 in 3 epochs. Evaluations every 3 steps
 # (and at each epoch's end), checkpoints every 3 steps, a cosine schedule after 2 warm-up steps.
 EVAL_STEPS = [
@@ -180,39 +181,95 @@ def test_a_model_with_its_own_code_needs_trust_remote_code(tiny_model, tiny_data
 # --- --push_to_hub and the model card ----------------------------------------------------------
 
 
-def test_push_to_hub_uploads_the_output_once_from_the_main_process_without_secrets(tiny_model, tiny_data, tmp_path):
-    """Up to the network call (there is no Hub here): the main process creates the repository and
-    uploads the output directory (model, tokenizer, card, metrics, report), not the checkpoints,
-    and no file holds the token."""
-    output_dir, calls = tmp_path / "run", tmp_path / "hub-calls"
-    args = train_args(
-        tiny_model,
-        tiny_data,
-        output_dir,
-        "--max_train_steps",
-        4,
-        "--checkpointing_steps",
-        2,
-        "--push_to_hub",
-        "--hub_model_id",
-        "someone/tiny-reviews",
-        "--hub_private_repo",
-        "--hub_token",
-        "hf_FakeTokenForTheTests0001",
-        "--language",
-        "en",
-    )
-    result = launch(REPO / "tests" / "launched" / "fake_hub.py", *args, env={"HUB_CALLS": str(calls)})
-    assert result.returncode == 0, result.output[-3000:]
-    assert not os.path.exists(f"{calls}.rank1"), "only the main process talks to the Hub"
-    made, uploaded = (json.loads(line) for line in open(f"{calls}.rank0"))
-    assert made == {"call": "create_repo", "repo_id": "someone/tiny-reviews", "private": True, "exist_ok": True}
-    assert uploaded["repo_id"] == "someone/tiny-reviews" and not uploaded["token_in_files"]
-    files = uploaded["files"]
+FAKE_TOKEN = "hf_FakeTokenForTheTests0001"
+
+
+def hub_env(hub, run_id: str) -> dict:
+    """A launch that talks to the stand-in Hub: online, a token, no Xet (plain HTTP commits)."""
+    return {
+        "HF_ENDPOINT": hub.endpoint,
+        "HF_TOKEN": FAKE_TOKEN,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HUB_TEST_RUN": run_id,
+    }
+
+
+def ranks_alive(run_id: str) -> list[str]:
+    """The RANK of every training process of the launch marked `run_id` that is still running."""
+    import psutil
+
+    ranks = []
+    for process in psutil.process_iter():
+        try:
+            env = process.environ()
+        except psutil.Error:
+            continue
+        if env.get("HUB_TEST_RUN") == run_id and "RANK" in env and process.status() != psutil.STATUS_ZOMBIE:
+            ranks.append(env["RANK"])
+    return sorted(ranks)
+
+
+def test_push_to_hub_uploads_the_model_not_the_validation_data_after_every_rank_has_finished(
+    tiny_lm, sft_data, tmp_path
+):
+    """Against a stand-in Hub that the real client talks to: the main process creates the private
+    repository and uploads the model, tokenizer, card, metrics and report; not the checkpoints, not
+    the predictions (every validation prompt with its reference answer), no file with the token. The
+    upload starts after the other rank has exited, so no rank waits for it in a collective that
+    --ddp_timeout would end."""
+    from hub_standin import HubStandIn
+
+    output_dir, alive_at_commit = tmp_path / "run", []
+    args = sft_args(tiny_lm, sft_data, output_dir, "--max_train_steps", 4, "--checkpointing_steps", 2)
+    args += ["--push_to_hub", "--hub_model_id", "someone/tiny-chat", "--hub_private_repo", "--language", "en"]
+    with HubStandIn(tmp_path / "hub", on_commit=lambda: alive_at_commit.append(ranks_alive("push-ok"))) as hub:
+        result = launch(TRAIN_SFT, *args, env=hub_env(hub, "push-ok"))
+        assert result.returncode == 0, result.output[-3000:]
+        (commit,) = hub.uploads()
+        assert all(request["authorized"] for request in hub.requests())
+    assert commit["repo_id"] == "someone/tiny-chat" and commit["private"] is True
+    files = commit["files"]
     for name in ("README.md", "model.safetensors", "config.json", "tokenizer.json", "metrics.json", "report/README.md"):
-        assert name in files, name
-    assert not [f for f in files if f.startswith("checkpoint-")] and "checkpoint-4" in os.listdir(output_dir)
-    assert "pushed to https://huggingface.co/someone/tiny-reviews" in result.output
+        assert name in files, sorted(files)
+    assert (output_dir / "predictions.jsonl").exists() and (output_dir / "predictions_zero_shot.jsonl").exists()
+    assert not [name for name in files if name.startswith(("predictions", "checkpoint-"))], sorted(files)
+    assert "checkpoint-4" in os.listdir(output_dir)
+    assert not [name for name, data in files.items() if FAKE_TOKEN.encode() in data], "no secret uploaded"
+    assert "--push_to_hub leaves them out, unless --push_predictions" in files["README.md"].decode()
+    assert alive_at_commit == [["0"]], "the other rank had exited when the upload started"
+    assert "pushed " in result.output and "/someone/tiny-chat" in result.output
+
+
+def test_a_failed_push_is_one_line_that_the_launcher_shows_last(tiny_model, tiny_data, tmp_path):
+    """The Hub refuses the commit (403): the model is saved, the main process says so in one line
+    with the command that pushes it later, exits 1, and that line is the launcher's root cause, the
+    last thing on the screen (torchrun's summary reads it from the process's error file)."""
+    from hub_standin import HubStandIn
+
+    output_dir = tmp_path / "run"
+    args = train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 2, "--push_to_hub")
+    with HubStandIn(tmp_path / "hub", fail_with=403) as hub:
+        result = launch(TRAIN, *args, env=hub_env(hub, "push-refused"))
+    assert result.returncode == 1, result.output[-3000:]
+    line = f"error: the run is saved in {str(output_dir)!r}, but the push to the Hub repository 'run' failed"
+    assert f"[rank 0] {line}" in result.output and f"`hf upload run {output_dir}`" in result.output
+    assert "[rank 1] error" not in result.output and "<NO_OTHER_FAILURES>" in result.output
+    assert (output_dir / "model.safetensors").exists()
+    assert_error_is_last(result, line)
+
+
+@pytest.mark.fast
+def test_predictions_are_uploaded_only_when_asked(tmp_path):
+    from huggingface_hub.utils import filter_repo_objects
+
+    from ddp_utils.hub import push_ignore_patterns
+
+    files = ["model.safetensors", "predictions.jsonl", "predictions_zero_shot.jsonl", "checkpoint-4/optimizer.bin"]
+    for asked, expected in ((False, ["model.safetensors"]), (True, files[:3])):
+        patterns = push_ignore_patterns(SimpleNamespace(push_predictions=asked))
+        assert list(filter_repo_objects(files, ignore_patterns=patterns)) == expected
 
 
 @pytest.mark.fast
