@@ -6,7 +6,7 @@ What the scripts use, in the order they use it, and the module that holds it:
 - start:    `start_run` (the Accelerator, checked by the launch guard; start.py), `run` (a clean exit,
             one-line errors; process_exit.py), `UsageError` (errors.py)
 - options:  `add_training_args`, `add_causal_lm_args`, `check_training_args`, `check_causal_lm_args`,
-            `check_data_args`, `check_positive` (args.py)
+            `check_data_args`, `check_positive`, `check_metric_for_best_model` (args.py)
 - data:     `load_on_main_first` (ranks.py), `read_data_files`, `check_splits` (raw_data.py),
             `make_train_dataloader`, `make_eval_dataloader` (the training order; dataloaders.py),
             `load_metric` (evaluation.py)
@@ -32,6 +32,7 @@ from .args import (
     add_training_args,
     check_causal_lm_args,
     check_data_args,
+    check_metric_for_best_model,
     check_positive,
     check_training_args,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "check_causal_lm_args",
     "check_data_args",
     "check_merge_lora",
+    "check_metric_for_best_model",
     "check_positive",
     "check_splits",
     "check_training_args",

@@ -101,7 +101,13 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
     p.add_argument(
         "--metric_for_best_model",
         default=None,
-        help="the eval score that picks the best checkpoint (default: the script's; a loss or perplexity: lower wins)",
+        help="the eval score that picks the best checkpoint, e.g. accuracy or eval_loss (default: the script's)",
+    )
+    p.add_argument(
+        "--greater_is_better",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether a higher --metric_for_best_model is better (default: no for a loss or perplexity, else yes)",
     )
     p = parser.add_argument_group("output and tracking")
     p.add_argument(
@@ -194,6 +200,27 @@ def check_training_args(args) -> None:
         from .hub import check_hub_push
 
         check_hub_push(args)
+
+
+def check_metric_for_best_model(args, scores) -> None:
+    """Check --metric_for_best_model against `scores`, the eval_* names this run's evaluation
+    gives, and settle it: the Trainer's names work (`accuracy` means `eval_accuracy`), a name the
+    evaluation never gives is a `UsageError` that lists the ones it does, and --greater_is_better
+    defaults as the Trainer's does (lower wins for a loss; here also for a perplexity). Every
+    rank calls it before training (no communication); None ranks nothing."""
+    name = args.metric_for_best_model
+    if name is None:
+        return
+    full = name if name.startswith("eval_") else f"eval_{name}"
+    if full not in scores:
+        given = ", ".join(score.removeprefix("eval_") for score in scores) or "no scores, with these options"
+        raise UsageError(
+            f"--metric_for_best_model {name!r} is not a score of this script's evaluation, so no checkpoint would "
+            f"be ranked; it gives {given} (with or without the eval_ prefix)"
+        )
+    args.metric_for_best_model = full
+    if args.greater_is_better is None:
+        args.greater_is_better = not full.endswith(("loss", "perplexity"))
 
 
 def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:

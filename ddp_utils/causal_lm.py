@@ -241,6 +241,10 @@ def causal_lm_loss(model, batch):
     return losses, predicts.float()
 
 
+# What `evaluate_perplexity` gives that --metric_for_best_model can rank by (the others are counts).
+PERPLEXITY_SCORES = ("eval_loss", "eval_perplexity")
+
+
 def evaluate_perplexity(accelerator: Accelerator, model, eval_dataloader) -> dict:
     """All ranks call this (it gathers every rank's sums): perplexity over the whole eval set,
     from the loss sums and token counts of all ranks, added up."""

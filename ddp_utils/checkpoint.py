@@ -93,7 +93,7 @@ def save_checkpoint(
     `state` is the script's progress (step, epoch, step_in_epoch, ...), stored as trainer_state.json,
     with a manifest of every file's size and checksum (`manifest.write_manifest`). It is written
     into `.tmp-checkpoint-<step>` and renamed once complete; then only the `total_limit` newest are
-    kept, and `keep` (the best checkpoint) besides. A write that fails on any rank (no
+    kept, and `keep` (the best checkpoint's directory name) besides. A write that fails on any rank (no
     space, quota, file too large, permissions) stops every rank with one line (`RunFailed`: the
     directory, the cause, the newest complete checkpoint, the fix); the staging directory is
     removed and the older checkpoints are kept. Returns the checkpoint's path.
@@ -122,7 +122,7 @@ def save_checkpoint(
         _fsync_dir(output_dir)
         if total_limit:
             for old in list_checkpoints(output_dir)[:-total_limit]:
-                if old != keep:
+                if os.path.basename(old) != keep:
                     shutil.rmtree(old)
 
     try:
@@ -417,8 +417,11 @@ class Checkpointer:
         )
         self.preemption = PreemptionHandler(accelerator, args.ddp_timeout)
         self.log = None  # the TrainingLog (its NonFiniteWatch and newest evaluation), set by start_training
-        self.metric = getattr(args, "metric_for_best_model", None)  # ranks the checkpoints; lower wins for a loss
-        self.best: dict | None = None  # {"checkpoint", "metric", "step"} of the best checkpoint so far
+        self.metric = getattr(args, "metric_for_best_model", None)  # ranks the checkpoints: check_metric_for_best_model
+        self.greater_is_better = getattr(args, "greater_is_better", None)
+        # {"checkpoint": its directory's name in output_dir, "metric", "step"} of the best checkpoint so far: a name,
+        # not a path, so a resume that spells output_dir another way (relative, absolute, moved) still keeps it.
+        self.best: dict | None = None
         self._after_evaluation = False  # a checkpoint due at an epoch's last step, saved after its evaluation
         if accelerator.is_main_process and self.every != "no":
             warn_if_the_disk_is_small(self.output_dir, checkpoint_bytes(model), self.total_limit)
@@ -438,8 +441,13 @@ class Checkpointer:
             # gradients. It was saved per rank, in the checkpoint's micro-batches: count it in this run's.
             self.accelerator.step = plan.step * self.accelerator.gradient_accumulation_steps
             logger.info(f"resumed from {path}: epoch {plan.progress['epoch']}, step {plan.step}")
-            if saved.get("metric_for_best_model") == self.metric:  # the best so far, if ranked the same way
-                self.best = saved.get("best")
+            ranked_the_same = (
+                saved.get("metric_for_best_model") == self.metric
+                and saved.get("greater_is_better", not str(self.metric).endswith(("loss", "perplexity")))
+                == self.greater_is_better
+            )  # checkpoints before --greater_is_better: lower won for a loss or perplexity
+            if ranked_the_same and saved.get("best"):  # the best so far; older checkpoints recorded its path
+                self.best = {**saved["best"], "checkpoint": os.path.basename(saved["best"]["checkpoint"])}
             saved_layout = {key: saved.get(key) for key in LAYOUT}
             if saved_layout != self.layout:
                 self._resumed_elastically(saved_layout, plan.step)
@@ -478,19 +486,20 @@ class Checkpointer:
         far is recorded with it and kept whatever --checkpoints_total_limit. Returns its path."""
         if self.log is not None:
             self.log.finite.check_now()  # never a checkpoint of NaN weights
-        path = os.path.join(self.output_dir, f"checkpoint-{plan.step}")
+        name = f"checkpoint-{plan.step}"
         evaluated = self.log.last_evaluation if self.log is not None else None
         if self.metric and evaluated and evaluated[0] == plan.step and self.metric in evaluated[1]:
             value = float(evaluated[1][self.metric])
-            lower_wins = "loss" in self.metric or "perplexity" in self.metric
-            if self.best is None or (value < self.best["metric"] if lower_wins else value > self.best["metric"]):
-                self.best = {"checkpoint": path, "metric": value, "step": plan.step}
+            best = None if self.best is None else self.best["metric"]
+            if best is None or (value > best if self.greater_is_better else value < best):
+                self.best = {"checkpoint": name, "metric": value, "step": plan.step}
         state = {
             **self.identity,
             **self.layout,
             **plan.progress,
             "best": self.best,
             "metric_for_best_model": self.metric,
+            "greater_is_better": self.greater_is_better,
         }
         keep = self.best["checkpoint"] if self.best else None
         return save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, keep=keep)
@@ -501,7 +510,8 @@ class Checkpointer:
             return {}
         return {
             "metric_for_best_model": self.metric,
-            "best_checkpoint": self.best["checkpoint"],
+            "greater_is_better": self.greater_is_better,
+            "best_checkpoint": os.path.join(self.output_dir, self.best["checkpoint"]),
             "best_metric": self.best["metric"],
             "best_step": self.best["step"],
         }

@@ -13,6 +13,9 @@ from .dataloaders import SAMPLE_WEIGHT
 from .errors import UsageError
 from .evaluation import gather_for_eval
 
+# What `evaluate_classification` gives with the metrics both scripts load (accuracy, f1), for --metric_for_best_model.
+CLASSIFICATION_SCORES = ("eval_loss", "eval_accuracy", "eval_f1")
+
 
 class ConfusionMatrix(NamedTuple):
     counts: np.ndarray  # counts[true label, predicted label]

@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from .classification import ConfusionMatrix
+from .errors import UsageError
 from .evaluation import gather_for_eval
 from .output import write_jsonl
 from .sharded import is_sharded
@@ -22,6 +23,8 @@ logger = get_logger(__name__)
 
 NOT_A_LABEL = "(not a label)"
 MAX_LABELS = 20  # references with at most this many distinct values, each seen twice on average, are labels
+# What `score_by_generation` gives that --metric_for_best_model can rank by; accuracy only when the answers are labels.
+GENERATION_SCORES = ("eval_exact_match", "eval_accuracy")
 
 
 def shared_prefix_length(prompts: list[list[int]], config) -> int:
@@ -157,9 +160,9 @@ def score_answers(answers: list[str], references: list[str]) -> tuple[dict, Conf
     answers, references = [normalize_answer(a) for a in answers], [normalize_answer(r) for r in references]
     matches = [a == r for a, r in zip(answers, references)]
     scores = {"exact_match": float(np.mean(matches)), "examples": len(matches)}
-    labels = sorted(set(references))
-    if not (len(labels) <= MAX_LABELS and 2 * len(labels) <= len(references)):
+    if not are_labels(references):
         return scores, None
+    labels = sorted(set(references))
     names = labels + [NOT_A_LABEL]
     index = {name: i for i, name in enumerate(labels)}
     counts = np.zeros((len(names), len(names)), dtype=np.int64)
@@ -167,6 +170,25 @@ def score_answers(answers: list[str], references: list[str]) -> tuple[dict, Conf
         counts[index[reference], index.get(answer_label(answer, labels), len(labels))] += 1
     scores.update(accuracy=float(np.trace(counts) / len(references)), answers_not_a_label=int(counts[:, -1].sum()))
     return scores, ConfusionMatrix(counts, names)
+
+
+def are_labels(references: list[str]) -> bool:
+    """Whether the reference answers are labels (at most MAX_LABELS distinct normalized values,
+    each seen twice on average), which `score_answers` then scores by accuracy too."""
+    labels = {normalize_answer(reference) for reference in references}
+    return len(labels) <= MAX_LABELS and 2 * len(labels) <= len(references)
+
+
+def check_accuracy_is_scored(metric_for_best_model: str | None, references: list[str]) -> None:
+    """Refuse --metric_for_best_model eval_accuracy when the validation answers are not labels, so
+    the evaluation gives exact match only and no checkpoint would be ranked. No communication."""
+    if metric_for_best_model == "eval_accuracy" and not are_labels(references):
+        distinct = len({normalize_answer(reference) for reference in references})
+        raise UsageError(
+            f"--metric_for_best_model accuracy needs validation answers that are labels (at most {MAX_LABELS} "
+            f"distinct ones), and these {len(references)} answers hold {distinct} distinct ones; rank by exact_match "
+            "or loss instead"
+        )
 
 
 def answer_label(answer: str, labels: list[str]) -> str | None:

@@ -21,6 +21,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Data
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
+from ddp_utils.classification import CLASSIFICATION_SCORES
 from ddp_utils.demo import demo_model_path, load_demo_reviews
 
 logger = get_logger(__name__)
@@ -45,6 +46,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     ddp_utils.check_training_args(args)
+    ddp_utils.check_metric_for_best_model(args, CLASSIFICATION_SCORES)  # accuracy, f1 or loss
     ddp_utils.check_data_args(args, "train_file", "validation_file", both=True)
     ddp_utils.check_positive(args, "max_length")
     args.text_columns = [c.strip() for c in args.text_column.split(",") if c.strip()]

@@ -23,7 +23,14 @@ from accelerate.logging import get_logger
 
 import ddp_utils
 from ddp_utils import UsageError
-from ddp_utils.causal_lm import TARGET_TOKENS, CausalLMCollator, causal_lm_loss, evaluate_perplexity, group_text_blocks
+from ddp_utils.causal_lm import (
+    PERPLEXITY_SCORES,
+    TARGET_TOKENS,
+    CausalLMCollator,
+    causal_lm_loss,
+    evaluate_perplexity,
+    group_text_blocks,
+)
 from ddp_utils.dataloaders import token_lengths
 from ddp_utils.demo import demo_llm_gguf, load_demo_reviews
 from ddp_utils.generation import show_sample
@@ -68,6 +75,7 @@ def parse_args(argv=None):
         args = p.parse_args(argv)
         args.model_name_or_path, args.gguf_file = demo_llm_gguf()
     ddp_utils.check_training_args(args)
+    ddp_utils.check_metric_for_best_model(args, PERPLEXITY_SCORES)  # loss or perplexity
     ddp_utils.check_causal_lm_args(args)
     ddp_utils.check_data_args(args, "train_file", "validation_file")
     ddp_utils.check_positive(args, "sample_max_new_tokens")

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassi
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT
+from ddp_utils.classification import CLASSIFICATION_SCORES
 from ddp_utils.demo import demo_resnet_path, load_demo_digits
 from ddp_utils.vision import (
     EXAMPLE_ID,
@@ -67,6 +68,7 @@ def parse_args(argv=None):
     if args.num_train_epochs is None:
         args.num_train_epochs = 10 if args.demo_model else 3
     ddp_utils.check_training_args(args)
+    ddp_utils.check_metric_for_best_model(args, CLASSIFICATION_SCORES)  # accuracy, f1 or loss
     ddp_utils.check_data_args(args, "train_dir", "validation_dir")
     return args
 

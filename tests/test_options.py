@@ -98,6 +98,54 @@ def test_the_best_checkpoint_is_kept_recorded_and_named_in_metrics(eval_runs):
     assert metrics["best_metric"] == pytest.approx(scored[best_step])
     kept = sorted(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
     assert kept == sorted({21, 24, best_step}), "the 2 newest, and the best whatever --checkpoints_total_limit"
+    from ddp_utils.classification import CLASSIFICATION_SCORES  # what --metric_for_best_model is checked against
+
+    assert {key for key in metrics if key.startswith("eval_")} - {"eval_examples"} == set(CLASSIFICATION_SCORES)
+
+
+def test_the_best_checkpoint_survives_a_resume_with_the_output_dir_spelled_another_way(tiny_model, tiny_data, tmp_path):
+    """Ranked by the Trainer's name `loss` with --greater_is_better (so the first checkpoint, of
+    the highest loss, stays the best), written under an absolute --output_dir, resumed under a
+    relative one with --checkpoints_total_limit 1: the best is known by its directory's name,
+    not by the path string, so the limit does not delete it."""
+    output_dir = tmp_path / "run"
+    ranking = ["--metric_for_best_model", "loss", "--greater_is_better", "--checkpoints_total_limit", 1]
+    every_2 = ["--eval_steps", 2, "--checkpointing_steps", 2, "--report_to", "none", *ranking]
+    first = launch(TRAIN, *train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 4, *every_2))
+    assert first.returncode == 0, first.output[-3000:]
+    relative = os.path.relpath(output_dir, REPO)  # the launch runs in the repository
+    resumed = launch(
+        TRAIN,
+        *train_args(tiny_model, tiny_data, relative, "--max_train_steps", 8, *every_2),
+        "--resume_from_checkpoint",
+        "latest",
+    )
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-8"]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["metric_for_best_model"] == "eval_loss" and metrics["greater_is_better"] is True
+    assert metrics["best_step"] == 2 and os.path.basename(metrics["best_checkpoint"]) == "checkpoint-2"
+
+
+@pytest.mark.fast
+def test_metric_for_best_model_takes_the_trainer_names_and_refuses_a_score_never_given():
+    from types import SimpleNamespace as Args
+
+    from ddp_utils import check_metric_for_best_model
+    from ddp_utils.classification import CLASSIFICATION_SCORES
+
+    for name, full, greater in (("accuracy", "eval_accuracy", True), ("eval_loss", "eval_loss", False)):
+        args = Args(metric_for_best_model=name, greater_is_better=None)
+        check_metric_for_best_model(args, CLASSIFICATION_SCORES)
+        assert (args.metric_for_best_model, args.greater_is_better) == (full, greater)
+    args = Args(metric_for_best_model="perplexity", greater_is_better=None)
+    check_metric_for_best_model(args, ("eval_loss", "eval_perplexity"))
+    assert args.greater_is_better is False
+    args = Args(metric_for_best_model="loss", greater_is_better=True)  # the direction given wins
+    check_metric_for_best_model(args, CLASSIFICATION_SCORES)
+    assert args.greater_is_better is True
+    with pytest.raises(UsageError, match=r"^--metric_for_best_model 'bleu' is not a score .* it gives loss, accuracy"):
+        check_metric_for_best_model(Args(metric_for_best_model="bleu", greater_is_better=None), CLASSIFICATION_SCORES)
 
 
 def test_a_run_resumed_through_mid_epoch_evaluations_is_bit_exact(tiny_model, tiny_data, eval_runs, tmp_path):

@@ -173,6 +173,34 @@ def test_the_run_says_it_set_a_pad_token(sft_runs):
     assert "the tokenizer has no pad token: padding with EOS '</s>'" in sft_runs["two_processes_batch_B"]["output"]
 
 
+def test_the_scores_to_rank_checkpoints_by_are_the_ones_the_evaluation_gives(sft_runs):
+    """PERPLEXITY_SCORES and GENERATION_SCORES, which --metric_for_best_model is checked against
+    before training, are what the evaluation gives (accuracy: only when the answers are labels)."""
+    from ddp_utils.causal_lm import PERPLEXITY_SCORES
+    from ddp_utils.generation import GENERATION_SCORES
+
+    metrics = sft_runs["two_processes_batch_B"]["metrics"]
+    counts = {"eval_tokens", "eval_sequences", "eval_examples", "eval_prompts_cut"}
+    given = {key for key in metrics if key.startswith("eval_")} - counts
+    assert given == {*PERPLEXITY_SCORES, "eval_exact_match"}, given
+    assert "eval_exact_match" in GENERATION_SCORES
+    assert json.loads((sft_runs["two_processes_batch_B"]["dir"] / "training_args.json").read_text())[
+        "metric_for_best_model"
+    ] == ("eval_loss"), "the default with perplexity on"
+
+
+@pytest.mark.fast
+def test_the_demo_ranks_its_checkpoints_by_the_accuracy_its_evaluation_gives():
+    """The SFT demo computes no perplexity: it ranks by generative accuracy, and its answers are labels."""
+    from conftest import load_script
+    from ddp_utils.demo import load_demo_reviews
+    from ddp_utils.generation import check_accuracy_is_scored
+
+    args = load_script("train_sft").parse_args(["--report_to", "none"])
+    assert (args.metric_for_best_model, args.greater_is_better, args.eval_perplexity) == ("eval_accuracy", True, False)
+    check_accuracy_is_scored(args.metric_for_best_model, load_demo_reviews()["validation"]["label"])
+
+
 def test_generation_answers_each_eval_prompt_once_the_same_on_one_and_two_processes(sft_runs, sft_data):
     """7 eval records (prime; prompts of 2 to 8 words, answers of 1 to 30), 2 per batch: the
     second process gets a short last batch that Accelerate evens out with repeats, which must
@@ -675,6 +703,15 @@ BAD_INPUT = {
     "conversation_without_answer": (
         lambda d, s: conversation_without_answer(d),
         "train record 1 has no assistant turn",
+    ),
+    "best_by_accuracy_of_answers_that_are_not_labels": (
+        lambda d, s: ["--metric_for_best_model", "accuracy"],
+        "--metric_for_best_model accuracy needs validation answers that are labels (at most 20 distinct ones), "
+        "and these 7 answers hold 7 distinct ones; rank by exact_match or loss instead",
+    ),
+    "best_by_a_score_never_given": (
+        lambda d, s: ["--metric_for_best_model", "bleu"],
+        "it gives loss, perplexity, exact_match, accuracy (with or without the eval_ prefix)",
     ),
 }
 
