@@ -33,7 +33,15 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
     p = parser.add_argument_group("training")
     p.add_argument("--per_device_train_batch_size", type=int, default=8, help="examples per process per micro-batch")
     p.add_argument("--per_device_eval_batch_size", type=int, default=16, help="examples per process per eval batch")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument(
+        "--gradient_accumulation_steps", type=int, default=None, help="micro-batches per optimizer step (default: 1)"
+    )
+    p.add_argument(
+        "--global_batch_size",
+        type=int,
+        default=None,
+        help="examples per optimizer step on all processes: sets the accumulation, so any cluster runs the same steps",
+    )
     p.add_argument(
         "--learning_rate", type=float, default=None, help="peak AdamW learning rate (default: see the script)"
     )
@@ -166,6 +174,7 @@ def check_training_args(args) -> None:
         "per_device_train_batch_size",
         "per_device_eval_batch_size",
         "gradient_accumulation_steps",
+        "global_batch_size",
         "num_train_epochs",
         "max_train_steps",
         "logging_steps",
@@ -173,6 +182,8 @@ def check_training_args(args) -> None:
         "preprocessing_num_workers",
         "eval_steps",
     )
+    if args.global_batch_size is None and args.gradient_accumulation_steps is None:
+        args.gradient_accumulation_steps = 1  # else set by the world size, as the run starts (accumulation_for)
     steps = args.checkpointing_steps
     if steps not in ("epoch", "no") and not (steps.isdigit() and int(steps) > 0):
         raise UsageError(f"--checkpointing_steps takes a positive number, 'epoch' or 'no', got {steps!r}")
@@ -200,6 +211,33 @@ def check_training_args(args) -> None:
         from .hub import check_hub_push
 
         check_hub_push(args)
+
+
+def accumulation_for(args, world_size: int) -> int:
+    """The gradient accumulation steps of this run on `world_size` processes: with
+    --global_batch_size, the one that makes that many examples per optimizer step with
+    --per_device_train_batch_size, so the run takes the same steps on any number of processes; a
+    size that does not divide is a `UsageError` naming the per-device batches that fit. Else
+    --gradient_accumulation_steps. Every rank calls it as the run starts (no communication)."""
+    wanted, per_device = args.global_batch_size, args.per_device_train_batch_size
+    given = args.gradient_accumulation_steps
+    if wanted is None:
+        return given or 1
+    processes = f"{world_size} process{'es' if world_size != 1 else ''}"
+    if wanted % (world_size * per_device):
+        fits = [batch for batch in range(1, wanted // world_size + 1) if wanted % (world_size * batch) == 0]
+        fix = f"give --per_device_train_batch_size {' or '.join(map(str, fits[-3:]))}" if fits else ""
+        raise UsageError(
+            f"--global_batch_size {wanted} is not a multiple of {processes} x --per_device_train_batch_size "
+            f"{per_device}; {fix or f'give a --global_batch_size that is a multiple of {world_size}'}"
+        )
+    accumulation = wanted // (world_size * per_device)
+    if given not in (None, accumulation):
+        raise UsageError(
+            f"--global_batch_size {wanted} on {processes} with --per_device_train_batch_size {per_device} accumulates "
+            f"{accumulation} micro-batches, and --gradient_accumulation_steps says {given}; give only one of the two"
+        )
+    return accumulation
 
 
 def check_metric_for_best_model(args, scores) -> None:

@@ -26,7 +26,7 @@ _CPU_LAUNCH_FIX = (
 )
 
 
-def _world_size_from_launcher() -> int | None:
+def world_size_from_launcher() -> int | None:
     """The number of processes the launcher says it started, or None if no launcher said."""
     for name in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
         if os.environ.get(name):
@@ -76,7 +76,7 @@ def check_launch(accelerator: Accelerator) -> None:
     """The launch guard: fail at once if the launcher started a different number of processes
     than the ones that joined this run. Every rank calls it (via `make_accelerator`) and every
     rank raises on its own, so no rank waits for the others."""
-    launched = _world_size_from_launcher()
+    launched = world_size_from_launcher()
     joined = accelerator.num_processes
     if launched is not None and launched != joined:
         raise UsageError(

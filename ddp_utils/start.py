@@ -17,9 +17,10 @@ from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwa
 from accelerate.logging import get_logger
 from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
+from .args import accumulation_for
 from .checkpoint import Checkpointer, clear_preempted_marker
 from .errors import UsageError
-from .launch_guard import check_launch
+from .launch_guard import check_launch, world_size_from_launcher
 from .oom_backoff import OOMBackoff
 from .optimizer import describe_optimizer
 from .output import check_output_dir, prepare_output_dir
@@ -135,6 +136,9 @@ def start_run(args, **accelerator_options) -> Accelerator:
     import transformers
 
     hide_secret_args(args)  # --hub_token becomes HF_TOKEN; no secret stays in sys.argv
+    # What the launcher started (the launch guard checks it against the process group): --global_batch_size needs it.
+    world_size = world_size_from_launcher() or 1
+    args.gradient_accumulation_steps = accumulation_for(args, world_size)
     accelerator = make_accelerator(
         seed=args.seed,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -154,10 +158,27 @@ def start_run(args, **accelerator_options) -> Accelerator:
     logger.info(
         f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, device {accelerator.device}"
     )
+    logger.info(describe_global_batch(args, accelerator.num_processes))
     transformers.set_seed(args.seed)
     check_output_dir(args.output_dir, args.overwrite_output_dir, resuming=bool(args.resume_from_checkpoint))
     clear_preempted_marker(accelerator, args.output_dir)  # it describes an earlier attempt
     return accelerator
+
+
+def describe_global_batch(args, world_size: int) -> str:
+    """The log line that says how many examples an optimizer step takes, and whether another
+    number of processes would change it (it does, unless --global_batch_size fixes it)."""
+    per_step = world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    line = (
+        f"global batch: {per_step} examples per optimizer step ({world_size} process(es) x "
+        f"{args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulated)"
+    )
+    if args.global_batch_size:
+        return line + ", set by --global_batch_size on any number of processes"
+    return line + (
+        "; on another number of processes it changes, and with it the run (scale the learning rate, or give "
+        f"--global_batch_size {per_step} to keep it)"
+    )
 
 
 def start_training(accelerator: Accelerator, args, model, optimizer, plan):

@@ -16,7 +16,8 @@ TRAIN = REPO / "scripts" / "train.py"
 LAYOUTS = {
     "one_process": (1, ["--per_device_train_batch_size", 8]),
     "two_processes": (2, ["--per_device_train_batch_size", 4]),
-    "two_processes_accumulating": (2, ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]),
+    # The accumulation derived from the global batch: 8 / (2 processes x 2 per device) = 2.
+    "two_processes_accumulating": (2, ["--per_device_train_batch_size", 2, "--global_batch_size", 8]),
 }
 
 
@@ -73,6 +74,45 @@ def test_n_processes_train_the_same_model_as_one(runs, tiny_model):
             == metrics(runs["one_process"]["dir"])["optimizer_steps"]
             == 24
         )
+
+
+@pytest.mark.fast
+def test_the_log_states_the_global_batch_and_what_changes_it(runs):
+    plain, derived = runs["two_processes"]["launch"].output, runs["two_processes_accumulating"]["launch"].output
+    assert (
+        "global batch: 8 examples per optimizer step (2 process(es) x 4 per device x 1 accumulated); on another "
+        in (plain)
+        and "give --global_batch_size 8 to keep it" in plain
+    )
+    assert "(2 process(es) x 2 per device x 2 accumulated), set by --global_batch_size" in derived
+
+
+@pytest.mark.fast
+def test_the_global_batch_size_sets_the_accumulation_or_is_refused_in_one_line():
+    from types import SimpleNamespace as Args
+
+    from ddp_utils import UsageError
+    from ddp_utils.args import accumulation_for
+
+    def args(global_batch, per_device, accumulation=None):
+        return Args(
+            global_batch_size=global_batch,
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation,
+        )
+
+    assert [accumulation_for(args(32, 4), world) for world in (1, 2, 8)] == [8, 4, 1]
+    assert accumulation_for(args(None, 4, 3), 8) == 3 and accumulation_for(args(32, 4, 4), 2) == 4
+    with pytest.raises(
+        UsageError,
+        match=r"^--global_batch_size 32 is not a multiple of 2 processes x "
+        r"--per_device_train_batch_size 3; give --per_device_train_batch_size 4 or 8 or 16$",
+    ):
+        accumulation_for(args(32, 3), 2)
+    with pytest.raises(UsageError, match="give a --global_batch_size that is a multiple of 3$"):
+        accumulation_for(args(32, 4), 3)
+    with pytest.raises(UsageError, match="accumulates 4 micro-batches, and --gradient_accumulation_steps says 2"):
+        accumulation_for(args(32, 4, 2), 2)
 
 
 @pytest.mark.fast
