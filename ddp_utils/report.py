@@ -61,6 +61,12 @@ def write_results(
     }
     metrics = {**scores, **facts, **(extra or {})}
     output_dir, error = args.output_dir, None
+    if accelerator.is_main_process:  # fp16: the steps the loss scaler skipped, logged per window (resumes included)
+        skipped = [
+            record["train/skipped_steps"] for record in read_train_log(output_dir) if "train/skipped_steps" in record
+        ]
+        if skipped:
+            metrics["optimizer_steps_skipped"] = sum(skipped)
     try:
         write_json(accelerator, f"{output_dir}/metrics.json", metrics)
         write_json(accelerator, f"{output_dir}/training_args.json", loggable_args(args))

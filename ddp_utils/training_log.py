@@ -19,7 +19,7 @@ from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
 from .errors import UsageError
-from .nonfinite import NonFiniteWatch
+from .nonfinite import WATCHED, NonFiniteWatch
 from .redact import loggable_args
 
 logger = get_logger(__name__)
@@ -85,7 +85,8 @@ class TrainingLog:
     scores, to the trackers of --report_to, `train_log.jsonl` and the progress bar.
 
     A loss or gradient norm that turns NaN or infinite stops the run at the next record, on every
-    rank (`NonFiniteWatch`, `finite`; the Checkpointer asks it too before saving).
+    rank (`NonFiniteWatch`, `finite`; the Checkpointer asks it too before saving); a step that
+    fp16's loss scaler skipped is counted (`train/skipped_steps`), and only a long run of them stops it.
 
     Build it on every rank after `Checkpointer.resume` (it starts the trackers, and needs the step
     a resumed run starts from). Only the main process writes.
@@ -125,7 +126,9 @@ class TrainingLog:
         self._window_start = dict(plan.progress)
         self._loss_sum = torch.zeros((), device=self.accelerator.device)
         self._grad_norm_sum = torch.zeros((), device=self.accelerator.device)
-        self._grad_norms, self._learning_rate = 0, None
+        self._grad_norms = torch.zeros((), device=self.accelerator.device)  # steps with a gradient norm, not skipped
+        self._skipped = torch.zeros((), device=self.accelerator.device)  # steps fp16's loss scaler skipped
+        self._learning_rate = None
 
     def step(self, plan, loss_sum: torch.Tensor, grad_norm, learning_rate: float) -> None:
         """All ranks call this after every optimizer step (after `plan.advance`), with this
@@ -139,9 +142,11 @@ class TrainingLog:
             if hasattr(grad_norm, "full_tensor"):  # FSDP2's norm is a DTensor (all ranks call this: it may gather)
                 grad_norm = grad_norm.full_tensor()
             grad_norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=self.accelerator.device)
-            self._grad_norm_sum += grad_norm
-            self._grad_norms += 1
-        self.finite.note(plan.step, loss_sum, grad_norm)
+        skipped = self.finite.note(plan.step, loss_sum, grad_norm)  # by fp16's loss scaler: an overflow, not applied
+        self._skipped += skipped
+        if grad_norm is not None:  # the mean norm of the steps applied (a skipped one's is infinite)
+            self._grad_norm_sum += torch.where(skipped, 0.0, grad_norm)
+            self._grad_norms += ~skipped
         self._learning_rate = learning_rate
         self.bar.update(1)
         if plan.step % self.logging_steps == 0 or plan.done:
@@ -155,20 +160,24 @@ class TrainingLog:
         memory = peak_memory_mb(accelerator.device)
         # Copied without waiting: a blocking copy to the device would wait for the steps queued before it.
         host_values = torch.tensor(list(memory.values()), dtype=torch.float32).to(accelerator.device, non_blocking=True)
-        local = torch.cat(
-            [torch.stack([self._loss_sum.float(), self._grad_norm_sum]), host_values, self.finite.first_bad]
-        )
-        now, everyone = plan.read(accelerator.gather(local[None]))  # (world size, 4 + memory kinds), on the host
+        window = torch.stack([self._loss_sum.float(), self._grad_norm_sum, self._grad_norms.float(), self._skipped])
+        local = torch.cat([window.float(), host_values, self.finite.first_bad])
+        now, everyone = plan.read(accelerator.gather(local[None]))  # (world size, 4 + memory kinds + 3), on the host
         seconds = max(now["train_time_s"] - start["train_time_s"], 1e-9)
         weight, tokens = now["trained_weight"] - start["trained_weight"], now["tokens_seen"] - start["tokens_seen"]
         loss = everyone[:, 0].sum().item() / max(weight, 1.0)
         record = {"train/epoch": plan.fractional_epoch, "train/loss": loss, "train/learning_rate": self._learning_rate}
-        if self._grad_norms:  # the same on every rank
-            record["train/grad_norm"] = everyone[0, 1].item() / self._grad_norms
+        norms, skipped = everyone[0, 2].item(), int(everyone[0, 3].item())  # the same on every rank
+        if norms:
+            record["train/grad_norm"] = everyone[0, 1].item() / norms
+        if self.finite.scaled:  # fp16: the steps the loss scaler skipped (overflows, not applied), and its scale
+            record["train/skipped_steps"] = skipped
+            if accelerator.scaler is not None:
+                record["train/loss_scale"] = accelerator.scaler.get_scale()
         record["train/samples_per_second"] = (now["samples_seen"] - start["samples_seen"]) / seconds
         if tokens:
             record["train/tokens_per_second"] = tokens / seconds
-        for i, name in enumerate(memory, start=2):
+        for i, name in enumerate(memory, start=4):
             record[f"train/{name}"] = everyone[:, i].max().item()
         self._write(record, plan.step)
         speed = f"{record['train/samples_per_second']:,.1f} samples/s"
@@ -176,7 +185,7 @@ class TrainingLog:
             speed += f", {record['train/tokens_per_second']:,.0f} tok/s"
         self.bar.set_postfix_str(f"loss {loss:.4f}, {speed}")
         self._new_window(plan)
-        self.finite.check(everyone[:, -2:])  # every rank raises together if a step was not finite
+        self.finite.check(everyone[:, -len(WATCHED) :])  # every rank raises together if a step was not finite
 
     def evaluation(self, plan, scores: dict, when: str | None = None) -> None:
         """After an evaluation: at an epoch's end (after `plan.end_epoch`), every --eval_steps
