@@ -90,12 +90,15 @@ def test_the_non_finite_watch_names_the_first_bad_step_on_any_rank(tmp_path):
     from ddp_utils.nonfinite import NonFiniteWatch
 
     args = SimpleNamespace(output_dir=str(tmp_path), learning_rate=3e-4, max_grad_norm=0.0)
-    watch = NonFiniteWatch(SimpleNamespace(device=torch.device("cpu")), args)
+    accelerator = SimpleNamespace(
+        device=torch.device("cpu"), state=SimpleNamespace(deepspeed_plugin=None), mixed_precision="no", scaler=None
+    )
+    watch = NonFiniteWatch(accelerator, args)
     watch.note(1, torch.tensor(2.0), torch.tensor(1.0))
     watch.check(watch.device_values()[None])  # all finite: nothing
     watch.note(2, torch.tensor(2.0), torch.tensor(float("inf")))
     watch.note(3, torch.tensor(float("nan")), torch.tensor(float("nan")))
-    other_rank = torch.tensor([2.0, 0.0])  # its own loss was NaN at step 2
+    other_rank = torch.tensor([2.0, 0.0, 0.0])  # its own loss was NaN at step 2
     with pytest.raises(RunFailed, match=r"^the loss and the gradient norm became NaN or infinite at optimizer step 2,"):
         watch.check(torch.stack([watch.device_values(), other_rank]))
     with pytest.raises(
