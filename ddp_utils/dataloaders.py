@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from .checkpoint import PreemptionHandler
+from .preemption import PreemptionHandler
 
 SAMPLE_WEIGHT = "sample_weight"  # 1.0 for a real example, 0.0 for a filler that evens out the shards
 EPOCH = "epoch"  # in the rows of make_train_dataloader(epoch_in_rows=True): the epoch they are drawn for

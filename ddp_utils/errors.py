@@ -4,7 +4,7 @@ ddp_utils may import it, and it imports nothing of ddp_utils."""
 # Exit code of a run stopped by bad input or a bad launch (argparse uses 2 as well).
 EXIT_USAGE = 2
 # Exit code of every training process after a preemption checkpoint (EX_TEMPFAIL: try again later).
-# torchrun / accelerate launch report it per worker and exit 1 themselves; see checkpoint.PREEMPTED_FILE.
+# torchrun / accelerate launch report it per worker and exit 1 themselves; see preemption.PREEMPTED_FILE.
 EXIT_PREEMPTED = 75
 
 

@@ -165,7 +165,7 @@ def write_failure(error: BaseException, what: str, output_dir: str) -> str:
     file size limit are named then), the newest complete checkpoint and the fix."""
     import resource
 
-    from .checkpoint import list_checkpoints
+    from .checkpoint_save import list_checkpoints
 
     cause, found = None, error
     while found is not None and cause is None:

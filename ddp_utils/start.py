@@ -18,12 +18,13 @@ from accelerate.logging import get_logger
 from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
 from .args import accumulation_for
-from .checkpoint import Checkpointer, clear_preempted_marker
+from .checkpoint import Checkpointer
 from .errors import UsageError
 from .launch_guard import check_launch, world_size_from_launcher
 from .oom_backoff import OOMBackoff
 from .optimizer import describe_optimizer
 from .output import check_output_dir, prepare_output_dir
+from .preemption import clear_preempted_marker
 from .redact import hide_secret_args
 from .sharded import SHARDED_TYPES
 from .training_log import TENSORBOARD_DIR, TrainingLog

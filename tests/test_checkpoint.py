@@ -12,8 +12,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import AUDIT_HOOK_DIR, REPO, launch, make_tiny_model, train_args
-from ddp_utils.checkpoint import PREEMPTED_FILE
 from ddp_utils.errors import EXIT_PREEMPTED
+from ddp_utils.preemption import PREEMPTED_FILE
 
 TRAIN = REPO / "scripts" / "train.py"
 HOOKS = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}
@@ -283,31 +283,37 @@ def test_one_failing_or_stuck_rank_ends_the_launch(mode):
 def test_a_damaged_newest_checkpoint_is_skipped_by_latest_and_refused_by_name(
     dropout_model, tiny_data, uninterrupted, tmp_path
 ):
-    """optimizer.bin of the newest checkpoint cut short (a copy interrupted): `latest` warns, names
-    it, and resumes from the one before, ending with the uninterrupted run's parameters; naming the
-    damaged one is refused with the good one named; a checkpoint without a manifest (saved before
-    manifests existed) still resumes."""
+    """Bytes flipped in the middle of the newest checkpoint's weights, the size kept (bit rot, a bad
+    copy): only the checksum finds it, read by the rank whose share of the bytes holds it. Naming
+    it is refused with the good one named; `latest` warns, names it, and resumes from the one
+    before, ending with the uninterrupted run's parameters; a checkpoint without a manifest (saved
+    before manifests existed) still resumes. A file cut short is found by its size (test_ddp_utils)."""
     output_dir = tmp_path / "run"
     output_dir.mkdir()
     for name in ("checkpoint-22", "checkpoint-24"):
         shutil.copytree(uninterrupted["plain"] / name, output_dir / name)
-    optimizer = output_dir / "checkpoint-24" / "optimizer.bin"
-    optimizer.write_bytes(optimizer.read_bytes()[:-100])
+    weights = output_dir / "checkpoint-24" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4] = bytes(b ^ 0xFF for b in data[middle : middle + 4])
+    weights.write_bytes(bytes(data))
     (output_dir / "checkpoint-22" / "manifest.json").unlink()  # as an older checkpoint: trusted, loaded as before
 
     refused = run_train(
         dropout_model, tiny_data, output_dir, "plain", "--resume_from_checkpoint", output_dir / "checkpoint-24"
     )
     assert refused.returncode != 0 and refused.seconds < 60
+    damaged = "is damaged (model.safetensors has changed since it was written (its checksum differs))"
     for rank in (0, 1):
-        assert (
-            f"[rank {rank}] error: checkpoint {str(output_dir / 'checkpoint-24')!r} is damaged (optimizer.bin holds "
-            in refused.output
-        ), refused.output[-3000:]
+        assert f"[rank {rank}] error: checkpoint {str(output_dir / 'checkpoint-24')!r} {damaged}" in refused.output, (
+            refused.output[-3000:]
+        )
     assert f"the newest that checks out is {str(output_dir / 'checkpoint-22')!r}: resume from it" in refused.output
 
     resumed = run_train(dropout_model, tiny_data, output_dir, "plain", "--resume_from_checkpoint", "latest")
     assert resumed.returncode == 0, resumed.output[-3000:]
-    assert f"checkpoint {str(output_dir / 'checkpoint-24')!r} is damaged (optimizer.bin holds" in resumed.output
+    assert f"checkpoint {str(output_dir / 'checkpoint-24')!r} {damaged}: skipped, an older one is used" in (
+        resumed.output
+    )
     assert f"resumed from {output_dir / 'checkpoint-22'}" in resumed.output
     assert_same_parameters(output_dir, uninterrupted["plain"])

@@ -381,7 +381,7 @@ def test_the_training_path_syncs_with_the_device_once_per_logging_window(tmp_pat
     import datasets
     from accelerate import Accelerator
 
-    from ddp_utils.checkpoint import PreemptionHandler
+    from ddp_utils.preemption import PreemptionHandler
     from ddp_utils.training_log import read_train_log
 
     parser = argparse.ArgumentParser()
@@ -432,3 +432,63 @@ def test_the_training_path_syncs_with_the_device_once_per_logging_window(tmp_pat
     assert [record["step"] for record in records] == [10, 20, 25]
     assert all(record["train/grad_norm"] == pytest.approx(0.5) for record in records), "the norms read in the same sync"
     assert plan.progress["samples_seen"] == 200 and plan.progress["tokens_seen"] == sum(3 + i % 5 for i in range(200))
+
+
+@pytest.mark.fast
+def test_a_manifest_finds_a_file_cut_short_changed_or_missing_and_each_rank_hashes_what_it_wrote(tmp_path):
+    """The files Accelerate writes on each rank carry the rank in their names (DDP's RNG states,
+    FSDP's shards, DeepSpeed's partitions): each rank hashes those it wrote, the main process the
+    rest. At a resume the ranks split the bytes to checksum evenly."""
+    from ddp_utils.manifest import (
+        checkpoint_files,
+        checkpoint_problem,
+        hash_and_flush,
+        share_of,
+        write_manifest,
+        written_by,
+    )
+
+    names = {
+        "model.safetensors": 0,
+        "optimizer.bin": 0,
+        "scaler.pt": 0,
+        "random_states_0.pkl": 0,
+        "random_states_3.pkl": 3,
+        "pytorch_model_fsdp_0/__2_0.distcp": 2,
+        "pytorch_model_fsdp_0/.metadata": 0,
+        "optimizer_0/__1_0.distcp": 1,
+        "pytorch_model/zero_pp_rank_3_mp_rank_00_model_states.pt": 3,
+        "pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt": 1,
+        "random_states_9.pkl": 0,  # a rank this world does not have: the main process
+    }
+    assert {name: written_by(name, 4) for name in names} == names
+
+    checkpoint = tmp_path / "checkpoint-1"
+    sizes = {"model.safetensors": 2048, "optimizer.bin": 4096, "random_states_0.pkl": 256, "random_states_1.pkl": 256}
+    checkpoint.mkdir()
+    for name, size in sizes.items():
+        (checkpoint / name).write_bytes(bytes(range(256)) * (size // 256))
+    files = checkpoint_files(checkpoint)
+    entries = {}
+    for rank in (0, 1):
+        entries.update(hash_and_flush(str(checkpoint), [f for f in files if written_by(f, 2) == rank]))
+    write_manifest(str(checkpoint), entries)
+    assert checkpoint_problem(str(checkpoint)) is None
+    shares = [share_of(entries, rank, 2) for rank in (0, 1)]
+    assert [sorted(share) for share in shares] == [
+        ["optimizer.bin"],
+        ["model.safetensors", "random_states_0.pkl", "random_states_1.pkl"],
+    ], "the largest file to the rank with the fewest bytes so far"
+    optimizer = checkpoint / "optimizer.bin"
+    original = optimizer.read_bytes()
+    optimizer.write_bytes(original[:-100])
+    assert checkpoint_problem(str(checkpoint)) == "optimizer.bin holds 3,996 bytes, 4,096 were written"
+    optimizer.write_bytes(original[:1000] + bytes([original[1000] ^ 1]) + original[1001:])
+    assert (
+        checkpoint_problem(str(checkpoint)) == "optimizer.bin has changed since it was written (its checksum differs)"
+    )
+    optimizer.unlink()
+    assert checkpoint_problem(str(checkpoint)) == "optimizer.bin is missing"
+    (checkpoint / "stray.bin").write_bytes(b"x")
+    with pytest.raises(RuntimeError, match=r"\['stray.bin'\] were hashed by no rank"):
+        write_manifest(str(checkpoint), entries)

@@ -118,7 +118,7 @@ def test_the_disk_is_checked_for_the_checkpoints_kept_and_the_numbers_named(tmp_
     import torch
     from accelerate import PartialState
 
-    from ddp_utils import checkpoint
+    from ddp_utils import checkpoint_save as checkpoint
 
     PartialState(cpu=True)
     model = torch.nn.Linear(1000, 1000)  # 4 MB of fp32 weights, 8 MB of AdamW moments
