@@ -124,11 +124,18 @@ def size_problem(directory: str, files: dict) -> str | None:
 
 
 def share_of(files: dict, rank: int, world_size: int) -> dict:
-    """Rank `rank`'s share of the manifest's `files` to checksum at a resume: the largest file to
-    the rank with the fewest bytes so far, and so on, so the ranks read about as much each. The
-    same on every rank (it depends on the manifest only)."""
+    """Rank `rank`'s share of the manifest's `files` to checksum at a resume: the files that carry
+    a rank's name go to that rank (under FSDP and DeepSpeed, the shards it loads itself, so on its
+    own node), and the others one by one, largest first, to the rank with the fewest bytes so far,
+    so the ranks read about as much each. The same on every rank (it depends on the manifest only)."""
     loads, owner = [0] * world_size, {}
-    for relative, entry in sorted(files.items(), key=lambda item: (-item[1]["bytes"], item[0])):
+    for relative, entry in files.items():
+        writer = written_by(relative, world_size)
+        if writer or _RANK_IN_NAME.search(relative):
+            owner[relative] = writer
+            loads[writer] += entry["bytes"]
+    shared = [(relative, entry) for relative, entry in files.items() if relative not in owner]
+    for relative, entry in sorted(shared, key=lambda item: (-item[1]["bytes"], item[0])):
         least = min(range(world_size), key=lambda r: (loads[r], r))
         owner[relative] = least
         loads[least] += entry["bytes"]

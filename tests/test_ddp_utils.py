@@ -476,9 +476,9 @@ def test_a_manifest_finds_a_file_cut_short_changed_or_missing_and_each_rank_hash
     assert checkpoint_problem(str(checkpoint)) is None
     shares = [share_of(entries, rank, 2) for rank in (0, 1)]
     assert [sorted(share) for share in shares] == [
-        ["optimizer.bin"],
-        ["model.safetensors", "random_states_0.pkl", "random_states_1.pkl"],
-    ], "the largest file to the rank with the fewest bytes so far"
+        ["optimizer.bin", "random_states_0.pkl"],
+        ["model.safetensors", "random_states_1.pkl"],
+    ], "a rank's own files to it, then the largest file to the rank with the fewest bytes so far"
     optimizer = checkpoint / "optimizer.bin"
     original = optimizer.read_bytes()
     optimizer.write_bytes(original[:-100])
