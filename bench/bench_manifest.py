@@ -15,6 +15,8 @@ A model of plain linear layers sized so that it and its AdamW moments take --siz
 """
 
 import argparse
+import itertools
+import json
 import os
 import shutil
 import statistics
@@ -54,9 +56,10 @@ def timed(accelerator, work, before=None) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size_gb", type=float, default=4.0, help="checkpoint size: weights and AdamW moments")
-    parser.add_argument("--repeats", type=int, default=3, help="median of this many of each")
-    parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    parser.add_argument("--repeats", type=int, default=6, help="median of this many of each (6: every order once)")
+    parser.add_argument("--dir", default=None, help="the disk to test: a temporary directory there (default: /tmp)")
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each resume (root only)")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file (the GPU checklist)")
     args = parser.parse_args()
     accelerator = make_accelerator(seed=0)
     width = 4096
@@ -117,25 +120,50 @@ def main():
         if accelerator.is_main_process:
             manifest.checkpoint_problem(checkpoint)
 
-    # Interleaved, one of each per round, so that a drift of the disk's speed falls on all alike.
-    saves = {"ours": [], "no_checksums": [], "plain": [], "one_process_warm": []}
-    resumes = {"checked": [], "unchecked": [], "one_process": []}
+    # Where a save's time goes: the writes of accelerator.save_state, timed in every save.
+    writes, save_state = [], accelerator.save_state
+
+    def timed_save_state(directory):
+        start = time.perf_counter()
+        try:
+            return save_state(directory)
+        finally:
+            writes.append(time.perf_counter() - start)
+
+    accelerator.save_state = timed_save_state
+
+    # One of each per round, the rounds going through every order in turn, so the disk's state after one kind
+    # of save (its write-back, the space freed by the last deletion) falls on every kind alike.
+    kinds = {"ours": save_ours, "no_checksums": without_checksums, "plain": lambda: accelerator.save_state(plain_dir)}
+    saves = {kind: [] for kind in (*kinds, "one_process_warm")}
     phase = {"ours": [], "no_checksums": []}
-    for _ in range(args.repeats):
-        saves["ours"].append(timed(accelerator, save_ours, before=clear))
-        phase["ours"].append(phases.pop())
-        saves["one_process_warm"].append(timed(accelerator, check_on_one_process))  # right after the write
-        saves["no_checksums"].append(timed(accelerator, without_checksums, before=clear))
-        phase["no_checksums"].append(phases.pop())
-        saves["plain"].append(timed(accelerator, lambda: accelerator.save_state(plain_dir), before=clear))
+    write = {kind: [] for kind in kinds}
+    orders = list(itertools.permutations(kinds))
+    for round_ in range(args.repeats):
+        for kind in orders[round_ % len(orders)]:
+            saves[kind].append(timed(accelerator, kinds[kind], before=clear))
+            write[kind].append(writes.pop())
+            if kind in phase:
+                phase[kind].append(phases.pop())
+    save_ours()
+    for _ in range(args.repeats):  # what the old manifest added: every byte hashed on one process, right after
+        saves["one_process_warm"].append(timed(accelerator, check_on_one_process))
     clear()
     save_ours()  # a checkpoint with its checksums, to resume from
-    for _ in range(args.repeats):
-        resumes["checked"].append(timed(accelerator, resume_checked, before=cold))
-        resumes["unchecked"].append(timed(accelerator, resume_unchecked, before=cold))
-        resumes["one_process"].append(timed(accelerator, check_on_one_process, before=cold))
+    resume_kinds = {
+        "checked": resume_checked,
+        "unchecked": resume_unchecked,
+        "check_alone": lambda: find_resume_checkpoint(accelerator, workdir, "latest"),
+        "one_process": check_on_one_process,
+    }
+    resumes = {kind: [] for kind in resume_kinds}
+    for round_ in range(args.repeats):
+        for kind in list(resume_kinds)[round_ % 4 :] + list(resume_kinds)[: round_ % 4]:
+            resumes[kind].append(timed(accelerator, resume_kinds[kind], before=cold))
     spread = {k: (min(v), max(v)) for k, v in saves.items()}
-    saves, resumes, phase = ({k: statistics.median(v) for k, v in d.items()} for d in (saves, resumes, phase))
+    saves, resumes, phase, write = (
+        {k: statistics.median(v) for k, v in d.items()} for d in (saves, resumes, phase, write)
+    )
 
     if accelerator.is_main_process:
         size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(checkpoint) for f in files)
@@ -155,6 +183,12 @@ def main():
             low, high = spread[key]
             print(f"| {label} | {saves[key]:.2f} | {low:.2f} to {high:.2f} | {size / 2**30 / saves[key]:.2f} |")
         for label, key in (
+            ("in the save with the manifest: accelerator.save_state's writes", "ours"),
+            ("in the save without checksums: accelerator.save_state's writes", "no_checksums"),
+            ("in the plain save: accelerator.save_state's writes", "plain"),
+        ):
+            print(f"| {label} | {write[key]:.2f} | | |")
+        for label, key in (
             ("in the save with the manifest: rank 0 hashing while flushing its files", "ours"),
             ("in the save without checksums: rank 0 flushing its files", "no_checksums"),
         ):
@@ -162,18 +196,37 @@ def main():
         for label, key in (
             (f"resume: check (sizes, then checksums on every rank) + load, {cache}", "checked"),
             (f"resume: load alone, {cache}", "unchecked"),
+            (f"resume: the check alone (sizes, then checksums on every rank), {cache}", "check_alone"),
             (f"every byte checksummed on one process (the old check), {cache}", "one_process"),
         ):
             print(f"| {label} | {resumes[key]:.2f} | | {size / 2**30 / resumes[key]:.2f} |")
         added = (phase["ours"] - phase["no_checksums"]) / saves["no_checksums"]
         print(
-            f"\nthe checksums add {added:+.1%} to a save (its phase against the flush alone; the whole saves' medians "
-            f"differ by {saves['ours'] / saves['no_checksums'] - 1:+.1%}, within their spread); hashing every byte on "
-            f"one process after the save, as before, added {saves['one_process_warm'] / saves['no_checksums']:.1%}; "
-            f"the check adds {resumes['checked'] / resumes['unchecked'] - 1:+.1%} to a resume"
+            f"\nthe checksums add {added:+.1%} to a save: the one phase that differs, hashing while flushing against "
+            f"flushing alone. The whole saves' medians differ by {saves['ours'] / saves['no_checksums'] - 1:+.1%}, "
+            f"made by accelerator.save_state's writes ({write['ours']:.2f} s and {write['no_checksums']:.2f} s), "
+            "which no checksum touches: the disk's own variation between rounds. Hashing every byte on one process "
+            f"after the save, as before, added {saves['one_process_warm'] / saves['no_checksums']:.1%}. The check "
+            f"alone takes {resumes['check_alone'] / resumes['unchecked']:.0%} of a load's time; check and load "
+            f"together take {resumes['checked'] / resumes['unchecked'] - 1:+.1%} more than the load alone"
         )
-        if not args.dir:
-            shutil.rmtree(workdir)
+        if args.json:
+            figures = {
+                "checkpoint_gib": size / 2**30,
+                "processes": accelerator.num_processes,
+                "cold": args.cold,
+                "seconds": {
+                    **{f"save_{key}": value for key, value in saves.items()},
+                    **{f"save_phase_{key}": value for key, value in phase.items()},
+                    **{f"save_writes_{key}": value for key, value in write.items()},
+                    **{f"resume_{key}": value for key, value in resumes.items()},
+                },
+                "manifest_adds_to_a_save": added,
+                "check_adds_to_a_resume": resumes["check_alone"] / resumes["unchecked"],
+            }
+            with open(args.json, "w") as handle:
+                json.dump(figures, handle, indent=2)
+        shutil.rmtree(workdir)  # a temporary directory, in --dir when given
     accelerator.end_training()
 
 

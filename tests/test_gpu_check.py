@@ -57,8 +57,8 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert environment["torch"] and environment["python"] and environment["gpu"] is None  # no CUDA here
     assert isinstance(environment["differs_from_requirements"], list)
     steps = data["steps"]
-    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6"]
-    for step in ("1", "2a", "2b", "3", "4", "5"):
+    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8"]
+    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8"):
         assert steps[step]["status"] == "ok", (step, steps[step])
     for record in steps.values():
         assert record["wall_s"] > 0
@@ -80,6 +80,15 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert fsdp["reload"]["ok"] and fsdp["resume"]["reloads"]
     assert fsdp["resume"]["max_abs_diff_vs_uninterrupted"] == 0.0  # a CPU resumes bit for bit
     assert any("fsdp.yaml replaced by cpu_2proc.yaml" in note for note in steps["4"]["notes"])
+
+    # fp16 with the loss scaler at 2**40: the first steps overflow, are skipped and counted, and both finish.
+    for name in ("image", "lora"):
+        figures = steps["7"]["runs"][name]["figures"]
+        assert figures["skipped_steps"] >= 1 and figures["final_loss_scale"] < 2.0**40, (name, figures)
+    assert "--mixed_precision fp16" in steps["7"]["runs"]["lora"]["command"]
+    manifest = steps["8"]["runs"]["manifest"]["figures"]
+    assert manifest["checkpoint_gib"] > 0.04 and manifest["seconds"]["save_ours"] > 0, manifest
+    assert "manifest_adds_to_a_save" in steps["8"]["figures"]
 
     # The failure a CPU must give is caught, recorded with its error line, and expected.
     assert steps["6"]["status"] == "failed" and steps["6"]["expected_in_dry_run"]

@@ -18,6 +18,9 @@ Steps (bench/gpu_check/README.md says what each measures and how):
       from_pretrained, resumes from a checkpoint
   5   DeepSpeed ZeRO-2 and ZeRO-3 with one process (skipped, with why, where deepspeed cannot be imported)
   6   scripts/train_image.py --sync_batchnorm on one GPU
+  7   fp16: the image demo and the LoRA SFT with the loss scaler's first scale at 2**40, so that the first
+      steps overflow and are skipped: both must finish, with the skipped steps counted
+  8   bench/bench_manifest.py: a checkpoint of several GB saved and resumed, with and without the manifest
 
 Results accumulate in --results (default outputs/gpu_check): gpu_check.json (a step run again replaces
 its record), gpu_check.md and logs/. With --copy_to (default: $OUT, set on the GPU machine) they are
@@ -57,7 +60,10 @@ STEPS = {
     "4": "FSDP (fsdp.yaml), one process: trains, saves a full model that reloads, resumes",
     "5": "DeepSpeed ZeRO-2 and ZeRO-3, one process",
     "6": "train_image.py --sync_batchnorm on one GPU",
+    "7": "fp16 with its loss scaler: the image demo and the LoRA SFT start at a scale that overflows, and finish",
+    "8": "a checkpoint of several GB: the save and the resume, with and without the manifest",
 }
+FP16_SCALER = REPO / "tests" / "launched" / "fp16_scaler.py"  # a script run with torch's GradScaler, first scale set
 # Dense bf16 peaks (no sparsity) that MFU divides by, by GPU name. H100 SXM (HBM3) and H200: 989 TFLOP/s.
 PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
 # The LLM cases of step 2: (step, our options, TRL's best settings for the same case).
@@ -89,6 +95,8 @@ class Sizes:
             ["--max_train_samples", "64", "--max_eval_samples", "32", "--num_train_epochs", "1"] if dry_run else []
         )
         self.timeout = 240 if dry_run else 420
+        self.fp16_llm = ["--max_train_samples", "16", "--max_eval_samples", "8"] if dry_run else []
+        self.checkpoint_gb, self.checkpoint_repeats = (0.05, 1) if dry_run else (8, 3)
 
 
 class StepFailed(Exception):
@@ -176,7 +184,7 @@ class Checklist:
         """The machine's facts, and (when an LLM step is to run) the LLM's model, data and MFU facts, in one
         helper process (each one costs an import of torch and transformers)."""
         args = []
-        if set(steps) & {"2a", "2b", "3", "4", "5"}:
+        if set(steps) & {"2a", "2b", "3", "4", "5", "7"}:
             args = ["--llm", self.results / "llm", self.sizes.llm_train, self.sizes.llm_eval]
         try:
             found = self.helper("env", *args)
@@ -780,6 +788,59 @@ class Checklist:
             )
         self.table(["run", "images/s", "accuracy", "peak GPU MiB", "BatchNorm layers converted"], rows)
 
+    def step_7(self) -> None:
+        """fp16 as users run it on a GPU: autocast to float16 and torch's loss scaler, here with a first
+        scale of 2**40 (tests/launched/fp16_scaler.py) so that the first steps overflow and are skipped
+        while the scale comes down. The image demo and the LoRA SFT of step 2 must both finish, counting
+        the skipped steps; before the fix the first skipped step stopped every fp16 run."""
+        s, work = self.sizes, self.results / "step7"
+        work.mkdir(exist_ok=True)
+        image, _ = self.accelerate(
+            "single_gpu.yaml", "train_image.py", "--output_dir", work / "image", "--overwrite_output_dir", "--seed", 42
+        )
+        image += ["--checkpointing_steps", "no", *s.image]
+        sft, _ = self.sft_command(work / "lora", *LORA, *s.fp16_llm)
+        rows = []
+        for name, command in (("image", image), ("lora", sft)):
+            run = self.launch(name, fp16(command), work / name / "metrics.json", env={"FP16_INIT_SCALE": str(2.0**40)})
+            if run["status"] != "ok":
+                continue
+            data = read_json(work / name / "metrics.json")
+            records = read_jsonl(work / name / "train_log.jsonl")
+            scales = [r["train/loss_scale"] for r in records if "train/loss_scale" in r]
+            run["figures"] = figures = {
+                "steps": data["optimizer_steps"],
+                "skipped_steps": data.get("optimizer_steps_skipped"),
+                "final_loss_scale": scales[-1] if scales else None,
+                "accuracy": data.get("eval_accuracy"),
+                "samples_per_s": data["train_samples_per_second"],
+            }
+            rows.append([name, *(f(figures[k], 4) if k == "accuracy" else cell(figures[k]) for k in figures)])
+        self.table(["run", "steps", "skipped (overflows)", "final loss scale", "accuracy", "samples/s"], rows)
+
+    def step_8(self) -> None:
+        """bench/bench_manifest.py on the machine's own disk: a checkpoint of several GB (a model of linear
+        layers and its AdamW moments, on the GPU) saved with the manifest (each rank hashes the files it
+        wrote while they are flushed) and without checksums, and resumed with the check (sizes, then
+        checksums) and without, with the page cache dropped where the machine lets us."""
+        s, work = self.sizes, self.results / "step8"
+        work.mkdir(exist_ok=True)
+        out = work / "bench_manifest.json"
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "single_gpu.yaml"]
+        command += ["--num_processes", 1, "--main_process_port", free_port(), BENCH / "bench_manifest.py"]
+        command += ["--size_gb", s.checkpoint_gb, "--repeats", s.checkpoint_repeats, "--dir", work, "--json", out]
+        if not self.dry_run and os.access("/proc/sys/vm/drop_caches", os.W_OK):
+            command.append("--cold")
+        run = self.launch("manifest", command, out, estimate_s=240)
+        if run["status"] == "ok":
+            run["figures"] = figures = read_json(out)
+            self.step_record["figures"].update(
+                manifest_adds_to_a_save=figures["manifest_adds_to_a_save"],
+                check_adds_to_a_resume=figures["check_adds_to_a_resume"],
+            )
+            self.table(["what", "seconds"], [[k, f(v, 2)] for k, v in figures["seconds"].items()])
+        self.step_record["figures"]["target"] = "the manifest adds at most 5% to a save"
+
     # --- helpers of the steps ---------------------------------------------------------------------------
 
     def env_has(self, package: str) -> bool:
@@ -798,6 +859,15 @@ class Checklist:
         self.data["updated"] = now()
         self.data["steps"] = {step: self.data["steps"][step] for step in STEPS if step in self.data["steps"]}
         write_results(self.results, self.data, self.copy_to)
+
+
+def fp16(command: list) -> list:
+    """An `accelerate launch` command of a script made fp16 with the loss scaler: the launch asks for
+    fp16, and the script runs through tests/launched/fp16_scaler.py (FP16_INIT_SCALE: its first scale)."""
+    at = next(i for i, part in enumerate(command) if str(part).startswith(str(REPO / "scripts")))
+    script = Path(str(command[at])).stem
+    port = command.index("--main_process_port")
+    return [*command[:port], "--mixed_precision", "fp16", *command[port:at], FP16_SCALER, script, *command[at + 1 :]]
 
 
 def write_results(results: Path, data: dict, copy_to: Path | None) -> None:
@@ -1298,7 +1368,7 @@ def parse_steps(text: str) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,4,5,6 (2 = 2a,2b), or all")
+    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,4,5,6,7,8 (2 = 2a,2b), or all")
     p.add_argument("--dry_run", action="store_true", help="a CPU, tiny sizes: checks the checklist, not the GPU")
     p.add_argument("--results", default=None, help="where the JSON, Markdown and logs go (default outputs/gpu_check)")
     p.add_argument("--budget_s", type=float, default=None, help="start no run that would end after this many seconds")
@@ -1356,7 +1426,7 @@ def main() -> int:
 
 
 # The dry run's two lanes: step 3 reads step 2a's run, so they share a lane; about equal halves on a CPU.
-LANES = [("1", "2a", "3", "6"), ("2b", "4", "5")]
+LANES = [("1", "2a", "3", "6", "8"), ("2b", "4", "5", "7")]
 
 
 def run_lanes(args, steps: list[str]) -> int:
