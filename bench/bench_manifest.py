@@ -208,7 +208,7 @@ def main():
             "which no checksum touches: the disk's own variation between rounds. Hashing every byte on one process "
             f"after the save, as before, added {saves['one_process_warm'] / saves['no_checksums']:.1%}. The check "
             f"alone takes {resumes['check_alone'] / resumes['unchecked']:.0%} of a load's time; check and load "
-            f"together take {resumes['checked'] / resumes['unchecked'] - 1:+.1%} more than the load alone"
+            f"together take {resumes['checked'] / resumes['unchecked'] - 1:.1%} longer than the load alone"
         )
         if args.json:
             figures = {
