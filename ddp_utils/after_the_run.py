@@ -13,6 +13,11 @@ from collections.abc import Callable
 _jobs: list[tuple[str, Callable[[], str | None]]] = []
 
 
+class Interrupted(Exception):
+    """A SIGTERM or SIGUSR1 during the work after the run: raised inside the job, which reports it
+    as its own failure (the upload that did not finish, and how to do it by hand)."""
+
+
 def after_every_rank(what: str, job: Callable[[], str | None]) -> None:
     """Queue `job` (named `what` in the log) to run on this process after every rank has finished
     the script; it returns a line to log, or raises `RunFailed` with the one line that says why it

@@ -29,7 +29,10 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
     """Add the shared options to `parser`. A script sets its own defaults after this call with
     `parser.set_defaults(...)` (a learning rate of None: the script picks one after parsing, e.g.
     for its offline demo and for a pretrained model). `lengths`: the examples are token sequences,
-    so batches can be grouped by length."""
+    so batches can be grouped by length. A bad option or value (`--epochs`, `--seed abc`) becomes
+    a `UsageError`, so it is one line on every rank and the launcher's last line, as every other
+    refusal: argparse's own exit skips both."""
+    parser.error = lambda message: _refuse_option(parser, message)
     p = parser.add_argument_group("training")
     p.add_argument("--per_device_train_batch_size", type=int, default=8, help="examples per process per micro-batch")
     p.add_argument("--per_device_eval_batch_size", type=int, default=16, help="examples per process per eval batch")
@@ -156,6 +159,10 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
         help="also upload predictions*.jsonl, which hold the validation prompts and answers (off: kept local)",
     )
     p.add_argument("--language", default=None, help="the data's language for the model card (ISO 639-1, e.g. en)")
+
+
+def _refuse_option(parser: argparse.ArgumentParser, message: str):
+    raise UsageError(f"{message}; {parser.prog} --help lists the options")
 
 
 def check_positive(args, *names: str) -> None:

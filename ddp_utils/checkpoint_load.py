@@ -82,8 +82,8 @@ def verify_checkpoint(accelerator: Accelerator, path: str) -> str | None:
     share = share_of(files, accelerator.process_index, accelerator.num_processes)
     try:
         mine = checksum_problem(path, share)
-    except OSError as exc:
-        mine = f"it cannot be read ({exc})"
+    except Exception as exc:  # reported by every rank below, as the damage it is
+        mine = f"it cannot be read ({type(exc).__name__}: {exc})"
     problems = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
     return next((found for found in problems if found), None)
 

@@ -84,8 +84,8 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
         os.makedirs(staging)
 
-    def hash_own_files():
-        mine = [f for f in checkpoint_files(staging) if written_by(f, world_size) == rank]
+    def hash_own_files():  # the files whose names carry this rank; the main process also those of no rank
+        mine = [f for f in checkpoint_files(staging) if (written_by(f, world_size) or 0) == rank]
         own.update(hash_and_flush(staging, mine))
 
     def seal():

@@ -179,16 +179,56 @@ def are_labels(references: list[str]) -> bool:
     return len(labels) <= MAX_LABELS and 2 * len(labels) <= len(references)
 
 
-def check_accuracy_is_scored(metric_for_best_model: str | None, references: list[str]) -> None:
-    """Refuse --metric_for_best_model eval_accuracy when the validation answers are not labels, so
-    the evaluation gives exact match only and no checkpoint would be ranked. No communication."""
-    if metric_for_best_model == "eval_accuracy" and not are_labels(references):
-        distinct = len({normalize_answer(reference) for reference in references})
+def settle_sft_metric(args, demo: bool) -> None:
+    """--metric_for_best_model for train_sft.py, checked against what its evaluation gives with these
+    options: loss and perplexity (--eval_perplexity), exact match and accuracy of the generated
+    answers (--eval_max_new_tokens). Not given: the demo's accuracy (its answers are labels), else
+    the loss, else exact match, whichever these options score at every checkpoint. A generation
+    score given while --eval_steps evaluations (which rank mid-epoch checkpoints) generate nothing
+    is refused. Every rank calls it while parsing; no communication."""
+    from .args import check_metric_for_best_model
+    from .causal_lm import PERPLEXITY_SCORES
+
+    perplexity = PERPLEXITY_SCORES if args.eval_perplexity else ()
+    answers = GENERATION_SCORES if args.eval_max_new_tokens else ()
+    mid_epoch = bool(args.eval_steps) and args.checkpointing_steps.isdigit() and not args.generate_at_eval_steps
+    args.metric_for_best_model_by_default = args.metric_for_best_model is None
+    if args.metric_for_best_model is None:
+        ranked = perplexity + (() if mid_epoch else answers)  # the scores every ranked checkpoint has
+        preferred = ["eval_accuracy"] if demo else []
+        args.metric_for_best_model = next((m for m in [*preferred, *perplexity, *ranked] if m in ranked), None)
+    check_metric_for_best_model(args, perplexity + answers)
+    if args.metric_for_best_model in GENERATION_SCORES and mid_epoch:
+        raise UsageError(
+            f"--metric_for_best_model {args.metric_for_best_model} is scored by generation at each epoch's end only, "
+            f"so the checkpoints every --checkpointing_steps {args.checkpointing_steps} would not be ranked; add "
+            "--generate_at_eval_steps, or rank by loss"
+        )
+
+
+def settle_accuracy_metric(args, references: list[str]) -> None:
+    """Ranking by accuracy needs validation answers that are labels (else the evaluation gives exact
+    match only, and no checkpoint would be ranked): refused when --metric_for_best_model asked for
+    it; as the script's default it becomes the loss (or exact match), said in the log. Every rank
+    calls it with the same data; no communication."""
+    from .args import check_metric_for_best_model
+
+    if args.metric_for_best_model != "eval_accuracy" or are_labels(references):
+        return
+    distinct = len({normalize_answer(reference) for reference in references})
+    if not getattr(args, "metric_for_best_model_by_default", False):
         raise UsageError(
             f"--metric_for_best_model accuracy needs validation answers that are labels (at most {MAX_LABELS} "
             f"distinct ones), and these {len(references)} answers hold {distinct} distinct ones; rank by exact_match "
             "or loss instead"
         )
+    args.metric_for_best_model = "eval_loss" if args.eval_perplexity else "eval_exact_match"
+    args.greater_is_better = None  # the default metric's default direction
+    check_metric_for_best_model(args, [args.metric_for_best_model])
+    logger.info(
+        f"the validation answers are not labels ({distinct} distinct ones), so the checkpoints are ranked by "
+        f"{args.metric_for_best_model}, not accuracy"
+    )
 
 
 def answer_label(answer: str, labels: list[str]) -> str | None:

@@ -73,7 +73,7 @@ def check_hub_push(args) -> None:
     if constants.HF_HUB_OFFLINE:
         raise UsageError(
             "--push_to_hub needs the Hub, and HF_HUB_OFFLINE is set; unset it, or train without --push_to_hub and "
-            f"upload later with `hf upload {hub_repo_id(args)} {args.output_dir}`"
+            f"upload later with `{upload_command(args)}`"
         )
     if not (args.hub_token or get_token()):
         raise UsageError(
@@ -92,6 +92,14 @@ def push_ignore_patterns(args) -> list[str]:
     """What --push_to_hub leaves out of the upload: `PUSH_IGNORE`, and the predictions files
     unless --push_predictions."""
     return PUSH_IGNORE + ([] if getattr(args, "push_predictions", False) else [PREDICTIONS])
+
+
+def upload_command(args) -> str:
+    """The `hf upload` command that uploads what --push_to_hub would (the same repository and
+    privacy, the same files left out), for a push done by hand."""
+    private = " --private" if getattr(args, "hub_private_repo", False) else ""
+    excluded = "".join(f' --exclude "{pattern}"' for pattern in push_ignore_patterns(args))
+    return f"hf upload {hub_repo_id(args)} {args.output_dir}{private}{excluded}"
 
 
 def push_to_hub(args) -> str:
@@ -124,6 +132,6 @@ def push_to_hub(args) -> str:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise RunFailed(
             f"the run is saved in {args.output_dir!r}, but the push to the Hub repository {repo_id!r} failed "
-            f"({type(exc).__name__}: {reason}); push it later with `hf upload {repo_id} {args.output_dir}`"
+            f"({type(exc).__name__}: {reason}); push it later with `{upload_command(args)}`"
         ) from None
     return f"pushed {args.output_dir} to {repo}"

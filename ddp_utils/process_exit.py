@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -16,7 +17,7 @@ from datetime import timedelta
 
 import torch
 
-from .after_the_run import queued_jobs
+from .after_the_run import Interrupted, queued_jobs
 from .errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, RunFailed, UsageError
 from .start import _accelerators
 
@@ -162,11 +163,21 @@ def _shutdown(exit_code: int, rank: str = "0") -> None:
     os._exit(exit_code)
 
 
+def _interrupt(signum, frame):
+    raise Interrupted(f"stopped by {signal.Signals(signum).name}")
+
+
 def _do_queued_work(rank: str) -> int:
     """Do the work queued for after the run (only the main process queues any), once every rank
     has passed the last barrier: the other ranks exit meanwhile, and the launcher waits for this
-    one. A job that fails is one line here and in the launcher's summary, with exit code 1."""
-    for what, job in queued_jobs():
+    one. A job that fails is one line here and in the launcher's summary, with exit code 1. A
+    SIGTERM or SIGUSR1 now (a time limit, a preemption) interrupts the job, which then fails in
+    that line: the run itself is saved, and no checkpoint is due."""
+    jobs = queued_jobs()
+    if jobs:
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, _interrupt)
+    for what, job in jobs:
         _say(f"[rank {rank}] {what}, now that every process has finished")
         try:
             done = job()

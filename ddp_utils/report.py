@@ -79,6 +79,16 @@ def write_results(
     if getattr(args, "push_to_hub", False) and accelerator.is_main_process:
         # Not now: the other ranks would wait for the upload in a collective that --ddp_timeout ends.
         after_every_rank(f"uploading {output_dir} to the Hub", lambda: push_to_hub(args))
+        nodes = accelerator.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        logger.info(
+            "the upload to the Hub starts once every process has finished (ddp_utils.run does it)"
+            + (
+                f"; the launchers of the {nodes - 1} other node(s) wait for it at most 5 minutes (torchrun's exit "
+                "barrier), then say 'Error waiting on exit barrier' and exit 0"
+                if nodes > 1
+                else ""
+            )
+        )
     logger.info(f"saved to {output_dir}: {describe(plan.facts())}; report in {output_dir}/report/README.md")
     return metrics
 

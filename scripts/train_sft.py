@@ -25,7 +25,6 @@ from accelerate.logging import get_logger
 import ddp_utils
 from ddp_utils import UsageError
 from ddp_utils.causal_lm import (
-    PERPLEXITY_SCORES,
     TARGET_TOKENS,
     CausalLMCollator,
     causal_lm_loss,
@@ -35,10 +34,10 @@ from ddp_utils.causal_lm import (
 from ddp_utils.chat import LOSS_ON
 from ddp_utils.demo import demo_llm_gguf, load_demo_reviews
 from ddp_utils.generation import (
-    GENERATION_SCORES,
-    check_accuracy_is_scored,
     make_generation_dataloader,
     score_by_generation,
+    settle_accuracy_metric,
+    settle_sft_metric,
 )
 from ddp_utils.sft_data import detect_format, tokenize_sft
 
@@ -55,7 +54,6 @@ DEMO_DEFAULTS = dict(
     per_device_eval_batch_size=32,
     eval_max_new_tokens=8,
     eval_perplexity=False,
-    metric_for_best_model="eval_accuracy",  # the answers are labels: the best checkpoint by generative accuracy
 )
 
 
@@ -85,17 +83,15 @@ def parse_args(argv=None):
     ddp_utils.add_training_args(p, lengths=True)  # batch sizes, learning rate, checkpoints, output, tracking
     p.set_defaults(output_dir="outputs/train_sft")
     args = p.parse_args(argv)
-    if args.model_name_or_path is None:  # the demo's own defaults; what the command line gives still wins
+    demo = args.model_name_or_path is None
+    if demo:  # the demo's own defaults; what the command line gives still wins
         if args.gguf_file:
             raise UsageError("--gguf_file names a file in --model_name_or_path: give that too")
         p.set_defaults(**DEMO_DEFAULTS)
         args = p.parse_args(argv)
         args.model_name_or_path, args.gguf_file = demo_llm_gguf()
     ddp_utils.check_training_args(args)
-    scores = PERPLEXITY_SCORES if args.eval_perplexity else ()  # what the evaluation gives, to rank checkpoints by
-    scores += GENERATION_SCORES if args.eval_max_new_tokens else ()
-    args.metric_for_best_model = args.metric_for_best_model or (scores or [None])[0]  # default: loss, else exact match
-    ddp_utils.check_metric_for_best_model(args, scores)
+    settle_sft_metric(args, demo)  # what ranks the checkpoints: the demo's accuracy, else the loss, else exact match
     ddp_utils.check_causal_lm_args(args)
     ddp_utils.check_data_args(args, "train_file", "validation_file")
     if args.eval_steps and not (args.eval_perplexity or args.generate_at_eval_steps):
@@ -152,7 +148,7 @@ def prepare_data(args):
     config, tokenizer, block_size = ddp_utils.load_config_and_tokenizer(args)
     tokenized, report = tokenize_sft(raw, fmt, tokenizer, block_size, args.eval_max_new_tokens, args.packing)
     if "generate" in tokenized:  # accuracy is scored only when the answers are labels
-        check_accuracy_is_scored(args.metric_for_best_model, tokenized["generate"]["reference"])
+        settle_accuracy_metric(args, tokenized["generate"]["reference"])
     return tokenized, tokenizer, config, {"block_size": block_size, "sft_format": fmt.kind, **report}
 
 

@@ -50,6 +50,10 @@ CASES = {
     ),
     "max_length_too_long": (lambda a, d, m: swap(a, "--max_length", 100), "above this model's limit of 64"),
     # Refused while parsing the options, before the ranks have met: every rank must still report it.
+    "unknown_option": (  # a Trainer user's option: argparse's own error becomes the one line too
+        lambda a, d, m: a + ["--evaluation_strategy", "steps"],
+        "unrecognized arguments: --evaluation_strategy steps; train.py --help lists the options",
+    ),
     "unknown_tracker": (
         lambda a, d, m: a + ["--report_to", "neptune"],
         "--report_to 'neptune' is not a tracker this project supports",
@@ -64,7 +68,7 @@ def swap(args, flag, value):
 
 
 # Launched: refused while parsing, before the ranks have met; and by the main process's data check.
-LAUNCHED = ("unknown_tracker", "missing_text_column")
+LAUNCHED = ("unknown_option", "missing_text_column")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -439,6 +439,8 @@ def test_a_manifest_finds_a_file_cut_short_changed_or_missing_and_each_rank_hash
     """The files Accelerate writes on each rank carry the rank in their names (DDP's RNG states,
     FSDP's shards, DeepSpeed's partitions): each rank hashes those it wrote, the main process the
     rest. At a resume the ranks split the bytes to checksum evenly."""
+    from accelerate import PartialState
+
     from ddp_utils.manifest import (
         checkpoint_files,
         checkpoint_problem,
@@ -448,20 +450,22 @@ def test_a_manifest_finds_a_file_cut_short_changed_or_missing_and_each_rank_hash
         written_by,
     )
 
-    names = {
-        "model.safetensors": 0,
-        "optimizer.bin": 0,
-        "scaler.pt": 0,
+    names = {  # None: the main process's (or, scaler.pt, every rank's, the same bytes)
+        "model.safetensors": None,
+        "optimizer.bin": None,
+        "scaler.pt": None,
         "random_states_0.pkl": 0,
         "random_states_3.pkl": 3,
         "pytorch_model_fsdp_0/__2_0.distcp": 2,
-        "pytorch_model_fsdp_0/.metadata": 0,
+        "pytorch_model_fsdp_0/.metadata": None,
         "optimizer_0/__1_0.distcp": 1,
+        "pytorch_model_fsdp_rank2.bin": 2,  # FSDP's local state dict
         "pytorch_model/zero_pp_rank_3_mp_rank_00_model_states.pt": 3,
         "pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt": 1,
-        "random_states_9.pkl": 0,  # a rank this world does not have: the main process
+        "random_states_9.pkl": 1,  # written by rank 9 of a larger world: resumed on 4, rank 9 % 4 checks it
     }
     assert {name: written_by(name, 4) for name in names} == names
+    PartialState(cpu=True)  # a file no rank hashed is said in the log
 
     checkpoint = tmp_path / "checkpoint-1"
     sizes = {"model.safetensors": 2048, "optimizer.bin": 4096, "random_states_0.pkl": 256, "random_states_1.pkl": 256}
@@ -471,7 +475,7 @@ def test_a_manifest_finds_a_file_cut_short_changed_or_missing_and_each_rank_hash
     files = checkpoint_files(checkpoint)
     entries = {}
     for rank in (0, 1):
-        entries.update(hash_and_flush(str(checkpoint), [f for f in files if written_by(f, 2) == rank]))
+        entries.update(hash_and_flush(str(checkpoint), [f for f in files if (written_by(f, 2) or 0) == rank]))
     write_manifest(str(checkpoint), entries)
     assert checkpoint_problem(str(checkpoint)) is None
     shares = [share_of(entries, rank, 2) for rank in (0, 1)]
@@ -489,6 +493,9 @@ def test_a_manifest_finds_a_file_cut_short_changed_or_missing_and_each_rank_hash
     )
     optimizer.unlink()
     assert checkpoint_problem(str(checkpoint)) == "optimizer.bin is missing"
-    (checkpoint / "stray.bin").write_bytes(b"x")
-    with pytest.raises(RuntimeError, match=r"\['stray.bin'\] were hashed by no rank"):
-        write_manifest(str(checkpoint), entries)
+    (checkpoint / "stray.bin").write_bytes(b"x")  # a name no rank claims: the main process hashes it too
+    (checkpoint / "optimizer.bin").write_bytes(original)
+    write_manifest(str(checkpoint), entries)
+    assert checkpoint_problem(str(checkpoint)) is None and "stray.bin" in (checkpoint / "manifest.json").read_text()
+    (checkpoint / "manifest.json").write_text('{"files": {"optimizer.bin": {"bytes": 4096, "xxh3_12": "0"}}}')
+    assert checkpoint_problem(str(checkpoint)) == "its manifest.json cannot be read (KeyError)"

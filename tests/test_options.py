@@ -290,22 +290,63 @@ def test_push_to_hub_uploads_the_model_not_the_validation_data_after_every_rank_
     assert "pushed " in result.output and "/someone/tiny-chat" in result.output
 
 
-def test_a_failed_push_is_one_line_that_the_launcher_shows_last(tiny_model, tiny_data, tmp_path):
-    """The Hub refuses the commit (403): the model is saved, the main process says so in one line
-    with the command that pushes it later, exits 1, and that line is the launcher's root cause, the
-    last thing on the screen (torchrun's summary reads it from the process's error file)."""
+def test_a_push_stopped_by_sigterm_is_one_line_that_the_launcher_shows_last(tiny_model, tiny_data, tmp_path):
+    """A SIGTERM (a time limit) reaches the main process while the Hub is still taking the commit:
+    the model is saved, the main process says in one line that the push did not finish, with the
+    command that does it by hand (leaving out what the push leaves out), exits 1, and that line is
+    the launcher's root cause, the last thing on the screen (torchrun's summary reads it from the
+    process's error file). The other rank had finished: no failure of its own."""
+    import signal
+
     from hub_standin import HubStandIn
+
+    def sigterm_rank_0():
+        import psutil
+
+        for process in psutil.process_iter():
+            try:
+                env = process.environ()
+            except psutil.Error:
+                continue
+            if env.get("HUB_TEST_RUN") == "push-stopped" and env.get("RANK") == "0":
+                process.send_signal(signal.SIGTERM)
 
     output_dir = tmp_path / "run"
     args = train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 2, "--push_to_hub")
-    with HubStandIn(tmp_path / "hub", fail_with=403) as hub:
-        result = launch(TRAIN, *args, env=hub_env(hub, "push-refused"))
-    assert result.returncode == 1, result.output[-3000:]
+    with HubStandIn(tmp_path / "hub", delay_s=20, on_commit=sigterm_rank_0) as hub:
+        result = launch(TRAIN, *args, env=hub_env(hub, "push-stopped"))
+    assert result.returncode == 1 and result.seconds < 60, result.output[-3000:]
     line = f"error: the run is saved in {str(output_dir)!r}, but the push to the Hub repository 'run' failed"
-    assert f"[rank 0] {line}" in result.output and f"`hf upload run {output_dir}`" in result.output
+    excluded = '--exclude "checkpoint-*/**" --exclude ".tmp-*/**" --exclude ".staging-*/**" --exclude "preempted.json"'
+    by_hand = f'`hf upload run {output_dir} {excluded} --exclude "predictions*.jsonl"`'  # what the push leaves out
+    assert f"[rank 0] {line} (Interrupted: stopped by SIGTERM); push it later with {by_hand}" in result.output, (
+        result.output[-2000:]
+    )
     assert "[rank 1] error" not in result.output and "<NO_OTHER_FAILURES>" in result.output
     assert (output_dir / "model.safetensors").exists()
     assert_error_is_last(result, line)
+
+
+@pytest.mark.fast
+def test_a_refused_push_says_what_the_hub_answered_and_how_to_push_by_hand(tmp_path, monkeypatch):
+    """The Hub refuses the commit (403), talked to by the real client in this process."""
+    from hub_standin import HubStandIn
+    from huggingface_hub import constants
+
+    from ddp_utils.errors import RunFailed
+    from ddp_utils.hub import push_to_hub
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    args = SimpleNamespace(output_dir=str(tmp_path / "run"), hub_model_id="someone/x", hub_private_repo=True)
+    with HubStandIn(tmp_path / "hub", fail_with=403) as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+        with pytest.raises(RunFailed, match=r"push to the Hub repository 'someone/x' failed \(HfHubHTTPError: 403 "):
+            push_to_hub(args)
+    with pytest.raises(RunFailed, match=r"push it later with `hf upload someone/x .*/run --private --exclude "):
+        push_to_hub(args)  # the stand-in is gone: the connection is refused
 
 
 @pytest.mark.fast

@@ -12,6 +12,7 @@
 """
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -117,44 +118,67 @@ def test_in_fp16_two_processes_train_as_one(fp16_runs, tiny_model):
 
 @pytest.mark.fast
 def test_skipped_steps_are_watched_only_in_a_long_run():
-    """Under a loss scaler an infinite gradient norm is a skipped step: 29 in a row pass, the 30th
-    stops the run in one line; a non-finite loss still stops it at once. Without a scaler an
-    infinite gradient norm stops it, as before."""
+    """Under torch's loss scaler an infinite gradient norm is a skipped step: 29 in a row pass, and
+    the 30th stops the run in one line once the scale is below 1 (before, a high first scale is
+    still coming down); a non-finite loss still stops it at once, also after a run of skips. Under
+    DeepSpeed's fp16 the engine's own flag tells a skipped step (its norm is the last applied one's).
+    Without a scaler an infinite gradient norm stops the run, as before."""
     from types import SimpleNamespace
 
     from ddp_utils.errors import RunFailed
     from ddp_utils.nonfinite import MAX_SKIPPED_IN_A_ROW, NonFiniteWatch
 
-    def watch(scaled):
-        state = SimpleNamespace(deepspeed_plugin=None)
+    def watch(scale=None, deepspeed=False):
+        state = SimpleNamespace(deepspeed_plugin=object() if deepspeed else None)
         accelerator = SimpleNamespace(device=torch.device("cpu"), state=state, mixed_precision="fp16", scaler=None)
-        if scaled:
-            accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**-14)
-        args = SimpleNamespace(output_dir="/nonexistent", learning_rate=1e-4, max_grad_norm=1.0)
-        return NonFiniteWatch(accelerator, args)
+        accelerator.optimizer_step_was_skipped = False
+        if scale is not None:
+            accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        return NonFiniteWatch(
+            accelerator, SimpleNamespace(output_dir="/nonexistent", learning_rate=1e-4, max_grad_norm=1.0)
+        )
 
-    loss, inf = torch.tensor(2.0), torch.tensor(float("inf"))
-    scaled = watch(scaled=True)
+    def stops(w):
+        try:
+            w.check(w.device_values()[None])
+        except RunFailed as failure:
+            return str(failure)
+        return None
+
+    loss, inf, one = torch.tensor(2.0), torch.tensor(float("inf")), torch.tensor(1.0)
+    low = watch(scale=2.0**-14)
     for step in range(1, MAX_SKIPPED_IN_A_ROW):
-        assert scaled.note(step, loss, inf)
-        scaled.check(scaled.device_values()[None])
-    assert not scaled.note(MAX_SKIPPED_IN_A_ROW, loss, torch.tensor(1.0)), "an applied step ends the run of skips"
+        assert low.note(step, loss, inf)
+    assert stops(low) is None
+    assert not low.note(MAX_SKIPPED_IN_A_ROW, loss, one), "an applied step ends the run of skips"
     for step in range(MAX_SKIPPED_IN_A_ROW + 1, 2 * MAX_SKIPPED_IN_A_ROW + 1):
-        scaled.note(step, loss, inf)
-    with pytest.raises(
-        RunFailed,
-        match=r"^fp16's loss scaler skipped 30 optimizer steps in a row, the last at step 60:"
-        r" .* down to a loss scale of 2\^-14, so the weights have not changed since step 30 .* bf16",
-    ):
-        scaled.check(scaled.device_values()[None])
-    scaled = watch(scaled=True)
-    scaled.note(1, torch.tensor(float("nan")), inf)
-    with pytest.raises(RunFailed, match="^the loss became NaN or infinite at optimizer step 1,"):
-        scaled.check(scaled.device_values()[None])
-    plain = watch(scaled=False)
+        low.note(step, loss, inf)
+    low.note(2 * MAX_SKIPPED_IN_A_ROW + 1, torch.tensor(float("nan")), inf)
+    assert re.match(
+        r"fp16's loss scaler had skipped 30 or more optimizer steps in a row by step 60 \(the loss became NaN or "
+        r"infinite later\): .* down to a loss scale of 2\^-14, so the weights have not changed .* bf16",
+        stops(low),
+    ), stops(low)
+
+    high = watch(scale=2.0**40)  # a first scale far too high: 30 skips in a row only bring it to 2**10
+    for step in range(1, 2 * MAX_SKIPPED_IN_A_ROW):
+        high.note(step, loss, inf)
+    assert stops(high) is None
+
+    nan = watch(scale=2.0**16)
+    nan.note(1, torch.tensor(float("nan")), inf)
+    assert stops(nan).startswith("the loss became NaN or infinite at optimizer step 1,")
+
+    deepspeed = watch(deepspeed=True)
+    deepspeed.accelerator.optimizer_step_was_skipped = True
+    assert deepspeed.note(1, loss, one), "DeepSpeed's flag, though its norm is finite"
+    deepspeed.accelerator.optimizer_step_was_skipped = False
+    assert not deepspeed.note(2, loss, inf) and stops(deepspeed) is None, "its norm is not watched under fp16"
+
+    plain = watch()
+    plain.accelerator.mixed_precision = "no"
     assert not plain.note(1, loss, inf)
-    with pytest.raises(RunFailed, match="^the gradient norm became NaN or infinite at optimizer step 1,"):
-        plain.check(plain.device_values()[None])
+    assert stops(plain).startswith("the gradient norm became NaN or infinite at optimizer step 1,")
 
 
 # --- 1. bf16 checkpoints train in fp32 ------------------------------------------------------------

@@ -24,6 +24,7 @@ from conftest import (
     refused_in_process,
     sft_args,
 )
+from ddp_utils import UsageError
 from ddp_utils.causal_lm import CausalLMCollator, causal_lm_loss, load_causal_lm, load_tokenizer
 from ddp_utils.sft_data import detect_format, tokenize_sft
 
@@ -191,14 +192,44 @@ def test_the_scores_to_rank_checkpoints_by_are_the_ones_the_evaluation_gives(sft
 
 @pytest.mark.fast
 def test_the_demo_ranks_its_checkpoints_by_the_accuracy_its_evaluation_gives():
-    """The SFT demo computes no perplexity: it ranks by generative accuracy, and its answers are labels."""
+    """The SFT demo computes no perplexity: it ranks by generative accuracy, and its answers are
+    labels. A default metric gives way to what the options and the data can score; a metric the
+    user names is refused instead."""
+    from types import SimpleNamespace
+
+    from accelerate import PartialState
+
     from conftest import load_script
     from ddp_utils.demo import load_demo_reviews
-    from ddp_utils.generation import check_accuracy_is_scored
+    from ddp_utils.generation import settle_accuracy_metric
 
-    args = load_script("train_sft").parse_args(["--report_to", "none"])
+    PartialState(cpu=True)  # the log line says what a default metric became
+    sft = load_script("train_sft")
+    args = sft.parse_args(["--report_to", "none"])
     assert (args.metric_for_best_model, args.greater_is_better, args.eval_perplexity) == ("eval_accuracy", True, False)
-    check_accuracy_is_scored(args.metric_for_best_model, load_demo_reviews()["validation"]["label"])
+    settle_accuracy_metric(args, load_demo_reviews()["validation"]["label"])
+    assert args.metric_for_best_model == "eval_accuracy"
+    for options, metric in (
+        (["--eval_max_new_tokens", "0"], None),  # no evaluation at all: nothing ranks
+        (["--eval_max_new_tokens", "0", "--eval_perplexity"], "eval_loss"),
+        (
+            ["--eval_steps", "2", "--checkpointing_steps", "4", "--eval_perplexity"],
+            "eval_loss",
+        ),  # answers at epochs only
+    ):
+        assert sft.parse_args(["--report_to", "none", *options]).metric_for_best_model == metric, options
+    with pytest.raises(UsageError, match="is scored by generation at each epoch's end only, so the checkpoints every"):
+        sft.parse_args(["--eval_steps", "2", "--checkpointing_steps", "4", "--metric_for_best_model", "exact_match"])
+
+    sentences = [f"answer number {i}" for i in range(30)]  # not labels: accuracy is not scored
+    default = SimpleNamespace(metric_for_best_model="eval_accuracy", metric_for_best_model_by_default=True)
+    settle_accuracy_metric(SimpleNamespace(**vars(default), greater_is_better=True, eval_perplexity=False), sentences)
+    fallback = SimpleNamespace(**vars(default), greater_is_better=True, eval_perplexity=True)
+    settle_accuracy_metric(fallback, sentences)
+    assert (fallback.metric_for_best_model, fallback.greater_is_better) == ("eval_loss", False)
+    named = SimpleNamespace(metric_for_best_model="eval_accuracy", metric_for_best_model_by_default=False)
+    with pytest.raises(UsageError, match="needs validation answers that are labels"):
+        settle_accuracy_metric(named, sentences)
 
 
 def test_generation_answers_each_eval_prompt_once_the_same_on_one_and_two_processes(sft_runs, sft_data):
