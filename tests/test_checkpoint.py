@@ -284,7 +284,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_latest_and_refused_by_name(
     dropout_model, tiny_data, uninterrupted, tmp_path
 ):
     """Bytes flipped in the middle of the newest checkpoint's weights, the size kept (bit rot, a bad
-    copy): only the checksum finds it, read by the rank whose share of the bytes holds it. Naming
+    copy): only the checksum finds it, the ranks checking their shares of the bytes. Naming
     it is refused with the good one named; `latest` warns, names it, and resumes from the one
     before, ending with the uninterrupted run's parameters; a checkpoint without a manifest (saved
     before manifests existed) still resumes. A file cut short is found by its size (test_ddp_utils)."""
