@@ -247,13 +247,13 @@ def accumulation_for(args, world_size: int) -> int:
     return accumulation
 
 
-def check_metric_for_best_model(args, scores) -> None:
-    """Check --metric_for_best_model against `scores`, the eval_* names this run's evaluation
-    gives, and settle it: the Trainer's names work (`accuracy` means `eval_accuracy`), a name the
-    evaluation never gives is a `UsageError` that lists the ones it does, and --greater_is_better
-    defaults as the Trainer's does (lower wins for a loss; here also for a perplexity). Every
-    rank calls it before training (no communication); None ranks nothing."""
-    name = args.metric_for_best_model
+def check_metric_for_best_model(args, scores, default: str | None = None) -> None:
+    """Check --metric_for_best_model (`default` when not given) against `scores`, the eval_* names
+    this run's evaluation gives, and settle it: the Trainer's names work (`accuracy` means
+    `eval_accuracy`), a name the evaluation never gives is a `UsageError` that lists the ones it
+    does, and --greater_is_better defaults as the Trainer's does (lower wins for a loss; here also
+    for a perplexity). Every rank calls it before training (no communication); None ranks nothing."""
+    name = args.metric_for_best_model = args.metric_for_best_model or default
     if name is None:
         return
     full = name if name.startswith("eval_") else f"eval_{name}"

@@ -69,6 +69,19 @@ def demo_llm_gguf() -> tuple[str, str]:
     return directory, DEMO_LLM_GGUF
 
 
+def demo_hub_id(model_name_or_path: str | None, gguf_file: str | None = None) -> str | None:
+    """The Hub id of a demo model a package ships (all-MiniLM-L6-v2, SmolLM2-135M-Instruct's GGUF),
+    for the model card's base_model; None for any other model. No download: it compares paths."""
+    if gguf_file == DEMO_LLM_GGUF:
+        return "HuggingFaceTB/SmolLM2-135M-Instruct"
+    try:
+        if model_name_or_path and os.path.samefile(model_name_or_path, demo_model_path()):
+            return "sentence-transformers/all-MiniLM-L6-v2"
+    except (OSError, UsageError):  # not a directory, or the demo package is not installed
+        pass
+    return None
+
+
 def bench_decoder_config_path() -> str:
     """The repo's small Llama-architecture config (4 layers, hidden 256, 11M parameters, the demo
     tokenizer's vocabulary), trained from random weights by the causal-LM benchmark."""

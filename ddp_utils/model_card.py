@@ -25,8 +25,7 @@ _HYPER_PARAMETERS = (
     "warmup_steps",
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
-    "num_train_epochs",
-    "max_train_steps",
+    "global_batch_size",
     "weight_decay",
     "max_grad_norm",
     "seed",
@@ -57,6 +56,19 @@ def _is_hub_id(name: str | None) -> bool:
     return bool(name) and not os.path.exists(os.path.expanduser(name)) and name.count("/") == 1
 
 
+def base_model(args) -> tuple[str | None, str | None]:
+    """(the Hub id of the model the run started from, or None; how the card names it, or None for a
+    model trained from scratch). A demo's packaged model is named by its Hub id, not by the path
+    of the package that ships it; a local directory by its path, with no id."""
+    from .demo import demo_hub_id
+
+    if getattr(args, "demo_model", False) or args.model_name_or_path is None:  # built from a config: no weights
+        return None, None
+    source = getattr(args, "source_model", None) or args.model_name_or_path  # a GGUF file's directory, not its copy
+    hub_id = demo_hub_id(source, getattr(args, "gguf_file", None)) or (source if _is_hub_id(source) else None)
+    return hub_id, hub_id or source
+
+
 def write_model_card(args, metrics: dict) -> str:
     """Write <output_dir>/README.md, the model card of the saved model, from the run's options
     (secrets redacted) and its `metrics`; returns its path. The main process calls it, after
@@ -65,10 +77,10 @@ def write_model_card(args, metrics: dict) -> str:
 
     output_dir = args.output_dir
     task, adapter = saved_task(output_dir)
-    base = getattr(args, "source_model", None) or args.model_name_or_path
+    hub_id, base = base_model(args)
     dataset = getattr(args, "dataset_name", None)
     data = ModelCardData(
-        base_model=base if _is_hub_id(base) else None,
+        base_model=hub_id,
         library_name="peft" if adapter else "transformers",
         datasets=[dataset] if dataset else None,
         language=args.language,
@@ -89,21 +101,22 @@ def write_model_card(args, metrics: dict) -> str:
         if name.startswith(("zero_shot_", "before_training_")) and isinstance(value, (int, float))
     ]
     source = f"`{base}`" + (f" (GGUF file `{args.gguf_file}`, dequantized)" if getattr(args, "gguf_file", None) else "")
+    made = "A LoRA adapter for" if adapter else "A fine-tune of"
+    origin = f"{made} {source}" if base else "A model trained from scratch (its weights drawn at random)"
     data_source = (
         getattr(args, "train_file", None) or getattr(args, "train_dir", None) or dataset or "the offline demo data"
     )
     lines = [
         f"# {repo}",
         "",
-        f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} {source}, trained with "
-        f"`{os.path.basename(_script())}` of ddp-finetune for {task or 'its task'}.",
+        f"{origin}, trained with `{os.path.basename(_script())}` of ddp-finetune for {task or 'its task'}.",
         "",
         "## Training",
         "",
         f"- Data: `{data_source}`"
         + (f" ({args.dataset_config_name})" if getattr(args, "dataset_config_name", None) else "")
         + f"; {metrics.get('train_samples_seen', 0):,} examples seen in "
-        f"{metrics.get('optimizer_steps', 0)} optimizer steps.",
+        f"{metrics.get('optimizer_steps', 0)} optimizer steps, {metrics.get('epochs_trained', 0):g} epoch(s).",
         f"- Hardware: {metrics.get('world_size', '?')} process(es), {metrics.get('distributed_type', '?')}, mixed "
         f"precision {metrics.get('mixed_precision', '?')}; {metrics.get('train_runtime_s', 0):.0f} s of training.",
         "",

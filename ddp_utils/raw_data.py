@@ -3,9 +3,14 @@ communicates: any rank may call these functions (the scripts call them inside `l
 
 from __future__ import annotations
 
+import csv
 import os
 
+from accelerate.logging import get_logger
+
 from .errors import UsageError
+
+logger = get_logger(__name__)
 
 ROWS_PER_PROCESS = 25_000  # below this, starting a tokenizing process costs more than it saves
 
@@ -33,7 +38,9 @@ def read_data_files(data_files: dict[str, str]):
             raise UsageError(f"--{split}_file {path!r} is empty; it needs a header and at least one example")
         if not _has_examples(path, extension):
             raise UsageError(f"--{split}_file {path!r} holds no examples; add at least one row")
-        builder_kwargs = {"delimiter": "\t"} if extension == ".tsv" else {}
+        # TSV as GLUE and SentEval ship it: tabs split the fields and a quote is text. With CSV quoting, a sentence
+        # that starts with a quote swallowed the lines after it, silently.
+        builder_kwargs = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if extension == ".tsv" else {}
         try:
             dataset = datasets.load_dataset(
                 _BUILDERS[extension], data_files={split: path}, split=split, **builder_kwargs
@@ -44,8 +51,36 @@ def read_data_files(data_files: dict[str, str]):
             ) from exc
         if len(dataset) == 0:
             raise UsageError(f"--{split}_file {path!r} holds no examples")
+        if extension in (".csv", ".tsv"):
+            warn_if_rows_look_merged(dataset, path, split)
         splits[split] = dataset
     return datasets.DatasetDict(splits)
+
+
+def warn_if_rows_look_merged(dataset, path: str, split: str) -> None:
+    """Warn, naming the row, when a CSV or TSV file's rows look merged: fewer rows than lines of
+    data (a quoted field spanning lines), or a text field holding a newline or a tab (a row or a
+    field swallowed by another). Legal in CSV, and in a file of sentences usually a mistake."""
+    import pyarrow.compute as pc
+
+    with open(path, errors="replace") as handle:
+        lines = sum(1 for line in handle if line.strip()) - 1  # the header
+    table = dataset.with_format("arrow")[:]
+    for column in table.column_names:
+        values = table[column]
+        if str(values.type) not in ("string", "large_string"):
+            continue
+        merged = pc.fill_null(pc.or_(pc.match_substring(values, "\n"), pc.match_substring(values, "\t")), False)
+        if pc.any(merged).as_py():
+            row = pc.index(merged, True).as_py()
+            logger.warning(
+                f"--{split}_file {path!r}: row {row}'s {column!r} holds a newline or a tab ({len(dataset)} rows from "
+                f"{lines} lines of data), so rows or fields may have merged: a quote opened a field that a later line "
+                "closed. Check the file there; a tab-separated file without quoting should be named .tsv"
+            )
+            return
+    if len(dataset) != lines:
+        logger.warning(f"--{split}_file {path!r}: {len(dataset)} rows read from {lines} lines of data; check the file")
 
 
 def _has_examples(path: str, extension: str) -> bool:

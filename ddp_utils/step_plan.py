@@ -149,6 +149,9 @@ class StepPlan:
             "distributed_type": accelerator.distributed_type.value,
             "mixed_precision": accelerator.mixed_precision,
             "epochs": progress["epoch"],
+            "epochs_trained": round(
+                progress["step"] / self.steps_per_epoch, 3
+            ),  # the data passed over, a run cut short
             "optimizer_steps": progress["step"],
             "train_samples_seen": int(progress["samples_seen"]),
             "train_tokens_seen": int(progress["tokens_seen"]),

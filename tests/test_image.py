@@ -331,7 +331,9 @@ def test_offline_default_runs_a_few_steps(tmp_path):
     assert config["model_type"] == "resnet" and config["id2label"]["7"] == "7"
     from huggingface_hub import ModelCard
 
-    assert ModelCard.load(output_dir / "README.md").data.pipeline_tag == "image-classification"
+    card = ModelCard.load(output_dir / "README.md")
+    assert card.data.pipeline_tag == "image-classification" and card.data.base_model is None
+    assert "A model trained from scratch" in card.text and "None" not in card.text.split("## Training")[0]
     assert (output_dir / "preprocessor_config.json").is_file() and (
         output_dir / "report" / "confusion_matrix.png"
     ).is_file()

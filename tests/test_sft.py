@@ -606,6 +606,9 @@ def test_offline_default_runs_a_few_steps(tmp_path):
     assert metrics["optimizer_steps"] == 2 and metrics["world_size"] == 2 and metrics["block_size"] == 1024
     assert metrics["eval_examples"] == metrics["zero_shot_examples"] == 6 and 0 <= metrics["zero_shot_accuracy"] <= 1
     assert 1 < metrics["eval_perplexity"] < 100, "a pretrained instruct model: the labels are not a surprise"
+    from huggingface_hub import ModelCard
+
+    assert ModelCard.load(output_dir / "README.md").data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     adapter = json.loads((output_dir / "adapter_config.json").read_text())
     assert (
         adapter["r"] == 16
