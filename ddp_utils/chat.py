@@ -22,6 +22,12 @@ class TokenizedRecord(NamedTuple):
     input_ids: list[int]
     labels: list[int]  # IGNORE_INDEX where a token is not a target
     context_cut: int  # tokens cut from the start to fit the block (0: none)
+    answers_dropped: int = 0  # earlier answers that did not fit whole: left in as context, not learned
+
+
+# Content given as a list of parts (OpenAI's {"type": "text", "text": ...}, LLaMA-Factory's {"type": "text", "value":
+# ...}): the text parts joined with this; a part of another type (an image, audio) is refused.
+PART_SEPARATOR = "\n"
 
 
 def as_messages(prompt, completion) -> list[dict]:
@@ -29,6 +35,31 @@ def as_messages(prompt, completion) -> list[dict]:
     taken as is), a completion string is one assistant turn."""
     turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     return turns + ([{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion))
+
+
+def text_content(messages: list[dict], record: int, split: str) -> list[dict]:
+    """`messages` with each content given as a list of parts turned into text: the text parts
+    joined with PART_SEPARATOR. A part of another type (an image, audio, a file) is a UsageError
+    that names the record, the turn and the part: this fine-tuning is text-only."""
+    out = []
+    for turn, message in enumerate(messages):
+        content = message["content"]
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                part = part if isinstance(part, dict) else {"type": type(part).__name__}
+                kind, text = part.get("type", "text"), part.get("text")
+                text = text if text is not None else part.get("value")  # LLaMA-Factory's name for it
+                if kind != "text" or not isinstance(text, str):
+                    raise UsageError(
+                        f"{split} record {record}, turn {turn} ({message['role']}) holds a part of type {kind!r}: this "
+                        "script fine-tunes on text only, so it would be lost or learned as a placeholder word; drop "
+                        "those parts or records, or use a vision-language fine-tuning script"
+                    )
+                texts.append(text)
+            message = {**message, "content": PART_SEPARATOR.join(texts)}
+        out.append(message)
+    return out
 
 
 def check_messages(messages, record: int, split: str) -> None:
@@ -103,14 +134,28 @@ def tokenize_conversation(tokenizer, messages: list[dict], loss_on: str, block_s
 
 def fit_block(ids: list[int], labels: list[int], block_size: int, cut_targets: bool = False) -> TokenizedRecord | None:
     """`ids`/`labels` cut from the start to their last `block_size` tokens: earlier context goes,
-    never a target (unless `cut_targets`: every token is one). None when that would cut a target,
-    or when no target is left: the caller counts the record as dropped. The first token kept is
-    never a target, since nothing before it predicts it (`labels[i]` is predicted from < i)."""
+    never part of an answer (unless `cut_targets`: every token is a target). An answer (a run of
+    targets) that does not fit whole is left in as context and not learned (`answers_dropped`), so
+    a long conversation keeps its newest answers that fit, with their context. None when no answer
+    is left: the caller counts the record as dropped. The first token kept is never a target,
+    since nothing before it predicts it (`labels[i]` is predicted from < i)."""
     cut = max(len(ids) - block_size, 0)
-    targets = [i for i, label in enumerate(labels) if label != IGNORE_INDEX and i > cut]
-    if not targets or (not cut_targets and any(label != IGNORE_INDEX for label in labels[: cut + 1]) and cut):
+    if cut_targets:
+        return (
+            TokenizedRecord(ids[cut:], labels[cut:], cut) if any(x != IGNORE_INDEX for x in labels[cut + 1 :]) else None
+        )
+    kept, dropped, start = list(labels), 0, None
+    for i, label in enumerate(labels + [IGNORE_INDEX]):  # each run of targets: whole in the block, or not learned
+        if label != IGNORE_INDEX and start is None:
+            start = i
+        elif label == IGNORE_INDEX and start is not None:
+            if start <= cut and cut:
+                kept[start:i] = [IGNORE_INDEX] * (i - start)
+                dropped += 1
+            start = None
+    if all(label == IGNORE_INDEX for label in kept[cut:]):
         return None
-    return TokenizedRecord(ids[cut:], labels[cut:], cut)
+    return TokenizedRecord(ids[cut:], kept[cut:], cut, dropped)
 
 
 def generation_prompt(tokenizer, messages: list[dict]) -> tuple[str, str]:

@@ -12,7 +12,7 @@ import numpy as np
 from accelerate.logging import get_logger
 
 from .causal_lm import IGNORE_INDEX, pack_sequences
-from .chat import as_messages, check_messages, fit_block, generation_prompt, tokenize_conversation
+from .chat import as_messages, check_messages, fit_block, generation_prompt, text_content, tokenize_conversation
 from .errors import UsageError
 
 logger = get_logger(__name__)
@@ -20,6 +20,11 @@ logger = get_logger(__name__)
 
 FORMATS = "messages ([{'role', 'content'}, ...]), ShareGPT ([{'from', 'value'}, ...]), prompt/completion, Alpaca"
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+# Without a chat template a prompt and its answer are joined with this (BOS before, EOS after), so that the answer
+# does not run on from the prompt's last word.
+PROMPT_SEPARATOR = "\n\n"
+# Columns of pictures, sound or video (LLaMA-Factory's multimodal sets): refused, this fine-tuning is text-only.
+MEDIA_COLUMNS = ("images", "image", "videos", "video", "audios", "audio")
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,7 @@ class SFTFormat:
 
     kind: str
     columns: tuple[str, ...]  # the columns read, in the order of `kind`
-    chat_template: bool  # wrap plain prompt/completion strings in the tokenizer's chat template
+    chat_template: bool | None  # render plain prompt/completion strings as chat turns; None: if the tokenizer can
     loss_on: str
 
     def turns(self, record: dict, index: int, split: str) -> list[dict] | None:
@@ -42,11 +47,11 @@ class SFTFormat:
             if self.kind == "sharegpt":
                 turns = _from_sharegpt(turns, index, split)
             check_messages(turns, index, split)
-            return turns
+            return text_content(turns, index, split)
         prompt, completion = self.prompt_and_completion(record)
         if isinstance(prompt, str) and isinstance(completion, str) and not self.chat_template:
             return None
-        return as_messages(prompt, completion)
+        return text_content(as_messages(prompt, completion), index, split)
 
     def prompt_and_completion(self, record: dict):
         """A prompt/completion or Alpaca record's prompt and answer (Alpaca: the instruction, then
@@ -65,6 +70,7 @@ def detect_format(raw, args) -> tuple[SFTFormat, dict[str, str]]:
     Logged. Data that fits none is a UsageError that lists the formats and the options."""
     train = raw["train"] if "train" in raw else next(iter(raw.values()))  # check_splits refuses data without one
     columns, options = train.column_names, dict(chat_template=args.chat_template, loss_on=args.loss_on)
+    refuse_other_data(train)
     conversations = next((c for c in (args.messages_column, "conversations") if c in columns), None)
     if conversations is not None:
         first = next((turns for turns in train.select_columns(conversations).to_iterable_dataset() if turns), None)
@@ -90,6 +96,42 @@ def detect_format(raw, args) -> tuple[SFTFormat, dict[str, str]]:
     }
     logger.info(f"SFT data format: {name[fmt.kind]} (columns {', '.join(c for c in fmt.columns if c in columns)})")
     return fmt, needed
+
+
+def refuse_other_data(train) -> None:
+    """A UsageError that names what the data is, when it is not SFT data: preference pairs
+    (chosen/rejected: TRL's and LLaMA-Factory's shape), unpaired preference data (KTO: a boolean
+    label or kto_tag per answer), or records with pictures, sound or video (MEDIA_COLUMNS, not
+    empty). No communication."""
+    import pyarrow.compute as pc
+
+    columns = train.column_names
+    if "chosen" in columns and "rejected" in columns:
+        raise UsageError(
+            "this is preference data (a 'chosen' and a 'rejected' answer per record), for preference tuning: "
+            "scripts/train_dpo.py takes it. For SFT, give the chosen answers as messages or prompt/completion"
+        )
+    for tag in ("label", "kto_tag"):
+        if tag in columns and getattr(train.features[tag], "dtype", None) == "bool":
+            raise UsageError(
+                f"this is unpaired preference data (KTO: an answer per record with a boolean {tag!r}), which no "
+                f"script here trains on (TRL's KTOTrainer does). For SFT, keep the records whose {tag} is true and "
+                "drop that column"
+            )
+    for column in (c for c in MEDIA_COLUMNS if c in columns):  # an empty one (text-only records) is no matter
+        values = train.with_format("arrow")[column]
+        if str(values.type).startswith(("list", "large_list")):
+            filled = pc.greater(pc.list_value_length(values), 0)
+        elif str(values.type) in ("string", "large_string"):
+            filled = pc.not_equal(values, "")
+        else:
+            filled = pc.invert(values.is_null())
+        if pc.any(pc.fill_null(filled, False)).as_py():
+            raise UsageError(
+                f"the data has a {column!r} column (pictures, sound or video, LLaMA-Factory's multimodal shape), and "
+                "this script fine-tunes on text only: it would learn their placeholders as words. Drop the column and "
+                "those records, or use a vision-language fine-tuning script"
+            )
 
 
 def _from_sharegpt(turns, index: int, split: str) -> list[dict]:
@@ -125,7 +167,7 @@ def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, in
     if messages is not None:
         return tokenize_conversation(tokenizer, messages, fmt.loss_on, block_size)
     prompt, completion = fmt.prompt_and_completion(record)
-    prompt = _bos(tokenizer) + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    prompt = _bos(tokenizer) + tokenizer(prompt + PROMPT_SEPARATOR, add_special_tokens=False)["input_ids"]
     completion = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     labels = (prompt if fmt.loss_on == "all" else [IGNORE_INDEX] * len(prompt)) + completion
     return fit_block(prompt + completion, labels, block_size, cut_targets=fmt.loss_on == "all")
@@ -140,22 +182,30 @@ def generation_prompt_ids(record: dict, fmt: SFTFormat, tokenizer, max_prompt_to
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         prompt, reference = fmt.prompt_and_completion(record)
-        ids = _bos(tokenizer) + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = _bos(tokenizer) + tokenizer(prompt + PROMPT_SEPARATOR, add_special_tokens=False)["input_ids"]
     return ids[-max_prompt_tokens:], reference, len(ids) > max_prompt_tokens
 
 
-def tokenize_sft(raw, fmt: SFTFormat, tokenizer, block_size: int, eval_max_new_tokens: int = 0, packing: bool = False):
+def tokenize_sft(
+    raw,
+    fmt: SFTFormat,
+    tokenizer,
+    block_size: int,
+    eval_max_new_tokens: int = 0,
+    packing: bool = False,
+    num_proc: int | None = None,
+):
     """(tokenized splits, report). "train" and "validation": one sequence per record (or packed,
     with `packing`), with labels -100 where a token is not learned; "generate": the validation
     prompts answered by generation, with their references (when `eval_max_new_tokens`). The report
-    counts records whose context was cut and records dropped (their answer alone does not fit), per
-    split. The functions given to `datasets.map` see only `fmt`, the tokenizer and the sizes, so the
-    `datasets` cache serves a second launch on the same data and options."""
-    if fmt.chat_template and not tokenizer.chat_template:
-        raise UsageError(
-            f"--chat_template: the tokenizer of {tokenizer.name_or_path!r} has no chat template; use an instruct "
-            "model's, or drop --chat_template and put the prompt format in the data"
-        )
+    counts records whose context was cut, earlier answers left out of the loss because they did not
+    fit whole, and records dropped (not even their last answer fits), per split. Plain
+    prompt/completion strings are rendered as a user and an assistant turn when the tokenizer has a
+    chat template (unless --no-chat_template), else joined with PROMPT_SEPARATOR; the log says
+    which. `num_proc` processes tokenize (`raw_data.preparation_processes`). The functions given to
+    `datasets.map` see only `fmt`, the tokenizer and the sizes, so the `datasets` cache serves a
+    second launch on the same data and options."""
+    fmt = _settle_chat_template(fmt, tokenizer)
     if fmt.kind in ("messages", "sharegpt") and not tokenizer.chat_template:
         raise UsageError(
             f"these conversations need a chat template, and the tokenizer of {tokenizer.name_or_path!r} "
@@ -164,13 +214,14 @@ def tokenize_sft(raw, fmt: SFTFormat, tokenizer, block_size: int, eval_max_new_t
         )
 
     def encode(batch, indices, split):
-        out = {"input_ids": [], "labels": [], "context_cut": []}
+        out = {"input_ids": [], "labels": [], "context_cut": [], "answers_dropped": []}
         for n, index in enumerate(indices):
             record = {key: values[n] for key, values in batch.items()}
             row = tokenize_record(record, fmt, tokenizer, block_size, index, split)
             out["input_ids"].append(row.input_ids if row else [])
             out["labels"].append(row.labels if row else [])
             out["context_cut"].append(row.context_cut if row else -1)  # -1: dropped
+            out["answers_dropped"].append(row.answers_dropped if row else 0)
         return out
 
     tokenized, report = datasets.DatasetDict(), {}
@@ -181,40 +232,87 @@ def tokenize_sft(raw, fmt: SFTFormat, tokenizer, block_size: int, eval_max_new_t
             with_indices=True,
             fn_kwargs={"split": split},
             remove_columns=raw[split].column_names,
+            num_proc=num_proc if split == "train" else None,  # the validation split is small
             desc=f"Tokenizing {split}",
         )
-        report.update(_count_cuts(np.asarray(rows.with_format("numpy")["context_cut"]), split, block_size))
-        tokenized[split] = rows.filter(lambda cut: cut >= 0, input_columns="context_cut").remove_columns("context_cut")
+        counts = rows.select_columns(["context_cut", "answers_dropped"]).with_format("numpy")[:]
+        report.update(_count_cuts(counts["context_cut"], counts["answers_dropped"], split, block_size))
+        tokenized[split] = rows.filter(lambda cut: cut >= 0, input_columns="context_cut").remove_columns(
+            ["context_cut", "answers_dropped"]
+        )
         if len(tokenized[split]) == 0:
-            raise UsageError(f"no {split} record's answer fits in --block_size {block_size} tokens; raise --block_size")
+            raise UsageError(
+                f"no {split} record's last answer fits in --block_size {block_size} tokens; raise --block_size "
+                "(--loss_on last_assistant learns the last answer only, it would not fit either)"
+            )
     if eval_max_new_tokens:
         tokenized["generate"], report["eval_prompts_cut"] = _eval_prompts(
             raw["validation"], fmt, tokenizer, block_size - eval_max_new_tokens
         )
     if packing:
         tokenized["train"] = tokenized["train"].map(
-            pack_sequences, batched=True, batch_size=10_000, fn_kwargs={"block_size": block_size}, desc="Packing"
+            pack_sequences,
+            batched=True,
+            batch_size=10_000,
+            fn_kwargs={"block_size": block_size},
+            num_proc=num_proc,
+            desc="Packing",
         )
     return tokenized, report
 
 
-def _count_cuts(cut: np.ndarray, split: str, block_size: int) -> dict:
-    """The report's counts for one split, from each record's tokens of context cut (-1: dropped), logged."""
+def _settle_chat_template(fmt: SFTFormat, tokenizer) -> SFTFormat:
+    """`fmt` with its chat_template settled for this tokenizer, said in the log for plain
+    prompt/completion strings: the template's user and assistant turns when the tokenizer has one
+    (the default, or --chat_template), else (or with --no-chat_template) the raw strings joined with
+    PROMPT_SEPARATOR. --chat_template without a template is a UsageError."""
+    from dataclasses import replace
+
+    if fmt.chat_template and not tokenizer.chat_template:
+        raise UsageError(
+            f"--chat_template: the tokenizer of {tokenizer.name_or_path!r} has no chat template; use an instruct "
+            "model's, or drop --chat_template and put the prompt format in the data"
+        )
+    if fmt.kind in ("messages", "sharegpt"):
+        return fmt
+    fmt = replace(fmt, chat_template=bool(tokenizer.chat_template) if fmt.chat_template is None else fmt.chat_template)
+    if fmt.chat_template:
+        logger.info(f"{fmt.kind} records: the tokenizer's chat template, a user turn and an assistant turn")
+    else:
+        logger.info(
+            f"{fmt.kind} records: BOS, the prompt, {PROMPT_SEPARATOR!r}, the answer, EOS (no chat template: "
+            + ("--no-chat_template)" if tokenizer.chat_template else "the tokenizer has none)")
+        )
+    return fmt
+
+
+def _count_cuts(cut: np.ndarray, answers_dropped: np.ndarray, split: str, block_size: int) -> dict:
+    """The report's counts for one split, from each record's tokens of context cut (-1: dropped)
+    and its earlier answers left out of the loss, logged."""
     counts = {
         f"{split}_records_context_cut": int((cut > 0).sum()),
         f"{split}_context_tokens_cut": int(cut[cut > 0].sum()),
+        f"{split}_records_answers_left_out": int((answers_dropped > 0).sum()),
+        f"{split}_answers_left_out": int(answers_dropped.sum()),
         f"{split}_records_dropped": int((cut < 0).sum()),
     }
     if counts[f"{split}_records_context_cut"]:
         logger.info(
             f"{split}: {counts[f'{split}_records_context_cut']} records longer than --block_size {block_size} "
             f"lost {counts[f'{split}_context_tokens_cut']} tokens of context from their start; their answers "
-            "are whole"
+            "that are learned are whole"
+        )
+    if counts[f"{split}_answers_left_out"]:
+        logger.info(
+            f"{split}: {counts[f'{split}_records_answers_left_out']} conversations longer than --block_size "
+            f"{block_size} kept their newest answers that fit, with their context; "
+            f"{counts[f'{split}_answers_left_out']} earlier answers did not fit whole and are not learned"
         )
     if counts[f"{split}_records_dropped"]:
         logger.warning(
-            f"{split}: {counts[f'{split}_records_dropped']} records dropped: their answers alone do not fit "
-            f"in --block_size {block_size} tokens; raise --block_size"
+            f"{split}: {counts[f'{split}_records_dropped']} records dropped: not even their last answer fits in "
+            f"--block_size {block_size} tokens; raise --block_size (--loss_on last_assistant learns the last answer "
+            "only, it would not fit either)"
         )
     return counts
 

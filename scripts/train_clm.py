@@ -110,7 +110,9 @@ def tokenize_in_blocks(raw, tokenizer, args, block_size):
 
     processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
     encoded = raw.map(encode, batched=True, remove_columns=raw["train"].column_names, num_proc=processes)
-    blocks = encoded.map(group_text_blocks, batched=True, batch_size=10_000, fn_kwargs={"block_size": block_size})
+    blocks = encoded.map(
+        group_text_blocks, batched=True, batch_size=10_000, fn_kwargs={"block_size": block_size}, num_proc=processes
+    )
     report = {}
     for split in ("train", "validation"):
         total = int(token_lengths(encoded[split]).sum())

@@ -69,7 +69,12 @@ def parse_args(argv=None):
     p.add_argument("--messages_column", default="messages", help="the column of conversations (role/content turns)")
     p.add_argument("--prompt_column", default="prompt", help="without messages: the prompt (a string or turns)")
     p.add_argument("--completion_column", default="completion", help="without messages: the answer learned")
-    p.add_argument("--chat_template", action="store_true", help="wrap plain prompt/completion strings in the template")
+    p.add_argument(
+        "--chat_template",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="render prompt/completion strings as chat turns (default: if the tokenizer has a template)",
+    )
     p.add_argument("--loss_on", choices=LOSS_ON, default="assistant", help="the tokens learned (default: answers)")
     p.add_argument("--packing", action="store_true", help="pack several records per sequence, masked apart")
     p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training records")
@@ -146,7 +151,8 @@ def prepare_data(args):
         hold_out_percentage=args.validation_split_percentage,
     )
     config, tokenizer, block_size = ddp_utils.load_config_and_tokenizer(args)
-    tokenized, report = tokenize_sft(raw, fmt, tokenizer, block_size, args.eval_max_new_tokens, args.packing)
+    processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
+    tokenized, report = tokenize_sft(raw, fmt, tokenizer, block_size, args.eval_max_new_tokens, args.packing, processes)
     if "generate" in tokenized:  # accuracy is scored only when the answers are labels
         settle_accuracy_metric(args, tokenized["generate"]["reference"])
     return tokenized, tokenizer, config, {"block_size": block_size, "sft_format": fmt.kind, **report}

@@ -101,8 +101,14 @@ def test_a_long_record_loses_context_from_its_start_never_its_answer(tokenizer):
     # Context cut up to the token before the first answer (which predicts it): fits.
     fits = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - (first_answer - 1))
     assert fits.context_cut == first_answer - 1 and fits.labels == row.labels[first_answer - 1 :]
-    # One token more would cut into the first answer: the record is dropped, not trained half.
-    assert tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - first_answer) is None
+    # One token more would cut into the first answer: it is not trained half, but left in as context and not
+    # learned, and the newest answer, which fits whole, is kept with it (before, the whole record was dropped).
+    kept = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - first_answer)
+    assert kept.answers_dropped == 1 and kept.input_ids == row.input_ids[first_answer:]
+    assert [t for t in kept.labels if t != IGNORE_INDEX] == tokens(tokenizer, "w3 </s>")
+    # Not even the last answer fits: dropped.
+    last_answer = len(row.labels) - 1 - row.labels[::-1].index(tokens(tokenizer, "w3")[0])
+    assert tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - last_answer) is None
     # Training on the last answer only, the first one is context and may go.
     last = tokenize_conversation(tokenizer, CONVERSATION, "last_assistant", block_size=n - first_answer - 2)
     assert last.context_cut == first_answer + 2 and last.input_ids == row.input_ids[first_answer + 2 :]

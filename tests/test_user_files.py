@@ -1,0 +1,310 @@
+"""Files in the shapes users bring, made here: GLUE's TSVs (MRPC's quotes, STS-B's float scores), an
+OpenAI chat file with content parts, LLaMA-Factory's sets (v1 content parts, images, pairs, KTO tags),
+TRL's preference pairs, Alpaca records and a long multi-turn conversation. Each is read right or
+refused in one line that names the record and the fix; most are checked through the scripts' own
+`parse_args` and `prepare_data`, the regression through the launcher on 1 and 2 processes."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from conftest import (
+    FILLER,
+    REPO,
+    WORDS,
+    launch,
+    load_script,
+    make_tiny_causal_lm,
+    refused_in_process,
+    write_text_corpus,
+)
+from ddp_utils import UsageError
+
+# GLUE's MRPC train.tsv, as it ships: no quoting; a sentence may start with a quote it does not close.
+MRPC = (
+    "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+    '1\t702876\t702977\tAmrozi accused his brother , whom he called " the witness " , of distorting his evidence .\t'
+    'Referring to him as only " the witness " , Amrozi accused his brother of distorting his evidence .\n'
+    "0\t2108705\t2108831\tYucaipa owned Dominick 's before selling the chain to Safeway in 1998 .\t"
+    "Yucaipa bought Dominick 's in 1995 for $ 693 million .\n"
+    '1\t1330381\t1330521\t" Sanitation is poor ... there could be typhoid and cholera , he said .\t'
+    "He said sanitation was poor and there could be typhoid and cholera .\n"
+    "0\t3344667\t3344648\tThey had published an advertisement on the Internet on June 10 , he added .\t"
+    "On June 10 , the ship 's owners had published an advertisement on the Internet .\n"
+    "1\t1236820\t1236712\tThe stock rose $ 2.11 , or about 11 percent , to close Friday at $ 21.51 .\t"
+    "PG & E Corp. shares jumped $ 1.63 or 8 percent to $ 21.03 on Friday .\n"
+    "0\t2029631\t2029565\tRevenue in the first quarter of the year dropped 15 percent .\t"
+    "With the scandal hanging over Stewart 's company , revenue dropped 15 percent .\n"
+)
+
+
+def sft(tmp_path, records, *extra, chat_template=False, name="train.jsonl"):
+    """train_sft.py's own parse_args and prepare_data on `records` (a JSONL file), with the tiny Llama."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+    model = make_tiny_causal_lm(tmp_path / f"llama-{chat_template}", chat_template=chat_template)
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    script = load_script("train_sft")
+    argv = ["--model_name_or_path", model, "--train_file", path, "--validation_file", path, "--report_to", "none"]
+    argv += ["--output_dir", tmp_path / "out", "--eval_max_new_tokens", 0, *extra]
+    args = script.parse_args([str(a) for a in argv])
+    return script.prepare_data(args)
+
+
+# --- GLUE's TSVs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.fast
+def test_a_glue_tsv_is_read_as_tsv_quotes_and_all(tmp_path):
+    """Before: read with CSV quoting, the quote that opens row 2's sentence swallowed the lines after
+    it, and 6 rows loaded as 5, silently."""
+    from ddp_utils import read_data_files
+
+    (tmp_path / "train.tsv").write_text(MRPC)
+    train = read_data_files({"train": str(tmp_path / "train.tsv")})["train"]
+    assert len(train) == 6 and train["Quality"] == [1, 0, 1, 0, 1, 0]
+    assert train[2]["#1 String"].startswith('" Sanitation is poor') and "\n" not in "".join(train["#1 String"])
+
+
+@pytest.mark.fast
+def test_a_csv_whose_rows_merged_is_warned_about_naming_the_row(tmp_path, caplog):
+    import logging
+
+    from accelerate import PartialState
+
+    from ddp_utils import read_data_files
+
+    PartialState(cpu=True)
+    (tmp_path / "train.csv").write_text('text,label\ngood film,1\n"a quote opens here,0\nbad film,0\n"closed,1\n')
+    with caplog.at_level(logging.WARNING):
+        train = read_data_files({"train": str(tmp_path / "train.csv")})["train"]
+    assert len(train) == 2, "the quote swallowed two lines: legal CSV, and likely a mistake"
+    assert "row 1's 'text' holds a newline or a tab (2 rows from 4 lines of data)" in caplog.text
+
+
+def write_stsb(path, rows, seed):
+    """STS-B's shape: two sentences and a float similarity score from 0 to 5 (here: how positive)."""
+    rng = random.Random(seed)
+    lines = ["genre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore"]
+    for i in range(rows):
+        positive = rng.random() < 0.5
+        score = (4 if positive else 1) + rng.random() - 0.5
+        word = rng.choice(WORDS["positive" if positive else "negative"])
+        first, second = " ".join(rng.choices(FILLER, k=4) + [word]), " ".join(rng.choices(FILLER, k=3))
+        lines.append(f"main-captions\tMSRvid\t2012test\t{i:04d}\tnone\tnone\t{first}\t{second}\t{score:.3f}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_float_label_column_trains_a_regression_the_same_on_one_and_two_processes(tiny_model, tmp_path):
+    """STS-B as a user gives it: a TSV with a float score and no validation file. One output, the
+    squared error; MSE, Pearson and Spearman over the held-out 10%, each example once: the same on
+    1 and 2 processes (before: 7 classes, and a refusal without --validation_file)."""
+    from safetensors.numpy import load_file
+
+    train = write_stsb(tmp_path / "train.tsv", 100, seed=0)
+    common = ["--model_name_or_path", tiny_model, "--train_file", train, "--text_column", "sentence1,sentence2"]
+    common += ["--label_column", "score", "--max_length", 32, "--learning_rate", 1e-2, "--num_train_epochs", 6]
+    common += ["--warmup_ratio", 0]
+    common += ["--per_device_eval_batch_size", 3, "--checkpointing_steps", "no", "--report_to", "none"]
+    runs = {}
+    for processes, batch in ((1, 8), (2, 4)):
+        output_dir = tmp_path / f"run{processes}"
+        result = launch(
+            REPO / "scripts" / "train.py",
+            *common,
+            "--per_device_train_batch_size",
+            batch,
+            "--output_dir",
+            output_dir,
+            num_processes=processes,
+        )
+        assert result.returncode == 0, result.output[-3000:]
+        assert "task: regression on 'score'" in result.output
+        runs[processes] = output_dir
+    one, two = (json.loads((runs[n] / "metrics.json").read_text()) for n in (1, 2))
+    assert one["eval_examples"] == two["eval_examples"] == 10, "10% of 100 held out, each counted once"
+    for key in ("eval_mse", "eval_pearson", "eval_spearman"):  # within the float drift of 54 steps at lr 1e-2
+        assert two[key] == pytest.approx(one[key], rel=2e-3), key
+    assert one["eval_loss"] == one["eval_mse"] and one["eval_pearson"] > 0.5, "it learned which word scores high"
+    config = json.loads((runs[1] / "config.json").read_text())
+    assert config["problem_type"] == "regression" and len(config["id2label"]) == 1
+    weights = [load_file(str(runs[n] / "model.safetensors")) for n in (1, 2)]
+    np.testing.assert_allclose(weights[1]["classifier.weight"], weights[0]["classifier.weight"], rtol=1e-3, atol=1e-4)
+    assert json.loads((runs[1] / "training_args.json").read_text())["metric_for_best_model"] == "eval_loss"
+
+
+@pytest.mark.fast
+def test_an_integer_label_column_says_how_many_classes_it_made_and_regression_needs_numbers(caplog):
+    import logging
+
+    import datasets
+    from accelerate import PartialState
+
+    from ddp_utils.classification import label_task
+
+    PartialState(cpu=True)
+    years = datasets.Dataset.from_dict({"text": ["a"] * 60, "year": list(range(1960, 2020))})
+    raw = datasets.DatasetDict({"train": years, "validation": years})
+    with caplog.at_level(logging.INFO):
+        task, labels, _ = label_task(raw, "year")
+    assert task == "classification" and labels["num_labels"] == 60
+    assert "'year' holds 60 distinct integers: a classifier of 60 classes (--task regression" in caplog.text
+    assert label_task(raw, "year", "regression")[:2] == ("regression", {"num_labels": 1, "problem_type": "regression"})
+    words = datasets.Dataset.from_dict({"text": ["a", "b"], "label": ["good", "bad"]})
+    with pytest.raises(UsageError, match="--task regression needs numbers in 'label'"):
+        label_task(datasets.DatasetDict({"train": words, "validation": words}), "label", "regression")
+
+
+# --- SFT: prompts and answers, content parts, media, long conversations, other data -----------------
+
+ALPACA = [{"instruction": "is the movie good", "input": "w7 w8", "output": "w1 w2"}] * 4
+
+
+@pytest.mark.fast
+def test_prompt_completion_and_alpaca_become_chat_turns_when_the_tokenizer_has_a_template(tmp_path, caplog):
+    """Before: BOS + prompt + answer + EOS, glued, even for an instruct model with a template."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        tokenized, tokenizer, _, _ = sft(tmp_path, ALPACA, chat_template=True)
+    assert "alpaca records: the tokenizer's chat template, a user turn and an assistant turn" in caplog.text
+    chat = tokenized["train"][0]
+    text = tokenizer.decode(chat["input_ids"])
+    assert text.startswith("<s> user: is the movie good w7 w8 assistant: w1 w2 </s>"), text
+    learned = [t for t in chat["labels"] if t != -100]
+    assert tokenizer.decode(learned) == "w1 w2 </s>", "the answer and its end of turn"
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        raw = sft(tmp_path, ALPACA, "--no-chat_template", chat_template=True)[0]["train"][0]
+    assert "alpaca records: BOS, the prompt, '\\n\\n', the answer, EOS (no chat template: --no-chat_template)" in (
+        caplog.text
+    )
+    assert tokenizer.decode(raw["input_ids"]) == "<s> is the movie good w7 w8 w1 w2 </s>"
+
+
+CONVERSATION = [
+    {"role": "user", "content": "the movie"},
+    {"role": "assistant", "content": "w1 w2"},
+    {"role": "user", "content": "was it good"},
+    {"role": "assistant", "content": "w3"},
+]
+
+
+@pytest.mark.fast
+def test_content_given_as_parts_is_joined_into_text_and_other_parts_are_refused(tmp_path):
+    """OpenAI's chat file and LLaMA-Factory's v1 shape give content as a list of parts. Before: a
+    Jinja TypeError inside the chat template, about 60 lines."""
+    openai = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in CONVERSATION]
+    llamafactory = [{**m, "content": [{"type": "text", "value": m["content"]}]} for m in CONVERSATION]
+    plain = sft(tmp_path, [{"messages": CONVERSATION}] * 3, chat_template=True)[0]["train"][0]
+    for records in (openai, llamafactory):
+        assert sft(tmp_path, [{"messages": records}] * 3, chat_template=True)[0]["train"][0] == plain
+    picture = {"type": "image_url", "image_url": {"url": "x.png"}}
+    pictured = [{**openai[0], "content": [picture, *openai[0]["content"]]}, *openai[1:]]
+    with pytest.raises(UsageError, match=r"^train record 0, turn 0 \(user\) holds a part of type 'image_url': this"):
+        sft(tmp_path, [{"messages": pictured}] * 3, chat_template=True)
+
+
+@pytest.mark.fast
+def test_records_with_images_are_refused_not_trained_as_text(tmp_path):
+    """LLaMA-Factory's multimodal sets: an 'images' column and <image> in the text. Before: trained
+    on the text alone, the placeholder learned as a word. An empty column (text-only records) is fine."""
+    records = [{"instruction": "<image>what is it", "output": "w1", "images": ["cat.jpg"]}] * 3
+    with pytest.raises(UsageError, match="the data has a 'images' column .* this script fine-tunes on text only"):
+        sft(tmp_path, records, chat_template=True)
+    assert len(sft(tmp_path, [{**r, "images": []} for r in records], chat_template=True)[0]["train"]) == 3
+
+
+@pytest.mark.fast
+def test_a_long_conversation_keeps_its_newest_answers_that_fit(tmp_path):
+    """Before: a conversation whose answers did not all fit the block was dropped whole."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"w{i} w{i + 1} w{i + 2}"} for i in range(12)]
+    tokenized, tokenizer, _, report = sft(tmp_path, [{"messages": turns}] * 2, "--block_size", 20, chat_template=True)
+    assert report["train_records_answers_left_out"] == 2 and report["train_records_dropped"] == 0
+    row = tokenized["train"][0]
+    learned = "".join("x" if label != -100 else "." for label in row["labels"])
+    answers = [tokenizer.decode([t for t in run if t != -100]) for run in _runs(row["labels"])]
+    assert len(row["input_ids"]) == 20 and learned[0] == ".", learned
+    assert answers == ["w9 w10 w11 </s>", "w11 w12 w13 </s>"][-len(answers) :] and answers, answers  # the newest, whole
+    assert report["train_answers_left_out"] == 2 * (6 - len(answers)), "6 answers each: the rest left out"
+    with pytest.raises(UsageError, match="last answer fits in --block_size 4 tokens; raise --block_size .*last_assist"):
+        sft(tmp_path, [{"messages": turns}] * 2, "--block_size", 4, chat_template=True)  # not even the last one fits
+
+
+def _runs(labels):
+    """The runs of learned tokens in `labels`, each as its token ids."""
+    runs, current = [], []
+    for label in labels + [-100]:
+        if label != -100:
+            current.append(label)
+        elif current:
+            runs, current = runs + [current], []
+    return runs
+
+
+@pytest.mark.parametrize(
+    "records, expected",
+    [
+        (
+            [{"prompt": "the movie", "chosen": "w1", "rejected": "w2"}] * 3,  # TRL's preference shape
+            "this is preference data (a 'chosen' and a 'rejected' answer per record), for preference tuning: "
+            "scripts/train_dpo.py takes it",
+        ),
+        (
+            [
+                {
+                    "conversations": [{"from": "human", "value": "the movie"}],
+                    "chosen": {"from": "gpt", "value": "w1"},
+                    "rejected": {"from": "gpt", "value": "w2"},
+                }
+            ]
+            * 3,  # LLaMA-Factory's pairs
+            "this is preference data",
+        ),
+        (
+            [{"prompt": "the movie", "completion": "w1", "label": True}] * 3,  # TRL's KTO shape
+            "this is unpaired preference data (KTO: an answer per record with a boolean 'label')",
+        ),
+        (
+            [{"messages": CONVERSATION, "kto_tag": False}] * 3,  # LLaMA-Factory's KTO tag
+            "with a boolean 'kto_tag'), which no script here trains on (TRL's KTOTrainer does)",
+        ),
+    ],
+    ids=["trl_pairs", "llamafactory_pairs", "trl_kto", "llamafactory_kto"],
+)
+@pytest.mark.fast
+def test_preference_data_given_to_the_sft_script_is_named_with_the_script_that_takes_it(records, expected, tmp_path):
+    """Before: "has no assistant turn", or trained on one side."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    model = make_tiny_causal_lm(tmp_path / "llama", chat_template=True)
+    args = ["--model_name_or_path", model, "--train_file", path, "--report_to", "none", "--output_dir", tmp_path / "o"]
+    refused_in_process("train_sft", args, expected)
+
+
+@pytest.mark.fast
+def test_sft_and_clm_preparation_runs_on_several_processes_with_the_same_result(tmp_path):
+    """--preprocessing_num_workers, the chat template rendered per record in each (before: ignored by
+    train_sft.py; train_clm.py's grouping into blocks ran in one process)."""
+    records = [
+        {"messages": [{"role": "user", "content": f"w{i} the movie"}, {"role": "assistant", "content": "w1"}]}
+        for i in range(40)
+    ]
+    one = sft(tmp_path, records, chat_template=True)[0]["train"]
+    two = sft(tmp_path, records, "--preprocessing_num_workers", 2, chat_template=True)[0]["train"]
+    assert one["input_ids"] == two["input_ids"] and one["labels"] == two["labels"]
+    clm = load_script("train_clm")
+    corpus = write_text_corpus(tmp_path / "corpus.txt")
+    model = make_tiny_causal_lm(tmp_path / "clm-llama")
+    common = ["--model_name_or_path", model, "--train_file", corpus, "--block_size", 16, "--report_to", "none"]
+    common += ["--validation_split_percentage", 40]
+    blocks = [
+        clm.prepare_data(clm.parse_args([*map(str, common), "--output_dir", str(tmp_path / "o"), *extra]))[0]["train"]
+        for extra in ([], ["--preprocessing_num_workers", "2"])
+    ]
+    assert blocks[0]["input_ids"] == blocks[1]["input_ids"] and len(blocks[0]) > 2
