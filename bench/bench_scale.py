@@ -2,7 +2,9 @@
 """Benchmark: data at scale. scripts/train.py against transformers.Trainer with group_by_length, on
 200,000 and 1,000,000 review rows (a CSV made from the demo's reviews, repeated with the words of
 each review shuffled), 2 processes, a few optimizer steps, each launch with an empty `datasets`
-cache; then ours again on the warm cache.
+cache; then ours again on the warm cache. With --sft, scripts/train_sft.py against TRL's
+SFTTrainer with its dataset_num_proc instead, on the SFT demo's chat records made the same way
+(the demo LLM, LoRA r16, blocks of 256), each preparing its data on the node's 2 cores.
 
 For each launch: the seconds from the launch to the end of the first optimizer step (a global
 optimizer-step hook, loaded in every process by bench/scale_hook/sitecustomize.py), the wall time
@@ -10,6 +12,7 @@ of the whole launch, and the peak resident memory of the largest process (`ru_ma
 launch's children, through /usr/bin/time).
 
     python bench/bench_scale.py [--rows 200000 1000000] [--steps 3]
+    python bench/bench_scale.py --sft --rows 200000 [--steps 2]   # needs bench/requirements-bench.txt (TRL)
 
 Not a test: the Trainer's launch on a million rows alone takes many minutes on 2 cores.
 """
@@ -33,7 +36,51 @@ def parse_args():
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per launch")
     p.add_argument("--workdir", default=str(REPO / "bench" / "runs" / "scale"))
     p.add_argument("--only", nargs="*", default=None, help="contenders: ours, trainer_grouped, ours_warm")
+    p.add_argument("--sft", action="store_true", help="train_sft.py against TRL's SFTTrainer, on chat records")
     return p.parse_args()
+
+
+def write_chat_jsonl(path: Path, rows: int) -> Path:
+    """`rows` chat records: the SFT demo's 600 (its own DATA section), each repeated with the words of
+    its review shuffled (the same lengths and answers, new texts)."""
+    import importlib.util
+
+    if path.exists():
+        return path
+    spec = importlib.util.spec_from_file_location("train_sft", REPO / "scripts" / "train_sft.py")
+    train_sft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_sft)
+    demo = train_sft.load_raw_datasets(argparse.Namespace(train_file=None, dataset_name=None))["train"]
+    records, rng = list(demo["messages"]), random.Random(0)
+    with open(path, "w") as handle:
+        for i in range(rows):
+            turns = [dict(turn) for turn in records[i % len(records)]]
+            review, question = turns[1]["content"].rsplit("\n\n", 1)
+            words = review.split()
+            rng.shuffle(words)
+            turns[1]["content"] = " ".join(words) + "\n\n" + question
+            handle.write(json.dumps({"messages": turns}) + "\n")
+    return path
+
+
+def sft_contenders(args, workdir: Path, rows: int, launch_config) -> dict:
+    """Ours and TRL's SFTTrainer on `rows` chat records, the same model (the demo LLM, dequantized),
+    LoRA r16, blocks of 256, batch 4 per process, `args.steps` steps (TRL: stopped after its first)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_sft import demo_model_dir
+
+    model, train = demo_model_dir(), write_chat_jsonl(workdir / f"chat_{rows}.jsonl", rows)
+    validation = write_chat_jsonl(workdir / "chat_validation.jsonl", 64)
+    ours = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launch_config, "scripts/train_sft.py"]
+    ours += ["--model_name_or_path", model, "--train_file", train, "--validation_file", validation, "--block_size", 256]
+    ours += ["--lora_r", 16, "--per_device_train_batch_size", 4, "--max_train_steps", args.steps, "--skip_zero_shot"]
+    ours += ["--eval_max_new_tokens", 0, "--no-eval_perplexity", "--checkpointing_steps", "no", "--report_to", "none"]
+    ours += ["--overwrite_output_dir", "--output_dir", workdir / f"sft_ours_{rows}"]
+    trl = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "bench/baselines/trl_sft_run.py"]
+    trl += ["--model", model, "--train_file", train, "--max_length", 256, "--batch_size", 4, "--epochs", 1]
+    trl += ["--lr", 2e-4, "--lora_r", 16, "--prompt_completion", "--time_cap_s", 0, "--dataset_num_proc", 2]
+    trl += ["--out", workdir / f"sft_trl_{rows}.json", "--output_dir", workdir / f"sft_trl_{rows}"]
+    return {"sft_ours": (ours, "sft_ours", True), "sft_trl": (trl, "sft_trl", True)}
 
 
 def write_csv(path: Path, rows: int) -> Path:
@@ -91,6 +138,9 @@ def main():
         load_demo_reviews()["validation"].to_csv(str(validation), index=False)
     results = {}
     for rows in args.rows:
+        if args.sft:
+            run_contenders(args, workdir, rows, sft_contenders(args, workdir, rows, CPU_CONFIG), launch_env, results)
+            continue
         train = write_csv(workdir / f"train_{rows}.csv", rows)
         ours = [
             sys.executable,
@@ -149,32 +199,39 @@ def main():
             ),
             "ours_warm": (ours + ["--output_dir", workdir / f"ours_warm_{rows}"], "ours", False),
         }
-        for name, (command, owner, cold) in contenders.items():
-            if args.only and name not in args.only:
-                continue
-            cache = workdir / f"cache_{owner}_{rows}"
-            if cold:
-                shutil.rmtree(cache, ignore_errors=True)
-            elif not cache.exists():
-                raise SystemExit(f"{name} needs the cache of a cold launch of ours first: add ours to --only")
-            env = launch_env({"HF_DATASETS_CACHE": str(cache), "PYTHONPATH": f"{HOOK}:{REPO}"})
-            env.pop("OMP_NUM_THREADS")  # as a user's launch: torchrun and accelerate set one thread per process
-            result = timed_launch(command, env, workdir / f"{name}_{rows}.log")
-            results[f"{name} {rows}"] = {**result, "steps": args.steps, "at": time.strftime("%Y-%m-%d %H:%M")}
-            print(f"{name:16s} {rows:>9,} rows: {json.dumps(result)}", flush=True)
+        run_contenders(args, workdir, rows, contenders, launch_env, results)
     # A run of some contenders or sizes replaces their entries and keeps the others (each says when it ran);
     # the ratio below is then against the Trainer's latest launch of that size.
     saved = workdir / "results.json"
     results = {**(json.loads(saved.read_text()) if saved.exists() else {}), **results}
     saved.write_text(json.dumps(results, indent=1))
-    print("\n| rows | run | to the first step (s) | wall (s) | × Trainer's wall | peak RSS, largest process (MiB) |")
+    print("\n| rows | run | to the first step (s) | wall (s) | × the peer's wall | peak RSS, largest process (MiB) |")
     print("|---:|---|---:|---:|---:|---:|")
     for key, r in results.items():
         name, rows = key.split()
-        reference = results.get(f"trainer_grouped {rows}", {}).get("wall_s")
+        peer = "sft_trl" if name.startswith("sft") else "trainer_grouped"
+        reference = results.get(f"{peer} {rows}", {}).get("wall_s")
         ratio = f"{r['wall_s'] / reference:.2f}" if reference else ""
         first = f"{r['first_step_s']:.1f}" if r["first_step_s"] is not None else "(none)"
         print(f"| {int(rows):,} | {name} | {first} | {r['wall_s']:.1f} | {ratio} | {r['peak_rss_mib']:.0f} |")
+
+
+def run_contenders(args, workdir: Path, rows: int, contenders: dict, launch_env, results: dict) -> None:
+    """Launch each contender (command, cache owner, cold) on `rows` rows, timed; a cold one with an
+    empty `datasets` cache of its own. Adds each result to `results`."""
+    for name, (command, owner, cold) in contenders.items():
+        if args.only and name not in args.only:
+            continue
+        cache = workdir / f"cache_{owner}_{rows}"
+        if cold:
+            shutil.rmtree(cache, ignore_errors=True)
+        elif not cache.exists():
+            raise SystemExit(f"{name} needs the cache of a cold launch of ours first: add ours to --only")
+        env = launch_env({"HF_DATASETS_CACHE": str(cache), "PYTHONPATH": f"{HOOK}:{REPO}"})
+        env.pop("OMP_NUM_THREADS")  # as a user's launch: torchrun and accelerate set one thread per process
+        result = timed_launch(command, env, workdir / f"{name}_{rows}.log")
+        results[f"{name} {rows}"] = {**result, "steps": args.steps, "at": time.strftime("%Y-%m-%d %H:%M")}
+        print(f"{name:16s} {rows:>9,} rows: {json.dumps(result)}", flush=True)
 
 
 if __name__ == "__main__":

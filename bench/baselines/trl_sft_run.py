@@ -4,6 +4,7 @@ scripts/train_sft.py in bench/bench_sft.py. Launched with torchrun (2 real proce
 usage: torchrun --nproc_per_node 2 bench/baselines/trl_sft_run.py --out OUT.json --epochs E --batch_size B --lr LR
            --max_length L --model DIR --train_file TRAIN.jsonl --output_dir DIR [--trl_defaults] [--time_cap_s S]
            [--bf16] [--gradient_checkpointing] [--full] [--padding_free | --packing] [--prompt_completion]
+           [--dataset_num_proc N]
 
 Matched (the default): fp32, no gradient checkpointing, like ours on a CPU. --trl_defaults leaves
 precision and gradient checkpointing to SFTConfig's own defaults (bf16=True, gradient_checkpointing=True),
@@ -74,6 +75,9 @@ def main():
     p.add_argument("--padding_free", action="store_true", help="each batch flattened into one sequence, no padding")
     p.add_argument("--packing", action="store_true", help="best-fit decreasing packing into rows of --max_length")
     p.add_argument(
+        "--dataset_num_proc", type=int, default=None, help="processes that tokenize the data (SFTConfig's own)"
+    )
+    p.add_argument(
         "--prompt_completion",
         action="store_true",
         help="train on the last assistant turn only: each conversation as a prompt/completion pair",
@@ -111,6 +115,7 @@ def main():
         disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
+        dataset_num_proc=args.dataset_num_proc,
         **{"max_length": args.max_length, **matched},
     )
     lora = LoraConfig(
