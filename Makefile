@@ -14,13 +14,16 @@ LAUNCH := $(BIN)/accelerate launch --config_file $(CONFIG)
 # 1.5x and generation faster at the same accuracy (bench/README.md). Elsewhere bf16 would be emulated: fp32.
 LLM_PRECISION ?= $(shell grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null && echo bf16 || echo no)
 
-.PHONY: train train-sft train-clm train-image test test-fast lint format bench gpu-check gpu-payload install clean
+.PHONY: train train-sft train-dpo train-clm train-image test test-fast lint format bench gpu-check gpu-payload install clean
 
 train: $(STAMP)  ## install if needed, then fine-tune the demo classifier on 2 CPU processes
 	$(LAUNCH) scripts/train.py $(TRAIN_ARGS)
 
 train-sft: $(STAMP)  ## the LLM demo: SmolLM2-135M-Instruct (LoRA) learns the reviews' sentiment as a chat task
 	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_sft.py --output_dir outputs/demo_sft --overwrite_output_dir
+
+train-dpo: $(STAMP)  ## preference tuning (DPO): SmolLM2-135M-Instruct (LoRA) prefers the right sentiment word to a wrong one
+	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_dpo.py --output_dir outputs/demo_dpo --overwrite_output_dir
 
 train-clm: $(STAMP)  ## continued pre-training of SmolLM2-135M-Instruct (LoRA) on the reviews' text: perplexity drops
 	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir
@@ -52,7 +55,7 @@ bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer 
 	$(BIN)/python bench/bench_scale.py
 	$(BIN)/python bench/bench_memory.py --steps 10000
 
-# The GPU checklist (bench/gpu_check/README.md): STEPS=1,2a,2b,3,4,5,6,7,8 (2 = 2a,2b; default all), DRY_RUN=1 for
+# The GPU checklist (bench/gpu_check/README.md): STEPS=1,2a,2b,3,4,5,6,7,8,9 (2 = 2a,2b; default all), DRY_RUN=1 for
 # the CPU dry run CI runs (tiny sizes), BUDGET_S=540 to start no run that would end later. Here it runs with
 # .venv; the GPU machine has no venv, so give its interpreter there: make gpu-check PYTHON=python3 STEPS=1,2a
 STEPS ?= all

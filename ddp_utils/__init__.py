@@ -21,7 +21,8 @@ What the scripts use, in the order they use it, and the module that holds it:
 - the end:  `save_model` (output.py), `write_results` (metrics.json, report/; report.py)
 
 Task helpers live in their own modules: `causal_lm` (language models), `lora`, `chat`
-(conversations and their targets), `sft_data` (SFT records as training rows), `generation`
+(conversations and their targets), `sft_data` (SFT records as training rows), `preference_data`
+(preference pairs as training rows), `dpo` (preference losses, the reference), `generation`
 (answers scored by generation), `gguf` (GGUF checkpoints), `vision` (images), `classification`,
 `demo` (the offline demos' models and data). `is_sharded` (sharded.py) is the one test of
 whether the weights are split over the ranks.

@@ -169,13 +169,21 @@ class _EpochTaggedSampler(torch.utils.data.Sampler):
 
 
 def make_train_dataloader(
-    dataset, args, accelerator: Accelerator, collate_fn, *, epoch_in_rows: bool = False, group_steps: int = 16
+    dataset,
+    args,
+    accelerator: Accelerator,
+    collate_fn,
+    *,
+    epoch_in_rows: bool = False,
+    group_steps: int = 16,
+    length_column: str = "input_ids",
 ) -> DataLoader:
     """The training DataLoader, before `accelerator.prepare`: padded with weightless fillers to
     whole optimizer steps, so every rank takes the same number of micro-batches and every optimizer
     step has all of its micro-batches; shuffled each epoch by `StepAlignedSampler` (from the
     Accelerator's data seed), grouped by the length of `input_ids` with --group_by_length; fillers
     dropped from the batches. Every rank calls it with the same arguments (no communication).
+    `length_column`: what --group_by_length sorts by (token lists, or a column of lengths).
 
     `args` gives --per_device_train_batch_size, --group_by_length (if the script has it) and
     --num_workers: processes per rank that load and collate batches (persistent across epochs;
@@ -183,7 +191,7 @@ def make_train_dataloader(
     `collate_fn` with its epoch under EPOCH, so random draws made there (augmentation) can be
     seeded from (seed, epoch, example) in any worker."""
     batch_size, num_workers = args.per_device_train_batch_size, args.num_workers
-    lengths = token_lengths(dataset) if getattr(args, "group_by_length", False) else None
+    lengths = token_lengths(dataset, length_column) if getattr(args, "group_by_length", False) else None
     seed = accelerator.dataloader_config.data_seed or 0
     layout = (batch_size, accelerator.num_processes, accelerator.gradient_accumulation_steps)
     sampler = StepAlignedSampler(len(dataset), *layout, seed, lengths=lengths, group_steps=group_steps)
@@ -206,20 +214,24 @@ def make_train_dataloader(
     )
 
 
-def make_eval_dataloader(dataset, args, collate_fn) -> DataLoader:
+def make_eval_dataloader(dataset, args, collate_fn, length_column: str = "input_ids") -> DataLoader:
     """An evaluation DataLoader of --per_device_eval_batch_size, longest first when the rows are
-    token sequences (`longest_first`). Prepare it with the Accelerator. No communication."""
-    if "input_ids" in dataset.column_names:
-        dataset = longest_first(dataset)
+    token sequences (`longest_first` by `length_column`). Prepare it with the Accelerator. No
+    communication."""
+    if length_column in dataset.column_names:
+        dataset = longest_first(dataset, length_column)
     return DataLoader(dataset, batch_size=args.per_device_eval_batch_size, collate_fn=collate_fn)
 
 
 def token_lengths(dataset, column: str = "input_ids") -> np.ndarray:
-    """The length of each row's `column` (a list of token ids), read with Arrow's vectorised list
-    lengths: never a Python loop over the token lists."""
+    """The length of each row's `column` (a list of token ids; a column of numbers is taken as the
+    lengths), read with Arrow's vectorised list lengths: never a Python loop over the token lists."""
     import pyarrow.compute as pc
 
-    return pc.list_value_length(dataset.with_format("arrow")[column]).to_numpy(zero_copy_only=False)
+    values = dataset.with_format("arrow")[column]
+    if not str(values.type).startswith(("list", "large_list")):
+        return values.to_numpy(zero_copy_only=False)
+    return pc.list_value_length(values).to_numpy(zero_copy_only=False)
 
 
 def longest_first(dataset, column: str = "input_ids"):

@@ -55,6 +55,10 @@ def load_demo_reviews():
 
 
 DEMO_LLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The LLM demos' task (train_sft.py, train_dpo.py): a short system turn (the template's default one is twice as long,
+# on every record), then the review, then this question.
+DEMO_SYSTEM = "You classify drug reviews."
+DEMO_QUESTION = "Is this drug review positive, neutral or negative? Answer with one word."
 
 
 def demo_llm_gguf() -> tuple[str, str]:

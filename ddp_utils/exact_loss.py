@@ -15,7 +15,7 @@ from accelerate import Accelerator
 
 from .dataloaders import SAMPLE_WEIGHT
 
-INPUT_TOKENS = "input_tokens"  # per row: its non-padding tokens, for batches without an attention_mask
+INPUT_TOKENS = "input_tokens"  # per weighted row: its non-padding tokens, where the attention_mask does not tell
 
 
 @dataclass
@@ -33,10 +33,10 @@ def _local_step_size(micro_batches: list[dict], weight_key: str) -> torch.Tensor
     for batch in micro_batches:
         row_weight = batch[weight_key]
         real = row_weight > 0
-        if "attention_mask" in batch:
-            tokens = batch["attention_mask"][real].sum()
-        elif INPUT_TOKENS in batch:
+        if INPUT_TOKENS in batch:  # first: a pair's row has a 4D mask (preference_data.PairCollator), not tokens
             tokens = batch[INPUT_TOKENS][real].sum()
+        elif "attention_mask" in batch:
+            tokens = batch["attention_mask"][real].sum()
         else:
             tokens = torch.zeros((), device=row_weight.device)
         totals.append(torch.stack([row_weight.sum().float(), real.sum().float(), tokens.float()]))

@@ -37,6 +37,9 @@ _HYPER_PARAMETERS = (
     "lora_target_modules",
     "packing",
     "loss_on",
+    "loss_type",
+    "beta",
+    "sft_weight",
 )
 
 

@@ -58,8 +58,13 @@ class SFTFormat:
         its input after a blank line when there is one)."""
         if self.kind == "alpaca":
             instruction, extra, output = (record.get(c) for c in self.columns)
-            return (f"{instruction}\n\n{extra}" if extra else instruction), output
+            return alpaca_prompt(instruction, extra), output
         return record[self.columns[0]], record[self.columns[1]]
+
+
+def alpaca_prompt(instruction: str, extra: str | None) -> str:
+    """An Alpaca record's prompt: the instruction, then its input after a blank line when there is one."""
+    return f"{instruction}\n\n{extra}" if extra else instruction
 
 
 def detect_format(raw, args) -> tuple[SFTFormat, dict[str, str]]:
@@ -262,28 +267,35 @@ def tokenize_sft(
 
 
 def _settle_chat_template(fmt: SFTFormat, tokenizer) -> SFTFormat:
-    """`fmt` with its chat_template settled for this tokenizer, said in the log for plain
-    prompt/completion strings: the template's user and assistant turns when the tokenizer has one
-    (the default, or --chat_template), else (or with --no-chat_template) the raw strings joined with
-    PROMPT_SEPARATOR. --chat_template without a template is a UsageError."""
+    """`fmt` with its chat_template settled for this tokenizer (`settle_chat_template`);
+    conversations always use the template (`tokenize_sft` refuses a tokenizer without one)."""
     from dataclasses import replace
 
-    if fmt.chat_template and not tokenizer.chat_template:
+    if fmt.kind in ("messages", "sharegpt"):
+        return fmt
+    return replace(fmt, chat_template=settle_chat_template(fmt.chat_template, tokenizer, fmt.kind))
+
+
+def settle_chat_template(chat_template: bool | None, tokenizer, kind: str) -> bool:
+    """Whether plain prompt/answer strings are rendered as chat turns, said in the log: the
+    template's user and assistant turns when the tokenizer has one (`chat_template` None, or
+    --chat_template), else (or with --no-chat_template) the raw strings joined with
+    PROMPT_SEPARATOR. --chat_template without a template is a UsageError. `kind` names the data
+    in the log. No communication."""
+    if chat_template and not tokenizer.chat_template:
         raise UsageError(
             f"--chat_template: the tokenizer of {tokenizer.name_or_path!r} has no chat template; use an instruct "
             "model's, or drop --chat_template and put the prompt format in the data"
         )
-    if fmt.kind in ("messages", "sharegpt"):
-        return fmt
-    fmt = replace(fmt, chat_template=bool(tokenizer.chat_template) if fmt.chat_template is None else fmt.chat_template)
-    if fmt.chat_template:
-        logger.info(f"{fmt.kind} records: the tokenizer's chat template, a user turn and an assistant turn")
+    chat_template = bool(tokenizer.chat_template) if chat_template is None else chat_template
+    if chat_template:
+        logger.info(f"{kind} records: the tokenizer's chat template, a user turn and an assistant turn")
     else:
         logger.info(
-            f"{fmt.kind} records: BOS, the prompt, {PROMPT_SEPARATOR!r}, the answer, EOS (no chat template: "
+            f"{kind} records: BOS, the prompt, {PROMPT_SEPARATOR!r}, the answer, EOS (no chat template: "
             + ("--no-chat_template)" if tokenizer.chat_template else "the tokenizer has none)")
         )
-    return fmt
+    return chat_template
 
 
 def _count_cuts(cut: np.ndarray, answers_dropped: np.ndarray, split: str, block_size: int) -> dict:

@@ -32,7 +32,7 @@ from ddp_utils.causal_lm import (
     evaluate_perplexity,
 )
 from ddp_utils.chat import LOSS_ON
-from ddp_utils.demo import demo_llm_gguf, load_demo_reviews
+from ddp_utils.demo import DEMO_QUESTION, DEMO_SYSTEM, demo_llm_gguf, load_demo_reviews
 from ddp_utils.generation import (
     make_generation_dataloader,
     score_by_generation,
@@ -113,8 +113,6 @@ def parse_args(argv=None):
 # "validation" if you have one) holding a "messages" column of conversations
 # ([{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]), or "prompt"
 # and "completion" columns.
-DEMO_SYSTEM = "You classify drug reviews."  # the template's default system turn is twice as long, on every record
-DEMO_QUESTION = "Is this drug review positive, neutral or negative? Answer with one word."  # asked after the review
 DEMO_REVIEW_WORDS = 80  # each review's last words: the verdict is usually at the end
 
 

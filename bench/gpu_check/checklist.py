@@ -62,6 +62,7 @@ STEPS = {
     "6": "train_image.py --sync_batchnorm on one GPU",
     "7": "fp16 with its loss scaler: the image demo and the LoRA SFT start at a scale that overflows, and finish",
     "8": "a checkpoint of several GB: the save and the resume, with and without the manifest",
+    "9": "train_dpo.py (LoRA) against TRL's DPOTrainer, both references: pairs/s and peak GPU memory",
 }
 FP16_SCALER = REPO / "tests" / "launched" / "fp16_scaler.py"  # a script run with torch's GradScaler, first scale set
 # Dense bf16 peaks (no sparsity) that MFU divides by, by GPU name. H100 SXM (HBM3) and H200: 989 TFLOP/s.
@@ -97,6 +98,7 @@ class Sizes:
         self.timeout = 240 if dry_run else 420
         self.fp16_llm = ["--max_train_samples", "16", "--max_eval_samples", "8"] if dry_run else []
         self.checkpoint_gb, self.checkpoint_repeats = (0.05, 1) if dry_run else (8, 3)
+        self.dpo = ["--train_pairs", "8", "--only", "ours"] if dry_run else ["--train_pairs", "600", "--bf16"]
 
 
 class StepFailed(Exception):
@@ -845,6 +847,29 @@ class Checklist:
             self.table(["what", "seconds"], [[k, f(v, 2)] for k, v in figures["seconds"].items()])
         self.step_record["figures"]["target"] = "the manifest adds at most 5% to a save"
 
+    def step_9(self) -> None:
+        """bench/bench_dpo.py on one GPU, in bf16: ours (LoRA, the reference with the adapters off, and
+        precomputed) against TRL's DPOTrainer with the same reference, on the DPO demo's 600 pairs, batch 4."""
+        s, work = self.sizes, self.results / "step9"
+        work.mkdir(exist_ok=True)
+        out = work / "bench_dpo.json"
+        command = [sys.executable, BENCH / "bench_dpo.py", "--processes", 1, "--config", "single_gpu.yaml"]
+        command += ["--workdir", work, "--json", out, *s.dpo]
+        run = self.launch("bench_dpo", command, out, timeout=None if self.dry_run else 600, estimate_s=300)
+        if run["status"] == "ok":
+            run["figures"] = figures = read_json(out)
+            rows = [
+                [name, f(r["pairs_per_s"], 3), cell(r.get("gpu_mib")), f(r["peak_rss_mib"], 0), r["steps"]]
+                for name, r in figures.items()
+            ]
+            for ours, trl in (("ours", "trl"), ("ours_precomputed", "trl_precomputed")):
+                if ours in figures and trl in figures:
+                    self.step_record["figures"][f"{ours}_x_trl"] = (
+                        figures[ours]["pairs_per_s"] / figures[trl]["pairs_per_s"]
+                    )
+            self.table(["run", "pairs/s", "peak GPU MiB", "peak RSS MiB", "steps"], rows)
+        self.step_record["figures"]["target"] = "ours ≥ 1.5× TRL's pairs/s, with less peak memory"
+
     # --- helpers of the steps ---------------------------------------------------------------------------
 
     def env_has(self, package: str) -> bool:
@@ -1430,7 +1455,7 @@ def main() -> int:
 
 
 # The dry run's two lanes: step 3 reads step 2a's run, so they share a lane; about equal halves on a CPU.
-LANES = [("1", "2a", "3", "6", "8"), ("2b", "4", "5", "7")]
+LANES = [("1", "2a", "3", "6", "8"), ("2b", "4", "5", "7", "9")]
 
 
 def run_lanes(args, steps: list[str]) -> int:

@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""Benchmark: scripts/train_dpo.py against TRL's DPOTrainer, side by side, on the same model
+(SmolLM2-135M-Instruct, the demo's dequantized GGUF directory), the same pairs (the DPO demo's: a
+drug review's sentiment question, the right word chosen, a wrong one rejected, as TRL's
+conversational prompt/chosen/rejected JSONL), LoRA r16 (alpha 16, no dropout, all linear layers),
+DPO's sigmoid loss with beta 0.1, batch 4 pairs per process, max length 256, 1 epoch, lr 5e-4,
+2 processes, no checkpoints and no evaluation.
+
+    pip install -r bench/requirements-bench.txt      # TRL, for the benchmark only (`make bench` does it)
+    python bench/bench_dpo.py [--train_pairs 128] [--only ours trl ...]
+    python bench/bench_dpo.py --train_pairs 16   # a smoke run
+
+Contenders, each reference as its trainer offers it without a second model: the model with its
+adapters off at every step (ours; TRL with a PEFT model), and the reference's log-probs computed once
+before training (ours' --precompute_reference; TRL's precompute_ref_log_probs). Reports pairs/s
+(pairs trained per second of the training loop), wall time (launch to exit), peak resident memory
+per process (on a GPU, `--gpu`: peak GPU memory too) and the ratios against TRL's same reference.
+"""
+
+import argparse
+import importlib.util
+import json
+import platform
+import sys
+from pathlib import Path
+
+import psutil
+from bench_sft import demo_model_dir
+from bench_train import HERE, REPO, accelerate_launch, bench_env, run_one
+
+NAMES = {
+    "ours": "scripts/train_dpo.py (ours), adapters off",
+    "trl": "TRL DPOTrainer, adapters off",
+    "ours_precomputed": "ours, --precompute_reference",
+    "trl_precomputed": "TRL DPOTrainer, precompute_ref_log_probs",
+}
+BASELINE = {"ours": "trl", "trl": "trl", "ours_precomputed": "trl_precomputed", "trl_precomputed": "trl_precomputed"}
+LORA_ALPHA, BETA = 16, 0.1
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--train_pairs", type=int, default=128, help="preference pairs trained on (the demo's first N)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch_size", type=int, default=4, help="pairs per process per step")
+    p.add_argument("--max_length", type=int, default=256, help="prompt + one answer (ours: --block_size)")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (alpha 16, no dropout, all linear layers)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--bf16", action="store_true", help="both in bf16 (on a GPU; ours through its launch option)")
+    p.add_argument("--processes", type=int, default=2, help="processes of each run (the GPU check: 1)")
+    p.add_argument("--config", default="cpu_2proc.yaml", help="ours' launch config in accelerate_configs/")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--only", nargs="*", default=None, choices=list(NAMES), help="run only these contenders")
+    p.add_argument("--workdir", default=str(HERE / "runs_dpo"), help="where runs write")
+    return p.parse_args()
+
+
+def write_pairs(workdir: Path, train_pairs: int, eval_pairs: int = 16) -> dict[str, Path]:
+    """The demo's pairs, built by scripts/train_dpo.py's own `load_raw_datasets` (its offline demo),
+    the first N of each split, as JSONL both trainers read."""
+    spec = importlib.util.spec_from_file_location("train_dpo", REPO / "scripts" / "train_dpo.py")
+    train_dpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_dpo)
+    demo = train_dpo.load_raw_datasets(argparse.Namespace(train_file=None, dataset_name=None))
+    files = {}
+    for split, count in (("train", train_pairs), ("validation", eval_pairs)):
+        files[split] = workdir / f"pairs_{split}.jsonl"
+        with open(files[split], "w") as handle:
+            for record in demo[split].select(range(min(count, len(demo[split])))):
+                answers = {side: [{"role": "assistant", "content": record[side]}] for side in ("chosen", "rejected")}
+                handle.write(json.dumps({"prompt": record["prompt"], **answers}) + "\n")
+    return files
+
+
+def contenders(args, workdir: Path, model: str, data: dict[str, Path]):
+    """name -> (results file, command)."""
+
+    def ours(name, port, *extra):
+        launch = [*accelerate_launch(port), "--num_processes", args.processes]
+        launch[launch.index("--config_file") + 1] = REPO / "accelerate_configs" / args.config
+        return (
+            workdir / name / "metrics.json",
+            [
+                *launch,
+                *(["--mixed_precision", "bf16"] if args.bf16 else []),
+                REPO / "scripts" / "train_dpo.py",
+                "--model_name_or_path", model, "--train_file", data["train"], "--validation_file", data["validation"],
+                "--lora_r", args.lora_r, "--lora_alpha", LORA_ALPHA, "--lora_dropout", 0.0, "--beta", BETA,
+                "--per_device_train_batch_size", args.batch_size, "--block_size", args.max_length,
+                "--num_train_epochs", args.epochs, "--learning_rate", args.lr, "--seed", args.seed,
+                "--checkpointing_steps", "no", "--skip_zero_shot", "--max_eval_samples", 8,
+                "--output_dir", workdir / name, "--overwrite_output_dir", "--report_to", "none", *extra,
+            ],
+        )  # fmt: skip
+
+    def trl(name, port, *extra):
+        return (
+            workdir / f"{name}.json",
+            [
+                *[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", args.processes],
+                *["--master_port", port],
+                HERE / "baselines" / "trl_dpo_run.py",
+                "--out", workdir / f"{name}.json", "--epochs", args.epochs, "--batch_size", args.batch_size,
+                "--lr", args.lr, "--max_length", args.max_length, "--seed", args.seed, "--beta", BETA,
+                "--lora_r", args.lora_r, "--lora_alpha", LORA_ALPHA, "--model", model,
+                "--train_file", data["train"], "--output_dir", workdir / f"{name}_out",
+                *(["--bf16"] if args.bf16 else []), *extra,
+            ],
+        )  # fmt: skip
+
+    return {
+        "ours": ours("ours", "29641"),
+        "trl": trl("trl", "29642"),
+        "ours_precomputed": ours("ours_precomputed", "29643", "--precompute_reference"),
+        "trl_precomputed": trl("trl_precomputed", "29644", "--precompute_ref_log_probs"),
+    }
+
+
+def figures(key: str, data: dict) -> dict:
+    """pairs/s and peak GPU memory from one run's results (ours: metrics.json; TRL: its JSON)."""
+    if key.startswith("ours"):
+        pairs_per_s = data["train_pairs_per_second"]
+    else:
+        pairs_per_s = data["train_pairs"] / data["train_time_s"]
+    return {"pairs_per_s": pairs_per_s, "gpu_mib": data.get("peak_gpu_memory_mb"), "steps": data["optimizer_steps"]}
+
+
+def main():
+    args = parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    data = write_pairs(workdir, args.train_pairs)
+    pairs = sum(1 for _ in open(data["train"]))
+    model = demo_model_dir()
+    results, have_trl = {}, importlib.util.find_spec("trl") is not None
+    for key, (result_file, command) in contenders(args, workdir, model, data).items():
+        if (args.only and key not in args.only) or (key.startswith("trl") and not have_trl):
+            print(f"skipped: {NAMES[key]}" + ("" if have_trl else " (trl is not installed)"), flush=True)
+            continue
+        print(f"running {NAMES[key]} ...", flush=True)
+        result = run_one(command, result_file, workdir / f"{key}.log", bench_env())
+        if result["data"].get("world_size") != args.processes:
+            raise SystemExit(f"{NAMES[key]} trained on {result['data'].get('world_size')} process(es); see its log")
+        result.update(figures(key, result["data"]))
+        results[key] = result
+        gpu = f", peak GPU {result['gpu_mib']:.0f} MiB" if result["gpu_mib"] else ""
+        print(
+            f"  {result['pairs_per_s']:.3f} pairs/s, wall {result['wall_s']:.1f} s, "
+            f"peak RSS {result['peak_rss_mib']:.0f} MiB{gpu}, steps {result['steps']}, {result['exit']}",
+            flush=True,
+        )
+
+    if args.json:
+        figures_only = {key: {k: v for k, v in r.items() if k != "data"} for key, r in results.items()}
+        Path(args.json).write_text(json.dumps(figures_only, indent=1))
+    print(
+        f"\n{pairs} pairs, {args.epochs} epoch(s), batch {args.batch_size} pairs/process x {args.processes} "
+        f"process(es), max length {args.max_length}, LoRA r{args.lora_r}, beta {BETA}, lr {args.lr}, "
+        f"{'bf16' if args.bf16 else 'fp32'}; "
+        f"{psutil.cpu_count()} CPUs, {platform.processor() or platform.machine()}\n"
+    )
+    print(
+        "| run | pairs/s | × TRL, same reference | wall time (s) | peak RSS / process (MiB) | peak GPU memory (MiB) "
+        "| × TRL | steps | exit |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for key, r in results.items():
+        base = results.get(BASELINE[key])
+        speed = f"{r['pairs_per_s'] / base['pairs_per_s']:.2f}" if base else "-"
+        gpu = f"{r['gpu_mib']:.0f}" if r["gpu_mib"] else "-"
+        memory = f"{r['gpu_mib'] / base['gpu_mib']:.2f}" if base and r["gpu_mib"] and base["gpu_mib"] else "-"
+        if base and not r["gpu_mib"]:
+            memory = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f} (RSS)"
+        print(
+            f"| {NAMES[key]} | {r['pairs_per_s']:.3f} | {speed} | {r['wall_s']:.1f} | {r['peak_rss_mib']:.0f} "
+            f"| {gpu} | {memory} | {r['steps']} | {r['exit']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

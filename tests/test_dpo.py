@@ -1,0 +1,481 @@
+"""scripts/train_dpo.py: the preference losses against hand computations, the reference without a
+second model (adapters off, or precomputed once and cached), one forward pass per pair, N
+processes and accumulation training the same model as one big batch, an exact resume, every
+validation pair evaluated once, the pair shapes users bring, and what is refused."""
+
+import json
+import math
+import os
+import random
+import shutil
+from argparse import Namespace
+
+import datasets
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.numpy import load_file
+
+from conftest import (
+    AUDIT_HOOK_DIR,
+    FILLER,
+    LM_WORDS,
+    REPO,
+    assert_fails_cleanly,
+    launch,
+    make_tiny_causal_lm,
+    refused_in_process,
+)
+from ddp_utils import SAMPLE_WEIGHT
+from ddp_utils.causal_lm import load_tokenizer
+from ddp_utils.dpo import PairLogps, Reference, pair_logps, preference_losses
+from ddp_utils.exact_loss import INPUT_TOKENS, _local_step_size
+from ddp_utils.oom_backoff import split_batch
+from ddp_utils.preference_data import PairCollator, detect_pair_format, tokenize_pairs
+
+TRAIN_DPO = REPO / "scripts" / "train_dpo.py"
+
+
+@pytest.fixture(autouse=True)
+def accelerate_state():
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # ddp_utils logs through Accelerate's logger
+
+
+@pytest.fixture(scope="module")
+def chat_lm(tmp_path_factory):
+    return make_tiny_causal_lm(tmp_path_factory.mktemp("tiny-chat-llama"), chat_template=True)
+
+
+def write_pairs(path, n, seed):
+    """n prompt/chosen/rejected string pairs with uneven answer lengths (1 to 12 words): the chosen
+    answers drawn from the first 20 words, the rejected from the next 20."""
+    rng = random.Random(seed)
+    with open(path, "w") as handle:
+        for _ in range(n):
+            prompt = " ".join(rng.choices(FILLER, k=rng.randint(2, 8)))
+            chosen = " ".join(rng.choices(LM_WORDS[:20], k=rng.randint(1, 12)))
+            rejected = " ".join(rng.choices(LM_WORDS[20:40], k=rng.randint(1, 12)))
+            handle.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """24 training pairs and 7 validation pairs (7: not a multiple of processes x eval batch)."""
+    directory = tmp_path_factory.mktemp("pairs")
+    return {
+        "train": write_pairs(directory / "train.jsonl", 24, 1),
+        "validation": write_pairs(directory / "v.jsonl", 7, 2),
+    }
+
+
+def dpo_args(model, data, output_dir, *extra):
+    return [
+        "--model_name_or_path", model, "--train_file", data["train"], "--validation_file", data["validation"],
+        "--block_size", 48, "--output_dir", output_dir, "--learning_rate", 1e-2, "--warmup_ratio", 0.0,
+        "--per_device_eval_batch_size", 2, "--checkpointing_steps", "no", "--report_to", "none", *extra,
+    ]  # fmt: skip
+
+
+def hyper(**overrides):
+    return Namespace(**{"loss_type": "sigmoid", "beta": 0.1, "simpo_gamma": 0.5, "sft_weight": 0.0, **overrides})
+
+
+# ----------------------------------------------------------------------------- the losses, by hand
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
+def test_each_loss_equals_its_hand_computation(loss_type):
+    """Known log-probs (summed over an answer's tokens) of two pairs, the formulas of the papers."""
+    policy = PairLogps(
+        torch.tensor([-4.0, -9.0]), torch.tensor([-6.0, -3.0]), torch.tensor([2.0, 3.0]), torch.tensor([4.0, 1.0])
+    )
+    reference = (torch.tensor([-5.0, -8.0]), torch.tensor([-5.5, -4.0]))
+    beta = 0.5
+    losses, chosen_reward, rejected_reward = preference_losses(policy, reference, hyper(loss_type=loss_type, beta=beta))
+    expected, rewards = [], []
+    for i in range(2):
+        pc, pr, nc, nr = (float(x[i]) for x in policy)
+        rc, rr = float(reference[0][i]), float(reference[1][i])
+        if loss_type == "sigmoid":  # DPO: -log sigmoid(beta * (chosen log-ratio - rejected log-ratio))
+            z = beta * ((pc - rc) - (pr - rr))
+            expected.append(math.log1p(math.exp(-z)))
+            rewards.append((beta * (pc - rc), beta * (pr - rr)))
+        elif loss_type == "ipo":  # IPO: the log-ratios per token, regressed onto 1 / (2 beta)
+            h = (pc - rc) / nc - (pr - rr) / nr
+            expected.append((h - 1 / (2 * beta)) ** 2)
+            rewards.append((beta * (pc - rc) / nc, beta * (pr - rr) / nr))
+        else:  # SimPO: no reference, mean log-probs, a margin gamma
+            z = beta * (pc / nc - pr / nr) - 0.5
+            expected.append(math.log1p(math.exp(-z)))
+            rewards.append((beta * pc / nc, beta * pr / nr))
+    np.testing.assert_allclose(losses.numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(chosen_reward.numpy(), [r[0] for r in rewards], rtol=1e-6)
+    np.testing.assert_allclose(rejected_reward.numpy(), [r[1] for r in rewards], rtol=1e-6)
+
+
+@pytest.mark.fast
+def test_the_sft_weight_adds_the_chosen_answers_mean_nll():
+    policy = PairLogps(torch.tensor([-4.0]), torch.tensor([-6.0]), torch.tensor([2.0]), torch.tensor([4.0]))
+    reference = (torch.tensor([-5.0]), torch.tensor([-5.5]))
+    plain, _, _ = preference_losses(policy, reference, hyper())
+    weighted, _, _ = preference_losses(policy, reference, hyper(sft_weight=0.3))
+    assert float(weighted - plain) == pytest.approx(0.3 * 4.0 / 2.0)
+
+
+# ----------------------------------------------------------------------------- the data
+
+
+def tokenize(tmp_path, records, tokenizer, kind_expected, block_size=48, chat_template=None, eval_tokens=0):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    raw = datasets.load_dataset("json", data_files={"train": str(path), "validation": str(path)})
+    fmt = detect_pair_format(raw, chat_template)
+    assert fmt.kind == kind_expected
+    return tokenize_pairs(raw, fmt, tokenizer, block_size, eval_tokens)
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.fast
+def test_every_pair_shape_gives_the_same_prompt_and_answers(chat_lm, tmp_path):
+    """TRL's strings and conversations, an implicit prompt, LLaMA-Factory's Alpaca and ShareGPT
+    pairs: the same pair in each shape becomes the same tokens, through the chat template."""
+    tokenizer = load_tokenizer(str(chat_lm))
+    question, good, bad = "the movie was", "w1 w2", "w3"
+    shapes = {
+        "strings_plain": {"prompt": question, "chosen": good, "rejected": bad},
+        "conversational": {
+            "prompt": [{"role": "user", "content": question}],
+            "chosen": [{"role": "assistant", "content": good}],
+            "rejected": [{"role": "assistant", "content": bad}],
+        },
+        "implicit": {
+            "chosen": [{"role": "user", "content": question}, {"role": "assistant", "content": good}],
+            "rejected": [{"role": "user", "content": question}, {"role": "assistant", "content": bad}],
+        },
+        "alpaca": {"instruction": question, "input": "", "chosen": good, "rejected": bad},
+        # UltraFeedback's: the prompt as text, and each answer as the whole conversation.
+        "strings_ultrafeedback": {
+            "prompt": question,
+            "chosen": [{"role": "user", "content": question}, {"role": "assistant", "content": good}],
+            "rejected": [{"role": "user", "content": question}, {"role": "assistant", "content": bad}],
+        },
+        "sharegpt": {
+            "conversations": [{"from": "human", "value": question}],
+            "chosen": {"from": "gpt", "value": good},
+            "rejected": {"from": "gpt", "value": bad},
+        },
+    }
+    prompt = ids(tokenizer, "<s> user: the movie was assistant:")
+    for kind, record in shapes.items():
+        tokenized, report = tokenize(tmp_path, [record], tokenizer, kind.split("_")[0])
+        row = tokenized["train"][0]
+        assert row["prompt_ids"] == prompt, kind
+        assert row["chosen_ids"] == ids(tokenizer, "w1 w2 </s>") and row["rejected_ids"] == ids(tokenizer, "w3 </s>"), (
+            kind
+        )
+        assert row["length"] == len(prompt) + 3 + 2 and report["train_pairs"] == 1, kind  # prompt, both answers
+
+
+@pytest.mark.fast
+def test_plain_strings_without_a_template_and_an_implicit_text_prompt(tiny_lm, tmp_path):
+    tokenizer = load_tokenizer(str(tiny_lm))  # no chat template: BOS + prompt + separator, answer + EOS
+    tokenized, _ = tokenize(
+        tmp_path, [{"prompt": "the movie", "chosen": "w1", "rejected": "w2 w3"}], tokenizer, "strings"
+    )
+    row = tokenized["train"][0]
+    assert row["prompt_ids"] == [tokenizer.bos_token_id, *ids(tokenizer, "the movie")]
+    assert row["chosen_ids"] == [*ids(tokenizer, "w1"), tokenizer.eos_token_id]
+    # An implicit prompt in texts: the shared words, the answers start at the first word that differs.
+    tokenized, _ = tokenize(
+        tmp_path, [{"chosen": "the movie was w1 w2", "rejected": "the movie was w3"}], tokenizer, "implicit"
+    )
+    row = tokenized["train"][0]
+    assert row["prompt_ids"] == [tokenizer.bos_token_id, *ids(tokenizer, "the movie was")]
+    assert row["chosen_ids"] == [*ids(tokenizer, "w1 w2"), tokenizer.eos_token_id]
+    assert row["rejected_ids"] == [*ids(tokenizer, "w3"), tokenizer.eos_token_id]
+
+
+@pytest.mark.fast
+def test_a_long_prompt_is_cut_the_same_on_both_sides_and_a_pair_that_cannot_fit_is_dropped(tiny_lm, tmp_path):
+    tokenizer = load_tokenizer(str(tiny_lm))
+    long_prompt = " ".join(FILLER * 3)  # 36 words
+    records = [
+        {"prompt": long_prompt, "chosen": "w1 w2 w3", "rejected": "w4"},
+        {"prompt": "the", "chosen": " ".join(LM_WORDS[:30]), "rejected": "w4"},  # 31 answer tokens > block 24
+        {"prompt": "the", "chosen": "w5", "rejected": "w6"},
+    ]
+    tokenized, report = tokenize(tmp_path, records, tokenizer, "strings", block_size=24)
+    assert report["train_pairs"] == 2 and report["train_pairs_dropped"] == 1 and report["train_pairs_prompt_cut"] == 1
+    first = tokenized["train"][0]
+    assert len(first["prompt_ids"]) + len(first["chosen_ids"]) == 24, "the longer side fills the block"
+    assert first["prompt_ids"][-1] == ids(tokenizer, FILLER[-1])[0], "cut from the start: the prompt's end is kept"
+    assert report["train_prompt_tokens_cut"] == 37 + 4 - 24
+    assert tokenized["train"]["index"] == [0, 1]
+
+
+REFUSED = {
+    "the_same_answer": (
+        {"prompt": "the", "chosen": "w1", "rejected": "w1"},
+        "chosen and rejected answers are the same",
+    ),
+    "an_empty_side": ({"prompt": "the", "chosen": "w1", "rejected": " "}, "is empty"),
+    "sft_data": ({"prompt": "the", "completion": "w1"}, "this looks like SFT data: scripts/train_sft.py takes it"),
+    "kto_data": ({"prompt": "the", "completion": "w1", "label": True}, "unpaired preference data (KTO)"),
+    "a_user_turn_in_an_answer": (
+        {
+            "chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "w1"}],
+            "rejected": [{"role": "user", "content": "b"}, {"role": "assistant", "content": "w1"}],
+        },
+        "its chosen answer holds a 'user' turn",
+    ),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_data_that_cannot_train_is_refused_with_the_fix(case, chat_lm, tmp_path):
+    record, expected = REFUSED[case]
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+    args = [
+        "--model_name_or_path",
+        chat_lm,
+        "--train_file",
+        path,
+        "--validation_file",
+        path,
+        "--output_dir",
+        tmp_path / "o",
+    ]
+    refused_in_process("train_dpo", args, expected)
+
+
+@pytest.mark.fast
+def test_an_attention_without_custom_masks_or_a_window_shorter_than_a_row_is_refused(tiny_lm):
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils import UsageError
+    from ddp_utils.dpo import check_pair_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    check_pair_attention(model, 48)  # sdpa, no window
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(UsageError, match="takes no custom attention mask.*attn_implementation='sdpa'"):
+        check_pair_attention(model, 48)
+    model.config._attn_implementation, model.config.sliding_window = "sdpa", 64
+    with pytest.raises(UsageError, match="window of 64 tokens.*can reach 96; give --block_size 32 or less"):
+        check_pair_attention(model, 48)
+    check_pair_attention(model, 32)
+
+
+@pytest.mark.fast
+def test_a_pair_is_one_row_whose_rejected_answer_sees_the_prompt_but_not_the_chosen_answer():
+    rows = [
+        {"prompt_ids": [1, 5], "chosen_ids": [7, 2], "rejected_ids": [8, 9, 2], "index": 3, SAMPLE_WEIGHT: 1.0},
+        {"prompt_ids": [1], "chosen_ids": [6, 2], "rejected_ids": [2], "index": 0, SAMPLE_WEIGHT: 0.0},  # a filler
+    ]
+    batch = PairCollator(pad_token_id=0)(rows)
+    assert batch["input_ids"].tolist() == [[1, 5, 7, 2, 8, 9, 2], [1, 6, 2, 2, 0, 0, 0]]
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 2, 3, 4], "the rejected answer follows the prompt"
+    # Position 1 (the prompt's last) predicts both answers' first token; the filler pair predicts nothing.
+    assert batch["chosen_targets"].tolist() == [[-100, 7, 2, -100, -100, -100, -100], [-100] * 7]
+    assert batch["rejected_targets"].tolist() == [[-100, 8, -100, -100, 9, 2, -100], [-100] * 7]
+    visible = batch["attention_mask"][0, 0].int().tolist()
+    assert visible[4] == [1, 1, 0, 0, 1, 0, 0], "the rejected answer's first token sees the prompt and itself"
+    assert visible[6] == [1, 1, 0, 0, 1, 1, 1]
+    assert visible[3] == [1, 1, 1, 1, 0, 0, 0], "the chosen answer is causal as usual"
+    assert batch["attention_mask"][1, 0, 5].int().tolist() == [0, 0, 0, 0, 0, 1, 0], "padding sees itself only"
+    assert batch[INPUT_TOKENS].tolist() == [7, 4] and batch["index"].tolist() == [3, 0]
+    weight, examples, tokens = _local_step_size([batch], SAMPLE_WEIGHT).tolist()
+    assert (weight, examples, tokens) == (1.0, 1.0, 7.0), "a pair counts once, with its row's tokens"
+    # --oom_backoff cuts a batch of pairs into pairs.
+    halves = split_batch(batch, 1)
+    assert [h["index"].tolist() for h in halves] == [[3], [0]] and halves[1]["attention_mask"].shape == (1, 1, 7, 7)
+
+
+# ----------------------------------------------------------------------------- one forward pass, the reference
+
+
+def direct_logps(model, prompt, answer):
+    """log p(answer | prompt), one sequence at a time, in float64."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + answer])).logits[0].double()
+    logp = F.log_softmax(logits, dim=-1)
+    return float(sum(logp[len(prompt) - 1 + i, token] for i, token in enumerate(answer)))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_one_forward_pass_scores_both_sides_and_the_adapters_off_reference_is_the_base_model(attention, tiny_lm):
+    """One row per pair, [prompt, chosen, rejected], padded, gives each answer's log-prob as the
+    model computes it alone after the prompt; with LoRA whose update is not zero, the reference
+    (adapters off) equals the base model's own log-probs, and the policy's differ from them."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_lm, attn_implementation=attention)
+    rows = [
+        {"prompt_ids": [1, 40, 41], "chosen_ids": [70, 71, 2], "rejected_ids": [80, 2], "index": 0},
+        {"prompt_ids": [1, 42], "chosen_ids": [72, 2], "rejected_ids": [81, 82, 83, 2], "index": 1},
+    ]
+    batch = PairCollator(pad_token_id=2)(rows)
+    expected_base = [
+        [direct_logps(base, r["prompt_ids"], r[f"{side}_ids"]) for r in rows] for side in ("chosen", "rejected")
+    ]
+    got = pair_logps(base, batch)
+    np.testing.assert_allclose([got.chosen.tolist(), got.rejected.tolist()], expected_base, rtol=1e-5)
+    assert got.chosen_tokens.tolist() == [3, 2] and got.rejected_tokens.tolist() == [2, 4]
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_lm), LoraConfig(r=4, target_modules="all-linear"))
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.5)  # an adapter that has learned something
+    reference = Reference("adapters off", adapters=model)(model, batch)
+    np.testing.assert_allclose([reference[0].tolist(), reference[1].tolist()], expected_base, rtol=1e-5)
+    policy = pair_logps(model, batch)
+    assert not np.allclose(policy.chosen.detach().numpy(), expected_base[0], rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------- launched runs
+
+# The same DPO training three ways, global batch 4 (B = 2): 24 pairs, 2 epochs, 12 optimizer steps.
+LAYOUTS = {
+    "one_process_batch_2B": (1, ["--per_device_train_batch_size", 4]),
+    "two_processes_batch_B": (2, ["--per_device_train_batch_size", 2]),
+    "one_process_batch_B_accumulating_2": (1, ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]),
+}
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(tiny_lm, pairs, tmp_path_factory):
+    base, runs = tmp_path_factory.mktemp("dpo-runs"), {}
+    for name, (num_processes, extra) in LAYOUTS.items():
+        output_dir = base / name
+        result = launch(
+            TRAIN_DPO,
+            *dpo_args(tiny_lm, pairs, output_dir, "--num_train_epochs", 2, *extra),
+            num_processes=num_processes,
+        )
+        assert result.returncode == 0, result.output[-4000:]
+        runs[name] = {
+            "dir": output_dir,
+            "output": result.output,
+            "metrics": json.loads((output_dir / "metrics.json").read_text()),
+        }
+    return runs
+
+
+def test_two_processes_and_accumulation_train_the_same_model_as_one_big_batch(dpo_runs, tiny_lm):
+    reference = load_file(str(dpo_runs["one_process_batch_2B"]["dir"] / "model.safetensors"))
+    initial = load_file(str(tiny_lm / "model.safetensors"))
+    assert sum(not np.allclose(initial[k], reference[k]) for k in initial) > len(initial) // 2, "training barely moved"
+    for name in ("two_processes_batch_B", "one_process_batch_B_accumulating_2"):
+        other = load_file(str(dpo_runs[name]["dir"] / "model.safetensors"))
+        for key in reference:
+            np.testing.assert_allclose(other[key], reference[key], rtol=1e-4, atol=1e-4, err_msg=f"{name}: {key}")
+    for run in dpo_runs.values():
+        metrics = run["metrics"]
+        assert metrics["optimizer_steps"] == 12 and metrics["train_pairs_seen"] == 48, "each pair once per epoch"
+        assert metrics["eval_pairs"] == metrics["zero_shot_pairs"] == 7, "each validation pair evaluated once"
+        assert metrics["reference"] == "precomputed" and metrics["eval_reward_accuracy"] > 0.5
+        assert metrics["zero_shot_reward_accuracy"] == 0 and metrics["zero_shot_loss"] == pytest.approx(math.log(2))
+
+
+def test_the_precomputed_reference_is_the_base_models_own_log_probs_and_a_second_launch_reuses_it(
+    dpo_runs, tiny_lm, pairs
+):
+    """The cached table holds, for every training and validation pair, the starting model's
+    log-probs of both answers; the later launches found it instead of computing it again."""
+    from transformers import AutoModelForCausalLM
+
+    outputs = [run["output"] for run in dpo_runs.values()]
+    assert "computed once (cached in" in outputs[0]
+    assert all("precomputed by an earlier launch" in output for output in outputs[1:])
+    cache = os.path.join(os.environ["HF_HOME"], "datasets", "reference_logps")
+    assert len(os.listdir(cache)) == 1, "the three layouts share one key: the same data, model and precision"
+    tables = np.load(os.path.join(cache, os.listdir(cache)[0]))
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    tokenizer = load_tokenizer(str(tiny_lm))
+    raw = datasets.load_dataset("json", data_files={k: str(v) for k, v in pairs.items()})
+    tokenized, _ = tokenize_pairs(raw, detect_pair_format(raw, None), tokenizer, 48)
+    for split in ("train", "validation"):
+        assert tables[split].shape == (len(tokenized[split]), 2)
+        for row in tokenized[split].select(range(0, len(tokenized[split]), 3)):
+            expected = [direct_logps(model, row["prompt_ids"], row[f"{side}_ids"]) for side in ("chosen", "rejected")]
+            np.testing.assert_allclose(tables[split][row["index"]], expected, rtol=1e-4)
+
+
+def test_lora_trains_the_same_on_one_and_two_processes_with_the_adapters_off_reference(tiny_lm, pairs, tmp_path):
+    weights = {}
+    for name, (num_processes, extra) in list(LAYOUTS.items())[:2]:
+        output_dir = tmp_path / name
+        args = dpo_args(
+            tiny_lm,
+            pairs,
+            output_dir,
+            "--lora_r",
+            4,
+            "--lora_dropout",
+            0,
+            "--max_train_steps",
+            6,
+            "--skip_zero_shot",
+            *extra,
+        )
+        result = launch(TRAIN_DPO, *args, num_processes=num_processes)
+        assert result.returncode == 0, result.output[-4000:]
+        assert "LoRA adapters turned off" in result.output
+        weights[name] = load_file(str(output_dir / "adapter_model.safetensors"))
+        assert json.loads((output_dir / "metrics.json").read_text())["reference"] == "adapters off"
+    one, two = weights.values()
+    for key in one:
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_a_run_preempted_mid_epoch_resumes_bit_for_bit(dpo_runs, tiny_lm, pairs, tmp_path):
+    output_dir = tmp_path / "run"
+    args = dpo_args(tiny_lm, pairs, output_dir, "--num_train_epochs", 2, *LAYOUTS["two_processes_batch_B"][1])
+    args[args.index("--checkpointing_steps") + 1] = 3
+    hooks = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}
+    # SIGTERM while the checkpoint of step 3 is written: the ranks save after step 4 and exit.
+    stopped = launch(TRAIN_DPO, *args, num_processes=2, env={**hooks, "SIGTERM_ON_WRITE": ".tmp-checkpoint-3/"})
+    assert stopped.returncode != 0 and "checkpoint-4" in os.listdir(output_dir), stopped.output[-3000:]
+    # Without the cache, the resumed run computes the reference again: from the starting model, never the checkpoint.
+    shutil.rmtree(os.path.join(os.environ["HF_HOME"], "datasets", "reference_logps"))
+    resumed = launch(TRAIN_DPO, *args, "--resume_from_checkpoint", "latest", num_processes=2)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "computed once (cached in" in resumed.output
+    reference = load_file(str(dpo_runs["two_processes_batch_B"]["dir"] / "model.safetensors"))
+    ours = load_file(str(output_dir / "model.safetensors"))
+    assert [k for k in reference if not np.array_equal(ours[k], reference[k])] == [], "not bit for bit"
+
+
+@pytest.mark.parametrize("loss", [["--loss_type", "ipo"], ["--loss_type", "simpo", "--sft_weight", "0.5"]])
+def test_ipo_and_simpo_train_and_evaluate(loss, tiny_lm, pairs, tmp_path):
+    result = launch(
+        TRAIN_DPO, *dpo_args(tiny_lm, pairs, tmp_path / "o", "--max_train_steps", 4, *loss), num_processes=1
+    )
+    assert result.returncode == 0, result.output[-4000:]
+    metrics = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    assert metrics["reference"] == ("none" if "simpo" in loss else "precomputed") and metrics["eval_pairs"] == 7
+    assert math.isfinite(metrics["eval_loss"]) and metrics["eval_reward_accuracy"] > 0.5
+
+
+def test_bad_pairs_fail_fast_on_every_rank(tiny_lm, tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": "the", "chosen": f"w{i}", "rejected": f"w{i}"}) + "\n" for i in range(4))
+    )
+    output_dir = tmp_path / "out"
+    args = dpo_args(tiny_lm, {"train": path, "validation": path}, output_dir)
+    result = launch(TRAIN_DPO, *args, num_processes=2, timeout=120)
+    assert_fails_cleanly(result, "train record 0: its chosen and rejected answers are the same", output_dir)
