@@ -69,7 +69,7 @@ def pair_logps(model, batch: dict) -> PairLogps:
     def side(targets):  # per row: the summed log-probs of this side's tokens, and their count
         wanted = targets[keep]
         real = wanted != IGNORE_INDEX
-        token_logps = (logits.gather(1, wanted.clamp(min=0)[:, None])[:, 0] - normaliser) * real
+        token_logps = (torch.take_along_dim(logits, wanted.clamp(min=0)[:, None], dim=1)[:, 0] - normaliser) * real
         zeros = torch.zeros(len(targets), device=logits.device)
         return zeros.index_add(0, rows, token_logps), zeros.index_add(0, rows, real.float())
 

@@ -4,6 +4,7 @@ that runs scripts through the real `accelerate launch` with 1 or 2 CPU processes
 from __future__ import annotations
 
 import csv
+import json
 import os
 import random
 import socket
@@ -147,7 +148,7 @@ def refused_in_process(script: str, args, expected: str) -> None:
     with pytest.raises(UsageError) as refused:
         args = module.parse_args([str(a) for a in args])
         data = module.prepare_data(args)
-        if script in ("train_sft", "train_clm"):
+        if script in ("train_sft", "train_dpo", "train_clm"):
             import ddp_utils
 
             ddp_utils.load_causal_lm(args, data[2], data[1])
@@ -462,3 +463,34 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def write_pairs(path, n, seed):
+    """n prompt/chosen/rejected string pairs with uneven answer lengths (1 to 12 words): the chosen
+    answers drawn from the first 20 words, the rejected from the next 20."""
+    rng = random.Random(seed)
+    with open(path, "w") as handle:
+        for _ in range(n):
+            prompt = " ".join(rng.choices(FILLER, k=rng.randint(2, 8)))
+            chosen = " ".join(rng.choices(LM_WORDS[:20], k=rng.randint(1, 12)))
+            rejected = " ".join(rng.choices(LM_WORDS[20:40], k=rng.randint(1, 12)))
+            handle.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def pairs(tmp_path_factory):
+    """24 training pairs and 7 validation pairs (7: not a multiple of processes x eval batch)."""
+    directory = tmp_path_factory.mktemp("pairs")
+    return {
+        "train": write_pairs(directory / "train.jsonl", 24, 1),
+        "validation": write_pairs(directory / "v.jsonl", 7, 2),
+    }
+
+
+def dpo_args(model, data, output_dir, *extra):
+    return [
+        "--model_name_or_path", model, "--train_file", data["train"], "--validation_file", data["validation"],
+        "--block_size", 48, "--output_dir", output_dir, "--learning_rate", 1e-2, "--warmup_ratio", 0.0,
+        "--per_device_eval_batch_size", 2, "--checkpointing_steps", "no", "--report_to", "none", *extra,
+    ]  # fmt: skip
