@@ -111,7 +111,7 @@ def _alpaca_prompt(record: dict) -> str:
 
 
 def _holds_prompt_turns(answer) -> bool:
-    """Whether an answer is a conversation that starts with a turn that is not the assistant's."""
+    """Whether an answer is a conversation that holds a turn that is not the assistant's (its prompt)."""
     return isinstance(answer, list) and any(isinstance(t, dict) and t.get("role") != "assistant" for t in answer)
 
 
