@@ -20,6 +20,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from .causal_lm import IGNORE_INDEX
+from .dataloaders import make_eval_dataloader
 from .errors import UsageError
 from .evaluation import gather_for_eval
 
@@ -180,8 +181,6 @@ def make_reference(accelerator: Accelerator, args, model, tokenized, collate_fn,
         logger.info("reference: the model with its LoRA adapters turned off (no second copy in memory)")
         # Without the compiled wrapper: unwrapping with it would rewire the compiled module around the inner one.
         return Reference("adapters off", adapters=accelerator.unwrap_model(model, keep_torch_compile=False))
-    from .dataloaders import make_eval_dataloader
-
     key = reference_cache_key(args, config, tokenized, accelerator, model)
     path = None
     if key:
