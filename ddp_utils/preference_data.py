@@ -18,7 +18,7 @@ from .chat import text_content
 from .dataloaders import SAMPLE_WEIGHT
 from .errors import UsageError
 from .exact_loss import INPUT_TOKENS
-from .sft_data import PROMPT_SEPARATOR, SHAREGPT_ROLES, alpaca_prompt, settle_chat_template
+from .sft_data import PROMPT_SEPARATOR, alpaca_prompt, settle_chat_template, sharegpt_turns
 
 logger = get_logger(__name__)
 
@@ -62,10 +62,13 @@ class PairFormat:
             if isinstance(chosen, str) and isinstance(rejected, str) and len(prompt) == 1:
                 prompt = prompt[0]["content"]  # a plain pair: rendered as the strings shape is
         elif self.kind == "sharegpt":
-            prompt = _from_sharegpt(record["conversations"], where)
+            fix = f"the formats: {PAIR_FORMATS}"
+            prompt = sharegpt_turns(record["conversations"], where, "preference", fix)
             if record.get("system"):
                 prompt.insert(0, {"role": "system", "content": record["system"]})
-            chosen, rejected = (_from_sharegpt([record[side]], where) for side in ("chosen", "rejected"))
+            chosen, rejected = (
+                sharegpt_turns([record[side]], where, "preference", fix) for side in ("chosen", "rejected")
+            )
         else:
             prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
             if _holds_prompt_turns(chosen) and _holds_prompt_turns(rejected):
@@ -121,15 +124,6 @@ def _shared_length(first, second) -> int:
     while shared < min(len(first), len(second)) and first[shared] == second[shared]:
         shared += 1
     return shared
-
-
-def _from_sharegpt(turns, where: str) -> list[dict]:
-    if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t and "value" in t for t in turns):
-        raise UsageError(f"{where}: ShareGPT turns must be {{'from': ..., 'value': ...}}, got {str(turns)[:120]!r}")
-    unknown = sorted({t["from"] for t in turns} - set(SHAREGPT_ROLES))
-    if unknown:
-        raise UsageError(f"{where}: ShareGPT role {unknown[0]!r} is not one of {sorted(SHAREGPT_ROLES)}; map it")
-    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
 
 
 def _split_implicit(chosen, rejected, where: str):

@@ -45,7 +45,8 @@ class SFTFormat:
         if self.kind in ("messages", "sharegpt"):
             turns = record[self.columns[0]]
             if self.kind == "sharegpt":
-                turns = _from_sharegpt(turns, index, split)
+                fix = f"the formats: {FORMATS}; name the right column with --messages_column"
+                turns = sharegpt_turns(turns, f"{split} record {index}", "SFT", fix)
             check_messages(turns, index, split)
             return text_content(turns, index, split)
         prompt, completion = self.prompt_and_completion(record)
@@ -139,22 +140,23 @@ def refuse_other_data(train) -> None:
             )
 
 
-def _from_sharegpt(turns, index: int, split: str) -> list[dict]:
-    """ShareGPT turns ({"from": "human"|"gpt"|"system"|..., "value": ...}) as role/content turns."""
+def sharegpt_turns(turns, where: str, formats: str, fix: str) -> list[dict]:
+    """ShareGPT turns ({"from": "human"|"gpt"|"system"|..., "value": ...}) as role/content turns.
+    Anything else is a UsageError naming `where` (the record), the script's `formats` ("SFT") and
+    the `fix`; a role not in SHAREGPT_ROLES is one too."""
 
     def fits(turn):
         return isinstance(turn, dict) and turn.get("from") is not None and turn.get("value") is not None
 
     if not isinstance(turns, list) or not all(fits(turn) for turn in turns):
         raise UsageError(
-            f"{split} record {index} fits none of the SFT formats: its conversation is not a list of "
-            f"{{'from': ..., 'value': ...}} turns (ShareGPT), got {str(turns)[:120]!r}; the formats: {FORMATS}; "
-            "name the right column with --messages_column"
+            f"{where} fits none of the {formats} formats: its conversation is not a list of "
+            f"{{'from': ..., 'value': ...}} turns (ShareGPT), got {str(turns)[:120]!r}; {fix}"
         )
     unknown = sorted({t["from"] for t in turns} - set(SHAREGPT_ROLES))
     if unknown:
         raise UsageError(
-            f"{split} record {index}: ShareGPT role {unknown[0]!r} is not one of {sorted(SHAREGPT_ROLES)}; "
+            f"{where}: ShareGPT role {unknown[0]!r} is not one of {sorted(SHAREGPT_ROLES)}; "
             "map it in your data, or convert the records to messages"
         )
     return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
