@@ -235,6 +235,19 @@ def test_each_script_shows_its_whole_training_step(script):
 
 
 @pytest.mark.fast
+def test_the_step_that_docs_design_md_quotes_is_still_the_scripts_own_code():
+    """The excerpt of scripts/train.py in docs/design.md: each of its lines is a line of the script,
+    in the same order (the script may hold more between them), so the copy cannot drift."""
+    design = (REPO / "docs" / "design.md").read_text()
+    excerpt = design.split("line for line (lines left out between):\n\n```python\n", 1)[1].split("```", 1)[0]
+    script = [line.strip() for line in SCRIPTS["train"].read_text().splitlines()]
+    position = 0
+    for line in (line.strip() for line in excerpt.splitlines() if line.strip()):
+        assert line in script[position:], f"docs/design.md quotes a line scripts/train.py no longer has: {line}"
+        position = script.index(line, position) + 1
+
+
+@pytest.mark.fast
 def test_the_leaf_modules_stay_leaves_and_the_task_helpers_do_not_import_the_start_of_a_run():
     """errors.py and sharded.py import nothing of ddp_utils; the data, model and task helpers never
     import start.py, process_exit.py or launch_guard.py (the start and end of a process)."""
