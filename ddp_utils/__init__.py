@@ -10,7 +10,8 @@ What the scripts use, in the order they use it, and the module that holds it:
 - data:     `load_on_main_first` (ranks.py), `read_data_files`, `check_splits` (raw_data.py),
             `make_train_dataloader`, `make_eval_dataloader` (the training order; dataloaders.py),
             `load_metric` (evaluation.py)
-- model:    `load_model_config`, `fetch_weights` (hub.py), `train_in_fp32`, `make_adamw`,
+- model:    `load_model_config`, `fetch_weights` (hub.py), `load_pretrained` (under FSDP only rank 0
+            reads the weights; fsdp.py), `train_in_fp32`, `make_adamw`,
             `make_lr_scheduler` (optimizer.py); causal LMs: `load_config_and_tokenizer`,
             `load_causal_lm` (causal_lm.py), `check_merge_lora`, `save_with_merged` (lora.py)
 - the run:  `StepPlan` (steps, epochs, progress; step_plan.py), `start_training` (output directory,
@@ -44,6 +45,7 @@ from .dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader, mak
 from .errors import UsageError
 from .evaluation import gather_for_eval, load_metric
 from .exact_loss import count_step, global_mean_loss
+from .fsdp import load_pretrained
 from .hub import fetch_weights, load_model_config
 from .lora import check_merge_lora, save_with_merged
 from .oom_backoff import OOMBackoff
@@ -78,6 +80,7 @@ __all__ = [
     "describe_optimizer",
     "evaluate_classification",
     "fetch_weights",
+    "load_pretrained",
     "gather_for_eval",
     "global_mean_loss",
     "is_sharded",

@@ -23,6 +23,7 @@ from .dataloaders import SAMPLE_WEIGHT
 from .errors import UsageError
 from .evaluation import gather_for_eval
 from .exact_loss import INPUT_TOKENS
+from .fsdp import load_pretrained
 from .hub import fetch_weights, load_model_config
 from .ranks import refuse_together
 
@@ -200,12 +201,13 @@ def load_tokenizer(model_name_or_path: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(args, config, tokenizer):
-    """The model, with gradient checkpointing and LoRA (`lora.add_lora`) if asked. Every rank calls
-    it at the same time: under DeepSpeed ZeRO-3 building a model is a collective."""
+    """All ranks call this, at the same time: under DeepSpeed ZeRO-3 building a model is a collective, and
+    under FSDP only the main process reads the weights (`load_pretrained`). The model, with gradient
+    checkpointing and LoRA (`lora.add_lora`) if asked."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
+    model = load_pretrained(  # under FSDP, only rank 0 reads the weights
+        AutoModelForCausalLM, args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:

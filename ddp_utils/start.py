@@ -20,6 +20,7 @@ from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 from .args import accumulation_for
 from .checkpoint import Checkpointer
 from .errors import UsageError
+from .fsdp import fit_fsdp2_wrapping
 from .launch_guard import check_launch, world_size_from_launcher
 from .oom_backoff import OOMBackoff
 from .optimizer import describe_optimizer
@@ -81,14 +82,15 @@ def make_accelerator(
     )
     check_launch(accelerator)
     sharded = [name for name in SHARDED_TYPES if os.environ.get(f"ACCELERATE_USE_{name}", "").lower() in ("1", "true")]
-    if sharded and not _gpu_visible():
+    if sharded and accelerator.distributed_type.value != sharded[0]:
         # Measured with Accelerate 1.15: with cpu=True it quietly trains plain DDP (every rank a full
-        # copy, the plugin ignored); without it, every process runs alone. Checked once the process
-        # group exists, so that every rank reports it.
+        # copy, the plugin ignored); without it, every process runs alone. So the test is what Accelerate
+        # turned on, not what the config asked. Checked once the process group exists, so every rank reports it.
         raise UsageError(
             f"this launch config asks for {sharded[0]}, which Accelerate runs on GPUs only, and no GPU is visible; "
             "on this machine use accelerate_configs/cpu_2proc.yaml"
         )
+    fit_fsdp2_wrapping(accelerator)  # Accelerate's FSDP2 preparation fails on BERT-like models without it
     if accelerator.state.deepspeed_plugin is not None:
         check_deepspeed_config(
             accelerator.state.deepspeed_plugin.deepspeed_config, gradient_accumulation_steps, max_grad_norm

@@ -122,8 +122,12 @@ def main():
 
     tokenized, tokenizer, config = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
     # Every rank builds the model at the same time: under DeepSpeed ZeRO-3 building it is a collective.
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model_name_or_path, config=config, ignore_mismatched_sizes=True, trust_remote_code=args.trust_remote_code
+    model = ddp_utils.load_pretrained(  # AutoModelForSequenceClassification.from_pretrained; under FSDP, rank 0 reads
+        AutoModelForSequenceClassification,
+        args.model_name_or_path,
+        config=config,
+        ignore_mismatched_sizes=True,
+        trust_remote_code=args.trust_remote_code,
     )  # a new head
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     multiple = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8

@@ -136,7 +136,8 @@ def main():
     if args.demo_model:  # random weights: the same on every rank (same seed)
         model = AutoModelForImageClassification.from_config(config)
     else:
-        model = AutoModelForImageClassification.from_pretrained(
+        model = ddp_utils.load_pretrained(  # under FSDP, only rank 0 reads the weights
+            AutoModelForImageClassification,
             args.model_name_or_path,
             config=config,
             ignore_mismatched_sizes=True,

@@ -1,0 +1,173 @@
+"""Accelerate's FSDP2 path, made to work on every model the scripts take, and its RAM-efficient
+loading made true. Measured with Accelerate 1.15, transformers 5.23 and torch 2.13 on CPU processes
+(tests/launched/fsdp_on_cpu.py), each a silent fault or a crash on a GPU too:
+
+- Per-layer wrapping shards one unit per class of the model's `_no_split_modules`, and Accelerate
+  then shards the input embeddings as a unit of their own. Where a wrapped class already holds them
+  (BERT's `BertEmbeddings`, RoBERTa's, ...) `fully_shard` fails inside torch ("Invariant
+  encountered: value was None"). `fit_fsdp2_wrapping` leaves such a class out.
+- Accelerate maps the optimizer's parameters onto the sharded ones by their storage address. A
+  parameter on the meta device has address 0, so on the ranks that do not read the weights two
+  such parameters (a new classification head's weight and bias) became one in the optimizer: one
+  trained twice per step and the other never, and the checkpoint save then failed on those ranks
+  (KeyError in torch's `get_optimizer_state_dict`) while rank 0 waited in it. Each meta parameter
+  now gets an address of its own (`_distinct_addresses`).
+- Accelerate asks the model for its input embeddings; a ResNet raises NotImplementedError instead.
+- `fsdp_cpu_ram_efficient_loading` (our config's default) promises that only rank 0 reads the
+  weights; transformers 5 reads them on every rank and leaves only the missing ones on the meta
+  device. `load_pretrained` builds the model empty on the other ranks; Accelerate's
+  preparation then sends them rank 0's weights. Not for a model with persistent buffers
+  (BatchNorm's statistics): Accelerate's sending fails on them ("'Tensor' object has no attribute
+  'device_mesh'"), so every rank reads such a model, and the option is turned off for it.
+
+`make_accelerator` calls `fit_fsdp2_wrapping` once; the scripts load their model with `load_pretrained`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from accelerate.logging import get_logger
+from accelerate.state import PartialState
+
+logger = get_logger(__name__)
+
+
+def fit_fsdp2_wrapping(accelerator) -> None:
+    """Under FSDP2 with per-layer wrapping, leave out of the wrapped classes any that holds the input
+    embeddings: the embeddings become their own unit (as Accelerate shards them anyway), and the rest
+    of that module joins the root's. The computation is the same; only the grouping of the all-gathers
+    changes. Any rank may call it; every rank does. No communication."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)  # the state has no such attribute outside FSDP
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+        return
+    set_policy = plugin.set_auto_wrap_policy
+
+    # Accelerate's FSDP2 preparation calls this first, with the model, before it maps the optimizer's
+    # parameters: the one place to act before sharding without a line in every script.
+    def set_auto_wrap_policy(model):
+        _distinct_addresses(model)
+        _answer_input_embeddings(model)
+        if plugin.cpu_ram_efficient_loading and persistent_buffers(model):
+            logger.info(
+                "FSDP2: this model has persistent buffers (BatchNorm statistics), which Accelerate's RAM-efficient "
+                "loading cannot send: every rank read the weights"
+            )
+            plugin.cpu_ram_efficient_loading = False
+        names = plugin.transformer_cls_names_to_wrap
+        names = list(names if names is not None else getattr(model, "_no_split_modules", None) or [])
+        holders = classes_holding_input_embeddings(model)
+        if names and holders & set(names):
+            logger.info(
+                f"FSDP2: {', '.join(sorted(holders & set(names)))} not sharded as a unit: it holds the input "
+                "embeddings, which Accelerate shards on their own"
+            )
+            plugin.transformer_cls_names_to_wrap = [name for name in names if name not in holders]
+        set_policy(model)
+
+    plugin.set_auto_wrap_policy = set_auto_wrap_policy
+
+
+def classes_holding_input_embeddings(model) -> set[str]:
+    """The class names of the modules above the model's input embeddings (not the model itself)."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # models without token embeddings (vision)
+        return set()
+    if embeddings is None:
+        return set()
+    holders = set()
+    for name, module in model.named_modules():
+        if name and module is not embeddings and any(child is embeddings for child in module.modules()):
+            holders.add(type(module).__name__)
+    return holders
+
+
+def _answer_input_embeddings(model) -> None:
+    """Accelerate asks every model for its input embeddings while sharding it; a model without any
+    (ResNet: "get_input_embeddings not auto-handled") raises instead of answering None."""
+    try:
+        model.get_input_embeddings()
+    except NotImplementedError:
+        model.get_input_embeddings = lambda: None
+
+
+def _distinct_addresses(model) -> None:
+    """Give each meta-device parameter of `model` an address of its own, as Accelerate reads it (it
+    sets `data_ptr` on tensors the same way) to map the optimizer's parameters onto the sharded ones:
+    a meta tensor's is 0 for all. The parameters are replaced by the sharded ones right after."""
+    for parameter in model.parameters():
+        if parameter.is_meta:
+            parameter.data_ptr = lambda unique=id(parameter): unique
+
+
+def ram_efficient_loading() -> bool:
+    """Whether the launch asks for FSDP with `fsdp_cpu_ram_efficient_loading` (only rank 0 reads
+    the weights; Accelerate sends them to the others while sharding)."""
+
+    def flag(name):
+        return os.environ.get(name, "false").lower() in ("1", "true")
+
+    return flag("ACCELERATE_USE_FSDP") and flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
+def load_pretrained(model_class, model_name_or_path: str, **kwargs):
+    """All ranks call this (under FSDP's RAM-efficient loading it broadcasts once): the model of
+    `model_class.from_pretrained(model_name_or_path, **kwargs)`.
+
+    Under `fsdp_cpu_ram_efficient_loading`, only the main process reads the weights: the other
+    ranks build the model from its config with empty (meta) weights in the main process's dtypes,
+    and receive the weights while Accelerate shards the model in `prepare`. Each rank then holds
+    one copy's worth of CPU memory in all, not one copy each. Elsewhere, every rank loads it; so
+    does every rank of a model with persistent buffers (BatchNorm's statistics), which Accelerate
+    1.15 cannot send (see `fit_fsdp2_wrapping`)."""
+    state = PartialState()
+    if not ram_efficient_loading() or state.num_processes == 1:
+        return model_class.from_pretrained(model_name_or_path, **kwargs)
+    from accelerate import init_empty_weights
+    from accelerate.utils import broadcast_object_list
+
+    main = [None]
+    if state.is_main_process:
+        model = model_class.from_pretrained(model_name_or_path, **kwargs)
+        main = [{"dtypes": {name: value.dtype for name, value in model.state_dict().items()}}]
+        main[0]["every_rank_reads"] = bool(persistent_buffers(model))
+    broadcast_object_list(main, from_process=0)  # the broadcast of the weights needs the same dtypes everywhere
+    if state.is_main_process:
+        return model
+    if main[0]["every_rank_reads"]:
+        with _environment(FSDP_CPU_RAM_EFFICIENT_LOADING="false"):  # else transformers leaves a new head on meta
+            return model_class.from_pretrained(model_name_or_path, **kwargs)
+    config = kwargs.get("config")
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code"))
+    with init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies, ...)
+        model = model_class.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
+    dtypes = main[0]["dtypes"]
+    for name, value in model.state_dict(keep_vars=True).items():
+        if name in dtypes and value.dtype != dtypes[name]:
+            value.data = value.data.to(dtypes[name])
+    return model
+
+
+def persistent_buffers(model) -> list[str]:
+    """The names of the buffers that `model.state_dict()` holds (BatchNorm's running statistics)."""
+    saved = set(model.state_dict())
+    return [name for name, _ in model.named_buffers() if name in saved]
+
+
+@contextlib.contextmanager
+def _environment(**values):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
