@@ -1,7 +1,8 @@
 """LoRA through `peft`: which modules get adapters (all linear layers by default, or the last N
 layers only, so the backward pass stops below them), with errors that name the fix; every rank
 calls `add_lora` on its own model, before `accelerator.prepare`. At the end, `save_with_merged`
-saves the adapter and, with --merge_lora, the merged model (a collective, like `save_model`)."""
+saves the adapter and, with --merge_lora, the merged model (a collective, like `save_model`; under
+FSDP a CPU copy is merged on the main process)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from accelerate.logging import get_logger
 
 from .errors import UsageError
-from .output import save_model
+from .output import agree_on_write, save_model, saved_dtype, write_pretrained
 from .sharded import is_sharded
 
 logger = get_logger(__name__)
@@ -91,13 +92,12 @@ def add_lora(model, args):
 
 
 def check_merge_lora(accelerator, args) -> None:
-    """Refuse --merge_lora where the model is sharded (FSDP, DeepSpeed): merging needs the whole
-    model on one process. Every rank calls it before any work; no communication."""
-    if getattr(args, "merge_lora", False) and is_sharded(accelerator):
+    """Refuse --merge_lora under DeepSpeed, where the merge has never run. Every rank calls it before
+    any work; no communication."""
+    if getattr(args, "merge_lora", False) and accelerator.distributed_type.value == "DEEPSPEED":
         raise UsageError(
-            "--merge_lora needs the whole model on one process, not shards (FSDP/DeepSpeed); train without "
-            "it, then merge: PeftModel.from_pretrained(base_model, output_dir).merge_and_unload()"
-            ".save_pretrained(...)"
+            "--merge_lora has never run under DeepSpeed; train without it, then merge: "
+            "PeftModel.from_pretrained(base_model, output_dir).merge_and_unload().save_pretrained(...)"
         )
 
 
@@ -105,8 +105,40 @@ def save_with_merged(accelerator, model, args, tokenizer) -> None:
     """All ranks call this (`save_model` is a collective under FSDP and DeepSpeed): save the model
     to --output_dir, with LoRA as its adapter; with --merge_lora also the adapter merged into the
     base weights in `merged/`, a full model that loads with AutoModelForCausalLM alone, without
-    peft. The merge changes the model in place: it computes the same afterwards, without LoRA layers."""
+    peft. Unsharded, the merge changes the model in place: it computes the same afterwards, without
+    LoRA layers. Under FSDP the main process merges a CPU copy built from the gathered weights."""
     save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)
-    if args.merge_lora:  # check_merge_lora refused it at start where the weights are sharded
+    if not args.merge_lora:
+        return
+    merged_dir = os.path.join(args.output_dir, "merged")
+    if not is_sharded(accelerator):
         merged = accelerator.unwrap_model(model).merge_and_unload()
-        save_model(accelerator, merged, os.path.join(args.output_dir, "merged"), tokenizer, dtype=args.save_dtype)
+        save_model(accelerator, merged, merged_dir, tokenizer, dtype=args.save_dtype)
+        return
+    state_dict = accelerator.get_state_dict(model)  # all ranks: the whole model, gathered on the main process
+    error = None
+    if accelerator.is_main_process:
+        try:
+            merged = merged_copy(accelerator.unwrap_model(model), state_dict)
+            write_pretrained(
+                merged, merged.state_dict(), merged_dir, tokenizer, dtype=saved_dtype(merged, args.save_dtype)
+            )
+        except Exception as exc:  # reported on every rank by agree_on_write
+            error = exc
+    agree_on_write(accelerator, error, f"the merged model to {merged_dir!r}", args.output_dir)
+
+
+def merged_copy(peft_model, state_dict: dict):
+    """A CPU copy of `peft_model` holding `state_dict` (its whole weights, gathered from the shards),
+    with the adapter merged into the base weights: built with empty weights, then given those. One
+    process calls it; no communication."""
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = peft_model.get_base_model()
+    with init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies)
+        copy = get_peft_model(AutoModelForCausalLM.from_config(base.config), peft_model.peft_config["default"])
+    copy.load_state_dict(state_dict, strict=True, assign=True)
+    copy.get_base_model().tie_weights()  # assign=True unties shared weights; the config says which are tied
+    return copy.merge_and_unload()
