@@ -22,7 +22,7 @@ original_init = Accelerator.__init__
 
 def init_with_a_scaler(self, *args, **kwargs):
     original_init(self, *args, **kwargs)
-    if self.state.mixed_precision == "fp16" and self.distributed_type.value in ("NO", "MULTI_CPU", "MULTI_GPU"):
+    if self.state.mixed_precision == "fp16" and self.distributed_type.value in ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP"):
         self.native_amp = True  # autocast to fp16 around the forward pass, and unscale before clipping
         self.scaler = torch.amp.GradScaler(
             self.device.type,

@@ -1,0 +1,325 @@
+"""FSDP2 as accelerate_configs/fsdp.yaml asks for it, on 2 CPU processes over gloo, every script
+unchanged (tests/launched/fsdp_on_cpu.py: Accelerate's own FSDP2 path, turned on where it would
+not turn it on itself; docs/design.md says what that changes). What users rely on:
+
+- FSDP trains the same model as DDP, and as 1 process with accumulation, with dropout on (each
+  micro-batch's masks drawn from its place in the global step): equal to 1e-6;
+- a run killed while saving, or preempted by SIGTERM (exit 75), resumes bit for bit; a damaged
+  shard is found by the manifest and `latest` falls back; a resume on 1 process reshards (DCP);
+- the saved model reloads with `from_pretrained` and `pipeline`, a LoRA adapter with peft, and
+  `--merge_lora`'s model without it; generation during evaluation answers every prompt;
+- fp16's loss scaler (FSDP2 takes torch's plain GradScaler) skips the steps that overflow;
+- only rank 0 reads the weights (`fsdp_cpu_ram_efficient_loading`), the others receive them.
+
+The configs run in fp32 (`--mixed_precision no`) to compare with DDP exactly, except the DPO run,
+which keeps fsdp.yaml's bf16."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from conftest import (
+    AUDIT_HOOK_DIR,
+    CPU_CONFIG,
+    REPO,
+    dpo_args,
+    launch,
+    make_tiny_causal_lm,
+    make_tiny_model,
+    sft_args,
+    train_args,
+    write_text_corpus,
+)
+from ddp_utils.errors import EXIT_PREEMPTED
+from ddp_utils.preemption import PREEMPTED_FILE
+
+FSDP_CONFIG = REPO / "accelerate_configs" / "fsdp.yaml"
+ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"
+HOOKS = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}
+ATOL = 1e-6  # FSDP against DDP: the same sums, reduced in another order (measured: 0.0 here)
+
+
+def fsdp(script, *args, num_processes=2, precision="no", env=None):
+    """`accelerate launch --config_file accelerate_configs/fsdp.yaml` of scripts/<script>.py on CPU."""
+    launcher = ["--config_file", FSDP_CONFIG, "--num_processes", num_processes, "--mixed_precision", precision]
+    return launch(ON_CPU, script, *args, launcher_args=[str(a) for a in launcher], env=env)
+
+
+def ddp(script, *args, num_processes=2):
+    launcher = ["--config_file", CPU_CONFIG, "--num_processes", num_processes]
+    return launch(REPO / "scripts" / f"{script}.py", *args, launcher_args=[str(a) for a in launcher])
+
+
+def ok(result):
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+def weights(output_dir, name="model.safetensors"):
+    return load_file(str(output_dir / name))
+
+
+def assert_close(output_dir, reference_dir, atol=ATOL, name="model.safetensors"):
+    ours, reference = weights(output_dir, name), weights(reference_dir, name)
+    assert sorted(ours) == sorted(reference)
+    worst = max(float(np.abs(ours[key].astype(np.float64) - reference[key]).max()) for key in reference)
+    assert worst <= atol, f"{output_dir.name} is {worst:.2e} from {reference_dir.name} (tolerance {atol})"
+
+
+def assert_identical(output_dir, reference_dir):
+    ours, reference = weights(output_dir), weights(reference_dir)
+    different = [key for key in reference if not np.array_equal(ours[key], reference[key])]
+    assert different == [], f"not bit for bit the uninterrupted run: {different[:5]}"
+
+
+# --- scripts/train.py: a tiny BERT with dropout 0.1, 60 examples, a global batch of 8 -------------
+
+
+@pytest.fixture(scope="module")
+def dropout_bert(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("bert-dropout"), dropout=0.1)
+
+
+def classifier(model, data, output_dir, *extra):
+    return train_args(
+        model, data, output_dir, "--max_train_steps", 6, "--seed", 7, "--report_to", "none", *extra
+    )  # fmt: skip
+
+
+TWO_BY_FOUR = ["--per_device_train_batch_size", 4]
+ONE_BY_FOUR_BY_TWO = ["--per_device_train_batch_size", 4, "--gradient_accumulation_steps", 2]
+
+
+@pytest.fixture(scope="module")
+def fsdp_classifier(dropout_bert, tiny_data, tmp_path_factory):
+    """train.py under FSDP on 2 processes, a checkpoint every 3 steps (at steps 3 and 6)."""
+    output_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    ok(fsdp("train", *classifier(dropout_bert, tiny_data, output_dir, *TWO_BY_FOUR, "--checkpointing_steps", 3)))
+    return output_dir
+
+
+@pytest.mark.fast
+def test_fsdp_trains_what_one_process_with_accumulation_trains_with_dropout(
+    fsdp_classifier, dropout_bert, tiny_data, tmp_path
+):
+    """The guarantee users read in the README, under the config they pick first for big models.
+    Before the fixes: train.py crashed inside fully_shard (BERT's embeddings wrapped twice); with
+    that fixed, rank 1 trained its new head's bias twice per step and never its weight; and each
+    rank drew its own dropout masks (0.026 apart from 1 process after 6 steps)."""
+    one = ok(ddp("train", *classifier(dropout_bert, tiny_data, tmp_path / "one", *ONE_BY_FOUR_BY_TWO), num_processes=1))
+    assert "1 process(es), MULTI_CPU" in one.output
+    metrics = json.loads((fsdp_classifier / "metrics.json").read_text())
+    assert (metrics["distributed_type"], metrics["world_size"], metrics["optimizer_steps"]) == ("FSDP", 2, 6)
+    assert_close(fsdp_classifier, tmp_path / "one")
+
+
+def test_fsdp_trains_what_ddp_trains_and_the_model_reloads(fsdp_classifier, dropout_bert, tiny_data, tmp_path):
+    from transformers import AutoModelForSequenceClassification, pipeline
+
+    ok(ddp("train", *classifier(dropout_bert, tiny_data, tmp_path / "ddp", *TWO_BY_FOUR)))
+    assert_close(fsdp_classifier, tmp_path / "ddp")
+    model = AutoModelForSequenceClassification.from_pretrained(fsdp_classifier)
+    saved = weights(fsdp_classifier)
+    assert torch.equal(model.classifier.weight, torch.from_numpy(saved["classifier.weight"]))
+    classify = pipeline("text-classification", model=str(fsdp_classifier), device="cpu")
+    assert classify("a great film")[0]["label"] in {"negative", "neutral", "positive"}
+
+
+def test_fsdp_checkpoints_resume_bit_for_bit_after_a_kill_and_a_damaged_shard(
+    fsdp_classifier, dropout_bert, tiny_data, tmp_path
+):
+    """SIGKILL while the checkpoint of step 6 is written: checkpoint-3 (sharded: every rank's
+    .distcp files, in the manifest) is the newest whole one, and the resumed run ends bit for bit
+    where the uninterrupted one did. Then a copy of the uninterrupted run with one of rank 1's
+    shards of checkpoint-6 damaged (same size): `latest` finds it and falls back to checkpoint-3."""
+    run = tmp_path / "killed"
+    args = classifier(dropout_bert, tiny_data, run, *TWO_BY_FOUR, "--checkpointing_steps", 3)
+    killed = fsdp("train", *args, env={**HOOKS, "CRASH_ON_WRITE": ".tmp-checkpoint-6/"})
+    assert killed.returncode != 0 and not (run / "checkpoint-6").exists()
+    manifest = json.loads((run / "checkpoint-3" / "manifest.json").read_text())["files"]
+    for rank in (0, 1):
+        assert f"pytorch_model_fsdp_0/__{rank}_0.distcp" in manifest and f"optimizer_0/__{rank}_0.distcp" in manifest
+    ok(fsdp("train", *args, "--resume_from_checkpoint", "latest"))
+    assert_identical(run, fsdp_classifier)
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(fsdp_classifier, damaged)
+    (damaged / "model.safetensors").unlink()
+    shard = damaged / "checkpoint-6" / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-100:] = bytes(100)  # the end of rank 1's shard: its weights
+    shard.write_bytes(bytes(data))
+    args = classifier(dropout_bert, tiny_data, damaged, *TWO_BY_FOUR, "--checkpointing_steps", 3)
+    resumed = ok(fsdp("train", *args, "--resume_from_checkpoint", "latest"))
+    assert "checkpoint-6' is damaged" in resumed.output and "skipped, an older one is used" in resumed.output
+    assert_identical(damaged, fsdp_classifier)
+
+
+def test_a_two_process_fsdp_checkpoint_resumes_on_one_process(fsdp_classifier, dropout_bert, tiny_data, tmp_path):
+    """Elastic resume with DCP resharding: checkpoint-3 of 2 processes x 4 continued on 1 process x
+    4 x 2 (the same global batch and micro-batches, so the same dropout masks)."""
+    run = tmp_path / "one"
+    run.mkdir()
+    shutil.copytree(fsdp_classifier / "checkpoint-3", run / "checkpoint-3")
+    args = classifier(dropout_bert, tiny_data, run, *ONE_BY_FOUR_BY_TWO, "--checkpointing_steps", 3)
+    resumed = ok(fsdp("train", *args, "--resume_from_checkpoint", "latest", num_processes=1))
+    assert "resumed elastically from 2 processes x 4 x 1 onto 1 process x 4 x 2" in resumed.output
+    assert "dropout masks" not in resumed.output
+    assert_close(run, fsdp_classifier)
+
+
+def test_sigterm_under_fsdp_saves_together_exits_75_and_resumes_exactly(
+    fsdp_classifier, dropout_bert, tiny_data, tmp_path
+):
+    run = tmp_path / "preempted"
+    args = classifier(dropout_bert, tiny_data, run, *TWO_BY_FOUR, "--checkpointing_steps", 3)
+    preempt = {**HOOKS, "SIGTERM_ON_WRITE": ".tmp-checkpoint-3/", "SIGTERM_TARGET": "workers"}
+    stopped = fsdp("train", *args, env=preempt)
+    assert stopped.returncode != 0
+    assert stopped.output.count(f"exitcode  : {EXIT_PREEMPTED}") == 2, stopped.output[-3000:]
+    assert os.path.basename(json.loads((run / PREEMPTED_FILE).read_text())["checkpoint"]) == "checkpoint-4"
+    ok(fsdp("train", *args, "--resume_from_checkpoint", "latest"))
+    assert_identical(run, fsdp_classifier)
+
+
+def test_only_rank_0_reads_the_weights_and_the_others_receive_them(tiny_model, tmp_path):
+    """fsdp.yaml's `fsdp_cpu_ram_efficient_loading`: transformers 5 read the whole checkpoint on
+    every rank. Now rank 1 holds no weight before `prepare`, in rank 0's dtypes (here bf16, as the
+    checkpoint), each parameter is in its optimizer once (meta parameters all had address 0), and
+    the gathered weights are the checkpoint's, with rank 0's new head."""
+    from transformers import BertModel
+
+    checkpoint = tmp_path / "bf16"  # a base model: the classifier's head is new, missing from the checkpoint
+    BertModel.from_pretrained(tiny_model).to(torch.bfloat16).save_pretrained(checkpoint)
+    report = tmp_path / "loading.json"
+    ok(fsdp(REPO / "tests" / "launched" / "fsdp_loading.py", checkpoint, report))
+    rank0, rank1 = (json.loads(report.with_name(f"loading.json.rank{r}").read_text()) for r in (0, 1))
+    assert all(rank0["loaded_before_prepare"].values())
+    assert not any(rank1["loaded_before_prepare"].values()), "rank 1 read no weights"
+    assert rank1["dtypes"] == rank0["dtypes"] and set(rank0["dtypes"].values()) == {"torch.bfloat16"}
+    for seen in (rank0, rank1):
+        assert seen["distinct_optimizer_parameters"] == seen["optimizer_parameters"] == seen["model_parameters"]
+    assert sorted(rank0["full"]) == sorted(rank0["before"])
+    different = [name for name, value in rank0["before"].items() if rank0["full"][name] != value]
+    assert different == [], f"the shards do not hold rank 0's weights: {different[:5]}"
+
+
+def test_fp16_under_fsdp_skips_the_steps_that_overflow_with_fsdp2s_loss_scaler(dropout_bert, tiny_data, tmp_path):
+    """fp16 as on a GPU (tests/launched/fp16_scaler.py: autocast and torch's GradScaler, which is
+    what Accelerate gives FSDP2): the first scale, 2**40, overflows and is divided by 32 until it
+    settles at 2**15, as under DDP; the overflowed steps are skipped and the run goes on."""
+    scaler = {"FP16_INIT_SCALE": str(2.0**40), "FP16_BACKOFF_FACTOR": str(1 / 32)}
+    args = train_args(
+        dropout_bert, tiny_data, tmp_path / "fp16", "--max_train_steps", 40, "--num_train_epochs", 6,
+        "--lr_scheduler_type", "constant", "--logging_steps", 10, "--report_to", "none", *TWO_BY_FOUR,
+    )  # fmt: skip
+    ok(fsdp(REPO / "tests" / "launched" / "fp16_scaler.py", "train", *args, precision="fp16", env=scaler))
+    metrics = json.loads((tmp_path / "fp16" / "metrics.json").read_text())
+    assert (metrics["distributed_type"], metrics["mixed_precision"]) == ("FSDP", "fp16")
+    assert metrics["optimizer_steps"] == 40 and metrics["optimizer_steps_skipped"] == 5
+    records = [json.loads(line) for line in (tmp_path / "fp16" / "train_log.jsonl").read_text().splitlines()]
+    assert {r["train/loss_scale"] for r in records if "train/loss_scale" in r} == {2.0**15}
+    assert all(np.isfinite(w).all() for w in weights(tmp_path / "fp16").values())
+
+
+# --- the LLM scripts: a tiny Llama --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_causal_lm(tmp_path_factory.mktemp("llama"))
+
+
+SFT_STEPS = ["--max_train_steps", 4, "--report_to", "none"]
+
+
+def test_sft_with_lora_under_fsdp_trains_as_one_process_and_saves_what_reloads(llama, sft_data, tmp_path):
+    """LoRA with its default dropout (0.05), generation during evaluation, the adapter and
+    --merge_lora's full model (merged from the gathered weights on rank 0; it was refused)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, pipeline
+
+    lora = ["--lora_r", 4, "--merge_lora", *SFT_STEPS]
+    sharded = ok(fsdp("train_sft", *sft_args(llama, sft_data, tmp_path / "fsdp", *lora, *TWO_BY_TWO)))
+    ok(ddp("train_sft", *sft_args(llama, sft_data, tmp_path / "one", *lora, *ONE_BY_TWO_BY_TWO), num_processes=1))
+    assert "2 process(es), FSDP" in sharded.output
+    assert_close(tmp_path / "fsdp", tmp_path / "one", name="adapter_model.safetensors")
+    predictions = [json.loads(line) for line in (tmp_path / "fsdp" / "predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == 7, "every validation prompt answered once"
+
+    ids = torch.tensor([[1, 27, 18, 40, 41, 42]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "merged").eval()(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama), tmp_path / "fsdp").eval()
+        assert torch.allclose(merged, adapted(input_ids=ids).logits, atol=1e-4)
+        base = AutoModelForCausalLM.from_pretrained(llama).eval()(input_ids=ids).logits
+    assert not torch.allclose(merged, base, atol=1e-3), "the adapter learned something"
+    generate = pipeline("text-generation", model=str(tmp_path / "fsdp" / "merged"), device="cpu")
+    assert generate("good film", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("good film")
+
+
+TWO_BY_TWO = ["--per_device_train_batch_size", 2]
+ONE_BY_TWO_BY_TWO = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]
+
+
+def test_full_sft_and_raw_text_under_fsdp_train_what_ddp_trains(llama, sft_data, tmp_path):
+    ok(fsdp("train_sft", *sft_args(llama, sft_data, tmp_path / "sft-fsdp", *SFT_STEPS, *TWO_BY_TWO)))
+    ok(ddp("train_sft", *sft_args(llama, sft_data, tmp_path / "sft-ddp", *SFT_STEPS, *TWO_BY_TWO)))
+    assert_close(tmp_path / "sft-fsdp", tmp_path / "sft-ddp")
+
+    corpus = write_text_corpus(tmp_path / "corpus.txt")
+    clm = [
+        "--model_name_or_path", llama, "--train_file", corpus, "--validation_split_percentage", 20, "--block_size", 16,
+        "--learning_rate", 1e-2, "--warmup_ratio", 0.0, "--checkpointing_steps", "no", "--report_to", "none",
+        "--max_train_steps", 3, *TWO_BY_TWO, "--per_device_eval_batch_size", 2,
+    ]  # fmt: skip
+    sharded = ok(fsdp("train_clm", *clm, "--output_dir", tmp_path / "clm-fsdp"))
+    ok(ddp("train_clm", *clm, "--output_dir", tmp_path / "clm-ddp"))
+    assert_close(tmp_path / "clm-fsdp", tmp_path / "clm-ddp")
+    ours, theirs = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("clm-fsdp", "clm-ddp"))
+    assert ours["eval_perplexity"] == pytest.approx(theirs["eval_perplexity"], rel=1e-5)
+    assert "sample generation skipped: with sharded weights" in sharded.output
+
+
+def test_dpo_under_fsdp_with_the_configs_bf16_both_references(llama, pairs, tmp_path):
+    """DPO as fsdp.yaml ships it (bf16): LoRA with the adapters off as the reference, and the
+    precomputed reference of a full fine-tune; the adapter reloads, reward accuracy is reported."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    steps = ["--max_train_steps", 3, *TWO_BY_TWO]
+    ok(fsdp("train_dpo", *dpo_args(llama, pairs, tmp_path / "lora", "--lora_r", 4, *steps), precision="bf16"))
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama), tmp_path / "lora")
+    ok(
+        fsdp(
+            "train_dpo", *dpo_args(llama, pairs, tmp_path / "full", "--precompute_reference", *steps), precision="bf16"
+        )
+    )
+    for run in ("lora", "full"):
+        metrics = json.loads((tmp_path / run / "metrics.json").read_text())
+        assert metrics["distributed_type"] == "FSDP" and metrics["mixed_precision"] == "bf16"
+        assert 0.0 <= metrics["eval_reward_accuracy"] <= 1.0
+    AutoModelForCausalLM.from_pretrained(tmp_path / "full")
+
+
+# --- scripts/train_image.py: a ResNet (BatchNorm: every rank reads it) ---------------------------
+
+
+def test_image_classifier_with_batchnorm_under_fsdp_trains_what_ddp_trains(tmp_path):
+    from test_image import image_args, make_tiny_resnet, write_image_folder
+
+    model = make_tiny_resnet(tmp_path / "resnet")
+    images = {
+        "train": write_image_folder(tmp_path / "train", {"dark": 8, "bright": 8, "striped": 8}, seed=1),
+        "validation": write_image_folder(tmp_path / "validation", {"dark": 3, "bright": 3, "striped": 3}, seed=2),
+    }
+    extra = ["--num_train_epochs", 1, "--per_device_train_batch_size", 4]
+    sharded = ok(fsdp("train_image", *image_args(model, images, tmp_path / "fsdp", *extra)))
+    ok(ddp("train_image", *image_args(model, images, tmp_path / "ddp", *extra)))
+    assert "every rank read the weights" in sharded.output  # Accelerate cannot send BatchNorm's statistics
+    assert_close(tmp_path / "fsdp", tmp_path / "ddp", atol=1e-5)
