@@ -105,23 +105,24 @@ class Checkpointer:
     def _resumed_elastically(self, saved_layout: dict, step: int) -> None:
         """After a resume onto another layout: the per-rank RNG states cannot be mapped onto it
         (each rank restored its own rank's, if the checkpoint has one), so every rank is seeded
-        from (--seed, step) instead, as every rank of a fresh run is from --seed. Every rank
-        calls it; no communication."""
+        from (--seed, step) instead, as every rank of a fresh run is from --seed. The dropout masks
+        are seeded per micro-batch anyway (`SeededMicroBatches`): the same as the uninterrupted run's
+        when the per-device batch is the same. Every rank calls it; no communication."""
         set_seed((self.seed * 1_000_003 + step) % 2**32)
         logger.info(
             f"resumed elastically from {describe_layout(saved_layout)} onto {describe_layout(self.layout)} "
             f"(processes x per-device batch x accumulation; {self.identity['global_batch']} examples per "
             "optimizer step)"
         )
-        logger.warning(
-            "the random draws of the remaining steps (dropout) differ from the uninterrupted run's: a process's RNG "
-            "state cannot be carried onto another layout, so every process is seeded from --seed and the step; "
-            "the data order, model, optimizer, scheduler and scaler are resumed exactly"
-        )
-        if (
-            self.has_batchnorm
-            and saved_layout["per_device_train_batch_size"] != self.layout["per_device_train_batch_size"]
-        ):
+        other_micro_batches = saved_layout["per_device_train_batch_size"] != self.layout["per_device_train_batch_size"]
+        if other_micro_batches:  # the same micro-batches draw the same dropout masks (SeededMicroBatches)
+            logger.warning(
+                "the dropout masks of the remaining steps differ from the uninterrupted run's: they are drawn per "
+                f"micro-batch, and the per-device batch was {saved_layout['per_device_train_batch_size']}; resume "
+                f"with --per_device_train_batch_size {saved_layout['per_device_train_batch_size']} to draw the same. "
+                "The data order, model, optimizer, scheduler and scaler are resumed exactly"
+            )
+        if self.has_batchnorm and other_micro_batches:
             logger.warning(
                 "BatchNorm normalises over each micro-batch: with another per-device batch the remaining steps "
                 "compute another function than the uninterrupted run's"

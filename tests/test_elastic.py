@@ -140,7 +140,10 @@ def test_killed_mid_epoch_resumes_on_another_layout_with_the_same_steps(
     resumed = train(tiny_model, tiny_data, output_dir, resumed_on, "--resume_from_checkpoint", "latest")
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert f"resumed elastically from {described}" in resumed.output
-    assert "the random draws of the remaining steps (dropout) differ" in resumed.output
+    if name.startswith("1x8"):  # another per-device batch: other micro-batches, other dropout masks
+        assert "the dropout masks of the remaining steps differ" in resumed.output
+    else:
+        assert "dropout masks" not in resumed.output
 
     after, expected = recorded_steps(output_dir), recorded_steps(reference)
     assert sorted(expected) == list(range(1, 25))
