@@ -5,22 +5,24 @@ loading made true. Measured with Accelerate 1.15, transformers 5.23 and torch 2.
 - Per-layer wrapping shards one unit per class of the model's `_no_split_modules`, and Accelerate
   then shards the input embeddings as a unit of their own. Where a wrapped class already holds them
   (BERT's `BertEmbeddings`, RoBERTa's, ...) `fully_shard` fails inside torch ("Invariant
-  encountered: value was None"). `fit_fsdp2_wrapping` leaves such a class out.
+  encountered: value was None"). `fix_fsdp2_preparation` leaves such a class out. (The separate
+  embeddings unit came with huggingface/accelerate#4015; no issue found for this crash.)
 - Accelerate maps the optimizer's parameters onto the sharded ones by their storage address. A
   parameter on the meta device has address 0, so on the ranks that do not read the weights two
   such parameters (a new classification head's weight and bias) became one in the optimizer: one
   trained twice per step and the other never, and the checkpoint save then failed on those ranks
   (KeyError in torch's `get_optimizer_state_dict`) while rank 0 waited in it. Each meta parameter
-  now gets an address of its own (`_distinct_addresses`).
+  now gets an address of its own (`_distinct_addresses`). Upstream: huggingface/accelerate#3930.
 - Accelerate asks the model for its input embeddings; a ResNet raises NotImplementedError instead.
 - `fsdp_cpu_ram_efficient_loading` (our config's default) promises that only rank 0 reads the
   weights; transformers 5 reads them on every rank and leaves only the missing ones on the meta
-  device. `load_pretrained` builds the model empty on the other ranks; Accelerate's
-  preparation then sends them rank 0's weights. Not for a model with persistent buffers
-  (BatchNorm's statistics): Accelerate's sending fails on them ("'Tensor' object has no attribute
-  'device_mesh'"), so every rank reads such a model, and the option is turned off for it.
+  device (huggingface/transformers#43749). `load_pretrained` builds the model empty on the other
+  ranks; Accelerate's preparation then sends them rank 0's weights. Not for a model with persistent
+  buffers (BatchNorm's statistics): Accelerate's sending fails on them ("'Tensor' object has no
+  attribute 'device_mesh'", huggingface/accelerate#3898), so every rank reads such a model, and the
+  option is turned off for it.
 
-`make_accelerator` calls `fit_fsdp2_wrapping` once; the scripts load their model with `load_pretrained`.
+`make_accelerator` calls `fix_fsdp2_preparation` once; the scripts load their model with `load_pretrained`.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ from accelerate.state import PartialState
 logger = get_logger(__name__)
 
 
-def fit_fsdp2_wrapping(accelerator) -> None:
-    """Under FSDP2 with per-layer wrapping, leave out of the wrapped classes any that holds the input
-    embeddings: the embeddings become their own unit (as Accelerate shards them anyway), and the rest
-    of that module joins the root's. The computation is the same; only the grouping of the all-gathers
-    changes. Any rank may call it; every rank does. No communication."""
+def fix_fsdp2_preparation(accelerator) -> None:
+    """Under FSDP2, fix what Accelerate 1.15 gets wrong while it shards a model in `prepare` (see the
+    module's docstring): meta parameters get distinct addresses; a model without input embeddings
+    answers None; a model with persistent buffers is not sent from rank 0 (every rank read it); and
+    a wrapped class that holds the input embeddings is left out of the wrapped ones, so the embeddings
+    become their own unit (as Accelerate shards them anyway) and the rest of that module joins the
+    root's: the same computation, the all-gathers grouped otherwise. Any rank may call it; every rank
+    does. No communication."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)  # the state has no such attribute outside FSDP
     if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
         return
@@ -117,11 +122,11 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
     `model_class.from_pretrained(model_name_or_path, **kwargs)`.
 
     Under `fsdp_cpu_ram_efficient_loading`, only the main process reads the weights: the other
-    ranks build the model from its config with empty (meta) weights in the main process's dtypes,
+    ranks build the model from the main process's config with empty (meta) weights in its dtypes,
     and receive the weights while Accelerate shards the model in `prepare`. Each rank then holds
     one copy's worth of CPU memory in all, not one copy each. Elsewhere, every rank loads it; so
     does every rank of a model with persistent buffers (BatchNorm's statistics), which Accelerate
-    1.15 cannot send (see `fit_fsdp2_wrapping`)."""
+    1.15 cannot send (see `fix_fsdp2_preparation`)."""
     state = PartialState()
     if not ram_efficient_loading() or state.num_processes == 1:
         return model_class.from_pretrained(model_name_or_path, **kwargs)
@@ -131,8 +136,10 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
     main = [None]
     if state.is_main_process:
         model = model_class.from_pretrained(model_name_or_path, **kwargs)
-        main = [{"dtypes": {name: value.dtype for name, value in model.state_dict().items()}}]
-        main[0]["every_rank_reads"] = bool(persistent_buffers(model))
+        dtypes = {name: value.dtype for name, value in model.state_dict().items()}
+        main = [
+            {"dtypes": dtypes, "config": model.config.to_dict(), "every_rank_reads": bool(persistent_buffers(model))}
+        ]
     broadcast_object_list(main, from_process=0)  # the broadcast of the weights needs the same dtypes everywhere
     if state.is_main_process:
         return model
@@ -144,6 +151,7 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code"))
+    config = type(config).from_dict(main[0]["config"])  # as the main process's loading left it (a new head's labels)
     with init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies, ...)
         model = model_class.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
     dtypes = main[0]["dtypes"]

@@ -20,7 +20,7 @@ from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 from .args import accumulation_for
 from .checkpoint import Checkpointer
 from .errors import UsageError
-from .fsdp import fit_fsdp2_wrapping
+from .fsdp import fix_fsdp2_preparation
 from .launch_guard import check_launch, world_size_from_launcher
 from .oom_backoff import OOMBackoff
 from .optimizer import describe_optimizer
@@ -90,7 +90,7 @@ def make_accelerator(
             f"this launch config asks for {sharded[0]}, which Accelerate runs on GPUs only, and no GPU is visible; "
             "on this machine use accelerate_configs/cpu_2proc.yaml"
         )
-    fit_fsdp2_wrapping(accelerator)  # Accelerate's FSDP2 preparation fails on BERT-like models without it
+    fix_fsdp2_preparation(accelerator)  # under FSDP2: what Accelerate 1.15 gets wrong while sharding (fsdp.py)
     if accelerator.state.deepspeed_plugin is not None:
         check_deepspeed_config(
             accelerator.state.deepspeed_plugin.deepspeed_config, gradient_accumulation_steps, max_grad_norm

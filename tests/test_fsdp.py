@@ -11,8 +11,8 @@ not turn it on itself; docs/design.md says what that changes). What users rely o
 - fp16's loss scaler (FSDP2 takes torch's plain GradScaler) skips the steps that overflow;
 - only rank 0 reads the weights (`fsdp_cpu_ram_efficient_loading`), the others receive them.
 
-The configs run in fp32 (`--mixed_precision no`) to compare with DDP exactly, except the DPO run,
-which keeps fsdp.yaml's bf16."""
+The configs run in fp32 (`--mixed_precision no`) to compare with DDP exactly, except one DPO run,
+which keeps fsdp.yaml's bf16, and the fp16 run."""
 
 import json
 import os
@@ -286,24 +286,22 @@ def test_full_sft_and_raw_text_under_fsdp_train_what_ddp_trains(llama, sft_data,
     assert "sample generation skipped: with sharded weights" in sharded.output
 
 
-def test_dpo_under_fsdp_with_the_configs_bf16_both_references(llama, pairs, tmp_path):
-    """DPO as fsdp.yaml ships it (bf16): LoRA with the adapters off as the reference, and the
-    precomputed reference of a full fine-tune; the adapter reloads, reward accuracy is reported."""
+def test_dpo_under_fsdp_trains_what_ddp_trains_and_runs_in_the_configs_bf16(llama, pairs, tmp_path):
+    """LoRA with the adapters off as the reference: the same adapter as DDP (fp32). Then a full
+    fine-tune with the precomputed reference as fsdp.yaml ships it (bf16); both models reload."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     steps = ["--max_train_steps", 3, *TWO_BY_TWO]
-    ok(fsdp("train_dpo", *dpo_args(llama, pairs, tmp_path / "lora", "--lora_r", 4, *steps), precision="bf16"))
+    ok(fsdp("train_dpo", *dpo_args(llama, pairs, tmp_path / "lora", "--lora_r", 4, *steps)))
+    ok(ddp("train_dpo", *dpo_args(llama, pairs, tmp_path / "lora-ddp", "--lora_r", 4, *steps)))
+    assert_close(tmp_path / "lora", tmp_path / "lora-ddp", name="adapter_model.safetensors")
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama), tmp_path / "lora")
-    ok(
-        fsdp(
-            "train_dpo", *dpo_args(llama, pairs, tmp_path / "full", "--precompute_reference", *steps), precision="bf16"
-        )
-    )
-    for run in ("lora", "full"):
-        metrics = json.loads((tmp_path / run / "metrics.json").read_text())
-        assert metrics["distributed_type"] == "FSDP" and metrics["mixed_precision"] == "bf16"
-        assert 0.0 <= metrics["eval_reward_accuracy"] <= 1.0
+    full = dpo_args(llama, pairs, tmp_path / "full", "--precompute_reference", *steps)
+    ok(fsdp("train_dpo", *full, precision="bf16"))
+    metrics = json.loads((tmp_path / "full" / "metrics.json").read_text())
+    assert (metrics["distributed_type"], metrics["mixed_precision"]) == ("FSDP", "bf16")
+    assert 0.0 <= metrics["eval_reward_accuracy"] <= 1.0
     AutoModelForCausalLM.from_pretrained(tmp_path / "full")
 
 
