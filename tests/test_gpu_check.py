@@ -77,9 +77,9 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
         assert figures["mfu"] is None  # no GPU, no peak to divide by
     assert steps["3"]["figures"]["speed_up_steady"] > 0
     fsdp = steps["4"]["figures"]
-    assert fsdp["reload"]["ok"] and fsdp["resume"]["reloads"]
-    assert fsdp["resume"]["max_abs_diff_vs_uninterrupted"] == 0.0  # a CPU resumes bit for bit
-    assert any("fsdp.yaml replaced by cpu_2proc.yaml" in note for note in steps["4"]["notes"])
+    assert fsdp["reload"]["ok"] and fsdp["train"]["target_tokens_per_s"] > 0
+    assert any("fsdp.yaml through tests/launched/fsdp_on_cpu.py" in note for note in steps["4"]["notes"])
+    assert "fsdp_on_cpu.py" in steps["4"]["runs"]["train"]["command"]  # the dry run runs FSDP2 itself
 
     # fp16 with the loss scaler at 2**40: the first steps overflow, are skipped and counted, and both finish.
     for name in ("image", "lora"):
