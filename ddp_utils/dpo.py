@@ -134,14 +134,42 @@ def preference_losses(policy: PairLogps, reference, args) -> tuple[torch.Tensor,
     return losses, chosen_reward.detach(), rejected_reward.detach()
 
 
+SIMPO_BETA = 2.0  # SimPO's paper: beta 2 to 2.5, with gamma / beta about 0.5 (DPO's 0.1 would aim at 5 nats a token)
+SIMPO_GAMMA_PER_BETA = 0.5
+
+
 def check_dpo_args(args) -> None:
-    """Refuse DPO option values that cannot work, naming the option. Every rank calls it while parsing."""
+    """Refuse DPO option values that cannot work, naming the option, and fill --beta and --simpo_gamma
+    when not given: 0.1 for DPO and IPO; for SimPO its paper's beta 2.0 and gamma = 0.5 x beta. Every
+    rank calls it while parsing."""
+    if args.beta is None:
+        args.beta = SIMPO_BETA if args.loss_type == "simpo" else 0.1
+    if args.simpo_gamma is None:
+        args.simpo_gamma = SIMPO_GAMMA_PER_BETA * args.beta
     if args.beta <= 0:
         raise UsageError(f"--beta must be positive, got {args.beta}")
     if args.sft_weight < 0:
         raise UsageError(f"--sft_weight must be 0 (none) or positive, got {args.sft_weight}")
     if args.precompute_reference and args.loss_type == "simpo":
         raise UsageError("--loss_type simpo has no reference model: drop --precompute_reference")
+
+
+def disable_dropout(model) -> int:
+    """Turn dropout off in `model` (TRL's `disable_dropout`, on by default there too): every
+    `nn.Dropout` (LoRA's included) and the attention modules' own dropout rates. The loss compares the
+    policy with its reference, and with the adapters off the reference is the same model in training
+    mode: with dropout, each draws its own masks, so the first step's DPO loss is not log 2 and the
+    reference is not frozen. Returns how many were turned off. No communication."""
+    turned_off = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p, turned_off = 0.0, turned_off + 1
+        for name in ("attention_dropout", "attn_dropout", "dropout"):  # floats read in forward (Llama, Qwen, ...)
+            rate = getattr(module, name, None)
+            if isinstance(rate, float) and rate > 0:
+                setattr(module, name, 0.0)
+                turned_off += 1
+    return turned_off
 
 
 class Reference:

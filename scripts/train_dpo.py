@@ -30,6 +30,7 @@ from ddp_utils.dpo import (
     PREFERENCE_SCORES,
     check_dpo_args,
     check_pair_attention,
+    disable_dropout,
     evaluate_preferences,
     make_reference,
     pair_logps,
@@ -76,11 +77,19 @@ def parse_args(argv=None):
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation pairs")
     # The preference loss.
     p.add_argument("--loss_type", choices=LOSSES, default="sigmoid", help="sigmoid (DPO), ipo, or simpo (no reference)")
-    p.add_argument("--beta", type=float, default=0.1, help="how far from the reference the model may move (DPO's beta)")
-    p.add_argument("--simpo_gamma", type=float, default=0.5, help="SimPO's target reward margin")
+    p.add_argument(
+        "--beta", type=float, default=None, help="how far from the reference the model may move (0.1; simpo 2)"
+    )
+    p.add_argument("--simpo_gamma", type=float, default=None, help="SimPO's target reward margin (0.5 x beta)")
     p.add_argument("--sft_weight", type=float, default=0.0, help="add this times the chosen answers' NLL (RPO)")
     p.add_argument(
         "--precompute_reference", action="store_true", help="with LoRA too: reference log-probs once, before training"
+    )
+    p.add_argument(
+        "--disable_dropout",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="dropout off in the policy and its reference, as TRL does (--no-disable_dropout keeps it)",
     )
     # Evaluation.
     p.add_argument("--eval_max_new_tokens", type=int, default=0, help="answer each eval prompt, this long; 0: no")
@@ -160,6 +169,8 @@ def main():
 
     tokenized, tokenizer, config, data_report = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
     model = ddp_utils.load_causal_lm(args, config, tokenizer)  # every rank at once (a collective under ZeRO-3)
+    if args.disable_dropout:  # the policy and its reference then compute the same function until the first update
+        disable_dropout(model)
     check_pair_attention(model, data_report["block_size"])  # a pair's row hides its rejected answer: a custom mask
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates; LoRA's base stays
     multiple = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8

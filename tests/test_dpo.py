@@ -443,3 +443,74 @@ def test_offline_default_runs_a_few_steps(tmp_path):
     assert "Is this drug review positive, neutral or negative?" in answers[0]["prompt"]
     card = (output_dir / "README.md").read_text()
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in card and "| `beta` | 0.1 |" in card
+
+
+# ------------------------------------------------------------------------------------ dropout, SimPO
+
+
+@pytest.fixture(scope="module")
+def dropout_lm(tmp_path_factory):
+    """The tiny Llama with attention dropout 0.1 (LoRA adds its own, 0.05 by default)."""
+    from transformers import AutoConfig
+
+    directory = make_tiny_causal_lm(tmp_path_factory.mktemp("tiny-llama-dropout"))
+    config = AutoConfig.from_pretrained(directory)
+    config.attention_dropout = 0.1
+    config.save_pretrained(directory)
+    return directory
+
+
+def test_the_first_dpo_step_compares_the_model_with_itself_so_its_loss_is_log_2(dropout_lm, pairs, tmp_path):
+    """Before the first update the policy is its reference (LoRA's B starts at 0), so DPO's loss is
+    -log sigmoid(0) = log 2 exactly. With dropout left on (as before), the policy and the adapters-off
+    reference drew their own masks and it was not; TRL turns dropout off by default too."""
+    steps = ["--lora_r", 4, "--max_train_steps", 1, "--logging_steps", 1, "--skip_zero_shot"]
+    result = launch(TRAIN_DPO, *dpo_args(dropout_lm, pairs, tmp_path / "o", *steps), num_processes=1)
+    assert result.returncode == 0, result.output[-4000:]
+    first = json.loads((tmp_path / "o" / "train_log.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_with_dropout_off_the_adapters_off_reference_is_the_policy_before_training(disable, dropout_lm, pairs):
+    """In-process, in training mode as in the loop: with --no-disable_dropout the two calls differ."""
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.dpo import disable_dropout
+    from ddp_utils.lora import add_lora
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(dropout_lm)
+    args = Namespace(
+        lora_r=4, lora_alpha=8, lora_dropout=0.05, lora_target_modules="all-linear", lora_last_layers=0,
+        gradient_checkpointing=False,
+    )  # fmt: skip
+    model = add_lora(model, args)
+    if disable:
+        assert disable_dropout(model) > 0
+    model.train()
+    tokenizer = load_tokenizer(dropout_lm)
+    rows = datasets.load_dataset("json", data_files=str(pairs["train"]))["train"]
+    raw = datasets.DatasetDict({"train": rows, "validation": rows})
+    tokenized, _ = tokenize_pairs(raw, detect_pair_format(raw, False), tokenizer, 48, 0, None)
+    batch = PairCollator(tokenizer.pad_token_id)([tokenized["train"][i] for i in range(4)])
+    policy = pair_logps(model, batch)
+    chosen, rejected = Reference("adapters off", adapters=model)(model, batch)
+    same = torch.equal(policy.chosen.detach(), chosen) and torch.equal(policy.rejected.detach(), rejected)
+    assert same == disable
+
+
+def test_simpo_takes_its_papers_beta_and_gamma_unless_given():
+    """DPO's beta of 0.1 with SimPO's gamma of 0.5 aimed at a margin of 5 nats per token."""
+    from ddp_utils.dpo import check_dpo_args
+
+    def resolved(**given):
+        args = Namespace(**{"beta": None, "simpo_gamma": None, "sft_weight": 0.0, "precompute_reference": False,
+                            **given})  # fmt: skip
+        check_dpo_args(args)
+        return args.beta, args.simpo_gamma
+
+    assert resolved(loss_type="simpo") == (2.0, 1.0)
+    assert resolved(loss_type="simpo", beta=2.5) == (2.5, 1.25)
+    assert resolved(loss_type="simpo", simpo_gamma=0.3) == (2.0, 0.3)
+    assert resolved(loss_type="sigmoid")[0] == 0.1 and resolved(loss_type="ipo", beta=0.5)[0] == 0.5
