@@ -145,14 +145,22 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
     p.add_argument(
         "--hub_token",
         default=None,
-        help="Hub token for private models and data (default: HF_TOKEN or `hf auth login`); never logged",
+        help="Hub token for private models and data; prefer HF_TOKEN or `hf auth login` (the default): a token on the "
+        "command line is readable by every user of the machine (ps, /proc), with a warning; never logged",
     )
     p.add_argument("--trust_remote_code", action="store_true", help="run a Hub model's own Python code (read it first)")
     p.add_argument("--push_to_hub", action="store_true", help="upload the output directory to the Hub at the end")
     p.add_argument(
-        "--hub_model_id", default=None, help="the Hub repository to push to (default: the output_dir's name)"
+        "--hub_model_id",
+        default=None,
+        help="the Hub repository to push to, whose files the push replaces (default: the output_dir's name, "
+        "refused when it is a default that other runs share: run, train, demo, sft, ...)",
     )
-    p.add_argument("--hub_private_repo", action="store_true", help="create that repository private")
+    p.add_argument(
+        "--hub_private_repo",
+        action="store_true",
+        help="make that repository private: created private, or made private before the upload if it is public",
+    )
     p.add_argument(
         "--push_predictions",
         action="store_true",

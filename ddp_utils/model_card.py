@@ -9,7 +9,7 @@ import json
 import os
 from fnmatch import fnmatch
 
-from .hub import PREDICTIONS
+from .hub import PREDICTIONS, hub_repo_id
 from .redact import loggable_args
 
 # What the saved model is, from its own files: config.json's architecture, or a LoRA adapter.
@@ -90,7 +90,7 @@ def write_model_card(args, metrics: dict) -> str:
         pipeline_tag=task,
         tags=["ddp-finetune", *(["lora"] if adapter else []), *([task] if task else [])],
     )
-    repo = args.hub_model_id or os.path.basename(os.path.abspath(output_dir))
+    repo = hub_repo_id(args)
     options = loggable_args(args)
     hyper = [f"| `{name}` | {options[name]} |" for name in _HYPER_PARAMETERS if options.get(name) not in (None, False)]
     scores = [

@@ -4,11 +4,14 @@ communicates."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
 
 REDACTED = "<redacted>"
+
+logger = logging.getLogger(__name__)
 
 
 # Option and environment variable names that hold credentials: hub_token, HF_TOKEN, WANDB_API_KEY,
@@ -47,10 +50,21 @@ def loggable_args(args) -> dict:
     return scrub({key: value for key, value in vars(args).items() if not key.startswith("_")}, secret_values(args))
 
 
+HUB_TOKEN_WARNING = (
+    "--hub_token puts the token on the command line, which every user of this machine can read while the job runs "
+    "(ps, /proc/<pid>/cmdline, of the launcher and of every process) and which your shell history keeps; "
+    "set HF_TOKEN in the environment or run `hf auth login` instead"
+)
+
+
 def hide_secret_args(args) -> None:
     """Make --hub_token the Hub credential of this process, and take it out of `sys.argv`, which
-    wandb and mlflow record with the run. Every rank calls it, first thing."""
+    wandb and mlflow record with the run; warn, once per job (rank 0), that the command line shows it
+    to other users anyway. Every rank calls it, first thing."""
     if getattr(args, "hub_token", None):
         os.environ["HF_TOKEN"] = args.hub_token  # read by huggingface_hub on every Hub call
+        # sys.argv can be scrubbed, /proc/<pid>/cmdline cannot: only a token outside the command line stays private.
+        if os.environ.get("RANK", "0") == "0":
+            logger.warning(HUB_TOKEN_WARNING)
     secrets = secret_values(args)
     sys.argv[:] = scrub(sys.argv, secrets)

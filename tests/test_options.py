@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import AUDIT_HOOK_DIR, REPO, assert_error_is_last, launch, sft_args, train_args
+from conftest import AUDIT_HOOK_DIR, REPO, assert_error_is_last, launch, refused_in_process, sft_args, train_args
 from ddp_utils import UsageError
 
 TRAIN = REPO / "scripts" / "train.py"
@@ -311,14 +311,15 @@ def test_a_push_stopped_by_sigterm_is_one_line_that_the_launcher_shows_last(tiny
             if env.get("HUB_TEST_RUN") == "push-stopped" and env.get("RANK") == "0":
                 process.send_signal(signal.SIGTERM)
 
-    output_dir = tmp_path / "run"
+    output_dir = tmp_path / "tiny-bert"
     args = train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 2, "--push_to_hub")
     with HubStandIn(tmp_path / "hub", delay_s=20, on_commit=sigterm_rank_0) as hub:
         result = launch(TRAIN, *args, env=hub_env(hub, "push-stopped"))
     assert result.returncode == 1 and result.seconds < 60, result.output[-3000:]
-    line = f"error: the run is saved in {str(output_dir)!r}, but the push to the Hub repository 'run' failed"
+    line = f"error: the run is saved in {str(output_dir)!r}, but the push to the Hub repository 'tiny-bert' failed"
     excluded = '--exclude "checkpoint-*/**" --exclude ".tmp-*/**" --exclude ".staging-*/**" --exclude "preempted.json"'
-    by_hand = f'`hf upload run {output_dir} {excluded} --exclude "predictions*.jsonl"`'  # what the push leaves out
+    # What the push leaves out, and the repository's other files deleted, as the push does.
+    by_hand = f'`hf upload tiny-bert {output_dir} {excluded} --exclude "predictions*.jsonl" --delete "*"`'
     assert f"[rank 0] {line} (Interrupted: stopped by SIGTERM); push it later with {by_hand}" in result.output, (
         result.output[-2000:]
     )
@@ -345,7 +346,10 @@ def test_a_refused_push_says_what_the_hub_answered_and_how_to_push_by_hand(tmp_p
         monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
         with pytest.raises(RunFailed, match=r"push to the Hub repository 'someone/x' failed \(HfHubHTTPError: 403 "):
             push_to_hub(args)
-    with pytest.raises(RunFailed, match=r"push it later with `hf upload someone/x .*/run --private --exclude "):
+    # Made private before the upload: `hf upload --private` would leave an existing public repository public.
+    private_first = "hf repos create someone/x --private --exist-ok && hf repos settings someone/x --private"
+    by_hand = rf"push it later with `{private_first} && hf upload someone/x .*/run --exclude "
+    with pytest.raises(RunFailed, match=by_hand):
         push_to_hub(args)  # the stand-in is gone: the connection is refused
 
 
@@ -376,6 +380,171 @@ def test_push_to_hub_is_refused_offline_or_without_a_token(tmp_path, monkeypatch
     with pytest.raises(UsageError, match="--push_to_hub needs a Hub token with write access"):
         check_hub_push(args)
     check_hub_push(SimpleNamespace(**{**vars(args), "hub_token": "hf_x"}))
+
+
+def standin_hub(monkeypatch, hub) -> None:
+    """Point this process's `huggingface_hub` client at the stand-in, online, with a token."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+
+
+def run_dir(path, files: dict, **options) -> SimpleNamespace:
+    """An output directory holding `files`, and the options of a push of it to someone/x."""
+    for name, data in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(data)
+    defaults = {"hub_model_id": "someone/x", "hub_private_repo": False, "push_predictions": False}
+    return SimpleNamespace(output_dir=str(path), **{**defaults, **options})
+
+
+@pytest.mark.fast
+def test_hub_private_repo_makes_an_existing_public_repository_private_before_uploading(tmp_path, monkeypatch):
+    """create_repo leaves an existing repository as it is: --hub_private_repo makes a public one
+    private (the Hub's settings call) before the commit, so no file of the run is ever public."""
+    from hub_standin import HubStandIn
+
+    from ddp_utils.hub import push_to_hub
+
+    with HubStandIn(tmp_path / "hub") as hub:
+        standin_hub(monkeypatch, hub)
+        hub.add_repo("someone/x", private=False, files={"config.json": b"{}"})
+        push_to_hub(run_dir(tmp_path / "run", {"README.md": b"# x\n", "config.json": b"{}"}, hub_private_repo=True))
+        (commit,) = hub.uploads()
+        calls = [(request["method"], request["path"].split("?")[0]) for request in hub.requests()]
+    assert commit["private"] is True and hub.repos["someone/x"]["private"] is True
+    assert calls.index(("PUT", "/api/models/someone/x/settings")) < calls.index(
+        ("POST", "/api/models/someone/x/commit/main")
+    ), calls
+
+
+@pytest.mark.fast
+def test_hub_private_repo_uploads_nothing_when_the_hub_will_not_make_the_repository_private(tmp_path, monkeypatch):
+    """A member who may write to an organisation's public repository but not change its
+    visibility: the push uploads nothing and says so in one line, with commands that make it
+    private first."""
+    from hub_standin import HubStandIn
+
+    from ddp_utils.errors import RunFailed
+    from ddp_utils.hub import push_to_hub
+
+    with HubStandIn(tmp_path / "hub", settings_fail_with=403) as hub:
+        standin_hub(monkeypatch, hub)
+        hub.add_repo("someone/x", private=False, files={"config.json": b"{}"})
+        with pytest.raises(RunFailed) as failed:
+            push_to_hub(run_dir(tmp_path / "run", {"README.md": b"# x\n"}, hub_private_repo=True))
+        assert hub.uploads() == [] and hub.repos["someone/x"]["private"] is False
+    message = str(failed.value)
+    assert "\n" not in message and "the push to the Hub repository 'someone/x' failed (it is public and " in message
+    assert "--hub_private_repo could not make it private (HfHubHTTPError: 403 " in message
+    assert "nothing uploaded); push it later with `hf repos create someone/x --private --exist-ok && " in message
+    assert "&& hf repos settings someone/x --private && hf upload someone/x " in message
+
+
+@pytest.mark.fast
+def test_a_push_replaces_the_files_of_an_earlier_push_in_one_commit(tmp_path, monkeypatch):
+    """A full model pushed with its predictions, then a LoRA adapter to the same repository: the
+    second push deletes what it did not write (the full weights, the config, the predictions it now
+    leaves out) in the commit that adds its own files, keeping .gitattributes; unchanged files stay."""
+    from hub_standin import GITATTRIBUTES, HubStandIn
+
+    from ddp_utils.hub import push_to_hub
+
+    shared = {"tokenizer.json": b"{}", "report/README.md": b"report"}
+    full = {"README.md": b"# full\n", "config.json": b"{}", "model.safetensors": b"full", "predictions.jsonl": b"{}\n"}
+    lora = {"README.md": b"# lora\n", "adapter_config.json": b"{}", "adapter_model.safetensors": b"lora"}
+    with HubStandIn(tmp_path / "hub") as hub:
+        standin_hub(monkeypatch, hub)
+        push_to_hub(run_dir(tmp_path / "full", {**full, **shared}, push_predictions=True))
+        extra = {"predictions.jsonl": b"{}\n", "checkpoint-2/model.safetensors": b"ckpt"}  # written, never uploaded
+        line = push_to_hub(run_dir(tmp_path / "lora", {**lora, **shared, **extra}))
+        first, second = hub.uploads()
+        held = hub.files("someone/x")
+    assert held == {".gitattributes": GITATTRIBUTES, **lora, **shared}, sorted(held)
+    deleted = [op["value"]["path"] for op in second["other_operations"] if op["key"] == "deletedFile"]
+    assert sorted(deleted) == ["config.json", "model.safetensors", "predictions.jsonl"]
+    assert sorted(second["files"]) == sorted(lora), "the unchanged files are not sent again"
+    assert "deleting the 3 file(s) of an earlier push: config.json, model.safetensors, predictions.jsonl" in line
+
+
+@pytest.mark.fast
+def test_a_push_overtaken_by_another_commit_fails_and_deletes_nothing(tmp_path, monkeypatch):
+    """The files to delete are those of the commit the push read: another push landing in between
+    makes the Hub refuse this commit (its parent is no longer the head), and keeps that push's files."""
+    from hub_standin import HubStandIn
+    from huggingface_hub import HfApi
+
+    from ddp_utils.errors import RunFailed
+    from ddp_utils.hub import push_to_hub
+
+    def another_push():
+        if not overtaken:
+            overtaken.append(True)
+            HfApi().upload_file(path_or_fileobj=b"other", path_in_repo="other.txt", repo_id="someone/x")
+
+    overtaken = []
+    with HubStandIn(tmp_path / "hub", on_commit=another_push) as hub:
+        standin_hub(monkeypatch, hub)
+        hub.add_repo("someone/x", files={"config.json": b"{}"})
+        refused = r"failed \(HfHubHTTPError: .*412 Precondition Failed.*: A commit has happened since"
+        with pytest.raises(RunFailed, match=refused):
+            push_to_hub(run_dir(tmp_path / "run", {"README.md": b"# x\n"}))
+        assert sorted(hub.files("someone/x")) == [".gitattributes", "config.json", "other.txt"]
+
+
+@pytest.mark.fast
+def test_push_to_hub_refuses_the_default_output_dir_names_without_hub_model_id(tmp_path, monkeypatch):
+    """Without --hub_model_id the repository is the output directory's name: a name that the scripts,
+    the Makefile or the docs give would be one repository for many runs, each push replacing the
+    last. Every script refuses its default while parsing; any other name, or --hub_model_id, goes."""
+    import re
+
+    from huggingface_hub import constants
+
+    from ddp_utils.hub import check_hub_push
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for script in ("train", "train_sft", "train_dpo", "train_clm", "train_image"):
+        expected = f"--push_to_hub without --hub_model_id pushes to the repository named after --output_dir, '{script}'"
+        refused_in_process(script, ["--model_name_or_path", "someone/model", "--push_to_hub"], expected)
+    sources = [REPO / "Makefile", REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    names = {"run"} | set(re.findall(r"--output_dir outputs/(\w+)\b", "".join(p.read_text() for p in sources)))
+    assert {"demo", "demo_sft", "sft"} <= names, names
+    for name in names:
+        args = SimpleNamespace(hub_token="hf_x", hub_model_id=None, output_dir=f"outputs/{name}")
+        with pytest.raises(UsageError, match=rf"'{name}', a default name that other runs share, .* --hub_model_id "):
+            check_hub_push(args)
+        check_hub_push(SimpleNamespace(**{**vars(args), "hub_model_id": "someone/x"}))
+    check_hub_push(SimpleNamespace(hub_token="hf_x", hub_model_id=None, output_dir="outputs/minilm-reviews-lr3e-5"))
+
+
+@pytest.mark.fast
+def test_a_hub_token_on_the_command_line_is_warned_about_once_per_job(monkeypatch, caplog):
+    """/proc/<pid>/cmdline shows --hub_token to every user of the machine, whatever sys.argv
+    becomes: rank 0 says so, and what to do instead; the token still works, and is never logged."""
+    import logging
+    import sys
+
+    from ddp_utils.redact import hide_secret_args
+
+    def warnings(rank: str, token: str | None) -> list[str]:
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setattr(sys, "argv", ["train.py", *(["--hub_token", token] if token else [])])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            hide_secret_args(SimpleNamespace(hub_token=token))
+        return [record.getMessage() for record in caplog.records]
+
+    token = "hf_OnTheCommandLine0001"
+    monkeypatch.setenv("HF_TOKEN", "hf_restored_after_the_test")
+    (warning,) = warnings("0", token)
+    assert sys.argv == ["train.py", "--hub_token", "<redacted>"] and os.environ["HF_TOKEN"] == token
+    assert "every user of this machine can read" in warning and "/proc/<pid>/cmdline" in warning, warning
+    assert warning.endswith("set HF_TOKEN in the environment or run `hf auth login` instead") and token not in warning
+    assert warnings("1", token) == [], "once per job: rank 0 only"
+    assert warnings("0", None) == [], "no warning without --hub_token"
 
 
 @pytest.mark.fast
