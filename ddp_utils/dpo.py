@@ -1,9 +1,8 @@
 """Preference losses (DPO, IPO, SimPO) from the log-probabilities of each pair's two answers, the
 frozen reference's log-probs without a second model in memory, and the preference evaluation.
 
-A batch from `preference_data.PairCollator` holds one row per pair, its prompt then both answers:
-one forward pass scores both sides (`pair_logps`), with logits only where an answer token is
-predicted.
+Both answers of a pair are scored in one forward pass (`pair_scoring.pair_logps`), with logits only
+where an answer token is predicted.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,10 +17,10 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from .causal_lm import IGNORE_INDEX
 from .dataloaders import make_eval_dataloader
 from .errors import UsageError
 from .evaluation import gather_for_eval
+from .pair_scoring import ONE_ROW, TWO_ROWS, PairLogps, attention_of, pair_logps
 
 logger = get_logger(__name__)
 
@@ -36,73 +34,6 @@ PREFERENCE_SCORES = (
     "eval_chosen_logps",
     "eval_rejected_logps",
 )
-
-
-class PairLogps(NamedTuple):
-    """Per pair: the summed log-probabilities of its chosen and rejected answer, and their tokens."""
-
-    chosen: torch.Tensor
-    rejected: torch.Tensor
-    chosen_tokens: torch.Tensor
-    rejected_tokens: torch.Tensor
-
-
-def pair_logps(model, batch: dict) -> PairLogps:
-    """The answers' log-probs of a `PairCollator` batch: one forward pass over its rows (each
-    prompt computed once for both answers), the LM head run only at the positions that predict an
-    answer token. Leaves `batch` as it was. No communication (the model's forward pass may gather
-    FSDP shards, on every rank alike)."""
-    chosen, rejected = batch["chosen_targets"], batch["rejected_targets"]
-    keep = (chosen != IGNORE_INDEX) | (rejected != IGNORE_INDEX)
-    mask = batch["attention_mask"]  # (B, 1, L, L), True where a position may attend
-    if _attention(model) == "eager":  # eager attention adds the mask to its scores
-        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    logits = model(
-        input_ids=batch["input_ids"],
-        position_ids=batch["position_ids"],
-        attention_mask=mask,
-        use_cache=False,
-        logits_to_keep=keep,
-    ).logits.float()  # (positions kept in the batch, vocab)
-    normaliser = logits.logsumexp(dim=-1)
-    rows = keep.nonzero()[:, 0]
-
-    def side(targets):  # per row: the summed log-probs of this side's tokens, and their count
-        wanted = targets[keep]
-        real = wanted != IGNORE_INDEX
-        token_logps = (torch.take_along_dim(logits, wanted.clamp(min=0)[:, None], dim=1)[:, 0] - normaliser) * real
-        zeros = torch.zeros(len(targets), device=logits.device)
-        return zeros.index_add(0, rows, token_logps), zeros.index_add(0, rows, real.float())
-
-    (chosen_logps, chosen_tokens), (rejected_logps, rejected_tokens) = side(chosen), side(rejected)
-    return PairLogps(chosen_logps, rejected_logps, chosen_tokens, rejected_tokens)
-
-
-def _attention(model) -> str:
-    inner = getattr(model, "module", model)  # under DDP or DeepSpeed
-    return getattr(getattr(inner, "config", None), "_attn_implementation", None) or "sdpa"
-
-
-def check_pair_attention(model, block_size: int) -> None:
-    """A UsageError, before any work, for an attention that cannot take the pairs' own mask (the
-    rejected answer hidden from the chosen one): flash-attention and flex kernels take none; and for
-    a sliding window (or chunked attention) shorter than a pair's row can be (the prompt and both
-    answers: up to twice `block_size`), which the given mask would not apply. No communication."""
-    attention = _attention(model)
-    if attention not in ("sdpa", "eager"):
-        raise UsageError(
-            f"the model's attention is {attention!r}, which takes no custom attention mask, and each pair's row "
-            "needs one (its two answers share the prompt, not each other); load it with attn_implementation='sdpa'"
-        )
-    config = getattr(model, "module", model).config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
-    windowed = any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ["windowed"])
-    if window and windowed and 2 * block_size > window:
-        raise UsageError(
-            f"this model attends within a window of {window} tokens, and a pair's row (its prompt and both answers) "
-            f"can reach {2 * block_size}; give --block_size {window // 2} or less"
-        )
 
 
 def preference_losses(policy: PairLogps, reference, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -209,7 +140,8 @@ def make_reference(accelerator: Accelerator, args, model, tokenized, collate_fn,
         logger.info("reference: the model with its LoRA adapters turned off (no second copy in memory)")
         # Without the compiled wrapper: unwrapping with it would rewire the compiled module around the inner one.
         return Reference("adapters off", adapters=accelerator.unwrap_model(model, keep_torch_compile=False))
-    key = reference_cache_key(args, config, tokenized, accelerator, model)
+    layout = TWO_ROWS if getattr(collate_fn, "two_rows", False) else ONE_ROW  # the float sums differ a little
+    key = reference_cache_key(args, config, tokenized, accelerator, model, layout)
     path = None
     if key:
         import datasets
@@ -266,11 +198,11 @@ def precompute_reference(accelerator: Accelerator, model, dataloaders: dict) -> 
     return tables
 
 
-def reference_cache_key(args, config, tokenized, accelerator: Accelerator, model) -> str | None:
+def reference_cache_key(args, config, tokenized, accelerator: Accelerator, model, layout: str = ONE_ROW) -> str | None:
     """The name the precomputed reference log-probs are cached under: a hash of the tokenized
     data (its `datasets` fingerprints: the records, the tokenizer, the block size), the model (its
     name, Hub revision, the size and time of each of its local weight files, its weights' dtype and
-    its attention), and how it computes (the precision and the distributed type). None when a split
+    its attention), and how it computes (the precision, the distributed type, the pair layout). None when a split
     has no fingerprint. No communication."""
     fingerprints = {split: getattr(data, "_fingerprint", None) for split, data in tokenized.items()}
     if not all(fingerprints.values()):
@@ -288,10 +220,11 @@ def reference_cache_key(args, config, tokenized, accelerator: Accelerator, model
         "revision": getattr(config, "_commit_hash", None),
         "files": files,
         "dtype": str(next(model.parameters()).dtype),
-        "attention": _attention(model),
+        "attention": attention_of(model),
         "precision": accelerator.mixed_precision,
         "distributed": accelerator.distributed_type.value,
-        "version": 1,  # raise it when what pair_logps computes from the same rows changes
+        "layout": layout,
+        "version": 2,  # raise it when what pair_logps computes from the same rows changes (2: the pair layout)
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -29,7 +29,6 @@ from ddp_utils.dpo import (
     LOSSES,
     PREFERENCE_SCORES,
     check_dpo_args,
-    check_pair_attention,
     disable_dropout,
     evaluate_preferences,
     make_reference,
@@ -37,6 +36,7 @@ from ddp_utils.dpo import (
     preference_losses,
 )
 from ddp_utils.generation import GENERATION_SCORES, make_generation_dataloader, score_by_generation
+from ddp_utils.pair_scoring import TWO_ROWS, choose_pair_layout
 from ddp_utils.preference_data import PairCollator, detect_pair_format, tokenize_pairs
 
 logger = get_logger(__name__)
@@ -171,10 +171,11 @@ def main():
     model = ddp_utils.load_causal_lm(args, config, tokenizer)  # every rank at once (a collective under ZeRO-3)
     if args.disable_dropout:  # the policy and its reference then compute the same function until the first update
         disable_dropout(model)
-    check_pair_attention(model, data_report["block_size"])  # a pair's row hides its rejected answer: a custom mask
+    # All ranks: one row per pair (its prompt once) where that scores each answer as if alone; else two rows.
+    layout = choose_pair_layout(accelerator, model, data_report["block_size"])
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates; LoRA's base stays
     multiple = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
-    collate = PairCollator(tokenizer.pad_token_id, pad_to_multiple_of=multiple)  # a row: prompt, chosen, rejected
+    collate = PairCollator(tokenizer.pad_token_id, pad_to_multiple_of=multiple, two_rows=layout == TWO_ROWS)
     train_dataloader = ddp_utils.make_train_dataloader(
         tokenized["train"], args, accelerator, collate, length_column="length"
     )
@@ -253,7 +254,8 @@ def main():
     log.close()
     # The model (or with LoRA the adapter, and with --merge_lora also merged/) as safetensors, with the tokenizer.
     ddp_utils.save_with_merged(accelerator, model, args, tokenizer)  # all ranks
-    facts = {**data_report, "reference": reference.kind or "none", **backoff.facts(), **checkpointer.facts()}
+    facts = {**data_report, "reference": reference.kind or "none", "pair_layout": layout}
+    facts.update(backoff.facts(), **checkpointer.facts())
     ddp_utils.write_results(accelerator, args, plan, {**scores, **zero_shot}, facts, confusion=confusion)  # all ranks
     accelerator.end_training()
 
