@@ -7,6 +7,7 @@ sets its own defaults for the values that differ between tasks (`parser.set_defa
 from __future__ import annotations
 
 import argparse
+import json
 
 from .errors import UsageError
 from .training_log import parse_report_to
@@ -291,6 +292,11 @@ def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--block_size", type=int, default=None, help="tokens per sequence (default: the model's context, at most 1024)"
     )
+    p.add_argument(
+        "--chat_template_kwargs",
+        default=None,
+        help="JSON keyword arguments of the chat template, e.g. '{\"enable_thinking\": false}' for Qwen3",
+    )
     p.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains all weights")
     p.add_argument(
         "--lora_alpha", type=float, default=16, help="LoRA scaling numerator (the update is scaled by alpha / r)"
@@ -323,6 +329,16 @@ def check_causal_lm_args(args) -> None:
 
     check_positive(args, "block_size")
     check_lora_args(args)
+    if isinstance(args.chat_template_kwargs, str):
+        given = args.chat_template_kwargs
+        try:
+            args.chat_template_kwargs = json.loads(given)
+        except json.JSONDecodeError:
+            args.chat_template_kwargs = None
+        if not isinstance(args.chat_template_kwargs, dict):
+            raise UsageError(
+                f"--chat_template_kwargs takes a JSON object, e.g. '{{\"enable_thinking\": false}}'; got {given!r}"
+            )
     if args.learning_rate is None:
         args.learning_rate = 2e-4 if args.lora_r else 2e-5
 

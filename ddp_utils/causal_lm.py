@@ -169,6 +169,9 @@ def load_config_and_tokenizer(args):
     config = load_model_config(args.model_name_or_path, args.trust_remote_code)
     fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    tokenizer.chat_template_kwargs = getattr(
+        args, "chat_template_kwargs", None
+    )  # every render of the run (chat.render)
     context = getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length
     block_size = args.block_size or min(context, 1024)
     if block_size > context:
@@ -197,6 +200,7 @@ def load_tokenizer(model_name_or_path: str, trust_remote_code: bool = False):
             "(padding is masked out of the loss)"
         )
         tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.borrowed_pad_token = True  # saved without it (output.write_pretrained): pad = eos is ours alone
     return tokenizer
 
 

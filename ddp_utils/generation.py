@@ -3,6 +3,7 @@ processes, and the answers scored against the references."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import string
@@ -74,6 +75,47 @@ class LeftPaddingCollator:
         }
 
 
+def stop_token_ids(tokenizer, generation_config) -> list[int]:
+    """Every token that ends an answer: the model's generation EOS (one or several), the tokenizer's
+    EOS, and the chat template's end of turn, which training teaches (`chat.end_of_turn`) and which
+    base models' EOS often is not. No communication."""
+    from .chat import end_of_turn
+
+    eos = generation_config.eos_token_id if generation_config is not None else None
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    ids += [tokenizer.eos_token_id, end_of_turn(tokenizer)[0]]
+    return sorted({i for i in ids if i is not None})
+
+
+def greedy_config(max_new_tokens: int, stop_ids: list[int], tokenizer):
+    """Greedy decoding and nothing else: no sampling, no penalty, no banned or forced token. Run it
+    under `only_this_config`, since generate() fills every field left unset from the model's own
+    generation_config (Qwen2.5-Instruct's repetition_penalty 1.05 was applied)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=stop_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+
+
+@contextlib.contextmanager
+def only_this_config(model):
+    """While generating: the model's own generation_config replaced by an empty one, so the fields our
+    config leaves unset take transformers' defaults (off), not the checkpoint's sampling and penalties."""
+    from transformers import GenerationConfig
+
+    saved, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
 def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max_new_tokens: int) -> list[str]:
     """All ranks call this (a gather per batch): greedy answers of at most `max_new_tokens` tokens
     to every prompt of a prepared dataloader of `LeftPaddingCollator` batches, in the dataset's
@@ -85,21 +127,8 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
     The collator's `shared_prefix` first tokens, the same in every prompt, are computed once per
     call and their cache copied into each batch's, so the prompt pass skips them (on the demo, 13
     of about 120 prompt tokens)."""
-    from transformers import GenerationConfig
-
     generator = accelerator.unwrap_model(model)
-    eos = (
-        generator.generation_config.eos_token_id
-        if generator.generation_config.eos_token_id is not None
-        else tokenizer.eos_token_id
-    )
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-    )
+    config = greedy_config(max_new_tokens, stop_token_ids(tokenizer, generator.generation_config), tokenizer)
     synced = accelerator.num_processes > 1 and is_sharded(accelerator)
 
     shared_prefix = (
@@ -124,7 +153,7 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
                 )
             cache = copy.deepcopy(prefix)
             cache.batch_repeat_interleave(len(batch["input_ids"]))
-        with accelerator.autocast():  # the run's mixed precision: generate() bypasses the prepared model's forward
+        with accelerator.autocast(), only_this_config(generator):  # the run's precision; no field of the model's
             output = generator.generate(
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
@@ -145,8 +174,14 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
     return [tokenizer.decode(results["answer_ids"][i], skip_special_tokens=True).strip() for i in order]
 
 
+THINKING = re.compile(r"^\s*<think>.*?(</think>|$)", re.DOTALL)  # a reasoning block first (Qwen3), ended or cut off
+
+
 def normalize_answer(text: str) -> str:
-    """Lower case, punctuation dropped, whitespace collapsed: "Positive." == "positive"."""
+    """A leading thinking block dropped (a reasoning model's answer follows it; one cut off by the
+    length limit leaves no answer), lower case, punctuation dropped, whitespace collapsed:
+    "<think>...</think> Positive." == "positive"."""
+    text = THINKING.sub("", text)
     text = text.lower().translate(str.maketrans("", "", string.punctuation))
     return re.sub(r"\s+", " ", text).strip()
 

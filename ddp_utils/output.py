@@ -109,6 +109,21 @@ def saved_dtype(model, dtype: str = "auto"):
     return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else None
 
 
+def save_processor(processor, directory: str) -> None:
+    """`processor.save_pretrained(directory)`, a tokenizer with the pad token it was loaded with: one
+    that had none got EOS for padding here (`causal_lm.load_tokenizer`), and saved so, a user's later
+    collator that masks padding by token id would mask every EOS and stop learning to end answers."""
+    if not getattr(processor, "borrowed_pad_token", False):
+        processor.save_pretrained(directory)
+        return
+    pad = processor.pad_token
+    processor.pad_token = None
+    try:
+        processor.save_pretrained(directory)
+    finally:
+        processor.pad_token = pad
+
+
 def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtype=None) -> None:
     """Write `model.save_pretrained` with the gathered full `state_dict` (its floating-point
     tensors cast to `dtype`, if given), and the processors, first into a staging directory inside
@@ -126,7 +141,7 @@ def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtyp
         if dtype is not None:
             _record_dtype(staging, dtype)
         for processor in processors:
-            processor.save_pretrained(staging)
+            save_processor(processor, staging)
         for name in os.listdir(staging):
             target = os.path.join(output_dir, name)
             if os.path.isdir(target) and not os.path.islink(target):

@@ -14,7 +14,7 @@ import torch
 from accelerate.logging import get_logger
 
 from .causal_lm import IGNORE_INDEX
-from .chat import text_content
+from .chat import cut_middle, head_length, render, text_content
 from .dataloaders import SAMPLE_WEIGHT
 from .errors import UsageError
 from .exact_loss import INPUT_TOKENS
@@ -184,10 +184,6 @@ def _as_turns(answer):
     return [answer] if isinstance(answer, dict) else answer
 
 
-def _render(tokenizer, messages, generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-
 def tokenize_pair(pair, fmt: PairFormat, tokenizer) -> tuple[list[int], list[int], list[int], str]:
     """(prompt ids, chosen ids, rejected ids, the chosen answer's text) of one pair, each answer
     tokenized on its own after the prompt, as the model generates it. Turns: the chat template,
@@ -211,10 +207,10 @@ def tokenize_pair(pair, fmt: PairFormat, tokenizer) -> tuple[list[int], list[int
             f"these conversations need a chat template, and the tokenizer of {tokenizer.name_or_path!r} has none; "
             "use an instruct model's tokenizer, or give prompt/chosen/rejected as plain strings"
         )
-    asked = _render(tokenizer, prompt, generation_prompt=True)
+    asked = render(tokenizer, prompt, generation_prompt=True)
     answers = []
     for answer in (chosen, rejected):
-        whole = _render(tokenizer, prompt + answer)
+        whole = render(tokenizer, prompt + answer)
         if not whole.startswith(asked):
             raise UsageError(
                 "this chat template renders the prompt differently once an answer follows, so the answer's tokens "
@@ -225,13 +221,20 @@ def tokenize_pair(pair, fmt: PairFormat, tokenizer) -> tuple[list[int], list[int
     return prompt_ids, answers[0], answers[1], "\n".join(turn["content"] for turn in chosen)
 
 
+def prompt_head(prompt, fmt: PairFormat, tokenizer) -> int:
+    """The first tokens of a pair's prompt that a cut keeps (`chat.head_length`): BOS, and a system turn."""
+    if isinstance(prompt, list) and fmt.chat_template is not False and tokenizer.chat_template:
+        return head_length(tokenizer, prompt, render(tokenizer, prompt, generation_prompt=True))
+    return 1 if tokenizer.bos_token_id is not None else 0
+
+
 def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_new_tokens: int = 0, num_proc=None):
     """(tokenized splits, report). "train" and "validation": rows of prompt_ids, chosen_ids,
     rejected_ids, `length` (prompt + both answers: the pair's row in `PairCollator`) and `index`
     (the row's number, by which evaluation gathers each pair once). `block_size` bounds what the
-    model sees as one sequence, the prompt and one answer: both sides keep the same prompt, cut
-    from its start when it and the longer answer pass `block_size`; a pair whose longer answer
-    alone does not fit is dropped; both counted in the report and logged.
+    model sees as one sequence, the prompt and one answer: both sides keep the same prompt, cut after
+    BOS and the system turn (`chat.head_length`) when it and the longer answer pass `block_size`; a
+    pair whose longer answer alone does not fit is dropped; both counted in the report and logged.
     "generate": the validation prompts (index, input_ids, reference: the chosen answer), when
     `eval_max_new_tokens`, for `generation.score_by_generation`."""
     # Plain strings become chat turns as in train_sft.py; an implicit prompt's texts are whole as given.
@@ -246,7 +249,8 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
             longest = max(len(chosen), len(rejected))
             cut = max(len(prompt) + longest - block_size, 0)
             fits = cut < len(prompt)  # a prompt token must be left to predict the answers' first token
-            out["prompt_ids"].append(prompt[cut:] if fits else [])
+            head = prompt_head(pair[0], fmt, tokenizer) if cut and fits else 0  # BOS and the system turn stay
+            out["prompt_ids"].append(cut_middle(prompt, head, cut) if fits else [])
             out["chosen_ids"].append(chosen if fits else [])
             out["rejected_ids"].append(rejected if fits else [])
             out["length"].append(len(prompt) - cut + len(chosen) + len(rejected) if fits else 0)
@@ -286,8 +290,8 @@ def _count_cuts(cut: np.ndarray, split: str, block_size: int) -> dict:
     if counts[f"{split}_pairs_prompt_cut"]:
         logger.info(
             f"{split}: {counts[f'{split}_pairs_prompt_cut']} pairs longer than --block_size {block_size} lost "
-            f"{counts[f'{split}_prompt_tokens_cut']} prompt tokens from their start, the same on both sides; their "
-            "answers are whole"
+            f"{counts[f'{split}_prompt_tokens_cut']} prompt tokens after BOS and the system turn, the same on both "
+            "sides; their answers are whole"
         )
     if counts[f"{split}_pairs_dropped"]:
         logger.warning(

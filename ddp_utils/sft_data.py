@@ -12,7 +12,16 @@ import numpy as np
 from accelerate.logging import get_logger
 
 from .causal_lm import IGNORE_INDEX, pack_sequences
-from .chat import as_messages, check_messages, fit_block, generation_prompt, text_content, tokenize_conversation
+from .chat import (
+    as_messages,
+    check_messages,
+    cut_middle,
+    fit_block,
+    generation_prompt,
+    head_length,
+    text_content,
+    tokenize_conversation,
+)
 from .errors import UsageError
 
 logger = get_logger(__name__)
@@ -177,12 +186,13 @@ def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, in
     prompt = _bos(tokenizer) + tokenizer(prompt + PROMPT_SEPARATOR, add_special_tokens=False)["input_ids"]
     completion = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     labels = (prompt if fmt.loss_on == "all" else [IGNORE_INDEX] * len(prompt)) + completion
-    return fit_block(prompt + completion, labels, block_size, cut_targets=fmt.loss_on == "all")
+    head = len(_bos(tokenizer))
+    return fit_block(prompt + completion, labels, block_size, cut_targets=fmt.loss_on == "all", head=head)
 
 
 def generation_prompt_ids(record: dict, fmt: SFTFormat, tokenizer, max_prompt_tokens: int, index: int = 0):
-    """(prompt ids that ask for the record's last answer, cut from the start to
-    `max_prompt_tokens`; the reference answer; whether it was cut)."""
+    """(prompt ids that ask for the record's last answer, cut to `max_prompt_tokens` after BOS and
+    the system turn as in training (`chat.head_length`); the reference answer; whether it was cut)."""
     messages = fmt.turns(record, index, "validation")
     if messages is not None:
         text, reference = generation_prompt(tokenizer, messages)
@@ -190,7 +200,37 @@ def generation_prompt_ids(record: dict, fmt: SFTFormat, tokenizer, max_prompt_to
     else:
         prompt, reference = fmt.prompt_and_completion(record)
         ids = _bos(tokenizer) + tokenizer(prompt + PROMPT_SEPARATOR, add_special_tokens=False)["input_ids"]
-    return ids[-max_prompt_tokens:], reference, len(ids) > max_prompt_tokens
+    cut = max(len(ids) - max_prompt_tokens, 0)
+    if not cut:
+        return ids, reference, False
+    head = head_length(tokenizer, messages, text) if messages is not None else len(_bos(tokenizer))
+    return cut_middle(ids, head, cut), reference, True
+
+
+def warn_of_answers_that_never_stop(rows, tokenizer, fmt: SFTFormat, sample: int = 200) -> None:
+    """Warn once when the answers learned do not end with a token generation stops at (EOS, or the
+    chat template's end of turn, `chat.end_of_turn`): the model would learn no end of its answers,
+    and every answer by generation would run to --eval_max_new_tokens. A template that ends turns
+    with whitespace alone is named. Looks at the first `sample` rows; no communication."""
+    from .chat import end_of_turn
+
+    end, after = end_of_turn(tokenizer) if fmt.chat_template else (None, "")
+    if fmt.chat_template and end is None:
+        logger.warning(
+            f"this chat template ends an assistant turn with whitespace alone ({after!r}), which is not learned: the "
+            "model learns no end of its answers, and generation stops only at EOS or --eval_max_new_tokens; give a "
+            "template that ends turns with a token"
+        )
+        return
+    stops = {tokenizer.eos_token_id, end} - {None}
+    last = [next((t for t in reversed(labels) if t != IGNORE_INDEX), None) for labels in rows[:sample]["labels"]]
+    open_ended = [token for token in last if token is not None and token not in stops]
+    if open_ended and fmt.loss_on != "all":
+        logger.warning(
+            f"{len(open_ended)} of the first {len(last)} answers end with {tokenizer.decode([open_ended[0]])!r}, "
+            "not with a token generation stops at (EOS or the chat template's end of turn): the model will not learn "
+            "to stop there"
+        )
 
 
 def tokenize_sft(
@@ -252,6 +292,7 @@ def tokenize_sft(
                 f"no {split} record's last answer fits in --block_size {block_size} tokens; raise --block_size "
                 "(--loss_on last_assistant learns the last answer only, it would not fit either)"
             )
+    warn_of_answers_that_never_stop(tokenized["train"], tokenizer, fmt)
     if eval_max_new_tokens:
         tokenized["generate"], report["eval_prompts_cut"] = _eval_prompts(
             raw["validation"], fmt, tokenizer, block_size - eval_max_new_tokens
@@ -313,8 +354,8 @@ def _count_cuts(cut: np.ndarray, answers_dropped: np.ndarray, split: str, block_
     if counts[f"{split}_records_context_cut"]:
         logger.info(
             f"{split}: {counts[f'{split}_records_context_cut']} records longer than --block_size {block_size} "
-            f"lost {counts[f'{split}_context_tokens_cut']} tokens of context from their start; their answers "
-            "that are learned are whole"
+            f"lost {counts[f'{split}_context_tokens_cut']} tokens of context after BOS and the system turn; "
+            "their answers that are learned are whole"
         )
     if counts[f"{split}_answers_left_out"]:
         logger.info(

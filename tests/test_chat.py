@@ -94,24 +94,27 @@ def test_a_template_that_re_renders_history_is_refused_with_the_fix(tokenizer):
 
 
 @pytest.mark.fast
-def test_a_long_record_loses_context_from_its_start_never_its_answer(tokenizer):
+def test_a_long_record_loses_context_after_bos_never_its_answer(tokenizer):
+    """The cut keeps BOS (and a system turn: test_chat_templates.py), and the newest turns."""
     row = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=64)
-    n = len(row.input_ids)
+    n, bos = len(row.input_ids), row.input_ids[:1]
+    assert bos == [tokenizer.bos_token_id]
     first_answer = row.labels.index(tokens(tokenizer, "w1")[0])  # after '<s> user: the movie assistant:'
-    # Context cut up to the token before the first answer (which predicts it): fits.
-    fits = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - (first_answer - 1))
-    assert fits.context_cut == first_answer - 1 and fits.labels == row.labels[first_answer - 1 :]
+    # Context cut after BOS up to the token before the first answer (which predicts it): fits.
+    fits = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - (first_answer - 2))
+    assert fits.context_cut == first_answer - 2 and fits.input_ids == bos + row.input_ids[first_answer - 1 :]
+    assert fits.labels == [IGNORE_INDEX] + row.labels[first_answer - 1 :]
     # One token more would cut into the first answer: it is not trained half, but left in as context and not
     # learned, and the newest answer, which fits whole, is kept with it (before, the whole record was dropped).
-    kept = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - first_answer)
-    assert kept.answers_dropped == 1 and kept.input_ids == row.input_ids[first_answer:]
+    kept = tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - (first_answer - 1))
+    assert kept.answers_dropped == 1 and kept.input_ids == bos + row.input_ids[first_answer:]
     assert [t for t in kept.labels if t != IGNORE_INDEX] == tokens(tokenizer, "w3 </s>")
     # Not even the last answer fits: dropped.
     last_answer = len(row.labels) - 1 - row.labels[::-1].index(tokens(tokenizer, "w3")[0])
-    assert tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - last_answer) is None
+    assert tokenize_conversation(tokenizer, CONVERSATION, "assistant", block_size=n - (last_answer - 1)) is None
     # Training on the last answer only, the first one is context and may go.
-    last = tokenize_conversation(tokenizer, CONVERSATION, "last_assistant", block_size=n - first_answer - 2)
-    assert last.context_cut == first_answer + 2 and last.input_ids == row.input_ids[first_answer + 2 :]
+    last = tokenize_conversation(tokenizer, CONVERSATION, "last_assistant", block_size=n - first_answer - 1)
+    assert last.context_cut == first_answer + 1 and last.input_ids == bos + row.input_ids[first_answer + 2 :]
     assert [t for t in last.labels if t != IGNORE_INDEX] == tokens(tokenizer, "w3 </s>")
     # The answer itself never gets cut: with fewer tokens than answer + one of context, dropped.
     assert fit_block([1, 2, 3, 4], [IGNORE_INDEX, IGNORE_INDEX, 3, 4], block_size=3) is not None
