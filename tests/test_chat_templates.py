@@ -122,7 +122,7 @@ def hooked(model, prompt_length, plan):
     model.register_forward_hook(force, with_kwargs=True)
 
 
-@pytest.mark.parametrize("family", ["llama3-base", "qwen2.5-base", "qwen3", "gemma3", "phi3", "mistral-v0.3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_generation_stops_at_the_end_of_turn_greedily(family, tmp_path):
     """Base models' EOS is not their template's end of turn: answers ran to --eval_max_new_tokens
     ("positive user ..."). And the checkpoint's repetition penalty was applied to "greedy" answers."""
