@@ -84,7 +84,8 @@ def parse_args(argv=None):
 
 # ==================================== DATA ====================================
 # The one place to edit for your own text: return a DatasetDict with a "train" split (and
-# "validation" if you have one) holding a "text" column of raw text.
+# "validation" if you have one) holding a "text" column of raw text. Another name, on what a branch
+# below returns: data = data.rename_columns({"body": "text"}) (or pass --text_column body).
 def load_raw_datasets(args):
     if args.train_file:
         files = {"train": args.train_file, **({"validation": args.validation_file} if args.validation_file else {})}

@@ -235,16 +235,20 @@ def test_each_script_shows_its_whole_training_step(script):
 
 
 @pytest.mark.fast
-def test_the_step_that_docs_design_md_quotes_is_still_the_scripts_own_code():
-    """The excerpt of scripts/train.py in docs/design.md: each of its lines is a line of the script,
-    in the same order (the script may hold more between them), so the copy cannot drift."""
-    design = (REPO / "docs" / "design.md").read_text()
-    excerpt = design.split("line for line (lines left out between):\n\n```python\n", 1)[1].split("```", 1)[0]
-    script = [line.strip() for line in SCRIPTS["train"].read_text().splitlines()]
-    position = 0
-    for line in (line.strip() for line in excerpt.splitlines() if line.strip()):
-        assert line in script[position:], f"docs/design.md quotes a line scripts/train.py no longer has: {line}"
-        position = script.index(line, position) + 1
+def test_no_doc_copies_the_code_of_the_scripts_or_ddp_utils():
+    """Docs name the code and link to its lines; a copy would drift, or make every edit of the step
+    an edit of the docs too (issue 41). No line of a fenced code block in the README or docs/ (other
+    than a command to run) is a line of the scripts or of ddp_utils."""
+    import re
+
+    code = set()
+    for path in [*SCRIPTS.values(), *(REPO / "ddp_utils").rglob("*.py")]:
+        code.update(line.strip() for line in path.read_text().splitlines() if len(line.strip()) > 24)
+    copied = []
+    for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        for block in re.findall(r"```(?:python|py)?\n(.*?)```", doc.read_text(), flags=re.DOTALL):
+            copied += [f"{doc.name}: {line.strip()}" for line in block.splitlines() if line.strip() in code]
+    assert copied == [], f"docs copy code; name it and link to its lines instead: {copied[:3]}"
 
 
 @pytest.mark.fast
