@@ -19,8 +19,10 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 
 from .checkpoint_load import LAYOUT, describe_layout, find_resume_checkpoint, load_checkpoint
-from .checkpoint_save import checkpoint_bytes, save_checkpoint, warn_if_the_disk_is_small
+from .checkpoint_save import checkpoint_bytes, save_checkpoint, set_aside_later_checkpoints, warn_if_the_disk_is_small
+from .errors import UsageError
 from .preemption import PreemptionHandler
+from .ranks import from_main_process
 
 logger = get_logger(__name__)
 
@@ -80,11 +82,14 @@ class Checkpointer:
         "latest" is resolved, and the checkpoint's state read and checked, on the main process and
         sent to every rank, so ranks with different views of a shared file system resume from the
         same one (see `load_checkpoint`). A checkpoint of another layout with the same global batch
-        resumes elastically (see `_resumed_elastically`)."""
+        resumes elastically (see `_resumed_elastically`). The checkpoints in the output directory
+        past the resumed step, an abandoned run's, are renamed aside with a warning, on the main
+        process (`set_aside_later_checkpoints`)."""
         path = find_resume_checkpoint(self.accelerator, self.output_dir, self.resume_from)
         if path:
             saved = load_checkpoint(self.accelerator, path, self.identity)
             plan.progress.update({key: saved[key] for key in plan.progress if key in saved})
+            self._set_aside_later_checkpoints(plan.step)
             # Accelerate's micro-batch counter decides which micro-batch of a step synchronises the
             # gradients. It was saved per rank, in the checkpoint's micro-batches: count it in this run's.
             self.accelerator.step = plan.step * self.accelerator.gradient_accumulation_steps
@@ -101,6 +106,28 @@ class Checkpointer:
                 self._resumed_elastically(saved_layout, plan.step)
         elif self.resume_from:
             logger.info(f"no complete checkpoint in {self.output_dir}: starting from scratch")
+
+    def _set_aside_later_checkpoints(self, step: int) -> None:
+        """All ranks call this after a resume from `step` (one broadcast): the main process renames
+        the output directory's checkpoints past that step aside, and warns, naming them."""
+
+        def set_aside():
+            try:
+                return set_aside_later_checkpoints(self.output_dir, step)
+            except OSError as exc:
+                raise UsageError(
+                    f"resumed from step {step}, but could not set aside the later checkpoints in {self.output_dir!r}, "
+                    f"an abandoned run's ({exc}); move them out of it, then resume again"
+                ) from None
+
+        moved = from_main_process(self.accelerator, set_aside)
+        if moved:
+            logger.warning(
+                f"resumed from step {step}: the checkpoints past it in {self.output_dir!r} belong to a run that went "
+                f"on from there, now abandoned, and are set aside where neither --resume_from_checkpoint latest nor "
+                f"--checkpoints_total_limit sees them: {', '.join(f'{old} -> {new}' for old, new in moved)}. Delete "
+                "them once you no longer need them"
+            )
 
     def _resumed_elastically(self, saved_layout: dict, step: int) -> None:
         """After a resume onto another layout: the per-rank RNG states cannot be mapped onto it

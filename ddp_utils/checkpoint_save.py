@@ -8,7 +8,10 @@ NumPy / torch RNG states), `trainer_state.json` (the run's progress and identity
 
 It is written into `.tmp-checkpoint-<step>/`, flushed to disk, then renamed: a directory named
 `checkpoint-<step>` is always complete. Old checkpoints are deleted only after the new one is in
-place, so a crash during a save leaves the previous checkpoint to resume from.
+place, so a crash during a save leaves the previous checkpoint to resume from; a step saved again
+renames its old checkpoint aside before the new one takes its name, and deletes it only then.
+Pruning (--checkpoints_total_limit) never deletes the checkpoint just written. A resume sets aside
+the checkpoints past its step, an abandoned run's (`set_aside_later_checkpoints`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,40 @@ def list_checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
+def prune_checkpoints(output_dir: str, total_limit: int, keep: set) -> None:
+    """Delete all but the `total_limit` newest checkpoints in `output_dir`, never one whose
+    directory name is in `keep` (the one just written, and the best): the newest by step may be
+    another run's, and the one just written is the one to resume from. The main process calls it."""
+    for old in list_checkpoints(output_dir)[:-total_limit]:
+        if os.path.basename(old) not in keep:
+            shutil.rmtree(old)
+
+
+def set_aside_later_checkpoints(output_dir: str, step: int) -> list[tuple[str, str]]:
+    """Rename every `checkpoint-<N>` in `output_dir` with N past `step` (the step a run resumed
+    from) to `abandoned-checkpoint-<N>` (`.2`, `.3`, ... if that name is taken): they belong to the
+    run that went on after that step and was abandoned. Left where they were, `latest` would pick
+    them and resume that run, pruning would keep them as the newest and delete what this run
+    writes, and a save of the same step would replace them. Set aside, neither `latest` nor
+    pruning sees them. Returns the (old, new) names. The main process calls it."""
+    later = []
+    for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        match = _NAME.match(name)
+        if match and int(match.group(1)) > step and os.path.isdir(os.path.join(output_dir, name)):
+            later.append((int(match.group(1)), name))
+    moved = []
+    for _, name in sorted(later):
+        new, copy = f"abandoned-{name}", 1
+        while os.path.exists(os.path.join(output_dir, new)):
+            copy += 1
+            new = f"abandoned-{name}.{copy}"
+        os.rename(os.path.join(output_dir, name), os.path.join(output_dir, new))
+        moved.append((name, new))
+    if moved:
+        _fsync_dir(output_dir)
+    return moved
+
+
 def save_checkpoint(
     accelerator: Accelerator, output_dir: str, state: dict, total_limit: int | None = None, keep: str | None = None
 ) -> str:
@@ -61,11 +98,14 @@ def save_checkpoint(
     Once every rank has written its files, each hashes its own while flushing them to disk, and the
     main process writes the manifest of their sizes and checksums (`manifest.py`): no rank waits
     for another to hash what it did not write. It is all written into `.tmp-checkpoint-<step>` and
-    renamed once complete; then only the `total_limit` newest are kept, and `keep` (the best
-    checkpoint's directory name) besides. A write that fails on any rank (no space, quota, file
-    too large, permissions) stops every rank with one line (`RunFailed`: the directory, the cause,
-    the newest complete checkpoint, the fix); the staging directory is removed and the older
-    checkpoints are kept. Returns the checkpoint's path.
+    renamed once complete (a checkpoint of the same step already there is renamed aside first, and
+    deleted once the new one has its name, so a crash leaves one whole checkpoint of that step, or
+    none under that name and the older ones); then only the `total_limit` newest are kept, and the
+    new one and `keep` (the best checkpoint's directory name) besides (`prune_checkpoints`). A
+    write that fails on any rank (no space, quota, file too large, permissions) stops every rank
+    with one line (`RunFailed`: the directory, the cause, the newest complete checkpoint, the
+    fix); the staging directory is removed and the older checkpoints are kept. Returns the
+    checkpoint's path.
     """
     name = f"checkpoint-{state['step']}"
     final, staging = os.path.join(output_dir, name), os.path.join(output_dir, f".tmp-{name}")
@@ -92,14 +132,23 @@ def save_checkpoint(
         write_manifest(staging, entries)
         for directory, _, _ in os.walk(staging):
             _fsync_dir(directory)
-        if os.path.isdir(final):  # the same step saved again (e.g. step and epoch interval coincide)
-            shutil.rmtree(final)
-        os.rename(staging, final)
+        # The same step saved again: the old checkpoint goes aside whole, and is deleted only once the new
+        # one has its name. Deleted in place, a crash half-way left a half-deleted checkpoint-<step>.
+        replaced = os.path.join(output_dir, f".replaced-{name}")
+        shutil.rmtree(replaced, ignore_errors=True)  # left by a crash during an earlier save
+        moved_aside = os.path.isdir(final)
+        if moved_aside:
+            os.rename(final, replaced)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if moved_aside:
+                os.rename(replaced, final)  # the old one back under its name
+            raise
         _fsync_dir(output_dir)
+        shutil.rmtree(replaced, ignore_errors=True)
         if total_limit:
-            for old in list_checkpoints(output_dir)[:-total_limit]:
-                if os.path.basename(old) != keep:
-                    shutil.rmtree(old)
+            prune_checkpoints(output_dir, total_limit, {name, keep})
 
     try:
         agree_on_write(accelerator, write(make_staging) if accelerator.is_main_process else None, what, output_dir)

@@ -13,6 +13,7 @@ from accelerate import Accelerator
 
 from .errors import EXIT_PREEMPTED, Preempted
 from .output import write_json
+from .ranks import fail_together
 
 PREEMPTED_FILE = "preempted.json"  # in the output dir while a preempted run waits to be resumed
 
@@ -54,13 +55,21 @@ class PreemptionHandler:
         return bool(flag.item())
 
     def stop(self, output_dir: str, checkpoint: str) -> None:
-        """Every rank calls this after the preemption checkpoint: the main process leaves
-        `preempted.json` for the job script, and every rank raises `Preempted` (ddp_utils.run then
-        exits with EXIT_PREEMPTED). No communication."""
+        """All ranks call this after the preemption checkpoint (one gather): the main process leaves
+        `preempted.json` for the job script, and once it is written every rank raises `Preempted`
+        (ddp_utils.run then exits with EXIT_PREEMPTED). No rank leaves before the marker is there:
+        under `srun --kill-on-bad-exit` the first launcher to exit ends those of every other node.
+        A marker that cannot be written is `RunFailed` on every rank (the job is not requeued)."""
         name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
-        write_json(
-            self.accelerator, os.path.join(output_dir, PREEMPTED_FILE), {"signal": name, "checkpoint": checkpoint}
-        )
+        marker, problem = os.path.join(output_dir, PREEMPTED_FILE), None
+        try:
+            write_json(self.accelerator, marker, {"signal": name, "checkpoint": checkpoint})
+        except Exception as exc:  # reported on every rank by fail_together
+            problem = (
+                f"stopped by {name} after saving {checkpoint}, but could not write {marker!r} ({exc}), so a job "
+                "script will not requeue the run; resume it with --resume_from_checkpoint latest"
+            )
+        fail_together(self.accelerator, problem)
         raise Preempted(
             f"stopped by {name} after saving {checkpoint}; resume with --resume_from_checkpoint latest "
             f"(every process exits with {EXIT_PREEMPTED})"

@@ -285,9 +285,10 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_latest_and_refused_by_name(
 ):
     """Bytes flipped in the middle of the newest checkpoint's weights, the size kept (bit rot, a bad
     copy): only the checksum finds it, the ranks checking their shares of the bytes. Naming
-    it is refused with the good one named; `latest` warns, names it, and resumes from the one
-    before, ending with the uninterrupted run's parameters; a checkpoint without a manifest (saved
-    before manifests existed) still resumes. A file cut short is found by its size (test_ddp_utils)."""
+    it is refused with the one before named; `latest` warns, names it, and resumes from the one
+    before, ending with the uninterrupted run's parameters. That one has no manifest (as saved
+    before manifests existed): unverified, it still resumes, with a warning, as no other checks
+    out; the damaged one past it is set aside. A file cut short is found by its size (test_ddp_utils)."""
     output_dir = tmp_path / "run"
     output_dir.mkdir()
     for name in ("checkpoint-22", "checkpoint-24"):
@@ -297,7 +298,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_latest_and_refused_by_name(
     middle = len(data) // 2
     data[middle : middle + 4] = bytes(b ^ 0xFF for b in data[middle : middle + 4])
     weights.write_bytes(bytes(data))
-    (output_dir / "checkpoint-22" / "manifest.json").unlink()  # as an older checkpoint: trusted, loaded as before
+    (output_dir / "checkpoint-22" / "manifest.json").unlink()  # as an older checkpoint: unverified, loaded unchecked
 
     refused = run_train(
         dropout_model, tiny_data, output_dir, "plain", "--resume_from_checkpoint", output_dir / "checkpoint-24"
@@ -308,7 +309,11 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_latest_and_refused_by_name(
         assert f"[rank {rank}] error: checkpoint {str(output_dir / 'checkpoint-24')!r} {damaged}" in refused.output, (
             refused.output[-3000:]
         )
-    assert f"the newest that checks out is {str(output_dir / 'checkpoint-22')!r}: resume from it" in refused.output
+    assert (
+        f"none beside it checks out; the newest, {str(output_dir / 'checkpoint-22')!r}, has no manifest.json, so its "
+        "files cannot be checked (saved before manifests existed, or a copy that lost it): resume from it to load it "
+        "unchecked"
+    ) in refused.output
 
     resumed = run_train(dropout_model, tiny_data, output_dir, "plain", "--resume_from_checkpoint", "latest")
     assert resumed.returncode == 0, resumed.output[-3000:]
@@ -316,4 +321,189 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_latest_and_refused_by_name(
         resumed.output
     )
     assert f"resumed from {output_dir / 'checkpoint-22'}" in resumed.output
+    assert (
+        f"checkpoint {str(output_dir / 'checkpoint-22')!r} has no manifest.json, so its files cannot be checked (saved "
+        "before manifests existed, or a copy that lost it): none beside it checks out, so it is loaded unchecked"
+    ) in resumed.output
+    assert "checkpoint-24 -> abandoned-checkpoint-24" in resumed.output
     assert_same_parameters(output_dir, uninterrupted["plain"])
+
+
+def test_a_resume_sets_later_checkpoints_aside_and_pruning_keeps_the_one_just_written(
+    dropout_model, tiny_data, uninterrupted, tmp_path
+):
+    """The output directory holds checkpoint-24, written by a run that went on past step 22, and
+    this run resumes from checkpoint-22 by name, saving every step and keeping 1. It used to prune
+    by step: the save of step 23 kept checkpoint-24, the abandoned run's, and deleted checkpoint-23,
+    the one just written, so a crash at the next save left only checkpoint-24 for `latest` to
+    resume. Now the resume sets checkpoint-24 aside, with a warning, and pruning never deletes the
+    checkpoint just written."""
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    for name in ("checkpoint-22", "checkpoint-24"):
+        shutil.copytree(uninterrupted["plain"] / name, output_dir / name)
+    crash = {"CRASH_ON_WRITE": ".tmp-checkpoint-24/"}  # rank 0 dies as it writes the checkpoint of step 24
+    args = ["--checkpointing_steps", 1, "--checkpoints_total_limit", 1]
+    resumed = run_train(
+        dropout_model,
+        tiny_data,
+        output_dir,
+        "plain",
+        *args,
+        "--resume_from_checkpoint",
+        output_dir / "checkpoint-22",
+        env=crash,
+    )
+    assert resumed.returncode != 0 and f"resumed from {output_dir / 'checkpoint-22'}" in resumed.output
+    entries = sorted(entry for entry in os.listdir(output_dir) if "checkpoint" in entry)
+    assert entries == [".tmp-checkpoint-24", "abandoned-checkpoint-24", "checkpoint-23"], entries
+    assert (
+        f"resumed from step 22: the checkpoints past it in {str(output_dir)!r} belong to a run that went on from there"
+    ) in resumed.output
+    assert "checkpoint-24 -> abandoned-checkpoint-24" in resumed.output
+
+
+# --- no launch: one process, in this one ---------------------------------------------------------
+
+
+class Crash(BaseException):
+    """The process dies here (a BaseException: no handler of the save catches it)."""
+
+
+@pytest.fixture
+def one_process():
+    """An Accelerator of this process alone, with a small model and optimizer to checkpoint."""
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    return accelerator
+
+
+def test_a_save_never_prunes_the_checkpoint_just_written(one_process, tmp_path):
+    """A newer checkpoint by step, another run's, is there: with --checkpoints_total_limit 1 the
+    save of step 500 used to keep checkpoint-600 and delete checkpoint-500, the one just written."""
+    from ddp_utils.checkpoint_save import list_checkpoints, save_checkpoint
+
+    for step in (400, 600, 500):
+        save_checkpoint(one_process, str(tmp_path), {"step": step}, total_limit=1)
+    assert [os.path.basename(path) for path in list_checkpoints(str(tmp_path))] == ["checkpoint-500", "checkpoint-600"]
+
+
+def test_a_crash_while_a_step_is_saved_again_leaves_one_whole_checkpoint(one_process, tmp_path, monkeypatch):
+    """A step saved again used to delete its old checkpoint-<step> in place, then rename the new one:
+    a crash half-way through the deletion left a half-deleted checkpoint-<step> under that name. Now
+    the old one is renamed aside first; a crash while it is deleted leaves the new one, whole."""
+    from ddp_utils.checkpoint_save import list_checkpoints, save_checkpoint
+    from ddp_utils.manifest import checkpoint_problem
+
+    save_checkpoint(one_process, str(tmp_path), {"step": 8, "attempt": 1})
+    real_unlink, removed = os.unlink, []
+
+    def crash_on_the_second_file(path, *, dir_fd=None):  # what shutil.rmtree calls, file by file
+        removed.append(path)
+        if len(removed) == 2:
+            raise Crash
+        real_unlink(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", crash_on_the_second_file)
+    with pytest.raises(Crash):
+        save_checkpoint(one_process, str(tmp_path), {"step": 8, "attempt": 2})
+    monkeypatch.undo()
+    checkpoint = tmp_path / "checkpoint-8"
+    assert list_checkpoints(str(tmp_path)) == [str(checkpoint)], sorted(os.listdir(tmp_path))
+    assert (checkpoint / "manifest.json").exists() and checkpoint_problem(str(checkpoint)) is None
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["attempt"] == 2
+
+
+def test_latest_prefers_a_verified_checkpoint_to_a_newer_one_without_manifest(one_process, tmp_path, caplog):
+    """A checkpoint without manifest.json (a copy that lost it, cut short) used to be loaded
+    unchecked, as one saved before manifests existed. Now it is unverified: `latest` takes an older
+    one that checks out instead, and uses it only when none does; each time a warning names it."""
+    from ddp_utils.checkpoint_load import find_resume_checkpoint
+    from ddp_utils.checkpoint_save import save_checkpoint
+
+    older, newer = (save_checkpoint(one_process, str(tmp_path), {"step": step}) for step in (2, 4))
+    os.remove(os.path.join(newer, "manifest.json"))
+    os.remove(os.path.join(newer, "optimizer.bin"))  # the copy was cut short too
+    unverified = f"checkpoint {newer!r} has no manifest.json, so its files cannot be checked"
+
+    assert find_resume_checkpoint(one_process, str(tmp_path), "latest") == older
+    assert (
+        f"{unverified} (saved before manifests existed, or a copy that lost it): skipped for {older!r}" in caplog.text
+    )
+    caplog.clear()
+    assert find_resume_checkpoint(one_process, str(tmp_path), newer) == newer, "named, it is loaded unchecked"
+    assert (
+        f"{unverified} (saved before manifests existed, or a copy that lost it): it is loaded unchecked" in caplog.text
+    )
+    caplog.clear()
+    shutil.rmtree(older)
+    assert find_resume_checkpoint(one_process, str(tmp_path), "latest") == newer, "the only one left"
+    assert "none beside it checks out, so it is loaded unchecked" in caplog.text
+
+
+def test_a_deepspeed_checkpoint_of_another_number_of_processes_is_refused_with_its_cause_and_fix(tmp_path):
+    """DeepSpeed ZeRO loads its optimizer partitions only on as many processes as saved them; its
+    exception, from inside the load, used to be reported as a damaged checkpoint. Now the checkpoint
+    is refused before anything is loaded, naming the cause and the layouts that resume it.
+    (DeepSpeed is not installed here: the checkpoint is laid out as it writes one under Accelerate,
+    and the Accelerator is a stand-in.)"""
+    from types import SimpleNamespace
+
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    from ddp_utils.checkpoint_load import load_checkpoint
+    from ddp_utils.errors import UsageError
+
+    PartialState(cpu=True)  # the checks log through Accelerate's logger
+    checkpoint = tmp_path / "checkpoint-8"
+    (checkpoint / "pytorch_model").mkdir(parents=True)
+    for name in (
+        "pytorch_model/mp_rank_00_model_states.pt",
+        "pytorch_model/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "latest",
+        "zero_to_fp32.py",
+        "scheduler.bin",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ):
+        (checkpoint / name).write_bytes(b"x")
+    state = {"model": "abc", "step": 8, "world_size": 2, "per_device_train_batch_size": 4}
+    state.update(gradient_accumulation_steps=1, global_batch=8)
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+
+    def deepspeed_load(path):  # what DeepSpeed's engine raises from inside accelerator.load_state
+        raise RuntimeError(
+            "The checkpoint being loaded used a DP world size of 2 but the current world size is 1. Automatic "
+            "adjustment of ZeRO's optimizer state partitioning with a new world size is not currently supported."
+        )
+
+    accelerator = SimpleNamespace(
+        distributed_type=DistributedType.DEEPSPEED,
+        num_processes=1,
+        process_index=0,
+        is_main_process=True,
+        load_state=deepspeed_load,
+    )
+    with pytest.raises(UsageError) as refused:
+        load_checkpoint(accelerator, str(checkpoint), {"model": "abc", "global_batch": 8})
+    message = str(refused.value)
+    assert message == (
+        f"checkpoint {str(checkpoint)!r} was saved under DeepSpeed ZeRO by 2 processes, and this run has 1: ZeRO "
+        "splits the optimizer state into one part per process, and DeepSpeed loads it only on as many processes as "
+        "saved it (the checkpoint is not damaged; under DDP and FSDP a checkpoint resumes on any number). Resume it "
+        "on 2 processes with --per_device_train_batch_size x --gradient_accumulation_steps 4 x 1, 2 x 2, 1 x 4, or "
+        "start afresh on 1"
+    )
+    from ddp_utils.checkpoint_load import deepspeed_processes_problem
+
+    assert deepspeed_processes_problem(str(checkpoint), state, 2) is None, "on 2 processes it loads"
+    ddp = tmp_path / "checkpoint-ddp"
+    ddp.mkdir()
+    (ddp / "optimizer.bin").write_bytes(b"x")
+    assert deepspeed_processes_problem(str(ddp), state, 1) is None, "no ZeRO partitions: not DeepSpeed's"

@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import AUDIT_HOOK_DIR, CPU_CONFIG, REPO, assert_fails_cleanly, free_port, launch, launch_env, train_args
+from ddp_utils.manifest import checkpoint_problem
 
 TRAIN = REPO / "scripts" / "train.py"
 CHECK_ENV = REPO / "scripts" / "check_env.py"
@@ -261,6 +262,44 @@ def test_slurm_job_requeued_on_fewer_nodes_resumes_elastically(one_node, tiny_mo
             assert np.abs(resumed[key]).max() < 1e-3, key
             continue
         np.testing.assert_allclose(resumed[key], one_node[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_slurm_preemption_save_may_take_longer_than_the_launchers_30_seconds(tiny_model, tiny_data, tmp_path):
+    """SLURM signals every process of the job step, the launchers too (`--signal` without `B:`, and
+    a preemption). A launcher that gets SIGTERM closes its workers and SIGKILLs them after torch
+    elastic's shutdown timeout, 30 s by default: a checkpoint that took longer to write (here rank
+    0 takes 35 s over it) was killed mid-save, with no preempted.json and no requeue. The job
+    script gives the launchers the time SLURM gives. And under `srun --kill-on-bad-exit` the first
+    launcher to exit (node 1's, once its rank has saved) ends node 0's: rank 1 left while rank 0 was
+    writing preempted.json (5 s here), so the marker was lost; now no rank leaves before it is written."""
+    port = next(p for p in iter(free_port, None) if 20000 <= p < 40000)
+    args = train_args(
+        tiny_model, tiny_data, "unused", "--max_train_steps", 6, "--checkpointing_steps", "no", "--logging_steps", 2
+    )
+    i = args.index("--output_dir")
+    del args[i : i + 2]  # the job script chooses the output dir
+    env = slurm_env(
+        tmp_path,
+        CONFIG="accelerate_configs/cpu_2proc.yaml",
+        SLURM_GPUS_ON_NODE="1",
+        SLURM_JOB_ID=str(port - 20000),
+        FAKE_HOSTNAMES="127.0.0.1 localhost",
+        SIGTERM_ON_WRITE="train_log.jsonl",  # at step 2, to both launchers and both ranks
+        SIGTERM_TARGET="step",
+        # The preemption's checkpoint takes 35 s on rank 0, then preempted.json 5 s.
+        SLOW_ON_WRITE=".tmp-checkpoint-:35,preempted.json:5",
+        PYTHONPATH=os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)]),
+    )
+    env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+    result = run_sbatch(env, "scripts/train.py", *args)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "Unable to shutdown process" not in output, "a launcher SIGKILLed a rank that was saving"
+    marker = json.loads((tmp_path / "out" / "preempted.json").read_text())
+    assert checkpoint_problem(marker["checkpoint"]) is None and os.path.basename(marker["checkpoint"]) in os.listdir(
+        tmp_path / "out"
+    ), marker
+    assert (tmp_path / "slurm.log").read_text().splitlines() == [f"requeue {port - 20000}"]
 
 
 def test_fsdp_and_deepspeed_configs_are_refused_on_a_machine_without_gpus(tiny_model, tiny_data, tmp_path):
