@@ -64,7 +64,7 @@ gpu-check: $(if $(GPU_CHECK_OWN_PYTHON),,$(STAMP))  ## the GPU checklist: every 
 	$(if $(GPU_CHECK_OWN_PYTHON),$(PYTHON),$(BIN)/python) bench/gpu_check/checklist.py --steps $(STEPS) \
 		$(if $(filter 1 yes true,$(DRY_RUN)),--dry_run) $(if $(BUDGET_S),--budget_s $(BUDGET_S))
 
-gpu-payload: $(STAMP)  ## here, with network: the wheels the GPU machine lacks, in parts of 55 MiB (.gpu_payload/)
+gpu-payload: $(STAMP)  ## here, with network: the wheels the GPU machine lacks, one part per device call (.gpu_payload/)
 	$(BIN)/python bench/gpu_check/payload.py fetch
 	$(BIN)/python bench/gpu_check/payload.py pack
 

