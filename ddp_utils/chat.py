@@ -115,8 +115,8 @@ def fold_system(messages: list[dict]) -> list[dict]:
     """The system turn's text put before the first user turn's, in that turn."""
     system, rest = messages[0], list(messages[1:])
     first = next((i for i, m in enumerate(rest) if m["role"] == "user"), None)
-    if first is None:
-        return rest
+    if first is None:  # nowhere to fold it into: the template gets it as it is
+        return messages
     rest[first] = {**rest[first], "content": f"{system['content']}\n\n{rest[first]['content']}"}
     return rest
 
@@ -126,12 +126,13 @@ def folds_system(tokenizer) -> bool:
     one (Gemma 2), or puts it elsewhere than once before the first user turn, in the prompt and in
     the whole conversation alike (Mistral and Mixtral v0.1 to v0.3 put it into the last user turn
     only, so a prompt and its answered conversation differ). Decided once per tokenizer."""
+    kwargs = getattr(tokenizer, "chat_template_kwargs", None) or {}
+    key = (tokenizer.chat_template, repr(sorted(kwargs.items())))
     known = getattr(tokenizer, "_folds_system", None)
-    if known is not None:
-        return known
+    if known is not None and known[0] == key:
+        return known[1]
     talk = [{"role": "system", "content": "Sx9q"}, {"role": "user", "content": "U1x"}]
     talk += [{"role": "assistant", "content": "A1x"}, {"role": "user", "content": "U2x"}]
-    kwargs = getattr(tokenizer, "chat_template_kwargs", None) or {}
     try:
         texts = [
             tokenizer.apply_chat_template(talk[:2], tokenize=False, add_generation_prompt=True, **kwargs),
@@ -140,7 +141,7 @@ def folds_system(tokenizer) -> bool:
         kept = all(text.count("Sx9q") == 1 and text.index("Sx9q") < text.index("U1x") for text in texts)
     except Exception:  # a template that refuses system turns (raise_exception)
         kept = False
-    tokenizer._folds_system = not kept
+    tokenizer._folds_system = (key, not kept)
     return not kept
 
 
@@ -175,7 +176,9 @@ def assistant_spans(tokenizer, messages: list[dict], loss_on: str) -> tuple[str,
         if text.startswith(answered):
             end = len(prompt) + len(answered[len(prompt) :].rstrip())
         else:  # an earlier turn, rendered otherwise once later turns follow (Qwen3 drops its reasoning, Phi-3 its EOS):
-            marker = marker or end_of_turn(tokenizer)[1].strip()  # the turn as the conversation shows it, to its end
+            if marker is None:  # the end-of-turn token's own text (Phi-3 puts EOS after it, at the very end only)
+                end = end_of_turn(tokenizer)[0]
+                marker = tokenizer.decode([end]) if end is not None else ""
             found = text.find(marker, len(prompt)) if marker else -1
             if found < 0:
                 raise UsageError(

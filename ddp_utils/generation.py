@@ -109,11 +109,16 @@ def only_this_config(model):
     config leaves unset take transformers' defaults (off), not the checkpoint's sampling and penalties."""
     from transformers import GenerationConfig
 
-    saved, model.generation_config = model.generation_config, GenerationConfig()
+    # peft's generate copies the wrapper's config onto its base model: both are swapped, and both restored
+    models = [model] + ([model.get_base_model()] if hasattr(model, "get_base_model") else [])
+    saved = [m.generation_config for m in models]
+    for m in models:
+        m.generation_config = GenerationConfig()
     try:
         yield
     finally:
-        model.generation_config = saved
+        for m, config in zip(models, saved):
+            m.generation_config = config
 
 
 def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max_new_tokens: int) -> list[str]:

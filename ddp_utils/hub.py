@@ -103,6 +103,8 @@ PUSH_IGNORE = ["checkpoint-*/**", ".tmp-*/**", ".staging-*/**", "preempted.json"
 PREDICTIONS = "predictions*.jsonl"
 # What a push keeps in the repository of the files it did not write: the Hub's own LFS rules.
 KEPT_IN_REPO = {".gitattributes"}
+# Every run of the scripts writes it: a repository without it holds another's files, which a push must not delete.
+OUR_MARK = "training_args.json"
 
 
 def push_ignore_patterns(args) -> list[str]:
@@ -125,8 +127,9 @@ def upload_command(args) -> str:
     return f'{private}hf upload {repo_id} {args.output_dir}{excluded} --delete "*"'
 
 
-class _StillPublic(Exception):
-    """The repository exists, is public, and the Hub did not make it private for --hub_private_repo."""
+class _Refused(Exception):
+    """The push uploads nothing: the repository is public and the Hub did not make it private for
+    --hub_private_repo, or it holds files no push of these scripts wrote, which the push would delete."""
 
 
 def commit_operations(args, remote_files) -> list:
@@ -181,11 +184,17 @@ def push_to_hub(args) -> str:
             except Exception as exc:
                 problem = f"{type(exc).__name__}: {_first_line(exc)}"
             if problem:
-                raise _StillPublic(
+                raise _Refused(
                     f"it is public and --hub_private_repo could not make it private ({problem}): nothing uploaded"
                 )
         # The files as of `info.sha`, and the commit made on top of it only: a push in between fails it (412).
-        operations = commit_operations(args, api.list_repo_files(repo.repo_id, revision=info.sha))
+        remote = api.list_repo_files(repo.repo_id, revision=info.sha)
+        if set(remote) - KEPT_IN_REPO - {"README.md"} and OUR_MARK not in remote:
+            raise _Refused(
+                f"it holds files that no run of these scripts pushed (no {OUR_MARK}), which this push would delete: "
+                "nothing uploaded; give a new --hub_model_id"
+            )
+        operations = commit_operations(args, remote)
         api.create_commit(
             repo.repo_id,
             operations=operations,
@@ -193,7 +202,7 @@ def push_to_hub(args) -> str:
             parent_commit=info.sha,
         )
     except Exception as exc:
-        reason = str(exc) if isinstance(exc, _StillPublic) else f"{type(exc).__name__}: {_first_line(exc)}"
+        reason = str(exc) if isinstance(exc, _Refused) else f"{type(exc).__name__}: {_first_line(exc)}"
         raise RunFailed(
             f"the run is saved in {args.output_dir!r}, but the push to the Hub repository {repo_id!r} failed "
             f"({reason}); push it later with `{upload_command(args)}`"

@@ -132,13 +132,16 @@ def merged_copy(peft_model, state_dict: dict):
     """A CPU copy of `peft_model` holding `state_dict` (its whole weights, gathered from the shards),
     with the adapter merged into the base weights: built with empty weights, then given those. One
     process calls it; no communication."""
+    import copy as copying
+
     from accelerate import init_empty_weights
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
 
     base = peft_model.get_base_model()
     with init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies)
-        copy = get_peft_model(AutoModelForCausalLM.from_config(base.config), peft_model.peft_config["default"])
+        copy = get_peft_model(type(base)._from_config(base.config), peft_model.peft_config["default"])
     copy.load_state_dict(state_dict, strict=True, assign=True)
     copy.get_base_model().tie_weights()  # assign=True unties shared weights; the config says which are tied
-    return copy.merge_and_unload()
+    merged = copy.merge_and_unload()
+    merged.generation_config = copying.deepcopy(base.generation_config)  # the checkpoint's, not one from config.json
+    return merged

@@ -48,6 +48,9 @@ def split_batch(batch: dict, rows: int) -> list[dict]:
     tensors = [value for value in batch.values() if isinstance(value, torch.Tensor) and value.dim() > 0]
     if not tensors:
         return [dict(batch)]
+    index = batch.get("index")
+    if isinstance(index, torch.Tensor) and batch["input_ids"].shape[0] == 2 * len(index) > 0:
+        return _split_pairs_in_two_rows(batch, rows)
     total = tensors[0].shape[0]
     parts = [dict() for _ in range(math.ceil(total / rows))]
     for key, value in batch.items():
@@ -57,6 +60,24 @@ def split_batch(batch: dict, rows: int) -> list[dict]:
         else:
             for part in parts:
                 part[key] = value
+    return parts
+
+
+def _split_pairs_in_two_rows(batch: dict, pairs: int) -> list[dict]:
+    """`split_batch` for DPO pairs scored as two rows each (`pair_scoring.TWO_ROWS`): rows p and
+    B + p belong to pair p, so a part of pairs [s, e) takes both halves' rows [s, e)."""
+    total = len(batch["index"])
+    parts = []
+    for start in range(0, total, pairs):
+        end, part = min(start + pairs, total), {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 2 * total:
+                part[key] = torch.cat([value[start:end], value[total + start : total + end]])
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == total:
+                part[key] = value[start:end]
+            else:
+                part[key] = value
+        parts.append(part)
     return parts
 
 
@@ -90,7 +111,8 @@ class OOMBackoff:
         if not self.enabled:
             return forward_backward(micro_batches, *args)
         while True:
-            parts = [part for batch in micro_batches for part in split_batch(batch, self.micro_batch)]
+            # A generator: each micro-batch is seeded (SeededMicroBatches) right before its parts run.
+            parts = (part for batch in micro_batches for part in split_batch(batch, self.micro_batch))
             result, out_of_memory = None, False
             with self.accelerator.no_sync(self.model):
                 try:

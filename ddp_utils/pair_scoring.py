@@ -12,7 +12,8 @@ take (`choose_pair_layout`):
   (MPT) biases by the place in the row, not the position; an attention that takes no custom mask
   (flash, flex); a window of another kind than sliding (chunked).
 
-A probe decides, as `causal_lm.packing_is_masked` does for packing: a small pair scored both ways.
+The config decides where it names such layers; else a probe, as `causal_lm.packing_is_masked` does for
+packing: a small pair scored both ways.
 """
 
 from __future__ import annotations
@@ -97,12 +98,27 @@ def masks_for(model, mask: torch.Tensor, positions: torch.Tensor):
     return masks if len(masks) > 1 else masks["full_attention"]
 
 
+ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local"}
+
+
 def _one_row_problem(model, block_size: int) -> str | None:
-    """Why one row per pair cannot be exact for `model` from its configuration alone, or None."""
+    """Why one row per pair cannot be exact for `model` from its configuration alone, or None: an
+    attention that takes no custom mask; layers that are not attention (a state-space or recurrent
+    kind named in the config); ALiBi; a window of another kind than sliding."""
     attention = attention_of(model)
     if attention not in ("sdpa", "eager"):
         return f"its attention ({attention!r}) takes no custom attention mask"
     text = _text_config(model)
+    kinds = set()
+    for name in ("layer_types", "block_types", "layers_block_type"):
+        value = getattr(text, name, None)
+        kinds.update(value if isinstance(value, (list, tuple)) else [])
+    stateful = sorted(str(kind) for kind in kinds - ATTENTION_KINDS)
+    if stateful:
+        return f"it has layers that carry state along the row ({', '.join(stateful)})"
+    attn_config = getattr(text, "attn_config", None)
+    if getattr(text, "alibi", False) or getattr(attn_config, "alibi", False) or text.model_type in ("bloom", "mpt"):
+        return "its ALiBi biases attention by the place in the row, not by position"
     window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
     types = set(getattr(text, "layer_types", None) or ([] if not window else ["windowed"]))
     if window and 2 * block_size > window and not types <= {"full_attention", "sliding_attention"}:
@@ -145,21 +161,28 @@ def one_row_is_exact(model) -> bool | None:
 
 def choose_pair_layout(accelerator: Accelerator, model, block_size: int) -> str:
     """All ranks call this (one broadcast), before `prepare`: ONE_ROW where it is exact for `model`,
-    else TWO_ROWS, said once in the log with the reason. The main process decides (it holds the
-    weights under FSDP's RAM-efficient loading); under ZeRO-3, where no rank holds them, one row
-    stays, with a warning."""
+    else TWO_ROWS, said once in the log with the reason. The main process decides, from the config and
+    the probe (it holds the weights under FSDP's RAM-efficient loading), and every rank takes its
+    answer; under ZeRO-3, where no rank holds them, one row stays, with a warning."""
+    layout, reason = from_main_process(accelerator, _decide_pair_layout, model, block_size)
+    if layout == ONE_ROW and reason:
+        logger.warning(reason)
+    elif layout == TWO_ROWS:
+        model_type = getattr(_text_config(model), "model_type", type(model).__name__)
+        logger.info(f"{model_type}: {reason}; each pair is scored as two rows, its prompt computed twice")
+    return layout
+
+
+def _decide_pair_layout(model, block_size: int) -> tuple[str, str | None]:
     problem = _one_row_problem(model, block_size)
-    if problem is None:
-        exact = from_main_process(accelerator, one_row_is_exact, model)
-        if exact is None:
-            logger.warning(
-                "no rank holds whole weights (DeepSpeed ZeRO-3), so the check that one row per pair scores each "
-                "answer as if alone was skipped; attention-only models (Llama, Qwen, Mistral, Gemma, ...) pass it"
-            )
-            return ONE_ROW
-        if exact:
-            return ONE_ROW
-        problem = "the chosen answer reaches the rejected one in a shared row (recurrent or state-space layers, ALiBi)"
-    model_type = getattr(_text_config(model), "model_type", type(model).__name__)
-    logger.info(f"{model_type}: {problem}; each pair is scored as two rows, its prompt computed twice")
-    return TWO_ROWS
+    if problem is not None:
+        return TWO_ROWS, problem
+    exact = one_row_is_exact(model)
+    if exact is None:
+        return ONE_ROW, (
+            "no rank holds whole weights (DeepSpeed ZeRO-3), so the check that one row per pair scores each answer "
+            "as if alone was skipped; attention-only models (Llama, Qwen, Mistral, Gemma, ...) pass it"
+        )
+    if exact:
+        return ONE_ROW, None
+    return TWO_ROWS, "the chosen answer reaches the rejected one in a shared row (the probe)"

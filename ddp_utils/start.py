@@ -87,8 +87,9 @@ def make_accelerator(
         # copy, the plugin ignored); without it, every process runs alone. So the test is what Accelerate
         # turned on, not what the config asked. Checked once the process group exists, so every rank reports it.
         raise UsageError(
-            f"this launch config asks for {sharded[0]}, which Accelerate runs on GPUs only, and no GPU is visible; "
-            "on this machine use accelerate_configs/cpu_2proc.yaml"
+            f"this launch config asks for {sharded[0]}, and Accelerate started {accelerator.distributed_type.value} "
+            f"instead (it runs {sharded[0]} on GPUs only{', and no GPU is visible' if not _gpu_visible() else ''}); "
+            "on a machine without GPUs use accelerate_configs/cpu_2proc.yaml"
         )
     fix_fsdp2_preparation(accelerator)  # under FSDP2: what Accelerate 1.15 gets wrong while sharding (fsdp.py)
     if accelerator.state.deepspeed_plugin is not None:

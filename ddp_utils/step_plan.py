@@ -183,8 +183,8 @@ class SeededMicroBatches(list):
     per-device batch (`StepAlignedSampler`; Accelerate gives rank r the micro-batches r, r + N,
     r + 2N, ... of the step on N processes), so 1 process with accumulation, N processes, and a
     resume on another layout draw the same masks as the uninterrupted run, and train the same
-    model. A micro-batch split by --oom_backoff draws new masks. Seeding costs about 10 microseconds
-    per micro-batch (measured here). No communication."""
+    model. A micro-batch split by --oom_backoff draws new masks. Seeding costs about 8 microseconds
+    per micro-batch (bench/bench_seeding.py). No communication."""
 
     def __init__(self, micro_batches, seed: int, step: int, rank: int, world_size: int, generators=None):
         super().__init__(micro_batches)
@@ -195,7 +195,7 @@ class SeededMicroBatches(list):
         for k, batch in enumerate(super().__iter__()):
             seed = micro_batch_seed(self.seed, self.step, k * self.world_size + self.rank)
             if self.generators is None:
-                torch.manual_seed(seed)  # every device's generator: about 90 microseconds
+                torch.manual_seed(seed)  # every backend's generators: about 110 microseconds
             else:
                 for generator in self.generators:
                     generator.manual_seed(seed)

@@ -172,7 +172,7 @@ def main():
     tokenized, tokenizer, config, data_report = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
     model = ddp_utils.load_causal_lm(args, config, tokenizer)  # every rank at once (a collective under ZeRO-3)
     if args.disable_dropout:  # the policy and its reference then compute the same function until the first update
-        disable_dropout(model)
+        logger.info(f"dropout off in {disable_dropout(model)} places (--no-disable_dropout keeps it)")
     # All ranks: one row per pair (its prompt once) where that scores each answer as if alone; else two rows.
     layout = choose_pair_layout(accelerator, model, data_report["block_size"])
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates; LoRA's base stays

@@ -81,6 +81,9 @@ def test_qwen3_without_thinking_and_with_several_turns(tokenizers):
     talk = ANSWERED + [{"role": "user", "content": "was it good"}, {"role": "assistant", "content": "good"}]
     row = tokenize_conversation(tokenizer, talk, "assistant", block_size=128)
     assert targets(tokenizer, row) == ["positive", "<|im_end|>", "<think>", "</think>", "good", "<|im_end|>"]
+    # Phi-3 ends the conversation with EOS: an earlier answer ends at its own <|end|>, not at that EOS.
+    row = tokenize_conversation(tokenizers["phi3"], talk, "assistant", block_size=128)
+    assert targets(tokenizers["phi3"], row) == ["positive", "<|end|>", "good", "<|end|>", "<|endoftext|>"]
 
 
 @pytest.mark.fast
@@ -180,3 +183,23 @@ def test_loss_on_all_is_refused_when_the_template_leaves_a_turn_out(tokenizers):
     talk = ANSWERED[1:] + [{"role": "user", "content": "was it good"}, {"role": "assistant", "content": "good"}]
     with pytest.raises(UsageError, match="leaves out of the conversation a user turn's text"):
         tokenize_conversation(tokenizer, talk, "all", block_size=128)
+
+
+@pytest.mark.fast
+def test_greedy_generation_leaves_a_lora_models_own_generation_config_as_it_was(tmp_path):
+    """peft's generate copies the wrapper's config onto the base model: emptied there, --merge_lora's
+    merged/ shipped a generation_config without its EOS ids."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.generation import only_this_config
+
+    directory = make_family_model("llama3", tmp_path)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(directory), LoraConfig(r=2, target_modules="all-linear")
+    )
+    model.get_base_model().generation_config.eos_token_id = [3, 4]
+    with only_this_config(model):
+        model.generate(input_ids=torch.tensor([[1, 2]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert model.get_base_model().generation_config.eos_token_id == [3, 4]
+    assert model.merge_and_unload().generation_config.eos_token_id == [3, 4]

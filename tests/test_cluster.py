@@ -318,7 +318,9 @@ def test_fsdp_and_deepspeed_configs_are_refused_on_a_machine_without_gpus(tiny_m
             "no",
         ],
     )
-    assert_fails_cleanly(result, "asks for FSDP, which Accelerate runs on GPUs only", output_dir)
+    assert_fails_cleanly(
+        result, "asks for FSDP, and Accelerate started MULTI_CPU instead (it runs FSDP on GPUs only", output_dir
+    )
 
 
 def test_fsdp2_full_state_dict_save_reloads_the_gathered_parameters_on_cpu(tiny_model, tmp_path):

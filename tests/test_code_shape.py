@@ -246,7 +246,7 @@ def test_no_doc_copies_the_code_of_the_scripts_or_ddp_utils():
         code.update(line.strip() for line in path.read_text().splitlines() if len(line.strip()) > 24)
     copied = []
     for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
-        for block in re.findall(r"```(?:python|py)?\n(.*?)```", doc.read_text(), flags=re.DOTALL):
+        for block in re.findall(r"^```\w*\n(.*?)^```", doc.read_text(), flags=re.DOTALL | re.MULTILINE):
             copied += [f"{doc.name}: {line.strip()}" for line in block.splitlines() if line.strip() in code]
     assert copied == [], f"docs copy code; name it and link to its lines instead: {copied[:3]}"
 

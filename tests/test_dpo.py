@@ -591,3 +591,19 @@ def test_dpo_on_a_mamba_hybrid_trains_with_two_rows_per_pair_on_two_processes(ti
     assert result.output.count("each pair is scored as two rows") == 1
     metrics = json.loads((tmp_path / "o" / "metrics.json").read_text())
     assert metrics["pair_layout"] == "two rows" and metrics["eval_pairs"] == 7
+
+
+@pytest.mark.fast
+def test_oom_backoff_splits_pairs_in_two_rows_keeping_each_pairs_rows_together(tiny_lm):
+    """--oom_backoff cut a two-row batch along its 2B rows: one part held the chosen rows, the other
+    the rejected ones, and every pair was scored twice with one side at 0."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
+    batch = PairCollator(0, two_rows=True)(PAIRS)
+    parts = split_batch(batch, 1)
+    assert [part["index"].tolist() for part in parts] == [[0], [1]]
+    with torch.no_grad():
+        whole, pieces = pair_logps(model, batch), [pair_logps(model, part) for part in parts]
+    np.testing.assert_allclose(whole.chosen.tolist(), [p.chosen.item() for p in pieces], rtol=1e-5)
+    np.testing.assert_allclose(whole.rejected.tolist(), [p.rejected.item() for p in pieces], rtol=1e-5)

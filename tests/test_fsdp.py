@@ -118,6 +118,15 @@ def test_fsdp_trains_what_one_process_with_accumulation_trains_with_dropout(
     assert_close(fsdp_classifier, tmp_path / "one")
 
 
+def test_oom_backoff_keeps_each_micro_batchs_dropout_masks(fsdp_classifier, dropout_bert, tiny_data, tmp_path):
+    """With --oom_backoff and no out-of-memory error, 1 process x 4 x 2 still trains what the FSDP
+    run (equal to 1 process without the option) trains: before, the back-off read every micro-batch
+    ahead, so all of them drew from the last one's seed."""
+    args = classifier(dropout_bert, tiny_data, tmp_path / "backoff", *ONE_BY_FOUR_BY_TWO, "--oom_backoff")
+    ok(ddp("train", *args, num_processes=1))
+    assert_close(tmp_path / "backoff", fsdp_classifier)
+
+
 def test_fsdp_trains_what_ddp_trains_and_the_model_reloads(fsdp_classifier, dropout_bert, tiny_data, tmp_path):
     from transformers import AutoModelForSequenceClassification, pipeline
 
@@ -197,7 +206,7 @@ def test_only_rank_0_reads_the_weights_and_the_others_receive_them(tiny_model, t
     checkpoint = tmp_path / "bf16"  # a base model: the classifier's head is new, missing from the checkpoint
     BertModel.from_pretrained(tiny_model).to(torch.bfloat16).save_pretrained(checkpoint)
     report = tmp_path / "loading.json"
-    ok(fsdp(REPO / "tests" / "launched" / "fsdp_loading.py", checkpoint, report))
+    ok(fsdp(REPO / "tests" / "launched" / "fsdp_loading.py", checkpoint, report))  # a model class, not an Auto one
     rank0, rank1 = (json.loads(report.with_name(f"loading.json.rank{r}").read_text()) for r in (0, 1))
     assert all(rank0["loaded_before_prepare"].values())
     assert not any(rank1["loaded_before_prepare"].values()), "rank 1 read no weights"

@@ -410,7 +410,7 @@ def test_hub_private_repo_makes_an_existing_public_repository_private_before_upl
 
     with HubStandIn(tmp_path / "hub") as hub:
         standin_hub(monkeypatch, hub)
-        hub.add_repo("someone/x", private=False, files={"config.json": b"{}"})
+        hub.add_repo("someone/x", private=False, files={"config.json": b"{}", "training_args.json": b"{}"})
         push_to_hub(run_dir(tmp_path / "run", {"README.md": b"# x\n", "config.json": b"{}"}, hub_private_repo=True))
         (commit,) = hub.uploads()
         calls = [(request["method"], request["path"].split("?")[0]) for request in hub.requests()]
@@ -432,7 +432,7 @@ def test_hub_private_repo_uploads_nothing_when_the_hub_will_not_make_the_reposit
 
     with HubStandIn(tmp_path / "hub", settings_fail_with=403) as hub:
         standin_hub(monkeypatch, hub)
-        hub.add_repo("someone/x", private=False, files={"config.json": b"{}"})
+        hub.add_repo("someone/x", private=False, files={"config.json": b"{}", "training_args.json": b"{}"})
         with pytest.raises(RunFailed) as failed:
             push_to_hub(run_dir(tmp_path / "run", {"README.md": b"# x\n"}, hub_private_repo=True))
         assert hub.uploads() == [] and hub.repos["someone/x"]["private"] is False
@@ -452,7 +452,7 @@ def test_a_push_replaces_the_files_of_an_earlier_push_in_one_commit(tmp_path, mo
 
     from ddp_utils.hub import push_to_hub
 
-    shared = {"tokenizer.json": b"{}", "report/README.md": b"report"}
+    shared = {"tokenizer.json": b"{}", "report/README.md": b"report", "training_args.json": b"{}"}
     full = {"README.md": b"# full\n", "config.json": b"{}", "model.safetensors": b"full", "predictions.jsonl": b"{}\n"}
     lora = {"README.md": b"# lora\n", "adapter_config.json": b"{}", "adapter_model.safetensors": b"lora"}
     with HubStandIn(tmp_path / "hub") as hub:
@@ -467,6 +467,24 @@ def test_a_push_replaces_the_files_of_an_earlier_push_in_one_commit(tmp_path, mo
     assert sorted(deleted) == ["config.json", "model.safetensors", "predictions.jsonl"]
     assert sorted(second["files"]) == sorted(lora), "the unchanged files are not sent again"
     assert "deleting the 3 file(s) of an earlier push: config.json, model.safetensors, predictions.jsonl" in line
+
+
+@pytest.mark.fast
+def test_a_push_to_a_repository_of_other_files_deletes_nothing_and_says_so(tmp_path, monkeypatch):
+    """An adapter pushed by mistake to one's own base-model repository would have deleted its weights."""
+    from hub_standin import HubStandIn
+
+    from ddp_utils.errors import RunFailed
+    from ddp_utils.hub import push_to_hub
+
+    with HubStandIn(tmp_path / "hub") as hub:
+        standin_hub(monkeypatch, hub)
+        hub.add_repo("someone/x", files={"model.safetensors": b"base", "README.md": b"# base\n"})
+        with pytest.raises(
+            RunFailed, match="holds files that no run of these scripts pushed .*give a new --hub_model_id"
+        ):
+            push_to_hub(run_dir(tmp_path / "lora", {"adapter_model.safetensors": b"lora", "training_args.json": b"{}"}))
+        assert set(hub.files("someone/x")) >= {"model.safetensors", "README.md"}
 
 
 @pytest.mark.fast
@@ -487,11 +505,11 @@ def test_a_push_overtaken_by_another_commit_fails_and_deletes_nothing(tmp_path, 
     overtaken = []
     with HubStandIn(tmp_path / "hub", on_commit=another_push) as hub:
         standin_hub(monkeypatch, hub)
-        hub.add_repo("someone/x", files={"config.json": b"{}"})
+        hub.add_repo("someone/x", files={"config.json": b"{}", "training_args.json": b"{}"})
         refused = r"failed \(HfHubHTTPError: .*412 Precondition Failed.*: A commit has happened since"
         with pytest.raises(RunFailed, match=refused):
             push_to_hub(run_dir(tmp_path / "run", {"README.md": b"# x\n"}))
-        assert sorted(hub.files("someone/x")) == [".gitattributes", "config.json", "other.txt"]
+        assert sorted(hub.files("someone/x")) == [".gitattributes", "config.json", "other.txt", "training_args.json"]
 
 
 @pytest.mark.fast

@@ -1,7 +1,7 @@
 """Launched by the tests under tests/launched/fsdp_on_cpu.py with accelerate_configs/fsdp.yaml
-(`fsdp_cpu_ram_efficient_loading: true`): loads a classifier with `ddp_utils.load_pretrained` (a
-new head: missing from the checkpoint), prepares it with an optimizer as the scripts do, takes one
-step, and writes what each rank saw to OUTPUT.rank<r> as JSON:
+(`fsdp_cpu_ram_efficient_loading: true`): loads BertForSequenceClassification with
+`ddp_utils.load_pretrained` (a new head: missing from the checkpoint), prepares it with an
+optimizer as the scripts do, takes one step, and writes what each rank saw to OUTPUT.rank<r> as JSON:
 
 - before `prepare`: which parameters hold values (on the other ranks: none, so only rank 0 read
   the weights), and their dtypes;
@@ -15,7 +15,7 @@ import json
 import sys
 
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import BertForSequenceClassification
 
 import ddp_utils
 
@@ -23,7 +23,8 @@ import ddp_utils
 def main():
     model_dir, output = sys.argv[1], sys.argv[2]
     accelerator = ddp_utils.make_accelerator(seed=0)
-    model = ddp_utils.load_pretrained(AutoModelForSequenceClassification, model_dir, num_labels=3)
+    # A model class, not an Auto one: it has no from_config, only _from_config.
+    model = ddp_utils.load_pretrained(BertForSequenceClassification, model_dir, num_labels=3)
     loaded = {name: not p.is_meta for name, p in model.named_parameters()}
     before = {name: p.float().tolist() for name, p in model.named_parameters()} if accelerator.is_main_process else None
     dtypes = {name: str(p.dtype) for name, p in model.named_parameters()}
