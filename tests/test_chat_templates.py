@@ -165,7 +165,7 @@ def test_the_saved_tokenizer_keeps_the_pad_token_it_had(tmp_path):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("family", ["mistral-v0.3", "gemma2", "llama3", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_dpo_prompts_keep_the_system_turn_and_answers_end_with_the_end_of_turn(family, tokenizers):
     from ddp_utils.preference_data import PairFormat, tokenize_pair
 
@@ -173,7 +173,10 @@ def test_dpo_prompts_keep_the_system_turn_and_answers_end_with_the_end_of_turn(f
     pair = (ASKED, [{"role": "assistant", "content": "positive"}], [{"role": "assistant", "content": "negative"}])
     prompt, chosen, rejected, _ = tokenize_pair(pair, PairFormat("conversational", True), tokenizer)
     assert "be brief" in tokenizer.decode(prompt)
-    assert tokenizer.convert_ids_to_tokens(chosen) == [t for t in expected_targets(family) if t != "<|endoftext|>"]
+    assert tokenizer.convert_ids_to_tokens(chosen) == expected_targets(family)
+    assert tokenizer.convert_ids_to_tokens(rejected) == [
+        "negative" if t == "positive" else t for t in expected_targets(family)
+    ]
 
 
 @pytest.mark.fast
