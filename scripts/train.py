@@ -70,7 +70,7 @@ def parse_args(argv=None):
 # labels, e.g. a "review" column and "stars" 1 to 5 as 3 classes, on what a branch below returns:
 #   data = data.rename_columns({"review": "text"})
 #   data = data.map(lambda row: {"label": "negative" if row["stars"] <= 2 else "neutral" if row["stars"] == 3
-#                                else "positive"})  (or pass --text_column review --label_column stars)
+#                                else "positive"})  (or keep "review" and pass --text_column review)
 DEMO_REVIEW_WORDS = 90  # each review's last words: the verdict is usually at the end, and 41% run past 128 tokens
 
 
