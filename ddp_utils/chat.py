@@ -93,12 +93,27 @@ def end_of_turn(tokenizer) -> tuple[int | None, str]:
     to learn), or no template. No communication."""
     if not getattr(tokenizer, "chat_template", None):
         return None, ""
-    asked = [{"role": "user", "content": "Hi"}]
-    answered = render(tokenizer, asked + [{"role": "assistant", "content": PROBE_ANSWER}])
-    after = answered[answered.rindex(PROBE_ANSWER) + len(PROBE_ANSWER) :]
-    marker = after.strip()
-    ids = tokenizer(marker, add_special_tokens=False)["input_ids"] if marker else []
-    return (ids[0] if ids else None), after
+
+    def find():
+        asked = [{"role": "user", "content": "Hi"}]
+        answered = render(tokenizer, asked + [{"role": "assistant", "content": PROBE_ANSWER}])
+        after = answered[answered.rindex(PROBE_ANSWER) + len(PROBE_ANSWER) :]
+        ids = tokenizer(after.strip(), add_special_tokens=False)["input_ids"] if after.strip() else []
+        return (ids[0] if ids else None), after
+
+    return per_template(tokenizer, "_end_of_turn", find)
+
+
+def per_template(tokenizer, name: str, compute):
+    """`compute()`, kept on the tokenizer under `name` for as long as its chat template and
+    --chat_template_kwargs stay the same: what a template does is found once, not per record."""
+    kwargs = getattr(tokenizer, "chat_template_kwargs", None) or {}
+    key = (tokenizer.chat_template, repr(sorted(kwargs.items())))
+    known = getattr(tokenizer, name, None)
+    if known is None or known[0] != key:
+        known = (key, compute())
+        setattr(tokenizer, name, known)
+    return known[1]
 
 
 def render(tokenizer, messages, generation_prompt: bool = False) -> str:
@@ -126,11 +141,11 @@ def folds_system(tokenizer) -> bool:
     one (Gemma 2), or puts it elsewhere than once before the first user turn, in the prompt and in
     the whole conversation alike (Mistral and Mixtral v0.1 to v0.3 put it into the last user turn
     only, so a prompt and its answered conversation differ). Decided once per tokenizer."""
+    return per_template(tokenizer, "_folds_system", lambda: not _system_kept(tokenizer))
+
+
+def _system_kept(tokenizer) -> bool:
     kwargs = getattr(tokenizer, "chat_template_kwargs", None) or {}
-    key = (tokenizer.chat_template, repr(sorted(kwargs.items())))
-    known = getattr(tokenizer, "_folds_system", None)
-    if known is not None and known[0] == key:
-        return known[1]
     talk = [{"role": "system", "content": "Sx9q"}, {"role": "user", "content": "U1x"}]
     talk += [{"role": "assistant", "content": "A1x"}, {"role": "user", "content": "U2x"}]
     try:
@@ -138,11 +153,9 @@ def folds_system(tokenizer) -> bool:
             tokenizer.apply_chat_template(talk[:2], tokenize=False, add_generation_prompt=True, **kwargs),
             tokenizer.apply_chat_template(talk, tokenize=False, add_generation_prompt=True, **kwargs),
         ]
-        kept = all(text.count("Sx9q") == 1 and text.index("Sx9q") < text.index("U1x") for text in texts)
     except Exception:  # a template that refuses system turns (raise_exception)
-        kept = False
-    tokenizer._folds_system = (key, not kept)
-    return not kept
+        return False
+    return all(text.count("Sx9q") == 1 and text.index("Sx9q") < text.index("U1x") for text in texts)
 
 
 def assistant_spans(tokenizer, messages: list[dict], loss_on: str) -> tuple[str, list[tuple[int, int]]]:
