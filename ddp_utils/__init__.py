@@ -6,11 +6,11 @@ What the scripts use, in the order they use it, and the module that holds it:
 - start:    `start_run` (the Accelerator, checked by the launch guard; start.py), `run` (a clean exit,
             one-line errors; process_exit.py), `UsageError` (errors.py)
 - options:  `add_training_args`, `add_causal_lm_args`, `check_training_args`, `check_causal_lm_args`,
-            `check_data_args`, `check_positive`, `check_metric_for_best_model` (args.py)
+            `check_data_args`, `check_positive` (args.py), `check_metric_for_best_model` (evaluation.py)
 - data:     `load_on_main_first` (ranks.py), `read_data_files`, `check_splits` (raw_data.py),
             `make_train_dataloader`, `make_eval_dataloader` (the training order; dataloaders.py),
             `load_metric` (evaluation.py)
-- model:    `load_model_config`, `fetch_weights` (hub.py), `load_pretrained` (under FSDP only rank 0
+- model:    `load_model_config`, `fetch_weights` (pretrained.py), `load_pretrained` (under FSDP only rank 0
             reads the weights; fsdp.py), `train_in_fp32`, `make_adamw`,
             `make_lr_scheduler` (optimizer.py); causal LMs: `load_config_and_tokenizer`,
             `load_causal_lm` (causal_lm.py), `check_merge_lora`, `save_with_merged` (lora.py)
@@ -34,7 +34,6 @@ from .args import (
     add_training_args,
     check_causal_lm_args,
     check_data_args,
-    check_metric_for_best_model,
     check_positive,
     check_training_args,
 )
@@ -43,14 +42,15 @@ from .checkpoint import Checkpointer
 from .classification import evaluate_classification, label_config, label_mapping
 from .dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader, make_train_dataloader
 from .errors import UsageError
-from .evaluation import gather_for_eval, load_metric
+from .evaluation import check_metric_for_best_model, gather_for_eval, load_metric
 from .exact_loss import count_step, global_mean_loss
+from .files import write_jsonl
 from .fsdp import load_pretrained
-from .hub import fetch_weights, load_model_config
 from .lora import check_merge_lora, save_with_merged
 from .oom_backoff import OOMBackoff
 from .optimizer import describe_optimizer, make_adamw, make_lr_scheduler, train_in_fp32
-from .output import prepare_output_dir, save_model, write_jsonl
+from .output import prepare_output_dir, save_model
+from .pretrained import fetch_weights, load_model_config
 from .process_exit import run
 from .ranks import load_on_main_first, refuse_together
 from .raw_data import check_splits, preparation_processes, read_data_files

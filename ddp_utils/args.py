@@ -256,27 +256,6 @@ def accumulation_for(args, world_size: int) -> int:
     return accumulation
 
 
-def check_metric_for_best_model(args, scores, default: str | None = None) -> None:
-    """Check --metric_for_best_model (`default` when not given) against `scores`, the eval_* names
-    this run's evaluation gives, and settle it: the Trainer's names work (`accuracy` means
-    `eval_accuracy`), a name the evaluation never gives is a `UsageError` that lists the ones it
-    does, and --greater_is_better defaults as the Trainer's does (lower wins for a loss; here also
-    for a perplexity). Every rank calls it before training (no communication); None ranks nothing."""
-    name = args.metric_for_best_model = args.metric_for_best_model or default
-    if name is None:
-        return
-    full = name if name.startswith("eval_") else f"eval_{name}"
-    if full not in scores:
-        given = ", ".join(score.removeprefix("eval_") for score in scores) or "no scores, with these options"
-        raise UsageError(
-            f"--metric_for_best_model {name!r} is not a score of this script's evaluation, so no checkpoint would "
-            f"be ranked; it gives {given} (with or without the eval_ prefix)"
-        )
-    args.metric_for_best_model = full
-    if args.greater_is_better is None:
-        args.greater_is_better = not full.endswith(("loss", "perplexity"))
-
-
 def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:
     """Add the model options of the causal-LM scripts (train_sft.py, train_clm.py) to `parser`:
     the GGUF source, the block size, LoRA, gradient checkpointing and compilation."""

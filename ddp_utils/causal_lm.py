@@ -24,7 +24,7 @@ from .errors import UsageError
 from .evaluation import gather_for_eval
 from .exact_loss import INPUT_TOKENS
 from .fsdp import load_pretrained
-from .hub import fetch_weights, load_model_config
+from .pretrained import fetch_weights, load_model_config
 from .ranks import refuse_together
 
 logger = get_logger(__name__)

@@ -20,9 +20,17 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, gather_object
 
-from .checkpoint_save import STATE_FILE, list_checkpoints
 from .errors import UsageError
-from .manifest import MANIFEST_FILE, checkpoint_files, checksum_problem, read_manifest, share_of, size_problem
+from .manifest import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    checkpoint_files,
+    checksum_problem,
+    list_checkpoints,
+    read_manifest,
+    share_of,
+    size_problem,
+)
 from .ranks import from_main_process, refuse_together
 
 logger = get_logger(__name__)

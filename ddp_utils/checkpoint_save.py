@@ -1,5 +1,5 @@
 """Writing checkpoints: `save_checkpoint` (atomic: a staging directory, every file flushed and
-listed in a manifest, then a rename), `list_checkpoints`, and what checkpoints need on disk.
+listed in a manifest, then a rename), and what checkpoints need on disk.
 
 A checkpoint `<output_dir>/checkpoint-<step>/` holds what `accelerator.save_state` writes (model
 as safetensors, optimizer, LR scheduler, gradient scaler, sampler, and every process's Python /
@@ -17,7 +17,6 @@ the checkpoints past its step, an abandoned run's (`set_aside_later_checkpoints`
 from __future__ import annotations
 
 import os
-import re
 import shutil
 
 from accelerate import Accelerator
@@ -25,13 +24,19 @@ from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 
 from .errors import RunFailed
-from .manifest import checkpoint_files, hash_and_flush, write_manifest, written_by
-from .output import agree_on_write, existing_parent, write_json
+from .files import existing_parent, write_json
+from .manifest import (
+    CHECKPOINT_NAME,
+    STATE_FILE,
+    checkpoint_files,
+    hash_and_flush,
+    list_checkpoints,
+    write_manifest,
+    written_by,
+)
+from .write_failure import agree_on_write
 
 logger = get_logger(__name__)
-
-STATE_FILE = "trainer_state.json"
-_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _fsync_dir(directory: str) -> None:
@@ -40,18 +45,6 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-
-def list_checkpoints(output_dir: str) -> list[str]:
-    """Complete checkpoints in `output_dir`, oldest first (temporary directories are ignored)."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        match = _NAME.match(name)
-        if match and os.path.isfile(os.path.join(output_dir, name, STATE_FILE)):
-            found.append((int(match.group(1)), os.path.join(output_dir, name)))
-    return [path for _, path in sorted(found)]
 
 
 def prune_checkpoints(output_dir: str, total_limit: int, keep: set) -> None:
@@ -72,7 +65,7 @@ def set_aside_later_checkpoints(output_dir: str, step: int) -> list[tuple[str, s
     pruning sees them. Returns the (old, new) names. The main process calls it."""
     later = []
     for name in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
-        match = _NAME.match(name)
+        match = CHECKPOINT_NAME.match(name)
         if match and int(match.group(1)) > step and os.path.isdir(os.path.join(output_dir, name)):
             later.append((int(match.group(1)), name))
     moved = []

@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from .preemption import PreemptionHandler
+from .errors import PREEMPTION_SIGNALS
 
 SAMPLE_WEIGHT = "sample_weight"  # 1.0 for a real example, 0.0 for a filler that evens out the shards
 EPOCH = "epoch"  # in the rows of make_train_dataloader(epoch_in_rows=True): the epoch they are drawn for
@@ -146,7 +146,7 @@ def _leave_signals_to_the_training_process(worker_id: int) -> None:
     process of a job (torchrun signals each rank's process group; SLURM signals the job step), and
     a worker killed by it makes the training process fail instead of saving its checkpoint (seen
     in a test). The training process stops the workers itself; so does their watchdog if it dies."""
-    for signum in PreemptionHandler.SIGNALS:
+    for signum in PREEMPTION_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 

@@ -16,8 +16,8 @@ from accelerate.logging import get_logger
 
 from .classification import ConfusionMatrix
 from .errors import UsageError
-from .evaluation import gather_for_eval
-from .output import write_jsonl
+from .evaluation import check_metric_for_best_model, gather_for_eval
+from .files import write_jsonl
 from .sharded import is_sharded
 
 logger = get_logger(__name__)
@@ -226,7 +226,6 @@ def settle_sft_metric(args, demo: bool) -> None:
     the loss, else exact match, whichever these options score at every checkpoint. A generation
     score given while --eval_steps evaluations (which rank mid-epoch checkpoints) generate nothing
     is refused. Every rank calls it while parsing; no communication."""
-    from .args import check_metric_for_best_model
     from .causal_lm import PERPLEXITY_SCORES
 
     perplexity = PERPLEXITY_SCORES if args.eval_perplexity else ()
@@ -251,7 +250,6 @@ def settle_accuracy_metric(args, references: list[str]) -> None:
     match only, and no checkpoint would be ranked): refused when --metric_for_best_model asked for
     it; as the script's default it becomes the loss (or exact match), said in the log. Every rank
     calls it with the same data; no communication."""
-    from .args import check_metric_for_best_model
 
     if args.metric_for_best_model != "eval_accuracy" or are_labels(references):
         return

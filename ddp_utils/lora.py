@@ -12,8 +12,9 @@ import torch
 from accelerate.logging import get_logger
 
 from .errors import UsageError
-from .output import agree_on_write, save_model, saved_dtype, write_pretrained
+from .output import save_model, saved_dtype, write_pretrained
 from .sharded import is_sharded
+from .write_failure import agree_on_write
 
 logger = get_logger(__name__)
 

@@ -1,4 +1,5 @@
-"""A checkpoint's manifest: every file it holds, with its size and checksum, written when the
+"""What makes a checkpoint complete (`list_checkpoints`: its directory holds trainer_state.json) and
+its manifest: every file it holds, with its size and checksum, written when the
 checkpoint is saved and checked before it is loaded, so a damaged checkpoint (a copy cut short, a
 bit flipped on disk or in a copy, a file system fault) is found before anything is loaded from it.
 
@@ -27,6 +28,8 @@ from accelerate.logging import get_logger
 logger = get_logger(__name__)
 
 MANIFEST_FILE = "manifest.json"
+STATE_FILE = "trainer_state.json"  # the run's progress, written last: a checkpoint without it is incomplete
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 _CHUNK = 8 * 2**20
 # The files Accelerate's `save_state` writes on each rank carry the rank in their names: its RNG states
 # (random_states_<rank>.pkl), FSDP's sharded state (__<rank>_<n>.distcp, or pytorch_model_fsdp_rank<rank>.bin for a
@@ -49,6 +52,18 @@ def checkpoint_files(directory: str) -> list[str]:
     for root, _, names in os.walk(directory):
         found += [os.path.relpath(os.path.join(root, name), directory) for name in names]
     return sorted(name for name in found if name != MANIFEST_FILE)
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """Complete checkpoints in `output_dir`, oldest first (temporary directories are ignored)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = CHECKPOINT_NAME.match(name)
+        if match and os.path.isfile(os.path.join(output_dir, name, STATE_FILE)):
+            found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
 
 
 def _checksum(path: str) -> str:

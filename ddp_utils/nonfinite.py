@@ -89,7 +89,7 @@ class NonFiniteWatch:
         steps = [min((s for s in everyone[:, k].tolist() if s > 0), default=0) for k in range(len(WATCHED))]
         if not any(steps):
             return
-        from .checkpoint_save import list_checkpoints
+        from .manifest import list_checkpoints
 
         first = int(min(s for s in steps if s > 0))
         newest = (list_checkpoints(self.output_dir) or [None])[-1]

@@ -1,6 +1,5 @@
-"""Output directory and files: only the main process writes, nothing is left half-written, and a
-write that fails (no space, quota, file too large, permissions) is reported on every rank in one
-line that names the directory, the cause, the newest complete checkpoint and the fix."""
+"""The output directory and the model saved in it: only the main process writes, nothing is left
+half-written, and a write that fails is reported on every rank in one line (`write_failure.py`)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,8 @@ import tempfile
 from accelerate import Accelerator
 
 from .errors import UsageError
-from .ranks import fail_together, from_main_process
+from .ranks import from_main_process
+from .write_failure import agree_on_write
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool = False) -> None:
@@ -44,30 +44,6 @@ def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite: boo
         os.makedirs(output_dir, exist_ok=True)
 
     from_main_process(accelerator, replace_on_main)
-
-
-def write_json(accelerator: Accelerator, path: str, data) -> None:
-    """Write `data` as JSON, on the main process only, atomically (a complete file or none).
-    Any rank may call it; the others do nothing."""
-    _write_text_on_main(accelerator, path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def write_jsonl(accelerator: Accelerator, path: str, rows: list[dict]) -> None:
-    """Write `rows` one JSON object per line, on the main process only, atomically. Any rank may
-    call it; the others do nothing."""
-    _write_text_on_main(accelerator, path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-
-
-def _write_text_on_main(accelerator: Accelerator, path: str, text: str) -> None:
-    """Write `text` to `path` on the main process only, through a temporary file in the same
-    directory and a rename, so readers see a complete file or none."""
-    if not accelerator.is_main_process:
-        return
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as handle:
-        handle.write(text)
-    os.replace(handle.name, path)
 
 
 def save_model(accelerator: Accelerator, model, output_dir: str, *processors, dtype: str = "auto") -> None:
@@ -163,50 +139,3 @@ def _record_dtype(directory: str, dtype) -> None:
     with open(path, "w") as handle:
         json.dump(config, handle, indent=2, sort_keys=True)
         handle.write("\n")
-
-
-def agree_on_write(accelerator: Accelerator, error: BaseException | None, what: str, output_dir: str) -> None:
-    """All ranks call this after writing (one gather), each with the error its write raised, or
-    None: if any rank failed, every rank raises `RunFailed` with one line that names `what` could
-    not be written, the cause, the newest complete checkpoint in `output_dir` and the fix. Stands
-    where a barrier would: the ranks that did not fail wait here, not in a collective the failed
-    rank never reaches."""
-    fail_together(accelerator, None if error is None else write_failure(error, what, output_dir))
-
-
-def write_failure(error: BaseException, what: str, output_dir: str) -> str:
-    """The one line for a write of `what` that raised `error`: the cause (the OS error, found in
-    the exception's chain; torch's writer reports only "iostream error", so the free space and the
-    file size limit are named then), the newest complete checkpoint and the fix."""
-    import resource
-
-    from .checkpoint_save import list_checkpoints
-
-    cause, found = None, error
-    while found is not None and cause is None:
-        if isinstance(found, OSError) and found.errno:
-            cause = f"[Errno {found.errno}] {found.strerror or os.strerror(found.errno)}"
-        found = found.__cause__ or found.__context__
-    if cause is None:  # torch's writer raises RuntimeError("unexpected pos ..."): name the likely limits first
-        free = shutil.disk_usage(existing_parent(output_dir)).free
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        facts = [f"files are limited to {limit / 2**20:.1f} MiB (ulimit -f)"] if limit != resource.RLIM_INFINITY else []
-        facts += [
-            f"{free / 2**30:.1f} GiB free there",
-            f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:120]}",
-        ]
-        cause = "; ".join(facts)
-    newest = (list_checkpoints(output_dir) or [None])[-1]
-    kept = f"the newest complete checkpoint is {newest!r}" if newest else "no complete checkpoint was saved yet"
-    return (
-        f"could not write {what} ({cause}); {kept}. Free space there (or raise the quota or file size limit), or give "
-        "an --output_dir on a larger disk, then resume with --resume_from_checkpoint latest"
-    )
-
-
-def existing_parent(path: str) -> str:
-    """`path`, or its nearest existing parent."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path

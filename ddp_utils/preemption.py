@@ -11,8 +11,8 @@ from datetime import timedelta
 import torch
 from accelerate import Accelerator
 
-from .errors import EXIT_PREEMPTED, Preempted
-from .output import write_json
+from .errors import EXIT_PREEMPTED, PREEMPTION_SIGNALS, Preempted
+from .files import write_json
 from .ranks import fail_together
 
 PREEMPTED_FILE = "preempted.json"  # in the output dir while a preempted run waits to be resumed
@@ -23,7 +23,7 @@ class PreemptionHandler:
     that `requested` shares across ranks. All ranks create it, after the Accelerator: on an
     accelerator that is a collective (it makes the CPU process group the flag travels in)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = PREEMPTION_SIGNALS
 
     def __init__(self, accelerator: Accelerator, timeout_s: int = 1800):
         self.accelerator = accelerator

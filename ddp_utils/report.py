@@ -20,11 +20,12 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from .after_the_run import after_every_rank
+from .files import write_json
 from .hub import push_to_hub
 from .model_card import write_model_card
-from .output import agree_on_write, write_json
 from .redact import loggable_args
 from .training_log import describe, peak_memory_mb, read_train_log
+from .write_failure import agree_on_write
 
 logger = get_logger(__name__)
 

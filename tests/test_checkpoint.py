@@ -385,7 +385,8 @@ def one_process():
 def test_a_save_never_prunes_the_checkpoint_just_written(one_process, tmp_path):
     """A newer checkpoint by step, another run's, is there: with --checkpoints_total_limit 1 the
     save of step 500 used to keep checkpoint-600 and delete checkpoint-500, the one just written."""
-    from ddp_utils.checkpoint_save import list_checkpoints, save_checkpoint
+    from ddp_utils.checkpoint_save import save_checkpoint
+    from ddp_utils.manifest import list_checkpoints
 
     for step in (400, 600, 500):
         save_checkpoint(one_process, str(tmp_path), {"step": step}, total_limit=1)
@@ -396,8 +397,8 @@ def test_a_crash_while_a_step_is_saved_again_leaves_one_whole_checkpoint(one_pro
     """A step saved again used to delete its old checkpoint-<step> in place, then rename the new one:
     a crash half-way through the deletion left a half-deleted checkpoint-<step> under that name. Now
     the old one is renamed aside first; a crash while it is deleted leaves the new one, whole."""
-    from ddp_utils.checkpoint_save import list_checkpoints, save_checkpoint
-    from ddp_utils.manifest import checkpoint_problem
+    from ddp_utils.checkpoint_save import save_checkpoint
+    from ddp_utils.manifest import checkpoint_problem, list_checkpoints
 
     save_checkpoint(one_process, str(tmp_path), {"step": 8, "attempt": 1})
     real_unlink, removed = os.unlink, []

@@ -9,7 +9,8 @@ import torch
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
-from ddp_utils.output import check_output_dir, write_json
+from ddp_utils.files import write_json
+from ddp_utils.output import check_output_dir
 
 
 @pytest.mark.fast
