@@ -22,10 +22,10 @@ from accelerate.utils import broadcast_object_list
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import ddp_utils
-from ddp_utils.checkpoint_load import load_checkpoint
-from ddp_utils.checkpoint_save import save_checkpoint
-from ddp_utils.demo import demo_model_path, load_demo_reviews
-from ddp_utils.start import make_accelerator
+from ddp_utils.checkpoints.checkpoint_load import load_checkpoint
+from ddp_utils.checkpoints.checkpoint_save import save_checkpoint
+from ddp_utils.data.demo import demo_model_path, load_demo_reviews
+from ddp_utils.lifecycle.start import make_accelerator
 
 
 def timed(accelerator, work, repeats):

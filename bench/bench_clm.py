@@ -40,7 +40,7 @@ def bench_inputs(workdir: Path) -> tuple[Path, dict]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ddp_utils.demo import bench_decoder_config_path, demo_model_path, load_demo_reviews
+    from ddp_utils.data.demo import bench_decoder_config_path, demo_model_path, load_demo_reviews
 
     decoder = workdir / "decoder"
     torch.manual_seed(42)

@@ -5,7 +5,7 @@ The demo's model (SmolLM2-135M-Instruct, dequantized once from the GGUF file of 
 the demo's LoRA (r16, every linear layer), built by `scripts/train_sft.py`'s own `prepare_data`
 and `ddp_utils.load_causal_lm`, on batches of the first records of the demo's training split, so prompt and
 answer lengths are the real ones. Each round times forward + backward of one batch
-two ways, alternating: `ddp_utils.causal_lm.causal_lm_loss` (`logits_to_keep` = the positions that
+two ways, alternating: `ddp_utils.language_models.causal_lm.causal_lm_loss` (`logits_to_keep` = the positions that
 predict a target), and the usual way, logits at every position and the loss masked afterwards.
 One process and one thread, as each process of the demo's 2-process launch; the first batch is a
 warm-up for both.
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ddp_utils.causal_lm import CausalLMCollator, causal_lm_loss, load_causal_lm
+from ddp_utils.language_models.causal_lm import CausalLMCollator, causal_lm_loss, load_causal_lm
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -27,10 +27,10 @@ import time
 import torch
 
 import ddp_utils
-from ddp_utils import checkpoint_save, manifest
-from ddp_utils.checkpoint_load import find_resume_checkpoint, load_checkpoint
-from ddp_utils.checkpoint_save import save_checkpoint
-from ddp_utils.start import make_accelerator
+from ddp_utils.checkpoints import checkpoint_save, manifest
+from ddp_utils.checkpoints.checkpoint_load import find_resume_checkpoint, load_checkpoint
+from ddp_utils.checkpoints.checkpoint_save import save_checkpoint
+from ddp_utils.lifecycle.start import make_accelerator
 
 
 def drop_page_cache(accelerator, cold: bool) -> None:
@@ -73,7 +73,7 @@ def main():
     optimizer.zero_grad()
 
     base = args.dir or (tempfile.gettempdir() if accelerator.is_main_process else None)
-    workdir = ddp_utils.ranks.from_main_process(accelerator, tempfile.mkdtemp, prefix="bench-manifest-", dir=base)
+    workdir = ddp_utils.core.ranks.from_main_process(accelerator, tempfile.mkdtemp, prefix="bench-manifest-", dir=base)
     state = {"step": 1, "epoch": 0, "step_in_epoch": 1}
     checkpoint = os.path.join(workdir, "checkpoint-1")
 

@@ -86,7 +86,7 @@ def sft_contenders(args, workdir: Path, rows: int, launch_config) -> dict:
 def write_csv(path: Path, rows: int) -> Path:
     """`rows` reviews: the demo's 600 training reviews, each repeated with its words shuffled (the
     same lengths and labels, new texts, so no two rows tokenize alike)."""
-    from ddp_utils.demo import load_demo_reviews
+    from ddp_utils.data.demo import load_demo_reviews
 
     if path.exists():
         return path
@@ -133,7 +133,7 @@ def main():
     workdir.mkdir(parents=True, exist_ok=True)
     validation = workdir / "validation.csv"
     if not validation.exists():
-        from ddp_utils.demo import load_demo_reviews
+        from ddp_utils.data.demo import load_demo_reviews
 
         load_demo_reviews()["validation"].to_csv(str(validation), index=False)
     results = {}

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: what seeding each micro-batch's dropout masks costs (`ddp_utils.step_plan.SeededMicroBatches`).
+"""Benchmark: what seeding each micro-batch's dropout masks costs (`ddp_utils.training.step_plan.SeededMicroBatches`).
 
 Side by side, per micro-batch, one process and one thread as each process of a 2-process launch:
 
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ddp_utils.step_plan import SeededMicroBatches, micro_batch_seed, random_generators
+from ddp_utils.training.step_plan import SeededMicroBatches, micro_batch_seed, random_generators
 
 
 def per_call_us(fn, repeats: int) -> float:
@@ -49,7 +49,7 @@ def main():
 
     from transformers import AutoModelForSequenceClassification
 
-    from ddp_utils.demo import demo_model_path
+    from ddp_utils.data.demo import demo_model_path
 
     model = AutoModelForSequenceClassification.from_pretrained(demo_model_path(), num_labels=3).train()
     batch = {"input_ids": torch.randint(1000, 20000, (16, 128)), "labels": torch.randint(0, 3, (16,))}

@@ -77,8 +77,8 @@ def demo_model_dir() -> str:
     """The plain safetensors directory of the demo LLM (dequantized once, then cached)."""
     from accelerate import PartialState
 
-    from ddp_utils.demo import demo_llm_gguf
-    from ddp_utils.gguf import dequantized_gguf
+    from ddp_utils.data.demo import demo_llm_gguf
+    from ddp_utils.language_models.gguf import dequantized_gguf
 
     PartialState()  # ddp_utils logs through Accelerate's logger, which needs a state (here: one process, no group)
     return dequantized_gguf(*demo_llm_gguf())

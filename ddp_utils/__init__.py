@@ -29,7 +29,18 @@ Task helpers live in their own modules: `causal_lm` (language models), `lora`, `
 whether the weights are split over the ranks.
 """
 
-from .args import (
+from .checkpoints.checkpoint import Checkpointer
+from .core.errors import UsageError
+from .core.files import write_jsonl
+from .core.ranks import load_on_main_first, refuse_together
+from .core.sharded import is_sharded
+from .data.classification import evaluate_classification, label_config, label_mapping
+from .data.dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader, make_train_dataloader
+from .data.evaluation import check_metric_for_best_model, gather_for_eval, load_metric
+from .data.raw_data import check_splits, preparation_processes, read_data_files
+from .language_models.causal_lm import load_causal_lm, load_config_and_tokenizer
+from .language_models.lora import check_merge_lora, save_with_merged
+from .lifecycle.args import (
     add_causal_lm_args,
     add_training_args,
     check_causal_lm_args,
@@ -37,28 +48,17 @@ from .args import (
     check_positive,
     check_training_args,
 )
-from .causal_lm import load_causal_lm, load_config_and_tokenizer
-from .checkpoint import Checkpointer
-from .classification import evaluate_classification, label_config, label_mapping
-from .dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader, make_train_dataloader
-from .errors import UsageError
-from .evaluation import check_metric_for_best_model, gather_for_eval, load_metric
-from .exact_loss import count_step, global_mean_loss
-from .files import write_jsonl
-from .fsdp import load_pretrained
-from .lora import check_merge_lora, save_with_merged
-from .oom_backoff import OOMBackoff
-from .optimizer import describe_optimizer, make_adamw, make_lr_scheduler, train_in_fp32
-from .output import prepare_output_dir, save_model
-from .pretrained import fetch_weights, load_model_config
-from .process_exit import run
-from .ranks import load_on_main_first, refuse_together
-from .raw_data import check_splits, preparation_processes, read_data_files
-from .report import write_results
-from .sharded import is_sharded
-from .start import make_accelerator, start_run, start_training
-from .step_plan import StepPlan
-from .training_log import TrainingLog
+from .lifecycle.process_exit import run
+from .lifecycle.start import make_accelerator, start_run, start_training
+from .outputs.output import prepare_output_dir, save_model
+from .outputs.report import write_results
+from .training.exact_loss import count_step, global_mean_loss
+from .training.fsdp import load_pretrained
+from .training.oom_backoff import OOMBackoff
+from .training.optimizer import describe_optimizer, make_adamw, make_lr_scheduler, train_in_fp32
+from .training.pretrained import fetch_weights, load_model_config
+from .training.step_plan import StepPlan
+from .training.training_log import TrainingLog
 
 __all__ = [
     "SAMPLE_WEIGHT",

@@ -11,8 +11,8 @@ Keys are the names in train_log.jsonl: train/* are drawn against optimizer steps
 import argparse
 import os
 
-from ddp_utils.report import plot_runs
-from ddp_utils.training_log import TRAIN_LOG
+from ddp_utils.outputs.report import plot_runs
+from ddp_utils.training.training_log import TRAIN_LOG
 
 
 def main():

@@ -23,7 +23,9 @@ from accelerate.logging import get_logger
 
 import ddp_utils
 from ddp_utils import UsageError
-from ddp_utils.causal_lm import (
+from ddp_utils.data.dataloaders import token_lengths
+from ddp_utils.data.demo import demo_llm_gguf, load_demo_reviews
+from ddp_utils.language_models.causal_lm import (
     PERPLEXITY_SCORES,
     TARGET_TOKENS,
     CausalLMCollator,
@@ -31,9 +33,7 @@ from ddp_utils.causal_lm import (
     evaluate_perplexity,
     group_text_blocks,
 )
-from ddp_utils.dataloaders import token_lengths
-from ddp_utils.demo import demo_llm_gguf, load_demo_reviews
-from ddp_utils.generation import show_sample
+from ddp_utils.language_models.generation import show_sample
 
 logger = get_logger(__name__)
 

@@ -24,8 +24,8 @@ from accelerate.logging import get_logger
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
-from ddp_utils.demo import DEMO_QUESTION, DEMO_SYSTEM, demo_llm_gguf, load_demo_reviews  # the SFT demo's question
-from ddp_utils.dpo import (
+from ddp_utils.data.demo import DEMO_QUESTION, DEMO_SYSTEM, demo_llm_gguf, load_demo_reviews  # the SFT demo's question
+from ddp_utils.language_models.dpo import (
     LOSSES,
     PREFERENCE_SCORES,
     check_dpo_args,
@@ -35,9 +35,9 @@ from ddp_utils.dpo import (
     pair_logps,
     preference_losses,
 )
-from ddp_utils.generation import GENERATION_SCORES, make_generation_dataloader, score_by_generation
-from ddp_utils.pair_scoring import TWO_ROWS, choose_pair_layout
-from ddp_utils.preference_data import PairCollator, detect_pair_format, tokenize_pairs
+from ddp_utils.language_models.generation import GENERATION_SCORES, make_generation_dataloader, score_by_generation
+from ddp_utils.language_models.pair_scoring import TWO_ROWS, choose_pair_layout
+from ddp_utils.language_models.preference_data import PairCollator, detect_pair_format, tokenize_pairs
 
 logger = get_logger(__name__)
 

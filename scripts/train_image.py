@@ -22,9 +22,9 @@ from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassi
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT
-from ddp_utils.classification import CLASSIFICATION_SCORES
-from ddp_utils.demo import demo_resnet_path, load_demo_digits
-from ddp_utils.vision import (
+from ddp_utils.data.classification import CLASSIFICATION_SCORES
+from ddp_utils.data.demo import demo_resnet_path, load_demo_digits
+from ddp_utils.data.vision import (
     EXAMPLE_ID,
     ImageCollator,
     check_class_folders,

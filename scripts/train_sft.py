@@ -24,22 +24,22 @@ from accelerate.logging import get_logger
 
 import ddp_utils
 from ddp_utils import UsageError
-from ddp_utils.causal_lm import (
+from ddp_utils.data.demo import DEMO_QUESTION, DEMO_SYSTEM, demo_llm_gguf, load_demo_reviews
+from ddp_utils.language_models.causal_lm import (
     TARGET_TOKENS,
     CausalLMCollator,
     causal_lm_loss,
     check_packing,
     evaluate_perplexity,
 )
-from ddp_utils.chat import LOSS_ON
-from ddp_utils.demo import DEMO_QUESTION, DEMO_SYSTEM, demo_llm_gguf, load_demo_reviews
-from ddp_utils.generation import (
+from ddp_utils.language_models.chat import LOSS_ON
+from ddp_utils.language_models.generation import (
     make_generation_dataloader,
     score_by_generation,
     settle_accuracy_metric,
     settle_sft_metric,
 )
-from ddp_utils.sft_data import detect_format, tokenize_sft
+from ddp_utils.language_models.sft_data import detect_format, tokenize_sft
 
 logger = get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""Conversations as training rows (ddp_utils.chat), checked token by token: the targets are exactly
+"""Conversations as training rows (ddp_utils.language_models.chat), checked token by token: the targets are exactly
 the assistant's turns and their end-of-turn tokens, for chat templates without generation
 markers; a template that re-renders history is refused; a record too long for the block loses
 context from its start, never its answer."""
@@ -7,8 +7,8 @@ import pytest
 
 from conftest import make_tiny_causal_lm
 from ddp_utils import UsageError
-from ddp_utils.causal_lm import IGNORE_INDEX
-from ddp_utils.chat import as_messages, fit_block, generation_prompt, tokenize_conversation
+from ddp_utils.language_models.causal_lm import IGNORE_INDEX
+from ddp_utils.language_models.chat import as_messages, fit_block, generation_prompt, tokenize_conversation
 
 CHATML = (  # the layout of SmolLM2's and Qwen's templates, system turn included by default
     "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nbe brief<|im_end|>\n{% endif %}"
@@ -130,7 +130,7 @@ def test_prompt_completion_records_become_turns():
     assert as_messages("hi", [{"role": "assistant", "content": "there"}])[-1]["content"] == "there"
 
 
-# --- the common SFT formats (ddp_utils.sft_data) ------------------------------------------------
+# --- the common SFT formats (ddp_utils.language_models.sft_data) ------------------------------------------------
 
 
 def sft_options(**overrides):
@@ -160,7 +160,7 @@ SHAREGPT = [
 def test_the_common_sft_formats_are_found_from_the_columns_and_read_as_the_same_turns(tokenizer):
     import datasets
 
-    from ddp_utils.sft_data import detect_format, tokenize_record
+    from ddp_utils.language_models.sft_data import detect_format, tokenize_record
 
     def data(rows):
         return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
@@ -196,7 +196,7 @@ def test_the_common_sft_formats_are_found_from_the_columns_and_read_as_the_same_
 def test_a_record_that_fits_no_format_is_named_with_the_formats_and_the_fix():
     import datasets
 
-    from ddp_utils.sft_data import detect_format
+    from ddp_utils.language_models.sft_data import detect_format
 
     with pytest.raises(
         UsageError, match=r"columns \['text', 'label'\] fit none of the SFT formats: messages .*ShareGPT"

@@ -17,10 +17,15 @@ import torch
 from accelerate import Accelerator
 from chat_templates import FAMILIES, make_family_model, make_family_tokenizer
 
-from ddp_utils.causal_lm import IGNORE_INDEX, load_tokenizer
-from ddp_utils.chat import end_of_turn, tokenize_conversation
-from ddp_utils.errors import UsageError
-from ddp_utils.generation import generate_answers, make_generation_dataloader, score_answers, stop_token_ids
+from ddp_utils.core.errors import UsageError
+from ddp_utils.language_models.causal_lm import IGNORE_INDEX, load_tokenizer
+from ddp_utils.language_models.chat import end_of_turn, tokenize_conversation
+from ddp_utils.language_models.generation import (
+    generate_answers,
+    make_generation_dataloader,
+    score_answers,
+    stop_token_ids,
+)
 
 SYSTEM = "be brief"
 ASKED = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "what do you think of this film"}]
@@ -154,7 +159,7 @@ def test_the_saved_tokenizer_keeps_the_pad_token_it_had(tmp_path):
     padding by id would mask every EOS and stop learning to end answers."""
     from transformers import AutoTokenizer
 
-    from ddp_utils.output import save_processor
+    from ddp_utils.outputs.output import save_processor
 
     make_family_tokenizer("llama3-base", tmp_path / "source")
     tokenizer = load_tokenizer(str(tmp_path / "source"))
@@ -167,7 +172,7 @@ def test_the_saved_tokenizer_keeps_the_pad_token_it_had(tmp_path):
 @pytest.mark.fast
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_dpo_prompts_keep_the_system_turn_and_answers_end_with_the_end_of_turn(family, tokenizers):
-    from ddp_utils.preference_data import PairFormat, tokenize_pair
+    from ddp_utils.language_models.preference_data import PairFormat, tokenize_pair
 
     tokenizer = tokenizers[family]
     pair = (ASKED, [{"role": "assistant", "content": "positive"}], [{"role": "assistant", "content": "negative"}])
@@ -195,7 +200,7 @@ def test_greedy_generation_leaves_a_lora_models_own_generation_config_as_it_was(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from ddp_utils.generation import only_this_config
+    from ddp_utils.language_models.generation import only_this_config
 
     directory = make_family_model("llama3", tmp_path)
     model = get_peft_model(

@@ -12,8 +12,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import AUDIT_HOOK_DIR, REPO, launch, make_tiny_model, train_args
-from ddp_utils.errors import EXIT_PREEMPTED
-from ddp_utils.preemption import PREEMPTED_FILE
+from ddp_utils.checkpoints.preemption import PREEMPTED_FILE
+from ddp_utils.core.errors import EXIT_PREEMPTED
 
 TRAIN = REPO / "scripts" / "train.py"
 HOOKS = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}
@@ -385,8 +385,8 @@ def one_process():
 def test_a_save_never_prunes_the_checkpoint_just_written(one_process, tmp_path):
     """A newer checkpoint by step, another run's, is there: with --checkpoints_total_limit 1 the
     save of step 500 used to keep checkpoint-600 and delete checkpoint-500, the one just written."""
-    from ddp_utils.checkpoint_save import save_checkpoint
-    from ddp_utils.manifest import list_checkpoints
+    from ddp_utils.checkpoints.checkpoint_save import save_checkpoint
+    from ddp_utils.checkpoints.manifest import list_checkpoints
 
     for step in (400, 600, 500):
         save_checkpoint(one_process, str(tmp_path), {"step": step}, total_limit=1)
@@ -397,8 +397,8 @@ def test_a_crash_while_a_step_is_saved_again_leaves_one_whole_checkpoint(one_pro
     """A step saved again used to delete its old checkpoint-<step> in place, then rename the new one:
     a crash half-way through the deletion left a half-deleted checkpoint-<step> under that name. Now
     the old one is renamed aside first; a crash while it is deleted leaves the new one, whole."""
-    from ddp_utils.checkpoint_save import save_checkpoint
-    from ddp_utils.manifest import checkpoint_problem, list_checkpoints
+    from ddp_utils.checkpoints.checkpoint_save import save_checkpoint
+    from ddp_utils.checkpoints.manifest import checkpoint_problem, list_checkpoints
 
     save_checkpoint(one_process, str(tmp_path), {"step": 8, "attempt": 1})
     real_unlink, removed = os.unlink, []
@@ -423,8 +423,8 @@ def test_latest_prefers_a_verified_checkpoint_to_a_newer_one_without_manifest(on
     """A checkpoint without manifest.json (a copy that lost it, cut short) used to be loaded
     unchecked, as one saved before manifests existed. Now it is unverified: `latest` takes an older
     one that checks out instead, and uses it only when none does; each time a warning names it."""
-    from ddp_utils.checkpoint_load import find_resume_checkpoint
-    from ddp_utils.checkpoint_save import save_checkpoint
+    from ddp_utils.checkpoints.checkpoint_load import find_resume_checkpoint
+    from ddp_utils.checkpoints.checkpoint_save import save_checkpoint
 
     older, newer = (save_checkpoint(one_process, str(tmp_path), {"step": step}) for step in (2, 4))
     os.remove(os.path.join(newer, "manifest.json"))
@@ -457,8 +457,8 @@ def test_a_deepspeed_checkpoint_of_another_number_of_processes_is_refused_with_i
     from accelerate import PartialState
     from accelerate.utils import DistributedType
 
-    from ddp_utils.checkpoint_load import load_checkpoint
-    from ddp_utils.errors import UsageError
+    from ddp_utils.checkpoints.checkpoint_load import load_checkpoint
+    from ddp_utils.core.errors import UsageError
 
     PartialState(cpu=True)  # the checks log through Accelerate's logger
     checkpoint = tmp_path / "checkpoint-8"
@@ -501,7 +501,7 @@ def test_a_deepspeed_checkpoint_of_another_number_of_processes_is_refused_with_i
         "on 2 processes with --per_device_train_batch_size x --gradient_accumulation_steps 4 x 1, 2 x 2, 1 x 4, or "
         "start afresh on 1"
     )
-    from ddp_utils.checkpoint_load import deepspeed_processes_problem
+    from ddp_utils.checkpoints.checkpoint_load import deepspeed_processes_problem
 
     assert deepspeed_processes_problem(str(checkpoint), state, 2) is None, "on 2 processes it loads"
     ddp = tmp_path / "checkpoint-ddp"

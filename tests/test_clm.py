@@ -84,7 +84,7 @@ def test_perplexity_drops_and_is_the_same_on_one_and_two_processes(text_runs):
         assert two[key] == pytest.approx(one[key], rel=1e-4), key
     assert one["eval_tokens"] == two["eval_tokens"] == one["eval_sequences"] * 15, "each block: 15 tokens predicted"
     assert one["train_tokens_dropped"] < 16 and one["block_size"] == 16
-    from ddp_utils.causal_lm import PERPLEXITY_SCORES  # what --metric_for_best_model is checked against
+    from ddp_utils.language_models.causal_lm import PERPLEXITY_SCORES  # what --metric_for_best_model is checked against
 
     given = {key for key in one if key.startswith("eval_")} - {"eval_tokens", "eval_sequences"}
     assert given == set(PERPLEXITY_SCORES), given

@@ -60,7 +60,7 @@ def package_functions(kind: str = "called") -> dict[str, list]:
     """name -> [(module, qualified name, node)] for every function and method in ddp_utils that is
     called by name (kind="called"), or for its properties (kind="property")."""
     functions = {}
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in tree.body:
             members = [(node.name, node)] if isinstance(node, ast.FunctionDef) else []
@@ -256,9 +256,11 @@ def test_the_leaf_modules_stay_leaves_and_the_task_helpers_do_not_import_the_sta
     """errors.py and sharded.py import nothing of ddp_utils; the data, model and task helpers never
     import start.py, process_exit.py or launch_guard.py (the start and end of a process)."""
     start_of_a_run = {"start", "process_exit", "launch_guard"}
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text())
-        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+        imported = {
+            node.module.split(".")[-1] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level
+        }
         if path.stem in ("errors", "sharded"):
             assert imported == set(), f"ddp_utils/{path.stem}.py imports nothing of ddp_utils"
         elif path.stem not in start_of_a_run | {"__init__"}:
@@ -269,7 +271,8 @@ def test_matplotlib_is_not_imported_on_the_training_path():
     """Only the report's drawing imports it, on the main process at the end of a run."""
     check = (
         "import importlib.util, sys\n"
-        "import ddp_utils, ddp_utils.causal_lm, ddp_utils.vision, ddp_utils.report, ddp_utils.training_log\n"
+        "import ddp_utils, ddp_utils.language_models.causal_lm, ddp_utils.data.vision\n"
+        "import ddp_utils.outputs.report, ddp_utils.training.training_log\n"
         f"for name in {sorted(SCRIPTS)!r}:\n"
         f"    spec = importlib.util.spec_from_file_location(name, {str(REPO / 'scripts')!r} + f'/{{name}}.py')\n"
         "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"

@@ -9,15 +9,15 @@ import torch
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
-from ddp_utils.files import write_json
-from ddp_utils.output import check_output_dir
+from ddp_utils.core.files import write_json
+from ddp_utils.outputs.output import check_output_dir
 
 
 @pytest.mark.fast
 def test_the_training_rows_pad_to_whole_steps_with_weightless_fillers():
     import datasets
 
-    from ddp_utils.dataloaders import StepAlignedSampler, _TrainingRows
+    from ddp_utils.data.dataloaders import StepAlignedSampler, _TrainingRows
 
     dataset = datasets.Dataset.from_dict({"x": list(range(37))})
     sampler = StepAlignedSampler(37, batch_size=4, num_processes=2, accumulation=1, seed=0)
@@ -76,7 +76,7 @@ def test_write_json_is_atomic_and_main_only(tmp_path):
 
 @pytest.mark.fast
 def test_demo_data_is_the_documented_subset():
-    from ddp_utils.demo import load_demo_reviews
+    from ddp_utils.data.demo import load_demo_reviews
 
     data = load_demo_reviews()
     assert (len(data["train"]), len(data["validation"])) == (600, 379)
@@ -109,7 +109,7 @@ def test_save_model_of_a_compiled_model_reloads_its_trained_weights(tiny_lm, tmp
 
 @pytest.mark.fast
 def test_step_aligned_sampler_spreads_the_last_step_over_ranks_and_micro_batches():
-    from ddp_utils.dataloaders import StepAlignedSampler
+    from ddp_utils.data.dataloaders import StepAlignedSampler
 
     # 13 real examples, 3 fillers; steps of 2 ranks x 2 micro-batches x batch 2 = 8.
     sampler = StepAlignedSampler(13, batch_size=2, num_processes=2, accumulation=2, seed=1)
@@ -131,7 +131,7 @@ def test_step_size_counts_real_rows_and_their_tokens_the_same_padded_or_packed()
     and packing the same examples must not change the tokens or the loss's weight."""
     from accelerate import Accelerator
 
-    from ddp_utils.causal_lm import TARGET_TOKENS, CausalLMCollator, pack_sequences
+    from ddp_utils.language_models.causal_lm import TARGET_TOKENS, CausalLMCollator, pack_sequences
 
     accelerator = Accelerator(cpu=True)
     lengths = (5, 9, 3, 7)
@@ -164,8 +164,8 @@ def test_step_size_counts_real_rows_and_their_tokens_the_same_padded_or_packed()
 
 @pytest.mark.fast
 def test_report_to_and_secret_scrubbing(monkeypatch):
-    from ddp_utils.redact import hide_secret_args, loggable_args
-    from ddp_utils.training_log import parse_report_to
+    from ddp_utils.core.redact import hide_secret_args, loggable_args
+    from ddp_utils.training.training_log import parse_report_to
 
     assert parse_report_to("none") == [] and parse_report_to("") == []
     assert parse_report_to("tensorboard, tensorboard") == ["tensorboard"]
@@ -285,7 +285,7 @@ def test_length_grouped_order_loses_nothing_and_forms_the_same_global_steps_on_a
     """Grouping by length changes which examples share a micro-batch, never the promise: each epoch
     every example once, each global step the same examples whatever the layout, drawn from (seed,
     epoch) alone; and far less padding than a random order."""
-    from ddp_utils.dataloaders import StepAlignedSampler
+    from ddp_utils.data.dataloaders import StepAlignedSampler
 
     lengths = [int(x) for x in np.random.default_rng(0).integers(5, 200, size=203)]
     step = 8  # examples per optimizer step
@@ -332,7 +332,7 @@ def test_length_grouped_order_loses_nothing_and_forms_the_same_global_steps_on_a
 def test_best_fit_packing_fills_rows_and_keeps_every_example_whole():
     """Every example lands whole in exactly one row of at most block_size tokens, and the rows are
     nearly full (first fit in the data's order left far more room)."""
-    from ddp_utils.causal_lm import pack_sequences
+    from ddp_utils.language_models.causal_lm import pack_sequences
 
     rng = np.random.default_rng(0)
     examples = [list(range(100 * i, 100 * i + int(n))) for i, n in enumerate(rng.integers(3, 60, size=300))]
@@ -382,8 +382,8 @@ def test_the_training_path_syncs_with_the_device_once_per_logging_window(tmp_pat
     import datasets
     from accelerate import Accelerator
 
-    from ddp_utils.preemption import PreemptionHandler
-    from ddp_utils.training_log import read_train_log
+    from ddp_utils.checkpoints.preemption import PreemptionHandler
+    from ddp_utils.training.training_log import read_train_log
 
     parser = argparse.ArgumentParser()
     ddp_utils.add_training_args(parser)
@@ -442,7 +442,7 @@ def test_a_manifest_finds_a_file_cut_short_changed_or_missing_and_each_rank_hash
     rest. At a resume the ranks split the bytes to checksum evenly."""
     from accelerate import PartialState
 
-    from ddp_utils.manifest import (
+    from ddp_utils.checkpoints.manifest import (
         checkpoint_files,
         checkpoint_problem,
         hash_and_flush,

@@ -28,11 +28,11 @@ from conftest import (
     refused_in_process,
 )
 from ddp_utils import SAMPLE_WEIGHT
-from ddp_utils.causal_lm import load_tokenizer
-from ddp_utils.dpo import PairLogps, Reference, pair_logps, preference_losses
-from ddp_utils.exact_loss import INPUT_TOKENS, _local_step_size
-from ddp_utils.oom_backoff import split_batch
-from ddp_utils.preference_data import PairCollator, detect_pair_format, tokenize_pairs
+from ddp_utils.language_models.causal_lm import load_tokenizer
+from ddp_utils.language_models.dpo import PairLogps, Reference, pair_logps, preference_losses
+from ddp_utils.language_models.preference_data import PairCollator, detect_pair_format, tokenize_pairs
+from ddp_utils.training.exact_loss import INPUT_TOKENS, _local_step_size
+from ddp_utils.training.oom_backoff import split_batch
 
 TRAIN_DPO = REPO / "scripts" / "train_dpo.py"
 
@@ -263,7 +263,7 @@ PAIRS = [
 def test_a_pair_is_scored_as_if_each_answer_were_alone_on_every_model_family(family):
     """One row per pair leaked the chosen answer into the rejected one's log-prob on these families
     (0.03 to 0.38 nats, measured); the probe finds it and they are scored as two rows, exactly."""
-    from ddp_utils.pair_scoring import one_row_is_exact
+    from ddp_utils.language_models.pair_scoring import one_row_is_exact
 
     model = tiny_model(*HYBRIDS[family])
     expected = [
@@ -286,7 +286,7 @@ def test_sliding_window_layers_get_the_pair_mask_cut_to_their_window(tiny_lm):
     one row per pair (before: refused, --block_size at most half the window)."""
     from accelerate import PartialState
 
-    from ddp_utils.pair_scoring import ONE_ROW, TWO_ROWS, choose_pair_layout
+    from ddp_utils.language_models.pair_scoring import ONE_ROW, TWO_ROWS, choose_pair_layout
 
     window = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
     model = tiny_model("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_key_value_heads=1, head_dim=16, **window))
@@ -536,8 +536,8 @@ def test_with_dropout_off_the_adapters_off_reference_is_the_policy_before_traini
     """In-process, in training mode as in the loop: with --no-disable_dropout the two calls differ."""
     from transformers import AutoModelForCausalLM
 
-    from ddp_utils.dpo import disable_dropout
-    from ddp_utils.lora import add_lora
+    from ddp_utils.language_models.dpo import disable_dropout
+    from ddp_utils.language_models.lora import add_lora
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(dropout_lm)
@@ -562,7 +562,7 @@ def test_with_dropout_off_the_adapters_off_reference_is_the_policy_before_traini
 
 def test_simpo_takes_its_papers_beta_and_gamma_unless_given():
     """DPO's beta of 0.1 with SimPO's gamma of 0.5 aimed at a margin of 5 nats per token."""
-    from ddp_utils.dpo import check_dpo_args
+    from ddp_utils.language_models.dpo import check_dpo_args
 
     def resolved(**given):
         args = Namespace(**{"beta": None, "simpo_gamma": None, "sft_weight": 0.0, "precompute_reference": False,

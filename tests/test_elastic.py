@@ -22,9 +22,9 @@ from safetensors.numpy import load_file
 from test_image import image_args, make_tiny_vit, write_image_folder
 
 from conftest import AUDIT_HOOK_DIR, REPO, launch, sft_args, train_args
-from ddp_utils.checkpoint_load import fitting_layouts, read_checkpoint_state
-from ddp_utils.errors import UsageError
-from ddp_utils.oom_backoff import check_oom_backoff, split_batch
+from ddp_utils.checkpoints.checkpoint_load import fitting_layouts, read_checkpoint_state
+from ddp_utils.core.errors import UsageError
+from ddp_utils.training.oom_backoff import check_oom_backoff, split_batch
 
 RECORD_STEPS = REPO / "tests" / "launched" / "record_steps.py"
 INJECT_OOM = REPO / "tests" / "launched" / "inject_oom.py"

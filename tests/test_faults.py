@@ -86,8 +86,8 @@ def test_the_non_finite_watch_names_the_first_bad_step_on_any_rank(tmp_path):
 
     import torch
 
-    from ddp_utils.errors import RunFailed
-    from ddp_utils.nonfinite import NonFiniteWatch
+    from ddp_utils.core.errors import RunFailed
+    from ddp_utils.training.nonfinite import NonFiniteWatch
 
     args = SimpleNamespace(output_dir=str(tmp_path), learning_rate=3e-4, max_grad_norm=0.0)
     accelerator = SimpleNamespace(
@@ -118,7 +118,7 @@ def test_the_disk_is_checked_for_the_checkpoints_kept_and_the_numbers_named(tmp_
     import torch
     from accelerate import PartialState
 
-    from ddp_utils import checkpoint_save as checkpoint
+    from ddp_utils.checkpoints import checkpoint_save as checkpoint
 
     PartialState(cpu=True)
     model = torch.nn.Linear(1000, 1000)  # 4 MB of fp32 weights, 8 MB of AdamW moments

@@ -35,8 +35,8 @@ from conftest import (
     train_args,
     write_text_corpus,
 )
-from ddp_utils.errors import EXIT_PREEMPTED
-from ddp_utils.preemption import PREEMPTED_FILE
+from ddp_utils.checkpoints.preemption import PREEMPTED_FILE
+from ddp_utils.core.errors import EXIT_PREEMPTED
 
 FSDP_CONFIG = REPO / "accelerate_configs" / "fsdp.yaml"
 ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"

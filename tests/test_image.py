@@ -244,7 +244,7 @@ def test_sync_batchnorm_is_refused_on_cpu_and_converts_every_batchnorm(runs, ima
     from accelerate import PartialState
     from transformers import AutoModelForImageClassification
 
-    from ddp_utils.vision import convert_sync_batchnorm
+    from ddp_utils.data.vision import convert_sync_batchnorm
 
     PartialState(cpu=True)  # ddp_utils logs through Accelerate
     model = AutoModelForImageClassification.from_pretrained(runs["models"]["resnet"])

@@ -98,7 +98,7 @@ def test_the_best_checkpoint_is_kept_recorded_and_named_in_metrics(eval_runs):
     assert metrics["best_metric"] == pytest.approx(scored[best_step])
     kept = sorted(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
     assert kept == sorted({21, 24, best_step}), "the 2 newest, and the best whatever --checkpoints_total_limit"
-    from ddp_utils.classification import CLASSIFICATION_SCORES  # what --metric_for_best_model is checked against
+    from ddp_utils.data.classification import CLASSIFICATION_SCORES  # what --metric_for_best_model is checked against
 
     assert {key for key in metrics if key.startswith("eval_")} - {"eval_examples"} == set(CLASSIFICATION_SCORES)
 
@@ -132,7 +132,7 @@ def test_metric_for_best_model_takes_the_trainer_names_and_refuses_a_score_never
     from types import SimpleNamespace as Args
 
     from ddp_utils import check_metric_for_best_model
-    from ddp_utils.classification import CLASSIFICATION_SCORES
+    from ddp_utils.data.classification import CLASSIFICATION_SCORES
 
     for name, full, greater in (("accuracy", "eval_accuracy", True), ("eval_loss", "eval_loss", False)):
         args = Args(metric_for_best_model=name, greater_is_better=None)
@@ -334,8 +334,8 @@ def test_a_refused_push_says_what_the_hub_answered_and_how_to_push_by_hand(tmp_p
     from hub_standin import HubStandIn
     from huggingface_hub import constants
 
-    from ddp_utils.errors import RunFailed
-    from ddp_utils.hub import push_to_hub
+    from ddp_utils.core.errors import RunFailed
+    from ddp_utils.outputs.hub import push_to_hub
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text("{}")
@@ -357,7 +357,7 @@ def test_a_refused_push_says_what_the_hub_answered_and_how_to_push_by_hand(tmp_p
 def test_predictions_are_uploaded_only_when_asked(tmp_path):
     from huggingface_hub.utils import filter_repo_objects
 
-    from ddp_utils.hub import push_ignore_patterns
+    from ddp_utils.outputs.hub import push_ignore_patterns
 
     files = ["model.safetensors", "predictions.jsonl", "predictions_zero_shot.jsonl", "checkpoint-4/optimizer.bin"]
     for asked, expected in ((False, ["model.safetensors"]), (True, files[:3])):
@@ -369,7 +369,7 @@ def test_predictions_are_uploaded_only_when_asked(tmp_path):
 def test_push_to_hub_is_refused_offline_or_without_a_token(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from ddp_utils.hub import check_hub_push
+    from ddp_utils.outputs.hub import check_hub_push
 
     args = SimpleNamespace(hub_token=None, hub_model_id=None, output_dir=str(tmp_path / "out"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -406,7 +406,7 @@ def test_hub_private_repo_makes_an_existing_public_repository_private_before_upl
     private (the Hub's settings call) before the commit, so no file of the run is ever public."""
     from hub_standin import HubStandIn
 
-    from ddp_utils.hub import push_to_hub
+    from ddp_utils.outputs.hub import push_to_hub
 
     with HubStandIn(tmp_path / "hub") as hub:
         standin_hub(monkeypatch, hub)
@@ -427,8 +427,8 @@ def test_hub_private_repo_uploads_nothing_when_the_hub_will_not_make_the_reposit
     private first."""
     from hub_standin import HubStandIn
 
-    from ddp_utils.errors import RunFailed
-    from ddp_utils.hub import push_to_hub
+    from ddp_utils.core.errors import RunFailed
+    from ddp_utils.outputs.hub import push_to_hub
 
     with HubStandIn(tmp_path / "hub", settings_fail_with=403) as hub:
         standin_hub(monkeypatch, hub)
@@ -450,7 +450,7 @@ def test_a_push_replaces_the_files_of_an_earlier_push_in_one_commit(tmp_path, mo
     leaves out) in the commit that adds its own files, keeping .gitattributes; unchanged files stay."""
     from hub_standin import GITATTRIBUTES, HubStandIn
 
-    from ddp_utils.hub import push_to_hub
+    from ddp_utils.outputs.hub import push_to_hub
 
     shared = {"tokenizer.json": b"{}", "report/README.md": b"report", "training_args.json": b"{}"}
     full = {"README.md": b"# full\n", "config.json": b"{}", "model.safetensors": b"full", "predictions.jsonl": b"{}\n"}
@@ -474,8 +474,8 @@ def test_a_push_to_a_repository_of_other_files_deletes_nothing_and_says_so(tmp_p
     """An adapter pushed by mistake to one's own base-model repository would have deleted its weights."""
     from hub_standin import HubStandIn
 
-    from ddp_utils.errors import RunFailed
-    from ddp_utils.hub import push_to_hub
+    from ddp_utils.core.errors import RunFailed
+    from ddp_utils.outputs.hub import push_to_hub
 
     with HubStandIn(tmp_path / "hub") as hub:
         standin_hub(monkeypatch, hub)
@@ -494,8 +494,8 @@ def test_a_push_overtaken_by_another_commit_fails_and_deletes_nothing(tmp_path, 
     from hub_standin import HubStandIn
     from huggingface_hub import HfApi
 
-    from ddp_utils.errors import RunFailed
-    from ddp_utils.hub import push_to_hub
+    from ddp_utils.core.errors import RunFailed
+    from ddp_utils.outputs.hub import push_to_hub
 
     def another_push():
         if not overtaken:
@@ -521,7 +521,7 @@ def test_push_to_hub_refuses_the_default_output_dir_names_without_hub_model_id(t
 
     from huggingface_hub import constants
 
-    from ddp_utils.hub import check_hub_push
+    from ddp_utils.outputs.hub import check_hub_push
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     for script in ("train", "train_sft", "train_dpo", "train_clm", "train_image"):
@@ -545,7 +545,7 @@ def test_a_hub_token_on_the_command_line_is_warned_about_once_per_job(monkeypatc
     import logging
     import sys
 
-    from ddp_utils.redact import hide_secret_args
+    from ddp_utils.core.redact import hide_secret_args
 
     def warnings(rank: str, token: str | None) -> list[str]:
         monkeypatch.setenv("RANK", rank)

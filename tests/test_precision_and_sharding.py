@@ -125,8 +125,8 @@ def test_skipped_steps_are_watched_only_in_a_long_run():
     Without a scaler an infinite gradient norm stops the run, as before."""
     from types import SimpleNamespace
 
-    from ddp_utils.errors import RunFailed
-    from ddp_utils.nonfinite import MAX_SKIPPED_IN_A_ROW, NonFiniteWatch
+    from ddp_utils.core.errors import RunFailed
+    from ddp_utils.training.nonfinite import MAX_SKIPPED_IN_A_ROW, NonFiniteWatch
 
     def watch(scale=None, deepspeed=False):
         state = SimpleNamespace(deepspeed_plugin=object() if deepspeed else None)
@@ -272,7 +272,7 @@ def test_lora_keeps_the_frozen_base_in_the_checkpoint_dtype_and_trains_the_adapt
     frozen = {name: p.dtype for name, p in model.named_parameters() if not p.requires_grad}
     assert trainable and set(trainable.values()) == {torch.float32}
     assert frozen and set(frozen.values()) == {torch.bfloat16}, "the frozen base is not copied to fp32"
-    from ddp_utils.output import saved_dtype
+    from ddp_utils.outputs.output import saved_dtype
 
     assert saved_dtype(model) is None, "a LoRA adapter is saved as trained"
     assert saved_dtype(model.merge_and_unload()) == torch.bfloat16, "a merged model in the checkpoint's dtype"
@@ -328,8 +328,8 @@ def test_weight_decay_groups_and_fingerprint_do_not_depend_on_shapes(tmp_path):
         ResNetForImageClassification,
     )
 
-    from ddp_utils.checkpoint import model_fingerprint
-    from ddp_utils.optimizer import no_decay_parameter_names
+    from ddp_utils.checkpoints.checkpoint import model_fingerprint
+    from ddp_utils.training.optimizer import no_decay_parameter_names
 
     models = {
         "llama": lambda: AutoModelForCausalLM.from_pretrained(make_tiny_causal_lm(tmp_path / "llama")),
@@ -361,7 +361,7 @@ def test_weight_decay_groups_and_fingerprint_do_not_depend_on_shapes(tmp_path):
 def test_the_packing_check_does_not_run_a_forward_pass_on_partitioned_weights(tiny_lm):
     from transformers import AutoModelForCausalLM
 
-    from ddp_utils.causal_lm import packing_is_masked
+    from ddp_utils.language_models.causal_lm import packing_is_masked
 
     model = AutoModelForCausalLM.from_pretrained(tiny_lm)
     assert packing_is_masked(model) is True
@@ -406,7 +406,7 @@ def deepspeed_config(**options):
 
 @pytest.mark.fast
 def test_deepspeed_gradient_clipping_must_agree_with_max_grad_norm():
-    from ddp_utils.start import check_deepspeed_config
+    from ddp_utils.lifecycle.start import check_deepspeed_config
 
     config = deepspeed_config(gradient_clipping=1.0, gradient_accumulation_steps=1)
     check_deepspeed_config(config, gradient_accumulation_steps=1, max_grad_norm=1.0)
@@ -435,7 +435,7 @@ def test_describe_optimizer_names_the_optimizer_that_really_runs():
     in test_every_rank_builds_the_model_at_the_same_time)."""
     from accelerate import Accelerator
 
-    from ddp_utils.optimizer import describe_optimizer
+    from ddp_utils.training.optimizer import describe_optimizer
 
     class DeepSpeedCPUAdam:
         defaults = {"lr": 1e-4}

@@ -25,8 +25,8 @@ from conftest import (
     sft_args,
 )
 from ddp_utils import UsageError
-from ddp_utils.causal_lm import CausalLMCollator, causal_lm_loss, load_causal_lm, load_tokenizer
-from ddp_utils.sft_data import detect_format, tokenize_sft
+from ddp_utils.language_models.causal_lm import CausalLMCollator, causal_lm_loss, load_causal_lm, load_tokenizer
+from ddp_utils.language_models.sft_data import detect_format, tokenize_sft
 
 TRAIN_SFT = REPO / "scripts" / "train_sft.py"
 COUNT_TOKENS = REPO / "tests" / "launched" / "count_tokens.py"
@@ -177,8 +177,8 @@ def test_the_run_says_it_set_a_pad_token(sft_runs):
 def test_the_scores_to_rank_checkpoints_by_are_the_ones_the_evaluation_gives(sft_runs):
     """PERPLEXITY_SCORES and GENERATION_SCORES, which --metric_for_best_model is checked against
     before training, are what the evaluation gives (accuracy: only when the answers are labels)."""
-    from ddp_utils.causal_lm import PERPLEXITY_SCORES
-    from ddp_utils.generation import GENERATION_SCORES
+    from ddp_utils.language_models.causal_lm import PERPLEXITY_SCORES
+    from ddp_utils.language_models.generation import GENERATION_SCORES
 
     metrics = sft_runs["two_processes_batch_B"]["metrics"]
     counts = {"eval_tokens", "eval_sequences", "eval_examples", "eval_prompts_cut"}
@@ -200,8 +200,8 @@ def test_the_demo_ranks_its_checkpoints_by_the_accuracy_its_evaluation_gives():
     from accelerate import PartialState
 
     from conftest import load_script
-    from ddp_utils.demo import load_demo_reviews
-    from ddp_utils.generation import settle_accuracy_metric
+    from ddp_utils.data.demo import load_demo_reviews
+    from ddp_utils.language_models.generation import settle_accuracy_metric
 
     PartialState(cpu=True)  # the log line says what a default metric became
     sft = load_script("train_sft")
@@ -262,7 +262,7 @@ def test_the_prompts_shared_prefix_computed_once_gives_the_same_answers_as_left_
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ddp_utils.generation import LeftPaddingCollator, generate_answers, shared_prefix_length
+    from ddp_utils.language_models.generation import LeftPaddingCollator, generate_answers, shared_prefix_length
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
     tokenizer.pad_token = tokenizer.eos_token
@@ -297,7 +297,7 @@ def test_the_prompts_shared_prefix_computed_once_gives_the_same_answers_as_left_
 def test_the_shared_prefix_leaves_every_prompt_a_token_and_is_off_for_sliding_windows():
     from transformers import LlamaConfig, MistralConfig
 
-    from ddp_utils.generation import shared_prefix_length
+    from ddp_utils.language_models.generation import shared_prefix_length
 
     llama = LlamaConfig()
     assert shared_prefix_length([[1, 2, 3], [1, 2, 3]], llama) == 2
@@ -309,7 +309,7 @@ def test_the_shared_prefix_leaves_every_prompt_a_token_and_is_off_for_sliding_wi
 
 @pytest.mark.fast
 def test_label_answers_are_scored_with_a_confusion_matrix():
-    from ddp_utils.generation import score_answers
+    from ddp_utils.language_models.generation import score_answers
 
     references = ["positive", "negative", "negative", "neutral", "neutral", "neutral", "positive"]
     answers = ["Positive.", "the review is negative", "positive or negative", "meh", "neutral", "positive", "positive"]
@@ -431,7 +431,7 @@ def test_packed_sequences_are_masked_apart(tiny_lm):
     attention across the boundary, positions restarting, the second's first token not predicted."""
     from transformers import AutoModelForCausalLM
 
-    from ddp_utils.causal_lm import CausalLMCollator, pack_sequences
+    from ddp_utils.language_models.causal_lm import CausalLMCollator, pack_sequences
 
     model = AutoModelForCausalLM.from_pretrained(tiny_lm)
     a = {"input_ids": [1, 40, 41, 100, 101, 2], "labels": [-100, -100, -100, 100, 101, 2]}
@@ -775,7 +775,7 @@ def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, sft_data, tmp_path):
 def test_packing_check_catches_a_model_that_lets_packed_examples_attend_to_each_other(tiny_lm):
     from transformers import AutoModelForCausalLM
 
-    from ddp_utils.causal_lm import packing_is_masked
+    from ddp_utils.language_models.causal_lm import packing_is_masked
 
     model = AutoModelForCausalLM.from_pretrained(tiny_lm)
     assert packing_is_masked(model)

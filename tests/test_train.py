@@ -92,7 +92,7 @@ def test_the_global_batch_size_sets_the_accumulation_or_is_refused_in_one_line()
     from types import SimpleNamespace as Args
 
     from ddp_utils import UsageError
-    from ddp_utils.args import accumulation_for
+    from ddp_utils.lifecycle.args import accumulation_for
 
     def args(global_batch, per_device, accumulation=None):
         return Args(

@@ -145,7 +145,7 @@ def test_an_integer_label_column_says_how_many_classes_it_made_and_regression_ne
     import datasets
     from accelerate import PartialState
 
-    from ddp_utils.classification import label_task
+    from ddp_utils.data.classification import label_task
 
     PartialState(cpu=True)
     years = datasets.Dataset.from_dict({"text": ["a"] * 60, "year": list(range(1960, 2020))})

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer, DataCollatorWithPadding
 
-from ddp_utils.demo import demo_model_path, load_demo_reviews
+from ddp_utils.data.demo import demo_model_path, load_demo_reviews
 
 LABELS = ["negative", "neutral", "positive"]
 
@@ -55,7 +55,7 @@ def demo_data(max_length, max_train_samples=None, max_eval_samples=None, files=N
 def demo_text_blocks(block_size):
     """The demo reviews' text as scripts/train_clm.py makes it: EOS after each review,
     concatenated, cut into blocks of `block_size` tokens. Returns (blocks DatasetDict, tokenizer)."""
-    from ddp_utils.causal_lm import group_text_blocks
+    from ddp_utils.language_models.causal_lm import group_text_blocks
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     eos = tokenizer.sep_token_id  # this tokenizer has no EOS; train_clm.py uses its separator, as here
@@ -169,7 +169,7 @@ def tutorial_ddp_training(model, train_dataset, batch_size, collate_fn, lr, epoc
     from torch.utils.data import DataLoader, DistributedSampler
     from transformers import get_linear_schedule_with_warmup
 
-    from ddp_utils.optimizer import weight_decay_groups
+    from ddp_utils.training.optimizer import weight_decay_groups
 
     model = DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
     sampler = DistributedSampler(train_dataset, shuffle=True, seed=seed)

@@ -15,7 +15,7 @@ from common import demo_text_blocks, init_distributed, tutorial_ddp_training, tu
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator
 
-from ddp_utils.demo import bench_decoder_config_path
+from ddp_utils.data.demo import bench_decoder_config_path
 
 
 def main():

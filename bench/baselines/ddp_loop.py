@@ -21,7 +21,7 @@ from common import (
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification
 
-from ddp_utils.demo import demo_model_path
+from ddp_utils.data.demo import demo_model_path
 
 
 def main():

@@ -16,7 +16,7 @@ import torch
 from common import LABELS, baseline_arg_parser, count_train_padding, demo_data, peak_gpu_memory
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments, set_seed
 
-from ddp_utils.demo import demo_model_path
+from ddp_utils.data.demo import demo_model_path
 
 
 def accuracy(eval_prediction):

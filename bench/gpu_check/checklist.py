@@ -1344,8 +1344,8 @@ def helper_llm_prep(args) -> dict:
     from bench_sft import write_chat_data
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ddp_utils.demo import demo_llm_gguf
-    from ddp_utils.gguf import dequantized_gguf
+    from ddp_utils.data.demo import demo_llm_gguf
+    from ddp_utils.language_models.gguf import dequantized_gguf
 
     work, train_records, eval_records = Path(args.llm[0]), int(args.llm[1]), int(args.llm[2])
     work.mkdir(parents=True, exist_ok=True)

@@ -105,7 +105,7 @@ WHEELS = [
     ),
     Wheel(
         "evaluate==0.4.6",
-        "requirements.txt's pin; missing there: train.py's accuracy and F1 (ddp_utils/metrics)",
+        "requirements.txt's pin; missing there: train.py's accuracy and F1 (ddp_utils/data/metrics)",
         0.1,
         BASE,
     ),

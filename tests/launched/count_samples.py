@@ -16,7 +16,7 @@ from accelerate.utils import gather_object
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT
-from ddp_utils.start import make_accelerator
+from ddp_utils.lifecycle.start import make_accelerator
 
 
 def collate(rows):

@@ -13,9 +13,9 @@ from pathlib import Path
 from accelerate.utils import gather_object
 
 import ddp_utils
-from ddp_utils.causal_lm import TARGET_TOKENS, CausalLMCollator
-from ddp_utils.sft_data import detect_format
-from ddp_utils.start import make_accelerator
+from ddp_utils.language_models.causal_lm import TARGET_TOKENS, CausalLMCollator
+from ddp_utils.language_models.sft_data import detect_format
+from ddp_utils.lifecycle.start import make_accelerator
 
 
 def main():

@@ -8,7 +8,7 @@ import sys
 import time
 
 import ddp_utils
-from ddp_utils.start import make_accelerator
+from ddp_utils.lifecycle.start import make_accelerator
 
 
 def main():

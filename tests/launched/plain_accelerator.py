@@ -4,7 +4,7 @@ followed by the launch guard. On a machine without GPUs the guard must refuse it
 from accelerate import Accelerator
 
 import ddp_utils
-from ddp_utils.launch_guard import check_launch
+from ddp_utils.lifecycle.launch_guard import check_launch
 
 
 def main():

@@ -10,11 +10,11 @@ import os
 import runpy
 import sys
 
-import ddp_utils.checkpoint_load
+import ddp_utils.checkpoints.checkpoint_load
 
 if os.environ.get("RANK", "0") != "0":
-    fresh_list_checkpoints = ddp_utils.checkpoint_load.list_checkpoints
-    ddp_utils.checkpoint_load.list_checkpoints = lambda output_dir: fresh_list_checkpoints(output_dir)[:-1]
+    fresh_list_checkpoints = ddp_utils.checkpoints.checkpoint_load.list_checkpoints
+    ddp_utils.checkpoints.checkpoint_load.list_checkpoints = lambda output_dir: fresh_list_checkpoints(output_dir)[:-1]
 
 script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "train.py")
 sys.argv = [script, *sys.argv[1:]]

@@ -1,0 +1,171 @@
+"""What the two classification scripts (text and images) share: label ids, and evaluation over the
+whole eval set with a confusion matrix; and `train.py`'s regression (a float label column, or
+`--task regression`: one output, its squared error, scored by MSE, Pearson and Spearman). Their
+training loss is in each script's training step."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+
+from ..core.errors import UsageError
+from .dataloaders import SAMPLE_WEIGHT
+from .evaluation import gather_for_eval
+
+logger = get_logger(__name__)
+
+# What `evaluate_classification` gives with the metrics both scripts load (accuracy, f1), for --metric_for_best_model.
+CLASSIFICATION_SCORES = ("eval_loss", "eval_accuracy", "eval_f1")
+REGRESSION_SCORES = ("eval_loss", "eval_mse", "eval_pearson", "eval_spearman")  # what `evaluate_regression` gives
+MANY_CLASSES = 20  # an integer label column with more distinct values than this is said in the log
+
+
+class ConfusionMatrix(NamedTuple):
+    counts: np.ndarray  # counts[true label, predicted label]
+    labels: list[str]  # the label names, in id order
+
+
+def confusion_matrix(predictions, references, num_labels: int) -> np.ndarray:
+    """counts[true label, predicted label] over all the examples given."""
+    counts = np.zeros((num_labels, num_labels), dtype=np.int64)
+    np.add.at(counts, (np.asarray(references, dtype=np.int64), np.asarray(predictions, dtype=np.int64)), 1)
+    return counts
+
+
+def label_mapping(raw, label_column: str):
+    """(label names in id order, function mapping a raw label value to its id), from the "train"
+    split of `raw`; a UsageError if training holds fewer than two classes or a validation label
+    never occurs in training. Reads the distinct labels with Arrow, not every row into Python. Any
+    rank may call it."""
+    import datasets
+
+    train, validation = (distinct_values(raw[split], label_column) for split in ("train", "validation"))
+    feature = raw["train"].features[label_column]
+    if isinstance(feature, datasets.ClassLabel):
+        names, to_id, unseen = feature.names, int, sorted(set(validation) - set(train))
+        if validation and min(validation) < 0:
+            raise UsageError("the validation split has unlabelled examples (label -1); use a labelled split")
+        if unseen:
+            raise UsageError(
+                f"validation labels {[names[i] for i in unseen][:10]} never occur in the training data; "
+                "add training examples of them or drop them from the validation data"
+            )
+    else:
+        names = sorted(train, key=lambda v: (isinstance(v, str), v))
+        unseen = sorted(set(validation) - set(names), key=str)
+        if unseen:
+            raise UsageError(
+                f"validation labels {unseen[:10]} never occur in the training data (training labels: {names[:20]}); "
+                "fix the labels or give training data that covers them"
+            )
+        to_id = {value: i for i, value in enumerate(names)}.__getitem__
+    if len(train) < 2:
+        raise UsageError(
+            f"the training data holds one class only ({names[to_id(train[0])]!r}); "
+            "a classifier needs examples of at least two"
+        )
+    return [str(name) for name in names], to_id
+
+
+def label_task(raw, label_column: str, task: str = "auto"):
+    """(the task, the model config's label entries, the function that maps a raw label to the
+    model's) for `train.py`: "regression" for --task regression or, with --task auto, a label
+    column of floats (one output, the value as a float); else "classification" (`label_mapping`),
+    and the log says how many classes an integer column with many values made. Any rank may call it."""
+    kind = _value_kind(raw["train"], label_column)
+    if task == "regression" or (task == "auto" and kind == "float"):
+        for split in ("train", "validation"):
+            if _value_kind(raw[split], label_column) not in ("float", "int"):
+                raise UsageError(
+                    f"--task regression needs numbers in {label_column!r}, and the {split} data holds "
+                    f"{raw[split].features[label_column]}; give numeric labels, or --task classification"
+                )
+        logger.info(f"task: regression on {label_column!r} (one output, its squared error)")
+        return "regression", {"num_labels": 1, "problem_type": "regression"}, float
+    names, to_id = label_mapping(raw, label_column)
+    if kind == "int" and len(names) > MANY_CLASSES:
+        logger.info(
+            f"{label_column!r} holds {len(names)} distinct integers: a classifier of {len(names)} classes "
+            "(--task regression predicts them as numbers)"
+        )
+    return "classification", label_config(names), to_id
+
+
+def _value_kind(dataset, column: str) -> str | None:
+    """ "float", "int" or None (text, a ClassLabel, anything else): the plain values of `column`."""
+    import datasets
+
+    dtype = (
+        getattr(dataset.features[column], "dtype", "") if isinstance(dataset.features[column], datasets.Value) else ""
+    )
+    return "float" if dtype.startswith("float") else "int" if dtype.startswith(("int", "uint")) else None
+
+
+def distinct_values(dataset, column: str) -> list:
+    """The distinct values of `column`, read with Arrow (a few, however many rows there are)."""
+    import pyarrow.compute as pc
+
+    return pc.unique(dataset.with_format("arrow")[column]).to_pylist()
+
+
+def label_config(label_names: list[str]) -> dict:
+    """The config entries of a classifier for these labels: num_labels, id2label, label2id."""
+    id2label = dict(enumerate(label_names))
+    return {"num_labels": len(label_names), "id2label": id2label, "label2id": {name: i for i, name in id2label.items()}}
+
+
+def classification_outputs(model, batch):
+    """Per-example predictions, references and losses for one eval batch."""
+    labels = batch.pop("labels")
+    batch.pop(SAMPLE_WEIGHT, None)
+    logits = model(**batch).logits
+    loss = F.cross_entropy(logits.float(), labels, reduction="none")
+    return {"predictions": logits.argmax(dim=-1), "references": labels, "loss": loss}
+
+
+def evaluate_classification(accelerator: Accelerator, model, eval_dataloader, metrics):
+    """All ranks call this (it gathers every rank's predictions): (scores, confusion) over the
+    whole eval set, each example counted once whatever the number of processes: eval loss and
+    count, each `evaluate` metric (accuracy, macro-F1, ...), and the `ConfusionMatrix` with the
+    model's label names (for `write_results`). Every rank gets the same result."""
+    results = gather_for_eval(accelerator, model, eval_dataloader, classification_outputs)
+    scores = {"eval_loss": float(results["loss"].mean()), "eval_examples": len(results["references"])}
+    for metric in metrics:
+        for name, value in metric.compute(predictions=results["predictions"], references=results["references"]).items():
+            scores[f"eval_{name}"] = value
+    config = accelerator.unwrap_model(model).config
+    labels = [config.id2label[i] for i in range(config.num_labels)]
+    return scores, ConfusionMatrix(confusion_matrix(results["predictions"], results["references"], len(labels)), labels)
+
+
+def regression_outputs(model, batch):
+    """Per-example predictions (the one output), references and squared errors for one eval batch."""
+    labels = batch.pop("labels").float()
+    batch.pop(SAMPLE_WEIGHT, None)
+    predictions = model(**batch).logits.float().squeeze(-1)
+    return {"predictions": predictions, "references": labels, "loss": F.mse_loss(predictions, labels, reduction="none")}
+
+
+def evaluate_regression(accelerator: Accelerator, model, eval_dataloader):
+    """All ranks call this (it gathers every rank's predictions): (scores, None) over the whole eval
+    set, each example counted once whatever the number of processes: the mean squared error (also
+    the eval loss), and the Pearson and Spearman correlations of predictions and references, as
+    `run_glue_no_trainer.py` scores STS-B. Every rank gets the same result."""
+    from scipy.stats import pearsonr, spearmanr
+
+    results = gather_for_eval(accelerator, model, eval_dataloader, regression_outputs)
+    predictions, references = np.asarray(results["predictions"], float), np.asarray(results["references"], float)
+    mse = float(np.mean(results["loss"]))
+    constant = np.ptp(predictions) == 0 or np.ptp(references) == 0  # no correlation to speak of: 0
+    scores = {
+        "eval_loss": mse,
+        "eval_mse": mse,
+        "eval_pearson": 0.0 if constant else float(pearsonr(predictions, references)[0]),
+        "eval_spearman": 0.0 if constant else float(spearmanr(predictions, references)[0]),
+        "eval_examples": len(references),
+    }
+    return scores, None

@@ -1,0 +1,222 @@
+"""Reading data files and checking the splits a run trains and evaluates on. Nothing here
+communicates: any rank may call these functions (the scripts call them inside `load_on_main_first`)."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+from accelerate.logging import get_logger
+
+from ..core.errors import UsageError
+
+logger = get_logger(__name__)
+
+ROWS_PER_PROCESS = 25_000  # below this, starting a tokenizing process costs more than it saves
+
+# File extension -> the `datasets` builder that reads it.
+_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def read_data_files(data_files: dict[str, str]):
+    """Read local CSV/TSV, JSON/JSONL, Parquet or text files into a `DatasetDict`, with a clear
+    error for a missing, empty or unparsable file. `data_files` maps split name -> path."""
+    import datasets
+
+    splits = {}
+    for split, path in data_files.items():
+        if not os.path.isfile(path):
+            raise UsageError(
+                f"--{split}_file {path!r} does not exist; give the path of a CSV, JSON/JSONL or Parquet file"
+            )
+        extension = os.path.splitext(path)[1].lower()
+        if extension not in _BUILDERS:
+            raise UsageError(
+                f"--{split}_file {path!r}: unknown extension {extension!r}; use one of {sorted(_BUILDERS)}"
+            )
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"--{split}_file {path!r} is empty; it needs a header and at least one example")
+        if not _has_examples(path, extension):
+            raise UsageError(f"--{split}_file {path!r} holds no examples; add at least one row")
+        # TSV as GLUE and SentEval ship it: tabs split the fields and a quote is text. With CSV quoting, a sentence
+        # that starts with a quote swallowed the lines after it, silently.
+        builder_kwargs = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if extension == ".tsv" else {}
+        try:
+            dataset = datasets.load_dataset(
+                _BUILDERS[extension], data_files={split: path}, split=split, **builder_kwargs
+            )
+        except Exception as exc:
+            raise UsageError(
+                f"--{split}_file {path!r} could not be parsed as {_BUILDERS[extension]}: {_first_line(exc)}"
+            ) from exc
+        if len(dataset) == 0:
+            raise UsageError(f"--{split}_file {path!r} holds no examples")
+        if extension in (".csv", ".tsv"):
+            warn_if_rows_look_merged(dataset, path, split)
+        splits[split] = dataset
+    return datasets.DatasetDict(splits)
+
+
+def warn_if_rows_look_merged(dataset, path: str, split: str) -> None:
+    """Warn, naming the row, when a CSV or TSV file's rows look merged: fewer rows than lines of
+    data (a quoted field spanning lines), or a text field holding a newline or a tab (a row or a
+    field swallowed by another). Legal in CSV, and in a file of sentences usually a mistake."""
+    import pyarrow.compute as pc
+
+    with open(path, errors="replace") as handle:
+        lines = sum(1 for line in handle if line.strip()) - 1  # the header
+    table = dataset.with_format("arrow")[:]
+    for column in table.column_names:
+        values = table[column]
+        if str(values.type) not in ("string", "large_string"):
+            continue
+        merged = pc.fill_null(pc.or_(pc.match_substring(values, "\n"), pc.match_substring(values, "\t")), False)
+        if pc.any(merged).as_py():
+            row = pc.index(merged, True).as_py()
+            logger.warning(
+                f"--{split}_file {path!r}: row {row}'s {column!r} holds a newline or a tab ({len(dataset)} rows from "
+                f"{lines} lines of data), so rows or fields may have merged: a quote opened a field that a later line "
+                "closed. Check the file there; a tab-separated file without quoting should be named .tsv"
+            )
+            return
+    if len(dataset) != lines:
+        logger.warning(f"--{split}_file {path!r}: {len(dataset)} rows read from {lines} lines of data; check the file")
+
+
+def _has_examples(path: str, extension: str) -> bool:
+    """A cheap look at the start of the file: does it hold at least one example?
+    (Unreadable files answer True, so the loader reports them as unparsable.)"""
+    if extension == ".parquet":
+        import pyarrow.parquet
+
+        try:
+            return pyarrow.parquet.ParquetFile(path).metadata.num_rows > 0
+        except Exception:
+            return True
+    needed = 2 if extension in (".csv", ".tsv") else 1  # CSV/TSV: a header, then a row
+    found = 0
+    with open(path, errors="replace") as handle:
+        for line in handle:
+            if line.strip() not in ("", "[]"):
+                found += 1
+                if found == needed:
+                    return True
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    while exc.__cause__ is not None or exc.__context__ is not None:  # the root cause names the problem
+        exc = exc.__cause__ or exc.__context__
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def check_splits(
+    raw,
+    columns: dict[str, str],
+    data_options: str = "--train_file/--validation_file or --dataset_name",
+    *,
+    limits: dict | None = None,
+    hold_out_percentage: int | None = None,
+    seed: int = 0,
+    stratify_by: str | None = None,
+    blank: str = "keep",
+):
+    """The data check of every script: refuse data a run cannot use, naming the problem and the
+    fix, and return a `DatasetDict` with the "train" and "validation" splits.
+
+    - Validation is the "validation" split, else "test", else `hold_out_percentage` % of the
+      training data (stratified by `stratify_by` when that column is a `ClassLabel`), else an error.
+    - `columns` maps each column the run needs to the option that names it: a missing column, or
+      a missing value in one, is refused with that option.
+    - Text columns: `blank="refuse"` refuses empty or blank values too, `"drop"` drops their rows
+      (blank lines of a .txt file), `"keep"` keeps them.
+    - An empty split is refused. Each split is then cut to its entry in `limits` (None: all).
+
+    Reads the columns as Arrow data (images are not decoded). Any rank may call it.
+    """
+    import datasets
+
+    if "train" not in raw:
+        raise UsageError(f"the data has no 'train' split (it has {sorted(raw)}); give {data_options}")
+    validation = "validation" if "validation" in raw else "test" if "test" in raw else None
+    if validation is None and hold_out_percentage is None:
+        raise UsageError(f"the data has no 'validation' split (it has {sorted(raw)}); give {data_options}")
+    splits = {"train": raw["train"], **({"validation": raw[validation]} if validation else {})}
+    for split in list(splits):
+        splits[split] = _checked_split(splits[split], split, columns, blank)
+    if validation is None:
+        splits = _hold_out(splits["train"], hold_out_percentage, seed, stratify_by, data_options)
+    limits = limits or {}
+    return datasets.DatasetDict(
+        {split: data.select(range(min(len(data), limits.get(split) or len(data)))) for split, data in splits.items()}
+    )
+
+
+def _checked_split(dataset, split: str, columns: dict[str, str], blank: str):
+    """`dataset` with its columns checked (and the rows of blank text dropped, with blank="drop").
+    Record numbers in the messages count the rows as given, before anything is dropped."""
+    import pyarrow.compute as pc
+
+    table = dataset.with_format("arrow")
+    keep = None
+    for column, option in columns.items():
+        if column not in dataset.column_names:
+            raise UsageError(
+                f"the {split} data has no column {column!r}; its columns are {dataset.column_names}. "
+                f"Name the right one with {option}"
+            )
+        values = table[column]
+        bad = values.is_null()
+        if blank == "refuse" and _is_text(values):
+            bad = pc.or_(bad, _is_blank(values))
+        count = pc.sum(bad).as_py() or 0
+        if count:
+            raise UsageError(
+                f"{count} {split} records have an empty or missing {column!r} "
+                f"(first: record {pc.index(bad, True).as_py()}); fill or drop them"
+            )
+        if blank == "drop" and _is_text(values):
+            keep = pc.invert(_is_blank(values)) if keep is None else pc.and_(keep, pc.invert(_is_blank(values)))
+    if keep is not None:
+        dataset = dataset.select(pc.indices_nonzero(keep).to_pylist())
+    if len(dataset) == 0:
+        raise UsageError(f"the {split} data holds no examples")
+    return dataset
+
+
+def _is_text(values) -> bool:
+    return str(values.type) in ("string", "large_string")
+
+
+def _is_blank(values):
+    """True where a text value is empty or white space (False where it is missing)."""
+    import pyarrow.compute as pc
+
+    return pc.fill_null(pc.equal(pc.utf8_trim_whitespace(values), ""), False)
+
+
+def _hold_out(train, percentage: int, seed: int, stratify_by: str | None, data_options: str) -> dict:
+    """{"train": ..., "validation": ...}: `percentage` % of `train` held out (at least one record)."""
+    import datasets
+
+    held_out = max(1, round(len(train) * percentage / 100))
+    if len(train) - held_out < 1:
+        raise UsageError(
+            f"{len(train)} training record(s) are too few to hold out a validation split; "
+            f"give more data or a validation split ({data_options})"
+        )
+    stratify = stratify_by if isinstance(train.features.get(stratify_by), datasets.ClassLabel) else None
+    parts = train.train_test_split(test_size=held_out, seed=seed, stratify_by_column=stratify)
+    return {"train": parts["train"], "validation": parts["test"]}
+
+
+def preparation_processes(args, rows: int) -> int | None:
+    """How many processes `datasets.map` tokenizes `rows` rows with (its num_proc; None: in this
+    process): --preprocessing_num_workers if given, else one per 25,000 rows, up to the cores this
+    process may run on. The other ranks of the node wait meanwhile (`load_on_main_first`), so the
+    cores are free. No communication."""
+    wanted = getattr(args, "preprocessing_num_workers", None)
+    if wanted is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        wanted = min(cores, rows // ROWS_PER_PROCESS)
+    return wanted if wanted > 1 else None

@@ -1,0 +1,156 @@
+"""Images: finding unreadable files before training, turning images into model inputs (with a
+light augmentation that depends only on the seed, the epoch and the example), and SyncBatchNorm.
+
+PIL and NumPy only: torchvision has no CPU wheel on many machines and pulls CUDA packages.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+
+from ..core.errors import UsageError
+from .dataloaders import EPOCH, SAMPLE_WEIGHT
+
+logger = get_logger(__name__)
+EXAMPLE_ID = "example_id"  # each training image's index: with the seed and epoch, it fixes its augmentation
+
+
+def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
+    """`(row, name)` of every image in `dataset` that PIL cannot open or fully decode (not an
+    image, truncated, damaged). Decodes each image once; any rank may call it."""
+    import datasets
+    from PIL import Image
+
+    raw = dataset.cast_column(image_column, datasets.Image(decode=False))
+    bad = []
+    for row, value in enumerate(raw[image_column]):
+        name = value.get("path") or f"row {row}"
+        try:
+            with Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as image:
+                image.load()  # verify() misses truncated files; load() decodes every pixel
+        except Exception as error:  # PIL raises several types: UnidentifiedImageError, OSError, SyntaxError, ...
+            bad.append((row, f"{os.path.basename(name) if value.get('path') else name} ({type(error).__name__})"))
+    return bad
+
+
+def check_class_folders(raw, train_dir: str, label_column: str) -> None:
+    """Refuse an image folder whose images are not in class subfolders: `imagefolder` then gives
+    them no label, and a classifier needs at least two classes. Any rank may call it."""
+    train = raw["train"] if "train" in raw else None
+    if train is not None and (
+        label_column not in train.column_names or train.with_format("arrow")[label_column].null_count
+    ):
+        raise UsageError(
+            f"--train_dir {train_dir!r} holds images of one class only (its images are not in class "
+            "subfolders); a classifier needs at least two: put each class's images in its own subfolder "
+            "(train/cat/*.jpg, train/dog/*.jpg, ...)"
+        )
+
+
+def drop_bad_images(raw, image_column: str, skip: bool) -> dict:
+    """Check every split's images; refuse unreadable ones with their count and names, or with
+    `skip`, drop them and return how many each split lost (for the report). Any rank may call it."""
+    skipped = {}
+    for split in raw:
+        bad = find_bad_images(raw[split], image_column)
+        if bad and not skip:
+            names = ", ".join(name for _, name in bad[:10]) + (", ..." if len(bad) > 10 else "")
+            raise UsageError(
+                f"{len(bad)} {split} image(s) cannot be read: {names}. Fix or remove them, "
+                "or pass --skip_bad_images to train without them"
+            )
+        if bad:
+            logger.warning(
+                f"{split}: skipping {len(bad)} unreadable image(s): {', '.join(name for _, name in bad[:10])}"
+            )
+            bad_rows = {row for row, _ in bad}
+            raw[split] = raw[split].select([i for i in range(len(raw[split])) if i not in bad_rows])
+        skipped[f"{split}_images_skipped"] = len(bad)
+    return skipped
+
+
+def random_shift(image, rng: np.random.Generator, fraction: float = 0.125, flip: bool = False):
+    """Light augmentation: move the image by up to `fraction` of its size in each direction
+    (the uncovered border is black) and, with `flip`, mirror it left-right half of the time."""
+    from PIL import Image
+
+    width, height = image.size
+    dx, dy = (int(rng.integers(-max(1, round(fraction * n)), max(1, round(fraction * n)) + 1)) for n in (width, height))
+    image = image.transform(image.size, Image.Transform.AFFINE, (1, 0, dx, 0, 1, dy), resample=Image.Resampling.NEAREST)
+    if flip and rng.random() < 0.5:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return image
+
+
+class ImageCollator:
+    """Rows with an image and a label -> `pixel_values`, `labels` (and `sample_weight` for training).
+
+    Every image is converted to one mode, RGB or L to match the model's channels, whatever mode
+    its file has. With `augment`, each training image is shifted (and with `flip`, mirrored) by a
+    random draw seeded by (seed, epoch, example id): the same for any number of processes or
+    loader workers, and after a resume. The rows must carry their epoch: build the training
+    dataloader with `make_train_dataloader(..., epoch_in_rows=True)`.
+    """
+
+    def __init__(
+        self,
+        image_processor,
+        image_column: str,
+        label_column: str,
+        num_channels: int,
+        augment: bool = False,
+        flip: bool = False,
+        seed: int = 0,
+    ):
+        self.image_processor, self.image_column, self.label_column = image_processor, image_column, label_column
+        self.mode = "RGB" if num_channels == 3 else "L"
+        self.augment, self.flip, self.seed = augment, flip, seed
+
+    def __call__(self, rows: list[dict]) -> dict:
+        images = [row[self.image_column].convert(self.mode) for row in rows]
+        if self.augment:
+            images = [
+                random_shift(image, np.random.default_rng([self.seed, row[EPOCH], row[EXAMPLE_ID]]), flip=self.flip)
+                for image, row in zip(images, rows)
+            ]
+        pixels = self.image_processor(images, return_tensors="pt")["pixel_values"]  # resized, rescaled, normalised
+        batch = {"pixel_values": pixels, "labels": torch.tensor([row[self.label_column] for row in rows])}
+        if SAMPLE_WEIGHT in rows[0]:
+            batch[SAMPLE_WEIGHT] = torch.tensor([row[SAMPLE_WEIGHT] for row in rows], dtype=torch.float32)
+        return batch
+
+
+def count_batchnorm(model) -> int:
+    return sum(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules())
+
+
+def check_sync_batchnorm(accelerator: Accelerator) -> None:
+    """Refuse --sync_batchnorm where it cannot run, before any data is loaded. Every rank calls it.
+
+    Measured with torch 2.13: SyncBatchNorm refuses CPU tensors in a multi-process run ("expected
+    input tensor to be on GPU or XPU"), which would surface inside the first forward pass."""
+    if accelerator.device.type not in ("cuda", "xpu"):
+        raise UsageError(
+            "--sync_batchnorm needs GPUs: torch's SyncBatchNorm refuses CPU tensors. On CPU drop the flag "
+            "(each process then normalises over its own per-process batch; see the README)"
+        )
+
+
+def convert_sync_batchnorm(model):
+    """Replace every BatchNorm layer of `model` by a SyncBatchNorm that normalises over the whole
+    global batch (all processes), keeping its weights and running statistics. Call it on every
+    rank before `accelerator.prepare`. A model without BatchNorm (ViT and other LayerNorm models
+    normalise per example) is returned unchanged, with a warning."""
+    found = count_batchnorm(model)
+    if not found:
+        logger.warning("--sync_batchnorm: this model has no BatchNorm layer, so there is nothing to synchronise")
+        return model
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    logger.info(f"--sync_batchnorm: {found} BatchNorm layers now normalise over the global batch")
+    return model

@@ -1,0 +1,284 @@
+"""Conversations as training rows: which tokens are targets, and what is cut when a record does
+not fit. No communication; any rank may call these.
+
+A record is a list of `{"role", "content"}` turns. The loss is on the assistant's turns (each
+with the end-of-turn marker that follows it, so the model learns to stop), on the last assistant
+turn only, or on every token. Most chat templates have no `{% generation %}` markers, so the
+assistant spans are found by rendering growing prefixes of the conversation: the text an
+assistant turn adds after the prompt that asks for it (`add_generation_prompt=True`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..core.errors import UsageError
+from .causal_lm import IGNORE_INDEX
+
+LOSS_ON = ("assistant", "last_assistant", "all")
+
+
+class TokenizedRecord(NamedTuple):
+    input_ids: list[int]
+    labels: list[int]  # IGNORE_INDEX where a token is not a target
+    context_cut: int  # tokens cut from the start to fit the block (0: none)
+    answers_dropped: int = 0  # earlier answers that did not fit whole: left in as context, not learned
+
+
+# Content given as a list of parts (OpenAI's {"type": "text", "text": ...}, LLaMA-Factory's {"type": "text", "value":
+# ...}): the text parts joined with this; a part of another type (an image, audio) is refused.
+PART_SEPARATOR = "\n"
+
+
+def as_messages(prompt, completion) -> list[dict]:
+    """A prompt/completion record as turns: a prompt string is one user turn (a list of turns is
+    taken as is), a completion string is one assistant turn."""
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return turns + ([{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion))
+
+
+def text_content(messages: list[dict], record: int, split: str) -> list[dict]:
+    """`messages` with each content given as a list of parts turned into text: the text parts
+    joined with PART_SEPARATOR. A part of another type (an image, audio, a file) is a UsageError
+    that names the record, the turn and the part: this fine-tuning is text-only."""
+    out = []
+    for turn, message in enumerate(messages):
+        content = message["content"]
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                part = part if isinstance(part, dict) else {"type": type(part).__name__}
+                kind, text = part.get("type", "text"), part.get("text")
+                text = text if text is not None else part.get("value")  # LLaMA-Factory's name for it
+                if kind != "text" or not isinstance(text, str):
+                    raise UsageError(
+                        f"{split} record {record}, turn {turn} ({message['role']}) holds a part of type {kind!r}: this "
+                        "script fine-tunes on text only, so it would be lost or learned as a placeholder word; drop "
+                        "those parts or records, or use a vision-language fine-tuning script"
+                    )
+                texts.append(text)
+            message = {**message, "content": PART_SEPARATOR.join(texts)}
+        out.append(message)
+    return out
+
+
+def check_messages(messages, record: int, split: str) -> None:
+    """A UsageError naming the record unless `messages` is a list of role/content turns with an
+    assistant turn."""
+
+    def fits(turn):
+        return isinstance(turn, dict) and turn.get("role") is not None and turn.get("content") is not None
+
+    if not isinstance(messages, list) or not all(fits(turn) for turn in messages):
+        raise UsageError(
+            f"{split} record {record} fits none of the SFT formats: a conversation must be a list of "
+            f"{{'role': ..., 'content': ...}} turns (or ShareGPT's {{'from': ..., 'value': ...}}), "
+            f"got {str(messages)[:120]!r}; name the right column with --messages_column"
+        )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UsageError(
+            f"{split} record {record} has no assistant turn, so nothing to learn or to answer; "
+            "end each conversation with the assistant's answer"
+        )
+
+
+PROBE_ANSWER = "Kq7Zx"  # an answer no chat template rewrites, to find what the template puts after one
+
+
+def end_of_turn(tokenizer) -> tuple[int | None, str]:
+    """(the token the chat template puts right after an assistant answer, or None; the text it puts
+    there). Training learns that marker with each answer (`assistant_spans`), so generation must stop
+    at it: Qwen2.5 base ends turns with <|im_end|> but its EOS is <|endoftext|>, Llama 3.1 base with
+    <|eot_id|> but <|end_of_text|>. None for a template that ends turns with whitespace alone (no stop
+    to learn), or no template. No communication."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None, ""
+
+    def find():
+        asked = [{"role": "user", "content": "Hi"}]
+        answered = render(tokenizer, asked + [{"role": "assistant", "content": PROBE_ANSWER}])
+        after = answered[answered.rindex(PROBE_ANSWER) + len(PROBE_ANSWER) :]
+        ids = tokenizer(after.strip(), add_special_tokens=False)["input_ids"] if after.strip() else []
+        return (ids[0] if ids else None), after
+
+    return per_template(tokenizer, "_end_of_turn", find)
+
+
+def per_template(tokenizer, name: str, compute):
+    """`compute()`, kept on the tokenizer under `name` for as long as its chat template and
+    --chat_template_kwargs stay the same: what a template does is found once, not per record."""
+    kwargs = getattr(tokenizer, "chat_template_kwargs", None) or {}
+    key = (tokenizer.chat_template, repr(sorted(kwargs.items())))
+    known = getattr(tokenizer, name, None)
+    if known is None or known[0] != key:
+        known = (key, compute())
+        setattr(tokenizer, name, known)
+    return known[1]
+
+
+def render(tokenizer, messages, generation_prompt: bool = False) -> str:
+    """`messages` rendered by the tokenizer's chat template, with the run's --chat_template_kwargs
+    (`tokenizer.chat_template_kwargs`, e.g. Qwen3's enable_thinking) and a system turn folded into the
+    first user turn where the template would drop or move it (`folds_system`). No communication."""
+    if messages and messages[0]["role"] == "system" and folds_system(tokenizer):
+        messages = fold_system(messages)
+    kwargs = getattr(tokenizer, "chat_template_kwargs", None) or {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
+
+
+def fold_system(messages: list[dict]) -> list[dict]:
+    """The system turn's text put before the first user turn's, in that turn."""
+    system, rest = messages[0], list(messages[1:])
+    first = next((i for i, m in enumerate(rest) if m["role"] == "user"), None)
+    if first is None:  # nowhere to fold it into: the template gets it as it is
+        return messages
+    rest[first] = {**rest[first], "content": f"{system['content']}\n\n{rest[first]['content']}"}
+    return rest
+
+
+def folds_system(tokenizer) -> bool:
+    """Whether the chat template needs a system turn folded into the first user turn: it raises on
+    one (Gemma 2), or puts it elsewhere than once before the first user turn, in the prompt and in
+    the whole conversation alike (Mistral and Mixtral v0.1 to v0.3 put it into the last user turn
+    only, so a prompt and its answered conversation differ). Decided once per tokenizer."""
+    return per_template(tokenizer, "_folds_system", lambda: not _system_kept(tokenizer))
+
+
+def _system_kept(tokenizer) -> bool:
+    kwargs = getattr(tokenizer, "chat_template_kwargs", None) or {}
+    talk = [{"role": "system", "content": "Sx9q"}, {"role": "user", "content": "U1x"}]
+    talk += [{"role": "assistant", "content": "A1x"}, {"role": "user", "content": "U2x"}]
+    try:
+        texts = [
+            tokenizer.apply_chat_template(talk[:2], tokenize=False, add_generation_prompt=True, **kwargs),
+            tokenizer.apply_chat_template(talk, tokenize=False, add_generation_prompt=True, **kwargs),
+        ]
+    except Exception:  # a template that refuses system turns (raise_exception)
+        return False
+    return all(text.count("Sx9q") == 1 and text.index("Sx9q") < text.index("U1x") for text in texts)
+
+
+def assistant_spans(tokenizer, messages: list[dict], loss_on: str) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered conversation, the character spans of its targets). Each assistant span is
+    what the turn adds after its generation prompt, trailing whitespace dropped: its content and
+    end-of-turn marker. An earlier turn that the template renders otherwise once later ones follow
+    (Qwen3 drops the reasoning of earlier answers) is learned as the conversation shows it, up to its
+    end-of-turn marker. With loss_on="all" the span is the whole text."""
+    text = render(tokenizer, messages)
+    if loss_on == "all":
+        lost = [m["role"] for m in messages if m["content"].strip() and m["content"].strip() not in text]
+        if lost:
+            raise UsageError(
+                f"this chat template leaves out of the conversation a {lost[0]} turn's text, which --loss_on all "
+                "would then train without; train on the answers with --loss_on assistant"
+            )
+        return text, [(0, len(text))]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if loss_on == "last_assistant":
+        turns = turns[-1:]
+    spans, marker = [], None
+    for i in turns:
+        prompt = render(tokenizer, messages[:i], generation_prompt=True)
+        answered = render(tokenizer, messages[: i + 1])
+        if not (answered.startswith(prompt) and text.startswith(prompt)):
+            raise UsageError(
+                f"this chat template renders the conversation before assistant turn {i} differently once the answer "
+                "follows, so the answer's tokens cannot be told from the prompt's; train on every token with "
+                "--loss_on all, or use a template that renders the prompt the same"
+            )
+        if text.startswith(answered):
+            end = len(prompt) + len(answered[len(prompt) :].rstrip())
+        else:  # an earlier turn, rendered otherwise once later turns follow (Qwen3 drops its reasoning, Phi-3 its EOS):
+            if marker is None:  # the end-of-turn token's own text (Phi-3 puts EOS after it, at the very end only)
+                end = end_of_turn(tokenizer)[0]
+                marker = tokenizer.decode([end]) if end is not None else ""
+            found = text.find(marker, len(prompt)) if marker else -1
+            if found < 0:
+                raise UsageError(
+                    f"this chat template renders assistant turn {i} differently once later turns follow and ends turns "
+                    "with no marker to find it by; train on the final answer only with --loss_on last_assistant"
+                )
+            end = found + len(marker)
+        spans.append((len(prompt), end))
+    return text, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], loss_on: str, block_size: int) -> TokenizedRecord | None:
+    """The conversation's token ids and labels (the targets of `assistant_spans`), at most
+    `block_size` tokens (`fit_block`, cut after BOS and the system turn). Needs a fast tokenizer
+    (character offsets)."""
+    text, spans = assistant_spans(tokenizer, messages, loss_on)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    labels = [
+        token if any(start < span_end and end > span_start for span_start, span_end in spans) else IGNORE_INDEX
+        for token, (start, end) in zip(ids, encoded["offset_mapping"])
+    ]
+    head = head_length(tokenizer, messages, text) if len(ids) > block_size else 0
+    return fit_block(ids, labels, block_size, cut_targets=loss_on == "all", head=head)
+
+
+def head_length(tokenizer, messages: list[dict] | None, text: str) -> int:
+    """How many of the first tokens of `text` (tokenized without special tokens added) a cut keeps:
+    BOS, and the system turn's text with the special tokens that close it, where the conversation
+    `messages` starts with one that the rendering shows first (in its own turn, or folded into the
+    first user turn). A model degrades without BOS (Gemma most), and the system turn says what to do.
+    Plain text (`messages` None) keeps BOS."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    head = 1 if ids and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id else 0
+    system = messages[0]["content"].strip() if messages and messages[0]["role"] == "system" else ""
+    where = text.find(system) if system else -1
+    if where < 0:
+        return head
+    end = where + len(system)
+    head = max(head, sum(1 for _, token_end in offsets if token_end <= end))
+    special = set(tokenizer.all_special_ids)
+    while head < len(ids) and ids[head] in special:  # the marker that closes the system turn
+        head += 1
+    return head
+
+
+def cut_middle(ids: list, head: int, cut: int) -> list:
+    """`ids` less `cut` tokens after its first `head` (all from the start when the head is too long)."""
+    head = head if head + cut < len(ids) else 0
+    return ids[:head] + ids[head + cut :]
+
+
+def fit_block(
+    ids: list[int], labels: list[int], block_size: int, cut_targets: bool = False, head: int = 0
+) -> TokenizedRecord | None:
+    """`ids`/`labels` cut to `block_size` tokens by dropping tokens after the first `head` (BOS and the
+    system turn, `head_length`), so the oldest context goes and the newest turns stay; never part of
+    an answer (unless `cut_targets`: every token is a target). An answer (a run of targets) the cut
+    reaches, or that starts right after it, is left in as context and not learned (`answers_dropped`):
+    a long conversation keeps its newest answers that fit, with their context. None when no answer is
+    left: the caller counts the record as dropped. The token right after a cut is never a target: the
+    head before it does not predict it (`labels[i]` is predicted from < i)."""
+    cut = max(len(ids) - block_size, 0)
+    if not cut:
+        return TokenizedRecord(ids, labels, 0) if any(x != IGNORE_INDEX for x in labels[1:]) else None
+    head = head if head + cut < len(ids) else 0
+    kept, dropped, start = list(labels), 0, None
+    if cut_targets:
+        kept[head + cut] = IGNORE_INDEX
+    else:
+        for i, label in enumerate(labels + [IGNORE_INDEX]):  # each run of targets: whole after the cut, or not learned
+            if label != IGNORE_INDEX and start is None:
+                start = i
+            elif label == IGNORE_INDEX and start is not None:
+                if start <= head + cut and i > head:
+                    kept[start:i] = [IGNORE_INDEX] * (i - start)
+                    dropped += 1
+                start = None
+    kept = cut_middle(kept, head, cut)
+    if all(label == IGNORE_INDEX for label in kept):
+        return None
+    return TokenizedRecord(cut_middle(ids, head, cut), kept, cut, dropped)
+
+
+def generation_prompt(tokenizer, messages: list[dict]) -> tuple[str, str]:
+    """(the conversation up to its last assistant turn, rendered to ask for that turn; the last
+    assistant turn's content: the reference answer)."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return render(tokenizer, messages[:last], generation_prompt=True), messages[last]["content"]

@@ -1,0 +1,148 @@
+"""LoRA through `peft`: which modules get adapters (all linear layers by default, or the last N
+layers only, so the backward pass stops below them), with errors that name the fix; every rank
+calls `add_lora` on its own model, before `accelerator.prepare`. At the end, `save_with_merged`
+saves the adapter and, with --merge_lora, the merged model (a collective, like `save_model`; under
+FSDP a CPU copy is merged on the main process)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate.logging import get_logger
+
+from ..checkpoints.write_failure import agree_on_write
+from ..core.errors import UsageError
+from ..core.sharded import is_sharded
+from ..outputs.output import save_model, saved_dtype, write_pretrained
+
+logger = get_logger(__name__)
+
+
+def check_lora_args(args) -> None:
+    """Refuse LoRA options that cannot work together, while parsing (every rank, no communication)."""
+    if args.lora_r < 0:
+        raise UsageError(f"--lora_r must be 0 (no LoRA) or positive, got {args.lora_r}")
+    if args.merge_lora and not args.lora_r:
+        raise UsageError("--merge_lora needs LoRA: give --lora_r as well")
+    if args.lora_last_layers < 0 or (args.lora_last_layers and not args.lora_r):
+        raise UsageError(
+            f"--lora_last_layers takes a positive number of layers, with --lora_r (got {args.lora_last_layers})"
+        )
+
+
+def linear_module_names(model, exclude=None) -> list[str]:
+    """The names (last part) of the model's linear layers, GPT-2's Conv1D included, except `exclude`."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not exclude
+        }
+    )
+
+
+def add_lora(model, args):
+    """`model` with LoRA adapters (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules,
+    --lora_last_layers); only the adapters train. A target module the model does not have, or more
+    layers than it has, is a UsageError that lists what it has."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise UsageError("--lora_r needs the peft package: pip install -r requirements.txt") from None
+    targets = args.lora_target_modules
+    if targets != "all-linear":
+        targets = [m.strip() for m in targets.split(",")]
+    layers = model.config.num_hidden_layers
+    if args.lora_last_layers and targets == "all-linear":  # peft takes layer numbers only with named modules
+        targets = linear_module_names(model, exclude=model.get_output_embeddings())
+    if args.lora_last_layers > layers:
+        raise UsageError(
+            f"--lora_last_layers {args.lora_last_layers} is more than this model's {layers} layers; "
+            f"give at most {layers}"
+        )
+    last_layers = list(range(layers - args.lora_last_layers, layers)) if args.lora_last_layers else None
+    lora = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        layers_to_transform=last_layers,
+    )
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:
+        reason = str(exc).splitlines()[0][:160]
+        raise UsageError(
+            f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({reason}); "
+            f"its linear layers are {linear_module_names(model)}"
+        ) from None
+    if args.lora_last_layers and args.gradient_checkpointing:
+        # transformers (in load_causal_lm) and peft each make the embeddings' output require grad,
+        # for reentrant checkpointing; that would carry the backward pass through every layer. The
+        # non-reentrant checkpointing used here needs no such thing.
+        model.get_base_model().disable_input_require_grads()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info(
+        f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters"
+    )
+    return model
+
+
+def check_merge_lora(accelerator, args) -> None:
+    """Refuse --merge_lora under DeepSpeed, where the merge has never run. Every rank calls it before
+    any work; no communication."""
+    if getattr(args, "merge_lora", False) and accelerator.distributed_type.value == "DEEPSPEED":
+        raise UsageError(
+            "--merge_lora has never run under DeepSpeed; train without it, then merge: "
+            "PeftModel.from_pretrained(base_model, output_dir).merge_and_unload().save_pretrained(...)"
+        )
+
+
+def save_with_merged(accelerator, model, args, tokenizer) -> None:
+    """All ranks call this (`save_model` is a collective under FSDP and DeepSpeed): save the model
+    to --output_dir, with LoRA as its adapter; with --merge_lora also the adapter merged into the
+    base weights in `merged/`, a full model that loads with AutoModelForCausalLM alone, without
+    peft. Unsharded, the merge changes the model in place: it computes the same afterwards, without
+    LoRA layers. Under FSDP the main process merges a CPU copy built from the gathered weights."""
+    save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)
+    if not args.merge_lora:
+        return
+    merged_dir = os.path.join(args.output_dir, "merged")
+    if not is_sharded(accelerator):
+        merged = accelerator.unwrap_model(model).merge_and_unload()
+        save_model(accelerator, merged, merged_dir, tokenizer, dtype=args.save_dtype)
+        return
+    state_dict = accelerator.get_state_dict(model)  # all ranks: the whole model, gathered on the main process
+    error = None
+    if accelerator.is_main_process:
+        try:
+            merged = merged_copy(accelerator.unwrap_model(model), state_dict)
+            write_pretrained(
+                merged, merged.state_dict(), merged_dir, tokenizer, dtype=saved_dtype(merged, args.save_dtype)
+            )
+        except Exception as exc:  # reported on every rank by agree_on_write
+            error = exc
+    agree_on_write(accelerator, error, f"the merged model to {merged_dir!r}", args.output_dir)
+
+
+def merged_copy(peft_model, state_dict: dict):
+    """A CPU copy of `peft_model` holding `state_dict` (its whole weights, gathered from the shards),
+    with the adapter merged into the base weights: built with empty weights, then given those. One
+    process calls it; no communication."""
+    import copy as copying
+
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+
+    base = peft_model.get_base_model()
+    with init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies)
+        copy = get_peft_model(type(base)._from_config(base.config), peft_model.peft_config["default"])
+    copy.load_state_dict(state_dict, strict=True, assign=True)
+    copy.get_base_model().tie_weights()  # assign=True unties shared weights; the config says which are tied
+    merged = copy.merge_and_unload()
+    merged.generation_config = copying.deepcopy(base.generation_config)  # the checkpoint's, not one from config.json
+    return merged

@@ -1,0 +1,395 @@
+"""Preference pairs as training rows: each record's prompt, its chosen and its rejected answer,
+found in the shapes users bring (`detect_pair_format`), checked, and tokenized the same way for
+both sides (`tokenize_pairs`). A pair is one row, trained in one forward pass that computes its
+prompt once (`PairCollator`). Nothing here communicates: the script calls `tokenize_pairs` inside
+`load_on_main_first`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import torch
+from accelerate.logging import get_logger
+
+from ..core.errors import UsageError
+from ..data.dataloaders import SAMPLE_WEIGHT
+from ..training.exact_loss import INPUT_TOKENS
+from .causal_lm import IGNORE_INDEX
+from .chat import cut_middle, head_length, render, text_content
+from .sft_data import PROMPT_SEPARATOR, alpaca_prompt, settle_chat_template, sharegpt_turns
+
+logger = get_logger(__name__)
+
+PAIR_FORMATS = (
+    "prompt/chosen/rejected as strings or as conversations (TRL), chosen/rejected conversations that share their "
+    "first turns (an implicit prompt), LLaMA-Factory's instruction/input/chosen/rejected, or ShareGPT's "
+    "conversations/chosen/rejected"
+)
+NAMES = {
+    "strings": "prompt/chosen/rejected strings",
+    "conversational": "prompt/chosen/rejected conversations",
+    "implicit": "chosen/rejected with an implicit prompt",
+    "alpaca": "LLaMA-Factory instruction/input/chosen/rejected",
+    "sharegpt": "ShareGPT conversations/chosen/rejected",
+}
+
+
+@dataclass(frozen=True)
+class PairFormat:
+    """How a preference dataset's records read as (prompt, chosen, rejected): `kind` is one of
+    NAMES, found from its columns (`detect_pair_format`). Small and hashable: the tokenizing
+    function closes over it, so a second launch on the same data finds the `datasets` cache."""
+
+    kind: str
+    chat_template: bool | None  # plain strings as chat turns; None: if the tokenizer has a template
+
+    def pair(self, record: dict, index: int, split: str):
+        """(prompt, chosen, rejected): three strings, or a prompt of turns and two answers of
+        assistant turns. A record that does not fit, an empty side, or a pair whose two answers are
+        the same is a UsageError that names the record and the fix."""
+        where = f"{split} record {index}"
+        if self.kind == "implicit":
+            prompt, chosen, rejected = _split_implicit(record["chosen"], record["rejected"], where)
+        elif self.kind == "alpaca":
+            prompt = [{"role": "user", "content": _alpaca_prompt(record)}]
+            for question, answer in record.get("history") or []:
+                prompt[-1:-1] = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            if record.get("system"):
+                prompt.insert(0, {"role": "system", "content": record["system"]})
+            chosen, rejected = record["chosen"], record["rejected"]
+            if isinstance(chosen, str) and isinstance(rejected, str) and len(prompt) == 1:
+                prompt = prompt[0]["content"]  # a plain pair: rendered as the strings shape is
+        elif self.kind == "sharegpt":
+            fix = f"the formats: {PAIR_FORMATS}"
+            prompt = sharegpt_turns(record["conversations"], where, "preference", fix)
+            if record.get("system"):
+                prompt.insert(0, {"role": "system", "content": record["system"]})
+            chosen, rejected = (
+                sharegpt_turns([record[side]], where, "preference", fix) for side in ("chosen", "rejected")
+            )
+        else:
+            prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
+            if _holds_prompt_turns(chosen) and _holds_prompt_turns(rejected):
+                # Whole conversations next to their prompt (UltraFeedback's shape): their shared turns are the prompt.
+                prompt, chosen, rejected = _split_implicit(chosen, rejected, where)
+        return _checked(prompt, chosen, rejected, index, split)
+
+
+def detect_pair_format(raw, chat_template: bool | None) -> PairFormat:
+    """The preference format of `raw` from its training split's columns, logged. Data that is not
+    preference pairs is a UsageError that says what it is and which script takes it."""
+    train = raw["train"] if "train" in raw else next(iter(raw.values()))
+    columns = train.column_names
+    if not ("chosen" in columns and "rejected" in columns):
+        sft = {"messages", "conversations", "completion", "output"} & set(columns)
+        kto = any(getattr(train.features.get(c), "dtype", None) == "bool" for c in ("label", "kto_tag"))
+        raise UsageError(
+            f"the train data's columns {columns} hold no preference pairs (a 'chosen' and a 'rejected' answer per "
+            "record); "
+            + (
+                "this looks like SFT data: scripts/train_sft.py takes it"
+                if sft and not kto
+                else "unpaired preference data (KTO) is not trained here (TRL's KTOTrainer does)"
+                if kto
+                else f"the formats: {PAIR_FORMATS}"
+            )
+        )
+    first = train[0]
+    if "conversations" in columns:
+        kind = "sharegpt"
+    elif "instruction" in columns:
+        kind = "alpaca"
+    elif "prompt" in columns:
+        kind = "strings" if isinstance(first["prompt"], str) else "conversational"
+    else:
+        kind = "implicit"
+    logger.info(f"preference data format: {NAMES[kind]}")
+    return PairFormat(kind, chat_template)
+
+
+def _alpaca_prompt(record: dict) -> str:
+    return alpaca_prompt(record.get("instruction") or "", record.get("input"))
+
+
+def _holds_prompt_turns(answer) -> bool:
+    """Whether an answer is a conversation that holds a turn that is not the assistant's (its prompt)."""
+    return isinstance(answer, list) and any(isinstance(t, dict) and t.get("role") != "assistant" for t in answer)
+
+
+def _shared_length(first, second) -> int:
+    """How many items (turns or characters) `first` and `second` share at their start."""
+    shared = 0
+    while shared < min(len(first), len(second)) and first[shared] == second[shared]:
+        shared += 1
+    return shared
+
+
+def _split_implicit(chosen, rejected, where: str):
+    """(prompt, chosen answer, rejected answer) of two full conversations (or texts) that share
+    their start: the shared turns are the prompt; for texts, the shared characters up to the last
+    white space before they differ."""
+    if chosen == rejected:
+        raise UsageError(f"{where}: its chosen and rejected answers are the same, so it teaches nothing; drop it")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        shared = _shared_length(chosen, rejected)
+        # The prompt ends before the last white space the two share: both answers start at a word.
+        spaces = [i for i, char in enumerate(chosen[:shared]) if char.isspace()]
+        prompt = chosen[: spaces[-1]].rstrip() if spaces else ""
+        return prompt, chosen[len(prompt) :], rejected[len(prompt) :]
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise UsageError(
+            f"{where}: without a prompt column, 'chosen' and 'rejected' must both be conversations (lists of turns) "
+            f"or both texts; the formats: {PAIR_FORMATS}"
+        )
+    shared = _shared_length(chosen, rejected)
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def _checked(prompt, chosen, rejected, index: int, split: str):
+    """The pair with each answer as a list of assistant turns when the prompt is turns (or an
+    answer is); a UsageError for an empty side, answers that are not the assistant's, or two
+    answers that are the same."""
+    where = f"{split} record {index}"
+    if isinstance(prompt, list) or not (isinstance(chosen, str) and isinstance(rejected, str)):
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        chosen, rejected = (_as_turns(answer) for answer in (chosen, rejected))
+        if not all(isinstance(turns, list) for turns in (prompt, chosen, rejected)):
+            raise UsageError(f"{where} fits none of the preference formats: {PAIR_FORMATS}")
+        turns = prompt + chosen + rejected
+        if not all(isinstance(t, dict) and t.get("role") and t.get("content") is not None for t in turns):
+            raise UsageError(f"{where}: every turn needs a 'role' and a 'content', got {str(turns)[:160]!r}")
+        prompt, chosen, rejected = (text_content(turns, index, split) for turns in (prompt, chosen, rejected))
+        for side, answer in (("chosen", chosen), ("rejected", rejected)):
+            other = next((turn["role"] for turn in answer if turn["role"] != "assistant"), None)
+            if other is not None:
+                raise UsageError(
+                    f"{where}: its {side} answer holds a {other!r} turn where only the assistant's turns may be: the "
+                    "two answers must differ only after the prompt's last turn"
+                )
+    for side, answer in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        text = answer if isinstance(answer, str) else "".join(turn["content"] for turn in answer)
+        if not text.strip():
+            raise UsageError(f"{where}: its {side} is empty; fill it or drop the record")
+    if chosen == rejected:
+        raise UsageError(f"{where}: its chosen and rejected answers are the same, so it teaches nothing; drop it")
+    return prompt, chosen, rejected
+
+
+def _as_turns(answer):
+    """An answer as a list of turns: a string is one assistant turn, a dict one turn."""
+    if isinstance(answer, str):
+        return [{"role": "assistant", "content": answer}]
+    return [answer] if isinstance(answer, dict) else answer
+
+
+def tokenize_pair(pair, fmt: PairFormat, tokenizer) -> tuple[list[int], list[int], list[int], str]:
+    """(prompt ids, chosen ids, rejected ids, the chosen answer's text) of one pair, each answer
+    tokenized on its own after the prompt, as the model generates it. Turns: the chat template,
+    the prompt with its generation prompt and each answer what the template adds after it (with its
+    end-of-turn marker). Strings: BOS + prompt + PROMPT_SEPARATOR (none for an implicit prompt,
+    whose text is whole), and each answer + EOS."""
+    prompt, chosen, rejected = pair
+    if isinstance(prompt, str) and not fmt.chat_template:
+        separator = "" if fmt.kind == "implicit" else PROMPT_SEPARATOR
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        prompt_ids = bos + tokenizer(prompt + separator, add_special_tokens=False)["input_ids"]
+        answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in pair[1:]]
+        return prompt_ids, answers[0], answers[1], chosen
+    if isinstance(prompt, str):
+        prompt, chosen, rejected = (
+            [{"role": "user", "content": prompt}],
+            *([{"role": "assistant", "content": answer}] for answer in (chosen, rejected)),
+        )
+    if not tokenizer.chat_template:
+        raise UsageError(
+            f"these conversations need a chat template, and the tokenizer of {tokenizer.name_or_path!r} has none; "
+            "use an instruct model's tokenizer, or give prompt/chosen/rejected as plain strings"
+        )
+    asked = render(tokenizer, prompt, generation_prompt=True)
+    answers = []
+    for answer in (chosen, rejected):
+        whole = render(tokenizer, prompt + answer)
+        if not whole.startswith(asked):
+            raise UsageError(
+                "this chat template renders the prompt differently once an answer follows, so the answer's tokens "
+                "cannot be told from the prompt's; use a model whose template renders the prompt the same"
+            )
+        answers.append(tokenizer(whole[len(asked) :].rstrip(), add_special_tokens=False)["input_ids"])
+    prompt_ids = tokenizer(asked, add_special_tokens=False)["input_ids"]
+    return prompt_ids, answers[0], answers[1], "\n".join(turn["content"] for turn in chosen)
+
+
+def prompt_head(prompt, fmt: PairFormat, tokenizer) -> int:
+    """The first tokens of a pair's prompt that a cut keeps (`chat.head_length`): BOS, and a system turn."""
+    if isinstance(prompt, list) and fmt.chat_template is not False and tokenizer.chat_template:
+        return head_length(tokenizer, prompt, render(tokenizer, prompt, generation_prompt=True))
+    return 1 if tokenizer.bos_token_id is not None else 0
+
+
+def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_new_tokens: int = 0, num_proc=None):
+    """(tokenized splits, report). "train" and "validation": rows of prompt_ids, chosen_ids,
+    rejected_ids, `length` (prompt + both answers: the pair's row in `PairCollator`) and `index`
+    (the row's number, by which evaluation gathers each pair once). `block_size` bounds what the
+    model sees as one sequence, the prompt and one answer: both sides keep the same prompt, cut after
+    BOS and the system turn (`chat.head_length`) when it and the longer answer pass `block_size`; a
+    pair whose longer answer alone does not fit is dropped; both counted in the report and logged.
+    "generate": the validation prompts (index, input_ids, reference: the chosen answer), when
+    `eval_max_new_tokens`, for `generation.score_by_generation`."""
+    # Plain strings become chat turns as in train_sft.py; an implicit prompt's texts are whole as given.
+    template = fmt.kind != "implicit" and settle_chat_template(fmt.chat_template, tokenizer, NAMES[fmt.kind])
+    fmt = PairFormat(fmt.kind, template)
+
+    def encode(batch, indices, split):
+        out = {key: [] for key in ("prompt_ids", "chosen_ids", "rejected_ids", "length", "prompt_cut", "reference")}
+        for n, index in enumerate(indices):
+            pair = fmt.pair({key: values[n] for key, values in batch.items()}, index, split)
+            prompt, chosen, rejected, reference = tokenize_pair(pair, fmt, tokenizer)
+            longest = max(len(chosen), len(rejected))
+            cut = max(len(prompt) + longest - block_size, 0)
+            fits = cut < len(prompt)  # a prompt token must be left to predict the answers' first token
+            head = prompt_head(pair[0], fmt, tokenizer) if cut and fits else 0  # BOS and the system turn stay
+            out["prompt_ids"].append(cut_middle(prompt, head, cut) if fits else [])
+            out["chosen_ids"].append(chosen if fits else [])
+            out["rejected_ids"].append(rejected if fits else [])
+            out["length"].append(len(prompt) - cut + len(chosen) + len(rejected) if fits else 0)
+            out["prompt_cut"].append(cut if fits else -1)  # -1: dropped
+            out["reference"].append(reference)
+        return out
+
+    tokenized, report = datasets.DatasetDict(), {}
+    for split in ("train", "validation"):
+        rows = raw[split].map(
+            encode,
+            batched=True,
+            with_indices=True,
+            fn_kwargs={"split": split},
+            remove_columns=raw[split].column_names,
+            num_proc=num_proc if split == "train" else None,
+            desc=f"Tokenizing {split} pairs",
+        )
+        cut = np.asarray(rows.with_format("numpy")["prompt_cut"])
+        report.update(_count_cuts(cut, split, block_size))
+        if split == "validation" and eval_max_new_tokens:
+            tokenized["generate"] = _generation_prompts(rows, block_size - eval_max_new_tokens)
+        rows = rows.filter(lambda c: c >= 0, input_columns="prompt_cut").remove_columns(["prompt_cut", "reference"])
+        if len(rows) == 0:
+            raise UsageError(f"no {split} pair's answers fit in --block_size {block_size} tokens; raise --block_size")
+        tokenized[split] = rows.add_column("index", np.arange(len(rows)))
+    return tokenized, report
+
+
+def _count_cuts(cut: np.ndarray, split: str, block_size: int) -> dict:
+    counts = {
+        f"{split}_pairs": int((cut >= 0).sum()),
+        f"{split}_pairs_prompt_cut": int((cut > 0).sum()),
+        f"{split}_prompt_tokens_cut": int(cut[cut > 0].sum()),
+        f"{split}_pairs_dropped": int((cut < 0).sum()),
+    }
+    if counts[f"{split}_pairs_prompt_cut"]:
+        logger.info(
+            f"{split}: {counts[f'{split}_pairs_prompt_cut']} pairs longer than --block_size {block_size} lost "
+            f"{counts[f'{split}_prompt_tokens_cut']} prompt tokens after BOS and the system turn, the same on both "
+            "sides; their answers are whole"
+        )
+    if counts[f"{split}_pairs_dropped"]:
+        logger.warning(
+            f"{split}: {counts[f'{split}_pairs_dropped']} pairs dropped: an answer of theirs does not fit in "
+            f"--block_size {block_size} tokens with a token of its prompt; raise --block_size"
+        )
+    return counts
+
+
+def _generation_prompts(rows, max_prompt: int):
+    """The validation prompts answered by generation: index (the record's), input_ids (cut from
+    the start to `max_prompt` tokens), reference (the chosen answer)."""
+    if max_prompt < 1:
+        raise UsageError("--eval_max_new_tokens leaves no room for a prompt in --block_size; lower it")
+
+    def prompts(batch, indices):
+        return {"index": indices, "input_ids": [ids[-max_prompt:] for ids in batch["prompt_ids"]]}
+
+    rows = rows.filter(lambda c: c >= 0, input_columns="prompt_cut")
+    unused = [column for column in rows.column_names if column != "reference"]
+    return rows.map(prompts, batched=True, with_indices=True, remove_columns=unused, desc="Eval prompts")
+
+
+class PairCollator:
+    """Pairs into one batch of B rows, each [prompt, chosen answer, rejected answer], padded on the
+    right: the prompt is computed once for both answers (with `two_rows`, 2B rows: `_two_rows`). The
+    rejected answer does not attend to the chosen one (`attention_mask`, (B, 1, L, L), True where a
+    position may attend) and its positions continue from the prompt's, so the model sees each answer
+    right after the prompt, as if alone. The targets of each side sit at the positions that predict
+    them (`chosen_targets`, `rejected_targets`, -100 elsewhere): the prompt's last position predicts
+    the first token of both. A filler pair (SAMPLE_WEIGHT 0.0) has no targets. Per pair: SAMPLE_WEIGHT (the exact
+    loss's weight), `index`, INPUT_TOKENS (its row's tokens)."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, two_rows: bool = False):
+        self.pad_token_id, self.pad_to_multiple_of, self.two_rows = pad_token_id, pad_to_multiple_of, two_rows
+
+    def __call__(self, rows: list[dict]) -> dict:
+        sizes = [(len(r["prompt_ids"]), len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows]
+        if self.two_rows:
+            return self._two_rows(rows, sizes)
+        length = max(sum(size) for size in sizes)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        position_ids = torch.zeros((len(rows), length), dtype=torch.long)
+        chosen_targets = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+        rejected_targets = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+        visible = torch.eye(length, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself: no empty row
+        causal = torch.ones((length, length), dtype=torch.bool).tril()
+        for i, (row, (p, c, r)) in enumerate(zip(rows, sizes)):
+            n = p + c + r
+            input_ids[i, :n] = torch.tensor(row["prompt_ids"] + row["chosen_ids"] + row["rejected_ids"])
+            position_ids[i, :n] = torch.cat([torch.arange(p + c), torch.arange(p, p + r)])
+            visible[i, :n, :n] = causal[:n, :n]
+            visible[i, p + c : n, p : p + c] = False  # the rejected answer never sees the chosen one
+            if row.get(SAMPLE_WEIGHT, 1.0) > 0:
+                chosen_targets[i, p - 1 : p + c - 1] = torch.tensor(row["chosen_ids"])
+                rejected_targets[i, p - 1] = row["rejected_ids"][0]  # from the prompt's last position, as chosen's
+                rejected_targets[i, p + c : n - 1] = torch.tensor(row["rejected_ids"][1:])
+        return {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "attention_mask": visible[:, None],
+            "chosen_targets": chosen_targets,
+            "rejected_targets": rejected_targets,
+            SAMPLE_WEIGHT: torch.tensor([row.get(SAMPLE_WEIGHT, 1.0) for row in rows]),
+            "index": torch.tensor([row["index"] for row in rows]),
+            INPUT_TOKENS: torch.tensor([sum(size) for size in sizes]),
+        }
+
+    def _two_rows(self, rows: list[dict], sizes: list[tuple]) -> dict:
+        """TWO_ROWS (`pair_scoring`): [prompt, chosen] in rows 0 to B-1, [prompt, rejected] in rows B to
+        2B-1, each a plain causal row (`attention_mask` (2B, L), 1 on real tokens); the per-pair keys
+        as in one row. For models where a shared row is not exact."""
+        pairs = len(rows)
+        length = max(p + max(c, r) for p, c, r in sizes)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((2 * pairs, length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((2 * pairs, length), dtype=torch.long)
+        chosen_targets = torch.full((2 * pairs, length), IGNORE_INDEX, dtype=torch.long)
+        rejected_targets = torch.full((2 * pairs, length), IGNORE_INDEX, dtype=torch.long)
+        for i, (row, (p, _, _)) in enumerate(zip(rows, sizes)):
+            for at, answer, targets in (
+                (i, "chosen_ids", chosen_targets),
+                (pairs + i, "rejected_ids", rejected_targets),
+            ):
+                n = p + len(row[answer])
+                input_ids[at, :n] = torch.tensor(row["prompt_ids"] + row[answer])
+                attention_mask[at, :n] = 1
+                if row.get(SAMPLE_WEIGHT, 1.0) > 0:
+                    targets[at, p - 1 : n - 1] = torch.tensor(row[answer])
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "chosen_targets": chosen_targets,
+            "rejected_targets": rejected_targets,
+            SAMPLE_WEIGHT: torch.tensor([row.get(SAMPLE_WEIGHT, 1.0) for row in rows]),
+            "index": torch.tensor([row["index"] for row in rows]),
+            INPUT_TOKENS: torch.tensor([2 * p + c + r for p, c, r in sizes]),
+        }

@@ -1,0 +1,396 @@
+"""SFT records as training rows: each record (a conversation, or a prompt/completion pair) as
+token ids with labels -100 where a token is not learned, cut to the block from its start (never
+the answer), counted when cut or dropped; the eval prompts answered by generation; packing.
+Nothing here communicates: the script calls `tokenize_sft` inside `load_on_main_first`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+from accelerate.logging import get_logger
+
+from ..core.errors import UsageError
+from .causal_lm import IGNORE_INDEX, pack_sequences
+from .chat import (
+    as_messages,
+    check_messages,
+    cut_middle,
+    fit_block,
+    generation_prompt,
+    head_length,
+    text_content,
+    tokenize_conversation,
+)
+
+logger = get_logger(__name__)
+
+
+FORMATS = "messages ([{'role', 'content'}, ...]), ShareGPT ([{'from', 'value'}, ...]), prompt/completion, Alpaca"
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+# Without a chat template a prompt and its answer are joined with this (BOS before, EOS after), so that the answer
+# does not run on from the prompt's last word.
+PROMPT_SEPARATOR = "\n\n"
+# Columns of pictures, sound or video (LLaMA-Factory's multimodal sets): refused, this fine-tuning is text-only.
+MEDIA_COLUMNS = ("images", "image", "videos", "video", "audios", "audio")
+
+
+@dataclass(frozen=True)
+class SFTFormat:
+    """How an SFT dataset's records read as conversations: `kind` is "messages", "sharegpt",
+    "prompt/completion" or "alpaca", found from its columns (`detect_format`). Small and hashable:
+    it is what the tokenizing function closes over, so a second launch on the same data, tokenizer
+    and options finds the `datasets` cache (the run's other options do not change the fingerprint)."""
+
+    kind: str
+    columns: tuple[str, ...]  # the columns read, in the order of `kind`
+    chat_template: bool | None  # render plain prompt/completion strings as chat turns; None: if the tokenizer can
+    loss_on: str
+
+    def turns(self, record: dict, index: int, split: str) -> list[dict] | None:
+        """The record as role/content turns, or None for a plain prompt/completion pair trained
+        without a chat template. A record that does not fit the format is a UsageError naming it."""
+        if self.kind in ("messages", "sharegpt"):
+            turns = record[self.columns[0]]
+            if self.kind == "sharegpt":
+                fix = f"the formats: {FORMATS}; name the right column with --messages_column"
+                turns = sharegpt_turns(turns, f"{split} record {index}", "SFT", fix)
+            check_messages(turns, index, split)
+            return text_content(turns, index, split)
+        prompt, completion = self.prompt_and_completion(record)
+        if isinstance(prompt, str) and isinstance(completion, str) and not self.chat_template:
+            return None
+        return text_content(as_messages(prompt, completion), index, split)
+
+    def prompt_and_completion(self, record: dict):
+        """A prompt/completion or Alpaca record's prompt and answer (Alpaca: the instruction, then
+        its input after a blank line when there is one)."""
+        if self.kind == "alpaca":
+            instruction, extra, output = (record.get(c) for c in self.columns)
+            return alpaca_prompt(instruction, extra), output
+        return record[self.columns[0]], record[self.columns[1]]
+
+
+def alpaca_prompt(instruction: str, extra: str | None) -> str:
+    """An Alpaca record's prompt: the instruction, then its input after a blank line when there is one."""
+    return f"{instruction}\n\n{extra}" if extra else instruction
+
+
+def detect_format(raw, args) -> tuple[SFTFormat, dict[str, str]]:
+    """The SFT format of `raw` from its training split's columns, and the columns it needs (each
+    with the option that names it, for `check_splits`): a conversation column (--messages_column,
+    else "conversations") of role/content turns (messages) or from/value turns (ShareGPT); else
+    --prompt_column and --completion_column; else Alpaca's instruction, optional input, output.
+    Logged. Data that fits none is a UsageError that lists the formats and the options."""
+    train = raw["train"] if "train" in raw else next(iter(raw.values()))  # check_splits refuses data without one
+    columns, options = train.column_names, dict(chat_template=args.chat_template, loss_on=args.loss_on)
+    refuse_other_data(train)
+    conversations = next((c for c in (args.messages_column, "conversations") if c in columns), None)
+    if conversations is not None:
+        first = next((turns for turns in train.select_columns(conversations).to_iterable_dataset() if turns), None)
+        first = (first or {}).get(conversations) or [{}]
+        kind = "sharegpt" if isinstance(first[0], dict) and "from" in first[0] else "messages"
+        fmt, needed = SFTFormat(kind, (conversations,), **options), {conversations: "--messages_column"}
+    elif args.prompt_column in columns or args.completion_column in columns:
+        fmt = SFTFormat("prompt/completion", (args.prompt_column, args.completion_column), **options)
+        needed = {args.prompt_column: "--prompt_column", args.completion_column: "--completion_column"}
+    elif "instruction" in columns and "output" in columns:
+        fmt = SFTFormat("alpaca", ("instruction", "input", "output"), **options)
+        needed = {"instruction": "the Alpaca format", "output": "the Alpaca format"}
+    else:
+        raise UsageError(
+            f"the train data's columns {columns} fit none of the SFT formats: {FORMATS}; name the conversation "
+            "column with --messages_column, or the prompt and answer with --prompt_column and --completion_column"
+        )
+    name = {
+        "messages": "messages",
+        "sharegpt": "ShareGPT",
+        "prompt/completion": "prompt/completion",
+        "alpaca": "Alpaca",
+    }
+    logger.info(f"SFT data format: {name[fmt.kind]} (columns {', '.join(c for c in fmt.columns if c in columns)})")
+    return fmt, needed
+
+
+def refuse_other_data(train) -> None:
+    """A UsageError that names what the data is, when it is not SFT data: preference pairs
+    (chosen/rejected: TRL's and LLaMA-Factory's shape), unpaired preference data (KTO: a boolean
+    label or kto_tag per answer), or records with pictures, sound or video (MEDIA_COLUMNS, not
+    empty). No communication."""
+    import pyarrow.compute as pc
+
+    columns = train.column_names
+    if "chosen" in columns and "rejected" in columns:
+        raise UsageError(
+            "this is preference data (a 'chosen' and a 'rejected' answer per record), for preference tuning: "
+            "scripts/train_dpo.py takes it. For SFT, give the chosen answers as messages or prompt/completion"
+        )
+    for tag in ("label", "kto_tag"):
+        if tag in columns and getattr(train.features[tag], "dtype", None) == "bool":
+            raise UsageError(
+                f"this is unpaired preference data (KTO: an answer per record with a boolean {tag!r}), which no "
+                f"script here trains on (TRL's KTOTrainer does). For SFT, keep the records whose {tag} is true and "
+                "drop that column"
+            )
+    for column in (c for c in MEDIA_COLUMNS if c in columns):  # an empty one (text-only records) is no matter
+        values = train.with_format("arrow")[column]
+        if str(values.type).startswith(("list", "large_list")):
+            filled = pc.greater(pc.list_value_length(values), 0)
+        elif str(values.type) in ("string", "large_string"):
+            filled = pc.not_equal(values, "")
+        else:
+            filled = pc.invert(values.is_null())
+        if pc.any(pc.fill_null(filled, False)).as_py():
+            raise UsageError(
+                f"the data has a {column!r} column (pictures, sound or video, LLaMA-Factory's multimodal shape), and "
+                "this script fine-tunes on text only: it would learn their placeholders as words. Drop the column and "
+                "those records, or use a vision-language fine-tuning script"
+            )
+
+
+def sharegpt_turns(turns, where: str, formats: str, fix: str) -> list[dict]:
+    """ShareGPT turns ({"from": "human"|"gpt"|"system"|..., "value": ...}) as role/content turns.
+    Anything else is a UsageError naming `where` (the record), the script's `formats` ("SFT") and
+    the `fix`; a role not in SHAREGPT_ROLES is one too."""
+
+    def fits(turn):
+        return isinstance(turn, dict) and turn.get("from") is not None and turn.get("value") is not None
+
+    if not isinstance(turns, list) or not all(fits(turn) for turn in turns):
+        raise UsageError(
+            f"{where} fits none of the {formats} formats: its conversation is not a list of "
+            f"{{'from': ..., 'value': ...}} turns (ShareGPT), got {str(turns)[:120]!r}; {fix}"
+        )
+    unknown = sorted({t["from"] for t in turns} - set(SHAREGPT_ROLES))
+    if unknown:
+        raise UsageError(
+            f"{where}: ShareGPT role {unknown[0]!r} is not one of {sorted(SHAREGPT_ROLES)}; "
+            "map it in your data, or convert the records to messages"
+        )
+    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+
+
+def _bos(tokenizer) -> list[int]:
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, index: int = 0, split: str = "train"):
+    """(input_ids, labels, tokens of context cut) of one SFT record, or None when its answer does
+    not fit in `block_size` tokens. Conversations: the chat template, the loss on --loss_on's
+    turns. Plain pairs: BOS + prompt + completion + EOS, the loss on the completion and EOS."""
+    messages = fmt.turns(record, index, split)
+    if messages is not None:
+        return tokenize_conversation(tokenizer, messages, fmt.loss_on, block_size)
+    prompt, completion = fmt.prompt_and_completion(record)
+    prompt = _bos(tokenizer) + tokenizer(prompt + PROMPT_SEPARATOR, add_special_tokens=False)["input_ids"]
+    completion = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    labels = (prompt if fmt.loss_on == "all" else [IGNORE_INDEX] * len(prompt)) + completion
+    head = len(_bos(tokenizer))
+    return fit_block(prompt + completion, labels, block_size, cut_targets=fmt.loss_on == "all", head=head)
+
+
+def generation_prompt_ids(record: dict, fmt: SFTFormat, tokenizer, max_prompt_tokens: int, index: int = 0):
+    """(prompt ids that ask for the record's last answer, cut to `max_prompt_tokens` after BOS and
+    the system turn as in training (`chat.head_length`); the reference answer; whether it was cut)."""
+    messages = fmt.turns(record, index, "validation")
+    if messages is not None:
+        text, reference = generation_prompt(tokenizer, messages)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        prompt, reference = fmt.prompt_and_completion(record)
+        ids = _bos(tokenizer) + tokenizer(prompt + PROMPT_SEPARATOR, add_special_tokens=False)["input_ids"]
+    cut = max(len(ids) - max_prompt_tokens, 0)
+    if not cut:
+        return ids, reference, False
+    head = head_length(tokenizer, messages, text) if messages is not None else len(_bos(tokenizer))
+    return cut_middle(ids, head, cut), reference, True
+
+
+def warn_of_answers_that_never_stop(rows, tokenizer, fmt: SFTFormat, sample: int = 200) -> None:
+    """Warn once when the answers learned do not end with a token generation stops at (EOS, or the
+    chat template's end of turn, `chat.end_of_turn`): the model would learn no end of its answers,
+    and every answer by generation would run to --eval_max_new_tokens. A template that ends turns
+    with whitespace alone is named. Looks at the first `sample` rows; no communication."""
+    from .chat import end_of_turn
+
+    end, after = end_of_turn(tokenizer) if fmt.chat_template else (None, "")
+    if fmt.chat_template and end is None:
+        logger.warning(
+            f"this chat template ends an assistant turn with whitespace alone ({after!r}), which is not learned: the "
+            "model learns no end of its answers, and generation stops only at EOS or --eval_max_new_tokens; give a "
+            "template that ends turns with a token"
+        )
+        return
+    stops = {tokenizer.eos_token_id, end} - {None}
+    last = [next((t for t in reversed(labels) if t != IGNORE_INDEX), None) for labels in rows[:sample]["labels"]]
+    open_ended = [token for token in last if token is not None and token not in stops]
+    if open_ended and fmt.loss_on != "all":
+        logger.warning(
+            f"{len(open_ended)} of the first {len(last)} answers end with {tokenizer.decode([open_ended[0]])!r}, "
+            "not with a token generation stops at (EOS or the chat template's end of turn): the model will not learn "
+            "to stop there"
+        )
+
+
+def tokenize_sft(
+    raw,
+    fmt: SFTFormat,
+    tokenizer,
+    block_size: int,
+    eval_max_new_tokens: int = 0,
+    packing: bool = False,
+    num_proc: int | None = None,
+):
+    """(tokenized splits, report). "train" and "validation": one sequence per record (or packed,
+    with `packing`), with labels -100 where a token is not learned; "generate": the validation
+    prompts answered by generation, with their references (when `eval_max_new_tokens`). The report
+    counts records whose context was cut, earlier answers left out of the loss because they did not
+    fit whole, and records dropped (not even their last answer fits), per split. Plain
+    prompt/completion strings are rendered as a user and an assistant turn when the tokenizer has a
+    chat template (unless --no-chat_template), else joined with PROMPT_SEPARATOR; the log says
+    which. `num_proc` processes tokenize (`raw_data.preparation_processes`). The functions given to
+    `datasets.map` see only `fmt`, the tokenizer and the sizes, so the `datasets` cache serves a
+    second launch on the same data and options."""
+    fmt = _settle_chat_template(fmt, tokenizer)
+    if fmt.kind in ("messages", "sharegpt") and not tokenizer.chat_template:
+        raise UsageError(
+            f"these conversations need a chat template, and the tokenizer of {tokenizer.name_or_path!r} "
+            "has none; use an instruct model's tokenizer, or give plain prompt/completion strings "
+            "without --chat_template"
+        )
+
+    def encode(batch, indices, split):
+        out = {"input_ids": [], "labels": [], "context_cut": [], "answers_dropped": []}
+        for n, index in enumerate(indices):
+            record = {key: values[n] for key, values in batch.items()}
+            row = tokenize_record(record, fmt, tokenizer, block_size, index, split)
+            out["input_ids"].append(row.input_ids if row else [])
+            out["labels"].append(row.labels if row else [])
+            out["context_cut"].append(row.context_cut if row else -1)  # -1: dropped
+            out["answers_dropped"].append(row.answers_dropped if row else 0)
+        return out
+
+    tokenized, report = datasets.DatasetDict(), {}
+    for split in ("train", "validation"):
+        rows = raw[split].map(
+            encode,
+            batched=True,
+            with_indices=True,
+            fn_kwargs={"split": split},
+            remove_columns=raw[split].column_names,
+            num_proc=num_proc if split == "train" else None,  # the validation split is small
+            desc=f"Tokenizing {split}",
+        )
+        counts = rows.select_columns(["context_cut", "answers_dropped"]).with_format("numpy")[:]
+        report.update(_count_cuts(counts["context_cut"], counts["answers_dropped"], split, block_size))
+        tokenized[split] = rows.filter(lambda cut: cut >= 0, input_columns="context_cut").remove_columns(
+            ["context_cut", "answers_dropped"]
+        )
+        if len(tokenized[split]) == 0:
+            raise UsageError(
+                f"no {split} record's last answer fits in --block_size {block_size} tokens; raise --block_size "
+                "(--loss_on last_assistant learns the last answer only, it would not fit either)"
+            )
+    warn_of_answers_that_never_stop(tokenized["train"], tokenizer, fmt)
+    if eval_max_new_tokens:
+        tokenized["generate"], report["eval_prompts_cut"] = _eval_prompts(
+            raw["validation"], fmt, tokenizer, block_size - eval_max_new_tokens
+        )
+    if packing:
+        tokenized["train"] = tokenized["train"].map(
+            pack_sequences,
+            batched=True,
+            batch_size=10_000,
+            fn_kwargs={"block_size": block_size},
+            num_proc=num_proc,
+            desc="Packing",
+        )
+    return tokenized, report
+
+
+def _settle_chat_template(fmt: SFTFormat, tokenizer) -> SFTFormat:
+    """`fmt` with its chat_template settled for this tokenizer (`settle_chat_template`);
+    conversations always use the template (`tokenize_sft` refuses a tokenizer without one)."""
+    from dataclasses import replace
+
+    if fmt.kind in ("messages", "sharegpt"):
+        return fmt
+    return replace(fmt, chat_template=settle_chat_template(fmt.chat_template, tokenizer, fmt.kind))
+
+
+def settle_chat_template(chat_template: bool | None, tokenizer, kind: str) -> bool:
+    """Whether plain prompt/answer strings are rendered as chat turns, said in the log: the
+    template's user and assistant turns when the tokenizer has one (`chat_template` None, or
+    --chat_template), else (or with --no-chat_template) the raw strings joined with
+    PROMPT_SEPARATOR. --chat_template without a template is a UsageError. `kind` names the data
+    in the log. No communication."""
+    if chat_template and not tokenizer.chat_template:
+        raise UsageError(
+            f"--chat_template: the tokenizer of {tokenizer.name_or_path!r} has no chat template; use an instruct "
+            "model's, or drop --chat_template and put the prompt format in the data"
+        )
+    chat_template = bool(tokenizer.chat_template) if chat_template is None else chat_template
+    if chat_template:
+        logger.info(f"{kind} records: the tokenizer's chat template, a user turn and an assistant turn")
+    else:
+        logger.info(
+            f"{kind} records: BOS, the prompt, {PROMPT_SEPARATOR!r}, the answer, EOS (no chat template: "
+            + ("--no-chat_template)" if tokenizer.chat_template else "the tokenizer has none)")
+        )
+    return chat_template
+
+
+def _count_cuts(cut: np.ndarray, answers_dropped: np.ndarray, split: str, block_size: int) -> dict:
+    """The report's counts for one split, from each record's tokens of context cut (-1: dropped)
+    and its earlier answers left out of the loss, logged."""
+    counts = {
+        f"{split}_records_context_cut": int((cut > 0).sum()),
+        f"{split}_context_tokens_cut": int(cut[cut > 0].sum()),
+        f"{split}_records_answers_left_out": int((answers_dropped > 0).sum()),
+        f"{split}_answers_left_out": int(answers_dropped.sum()),
+        f"{split}_records_dropped": int((cut < 0).sum()),
+    }
+    if counts[f"{split}_records_context_cut"]:
+        logger.info(
+            f"{split}: {counts[f'{split}_records_context_cut']} records longer than --block_size {block_size} "
+            f"lost {counts[f'{split}_context_tokens_cut']} tokens of context after BOS and the system turn; "
+            "their answers that are learned are whole"
+        )
+    if counts[f"{split}_answers_left_out"]:
+        logger.info(
+            f"{split}: {counts[f'{split}_records_answers_left_out']} conversations longer than --block_size "
+            f"{block_size} kept their newest answers that fit, with their context; "
+            f"{counts[f'{split}_answers_left_out']} earlier answers did not fit whole and are not learned"
+        )
+    if counts[f"{split}_records_dropped"]:
+        logger.warning(
+            f"{split}: {counts[f'{split}_records_dropped']} records dropped: not even their last answer fits in "
+            f"--block_size {block_size} tokens; raise --block_size (--loss_on last_assistant learns the last answer "
+            "only, it would not fit either)"
+        )
+    return counts
+
+
+def _eval_prompts(validation, fmt: SFTFormat, tokenizer, max_prompt: int):
+    """(the prompts answered by generation: index, input_ids, reference; how many were cut to fit
+    `max_prompt` tokens, the block less the room for the answer)."""
+    if max_prompt < 1:
+        raise UsageError("--eval_max_new_tokens leaves no room for a prompt in --block_size; lower it")
+
+    def prompts(batch, indices):
+        rows = [
+            generation_prompt_ids({key: values[n] for key, values in batch.items()}, fmt, tokenizer, max_prompt, index)
+            for n, index in enumerate(indices)
+        ]
+        return {
+            "index": indices,
+            "input_ids": [r[0] for r in rows],
+            "reference": [r[1] for r in rows],
+            "cut": [r[2] for r in rows],
+        }
+
+    generate = validation.map(
+        prompts, batched=True, with_indices=True, remove_columns=validation.column_names, desc="Eval prompts"
+    )
+    return generate.remove_columns("cut"), int(np.asarray(generate.with_format("numpy")["cut"]).sum())

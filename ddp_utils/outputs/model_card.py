@@ -1,0 +1,193 @@
+"""The model card: README.md in the output directory, as the Hub shows it, with the metadata it
+reads (base model, library, datasets, tags, language, task) and what a reader of the model wants:
+the task, the data, the hyper-parameters, the hardware, the scores (and the zero-shot ones where
+the run measured them) and how to load it. It does not replace report/, which has the curves."""
+
+from __future__ import annotations
+
+import json
+import os
+from fnmatch import fnmatch
+
+from .hub import PREDICTIONS, hub_repo_id
+from ..core.redact import loggable_args
+
+# What the saved model is, from its own files: config.json's architecture, or a LoRA adapter.
+_TASKS = {
+    "ForSequenceClassification": "text-classification",
+    "ForImageClassification": "image-classification",
+    "ForCausalLM": "text-generation",
+}
+_HYPER_PARAMETERS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_ratio",
+    "warmup_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "global_batch_size",
+    "weight_decay",
+    "max_grad_norm",
+    "seed",
+    "max_length",
+    "block_size",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "packing",
+    "loss_on",
+    "loss_type",
+    "beta",
+    "sft_weight",
+)
+
+
+def saved_task(output_dir: str) -> tuple[str | None, bool]:
+    """(the pipeline task of the model saved in `output_dir`, whether it is a LoRA adapter)."""
+    if os.path.isfile(os.path.join(output_dir, "adapter_config.json")):
+        return "text-generation", True
+    try:
+        with open(os.path.join(output_dir, "config.json")) as handle:
+            architecture = (json.load(handle).get("architectures") or [""])[0]
+    except (OSError, ValueError):
+        return None, False
+    return next((task for suffix, task in _TASKS.items() if architecture.endswith(suffix)), None), False
+
+
+def _is_hub_id(name: str | None) -> bool:
+    return bool(name) and not os.path.exists(os.path.expanduser(name)) and name.count("/") == 1
+
+
+def base_model(args) -> tuple[str | None, str | None]:
+    """(the Hub id of the model the run started from, or None; how the card names it, or None for a
+    model trained from scratch). A demo's packaged model is named by its Hub id, not by the path
+    of the package that ships it; a local directory by its path, with no id."""
+    from ..data.demo import demo_hub_id
+
+    if getattr(args, "demo_model", False) or args.model_name_or_path is None:  # built from a config: no weights
+        return None, None
+    source = getattr(args, "source_model", None) or args.model_name_or_path  # a GGUF file's directory, not its copy
+    hub_id = demo_hub_id(source, getattr(args, "gguf_file", None)) or (source if _is_hub_id(source) else None)
+    return hub_id, hub_id or source
+
+
+def write_model_card(args, metrics: dict) -> str:
+    """Write <output_dir>/README.md, the model card of the saved model, from the run's options
+    (secrets redacted) and its `metrics`; returns its path. The main process calls it, after
+    the model is saved."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    output_dir = args.output_dir
+    task, adapter = saved_task(output_dir)
+    hub_id, base = base_model(args)
+    dataset = getattr(args, "dataset_name", None)
+    data = ModelCardData(
+        base_model=hub_id,
+        library_name="peft" if adapter else "transformers",
+        datasets=[dataset] if dataset else None,
+        language=args.language,
+        pipeline_tag=task,
+        tags=["ddp-finetune", *(["lora"] if adapter else []), *([task] if task else [])],
+    )
+    repo = hub_repo_id(args)
+    options = loggable_args(args)
+    hyper = [f"| `{name}` | {options[name]} |" for name in _HYPER_PARAMETERS if options.get(name) not in (None, False)]
+    scores = [
+        f"| {name.removeprefix('eval_')} | {_value(value)} |"
+        for name, value in metrics.items()
+        if name.startswith("eval_") and isinstance(value, (int, float))
+    ]
+    zero_shot = [
+        f"| {name.removeprefix('zero_shot_')} | {_value(value)} |"
+        for name, value in metrics.items()
+        if name.startswith(("zero_shot_", "before_training_")) and isinstance(value, (int, float))
+    ]
+    source = f"`{base}`" + (f" (GGUF file `{args.gguf_file}`, dequantized)" if getattr(args, "gguf_file", None) else "")
+    made = "A LoRA adapter for" if adapter else "A fine-tune of"
+    origin = f"{made} {source}" if base else "A model trained from scratch (its weights drawn at random)"
+    data_source = (
+        getattr(args, "train_file", None) or getattr(args, "train_dir", None) or dataset or "the offline demo data"
+    )
+    lines = [
+        f"# {repo}",
+        "",
+        f"{origin}, trained with `{os.path.basename(_script())}` of ddp-finetune for {task or 'its task'}.",
+        "",
+        "## Training",
+        "",
+        f"- Data: `{data_source}`"
+        + (f" ({args.dataset_config_name})" if getattr(args, "dataset_config_name", None) else "")
+        + f"; {metrics.get('train_samples_seen', 0):,} examples seen in "
+        f"{metrics.get('optimizer_steps', 0)} optimizer steps, {metrics.get('epochs_trained', 0):g} epoch(s).",
+        f"- Hardware: {metrics.get('world_size', '?')} process(es), {metrics.get('distributed_type', '?')}, mixed "
+        f"precision {metrics.get('mixed_precision', '?')}; {metrics.get('train_runtime_s', 0):.0f} s of training.",
+        "",
+        "| hyper-parameter | value |",
+        "|---|---|",
+        *hyper,
+    ]
+    if scores:
+        lines += ["", "## Evaluation", "", "| metric | value |", "|---|---|", *scores]
+    if zero_shot:
+        lines += ["", "Before training (the same evaluation):", "", "| metric | value |", "|---|---|", *zero_shot]
+    if metrics.get("best_checkpoint"):
+        lines += [
+            "",
+            f"The best checkpoint by `{metrics['metric_for_best_model']}` "
+            f"({_value(metrics['best_metric'])}) was `{os.path.basename(metrics['best_checkpoint'])}`.",
+        ]
+    predictions = sorted(name for name in os.listdir(output_dir) if fnmatch(name, PREDICTIONS))
+    if predictions:
+        shared = (
+            "--push_predictions uploads them with the model"
+            if getattr(args, "push_predictions", False)
+            else "--push_to_hub leaves them out, unless --push_predictions"
+        )
+        lines += [
+            "",
+            f"The answers to the validation prompts ({', '.join(f'`{name}`' for name in predictions)}: each prompt "
+            f"with its reference answer) hold the validation data: {shared}.",
+        ]
+    lines += [
+        "",
+        "## How to load it",
+        "",
+        "```python",
+        *_how_to_load(task, adapter, repo),
+        "```",
+        "",
+        "Curves, throughput and memory: `report/README.md`. Every option of the run: `training_args.json`.",
+        "",
+    ]
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))  # the metadata block the Hub reads
+    path = os.path.join(output_dir, "README.md")
+    with open(path, "w") as handle:
+        handle.write(str(card))
+    return path
+
+
+def _how_to_load(task: str | None, adapter: bool, repo: str) -> list[str]:
+    if adapter:
+        return [
+            "from peft import AutoPeftModelForCausalLM",
+            "from transformers import AutoTokenizer",
+            "",
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")  # the base model, then this adapter',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        ]
+    return [
+        "from transformers import pipeline",
+        "",
+        f'model = pipeline("{task or "text-classification"}", model="{repo}")',
+    ]
+
+
+def _value(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _script() -> str:
+    import sys
+
+    return sys.argv[0] or "a ddp-finetune script"

@@ -1,0 +1,141 @@
+"""The output directory and the model saved in it: only the main process writes, nothing is left
+half-written, and a write that fails is reported on every rank in one line (`write_failure.py`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from accelerate import Accelerator
+
+from ..core.errors import UsageError
+from ..core.ranks import from_main_process
+from ..checkpoints.write_failure import agree_on_write
+
+
+def check_output_dir(output_dir: str, overwrite: bool, resuming: bool = False) -> None:
+    """Refuse an output directory that already holds another run, before any work is done
+    (a run that resumes from its checkpoints there is welcome). No communication: `start_run`
+    calls it on every rank before any work, and each rank raises on its own. Writes nothing."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UsageError(f"--output_dir {output_dir!r} is a file; give a directory path")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not (overwrite or resuming):
+        raise UsageError(
+            f"--output_dir {output_dir!r} already holds files from another run; "
+            "pass --overwrite_output_dir to replace them, or choose another --output_dir"
+        )
+
+
+def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite: bool, resuming: bool = False) -> None:
+    """All ranks call this, once the inputs are validated (so bad input never leaves a directory
+    behind): the main process checks the output directory again, empties it if `overwrite` and not
+    `resuming`, and creates it; the other ranks wait for it and share its verdict (one broadcast).
+
+    Only the main process looks at the directory here: another rank listing it while the main
+    process deletes it could fail with FileNotFoundError.
+    """
+
+    def replace_on_main():
+        check_output_dir(output_dir, overwrite, resuming)
+        if overwrite and not resuming and os.path.isdir(output_dir):
+            shutil.rmtree(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+
+    from_main_process(accelerator, replace_on_main)
+
+
+def save_model(accelerator: Accelerator, model, output_dir: str, *processors, dtype: str = "auto") -> None:
+    """All ranks call this: save the unwrapped model (safetensors, with its config) and its
+    tokenizer / processors so that `from_pretrained(output_dir)` and `pipeline(..., model=output_dir)`
+    load it. `dtype` ("auto", "float32", "bfloat16", "float16"): "auto" saves a model in the dtype
+    of the checkpoint it was loaded from (its config's), whatever it was trained in, and a LoRA
+    adapter as trained.
+
+    `accelerator.get_state_dict` is a collective under FSDP and DeepSpeed ZeRO-3 (saving
+    `model.state_dict()` there writes empty or partial weights); it gathers the full weights to
+    CPU on the main process only. Only the main process writes.
+    """
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
+    error = None
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        try:
+            write_pretrained(unwrapped, state_dict, output_dir, *processors, dtype=saved_dtype(unwrapped, dtype))
+        except Exception as exc:  # reported on every rank by agree_on_write
+            error = exc
+    agree_on_write(accelerator, error, f"the model to {output_dir!r}", output_dir)  # instead of the last barrier
+
+
+def saved_dtype(model, dtype: str = "auto"):
+    """The torch dtype to save `model` in (None: as it is): `dtype`, or for "auto" the dtype of the
+    checkpoint it was loaded from, as its config records it (`train_in_fp32` leaves the config
+    alone). A LoRA adapter is saved as trained under "auto"."""
+    import torch
+
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if hasattr(model, "peft_config"):
+        return None
+    recorded = getattr(getattr(model, "config", None), "dtype", None)
+    if isinstance(recorded, str):
+        recorded = getattr(torch, recorded, None)
+    return recorded if isinstance(recorded, torch.dtype) and recorded.is_floating_point else None
+
+
+def save_processor(processor, directory: str) -> None:
+    """`processor.save_pretrained(directory)`, a tokenizer with the pad token it was loaded with: one
+    that had none got EOS for padding here (`causal_lm.load_tokenizer`), and saved so, a user's later
+    collator that masks padding by token id would mask every EOS and stop learning to end answers."""
+    if not getattr(processor, "borrowed_pad_token", False):
+        processor.save_pretrained(directory)
+        return
+    pad = processor.pad_token
+    processor.pad_token = None
+    try:
+        processor.save_pretrained(directory)
+    finally:
+        processor.pad_token = pad
+
+
+def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtype=None) -> None:
+    """Write `model.save_pretrained` with the gathered full `state_dict` (its floating-point
+    tensors cast to `dtype`, if given), and the processors, first into a staging directory inside
+    `output_dir`, then moving each finished file into place, so a crash never leaves a
+    half-written weights file. One process calls it (the main one)."""
+    # A torch.compile'd model's state dict names every weight "_orig_mod.<name>"; saved as is,
+    # from_pretrained would find none of them and silently start from random weights.
+    state_dict = {key.replace("_orig_mod.", ""): value for key, value in state_dict.items()}
+    if dtype is not None:
+        state_dict = {key: value.to(dtype) if value.is_floating_point() else value for key, value in state_dict.items()}
+    os.makedirs(output_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)
+    try:
+        model.save_pretrained(staging, state_dict=state_dict, is_main_process=True)
+        if dtype is not None:
+            _record_dtype(staging, dtype)
+        for processor in processors:
+            save_processor(processor, staging)
+        for name in os.listdir(staging):
+            target = os.path.join(output_dir, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            os.replace(os.path.join(staging, name), target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _record_dtype(directory: str, dtype) -> None:
+    """Make config.json name the dtype the weights were saved in: `save_pretrained` writes the
+    model's own (fp32 after training), and `from_pretrained` would then load bf16 weights as fp32."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):  # a LoRA adapter: adapter_config.json, no dtype field
+        return
+    with open(path) as handle:
+        config = json.load(handle)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    with open(path, "w") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)
+        handle.write("\n")

@@ -1,0 +1,60 @@
+"""A pretrained model from the Hub or a local directory: its config (with a clear error for a bad path
+or id), and its weights fetched once into the Hub cache before every rank builds the model. Nothing
+here communicates."""
+
+from __future__ import annotations
+
+import os
+
+from ..core.errors import UsageError
+
+
+def fetch_weights(model_name_or_path: str) -> list[str]:
+    """Put a Hub model's weights in the local Hub cache, as `from_pretrained` looks for them
+    (model.safetensors, or its sharded index and shards, else the same for pytorch_model.bin), and
+    return their local paths; a local directory is left alone ([]). Call it inside
+    `load_on_main_first`: the main process downloads, a failure is reported on every rank, and the
+    ranks that then build the model together read the cache instead of all downloading at once.
+    No communication."""
+    if os.path.isdir(os.path.expanduser(model_name_or_path)):
+        return []
+    from transformers.utils.hub import cached_file, get_checkpoint_shard_files
+
+    for single, index in (
+        ("model.safetensors", "model.safetensors.index.json"),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+    ):
+        path = cached_file(model_name_or_path, single, _raise_exceptions_for_missing_entries=False)
+        if path:
+            return [path]
+        index_file = cached_file(model_name_or_path, index, _raise_exceptions_for_missing_entries=False)
+        if index_file:
+            return list(get_checkpoint_shard_files(model_name_or_path, index_file)[0])
+    return []  # no weights file by these names: from_pretrained will say what it misses
+
+
+def load_model_config(model_name_or_path: str, trust_remote_code: bool = False, **overrides):
+    """`AutoConfig.from_pretrained(model_name_or_path, **overrides)`, or a `UsageError` that names
+    the model when it is neither a local directory nor a reachable Hub model, or when it holds
+    code of its own to run and --trust_remote_code was not given. Any rank may call it."""
+    from transformers import AutoConfig
+
+    path = model_name_or_path
+    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise UsageError(
+            f"--model_name_or_path {path!r} is neither a local model directory nor a Hub model id; check the path"
+        )
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
+    except (OSError, ValueError) as exc:
+        if "trust_remote_code" in str(exc):
+            raise UsageError(
+                f"--model_name_or_path {path!r} holds Python code of its own that transformers must run to load it; "
+                "read that code, then pass --trust_remote_code"
+            ) from None
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(
+            f"--model_name_or_path {path!r} is neither a local model directory nor a reachable Hub model ({reason}); "
+            "give a directory with config.json or a Hub model id"
+        ) from exc
