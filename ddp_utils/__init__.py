@@ -50,8 +50,8 @@ from .lifecycle.args import (
 )
 from .lifecycle.process_exit import run
 from .lifecycle.start import make_accelerator, start_run, start_training
-from .outputs.output import prepare_output_dir, save_model
-from .outputs.report import write_results
+from .results.output import prepare_output_dir, save_model
+from .results.report import write_results
 from .training.exact_loss import count_step, global_mean_loss
 from .training.fsdp import load_pretrained
 from .training.oom_backoff import OOMBackoff

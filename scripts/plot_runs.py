@@ -11,7 +11,7 @@ Keys are the names in train_log.jsonl: train/* are drawn against optimizer steps
 import argparse
 import os
 
-from ddp_utils.outputs.report import plot_runs
+from ddp_utils.results.report import plot_runs
 from ddp_utils.training.training_log import TRAIN_LOG
 
 

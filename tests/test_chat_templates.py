@@ -159,7 +159,7 @@ def test_the_saved_tokenizer_keeps_the_pad_token_it_had(tmp_path):
     padding by id would mask every EOS and stop learning to end answers."""
     from transformers import AutoTokenizer
 
-    from ddp_utils.outputs.output import save_processor
+    from ddp_utils.results.output import save_processor
 
     make_family_tokenizer("llama3-base", tmp_path / "source")
     tokenizer = load_tokenizer(str(tmp_path / "source"))

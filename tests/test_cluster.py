@@ -326,7 +326,7 @@ def test_fsdp_and_deepspeed_configs_are_refused_on_a_machine_without_gpus(tiny_m
 def test_fsdp2_full_state_dict_save_reloads_the_gathered_parameters_on_cpu(tiny_model, tmp_path):
     """FSDP on CPU, as far as it goes: Accelerate will not run FSDP without GPUs, so the helper
     shards with torch's fully_shard over gloo, gathers as accelerator.get_state_dict does under
-    FSDP2, and writes with ddp_utils.outputs.output.write_pretrained. The file holds the full parameters; the
+    FSDP2, and writes with ddp_utils.results.output.write_pretrained. The file holds the full parameters; the
     plain state_dict would have held half of each sharded one."""
     import torch
     from transformers import AutoModelForSequenceClassification

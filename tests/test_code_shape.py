@@ -272,7 +272,7 @@ def test_matplotlib_is_not_imported_on_the_training_path():
     check = (
         "import importlib.util, sys\n"
         "import ddp_utils, ddp_utils.language_models.causal_lm, ddp_utils.data.vision\n"
-        "import ddp_utils.outputs.report, ddp_utils.training.training_log\n"
+        "import ddp_utils.results.report, ddp_utils.training.training_log\n"
         f"for name in {sorted(SCRIPTS)!r}:\n"
         f"    spec = importlib.util.spec_from_file_location(name, {str(REPO / 'scripts')!r} + f'/{{name}}.py')\n"
         "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"

@@ -10,7 +10,7 @@ import torch
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
 from ddp_utils.core.files import write_json
-from ddp_utils.outputs.output import check_output_dir
+from ddp_utils.results.output import check_output_dir
 
 
 @pytest.mark.fast

@@ -335,7 +335,7 @@ def test_a_refused_push_says_what_the_hub_answered_and_how_to_push_by_hand(tmp_p
     from huggingface_hub import constants
 
     from ddp_utils.core.errors import RunFailed
-    from ddp_utils.outputs.hub import push_to_hub
+    from ddp_utils.results.hub import push_to_hub
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text("{}")
@@ -357,7 +357,7 @@ def test_a_refused_push_says_what_the_hub_answered_and_how_to_push_by_hand(tmp_p
 def test_predictions_are_uploaded_only_when_asked(tmp_path):
     from huggingface_hub.utils import filter_repo_objects
 
-    from ddp_utils.outputs.hub import push_ignore_patterns
+    from ddp_utils.results.hub import push_ignore_patterns
 
     files = ["model.safetensors", "predictions.jsonl", "predictions_zero_shot.jsonl", "checkpoint-4/optimizer.bin"]
     for asked, expected in ((False, ["model.safetensors"]), (True, files[:3])):
@@ -369,7 +369,7 @@ def test_predictions_are_uploaded_only_when_asked(tmp_path):
 def test_push_to_hub_is_refused_offline_or_without_a_token(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from ddp_utils.outputs.hub import check_hub_push
+    from ddp_utils.results.hub import check_hub_push
 
     args = SimpleNamespace(hub_token=None, hub_model_id=None, output_dir=str(tmp_path / "out"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
@@ -406,7 +406,7 @@ def test_hub_private_repo_makes_an_existing_public_repository_private_before_upl
     private (the Hub's settings call) before the commit, so no file of the run is ever public."""
     from hub_standin import HubStandIn
 
-    from ddp_utils.outputs.hub import push_to_hub
+    from ddp_utils.results.hub import push_to_hub
 
     with HubStandIn(tmp_path / "hub") as hub:
         standin_hub(monkeypatch, hub)
@@ -428,7 +428,7 @@ def test_hub_private_repo_uploads_nothing_when_the_hub_will_not_make_the_reposit
     from hub_standin import HubStandIn
 
     from ddp_utils.core.errors import RunFailed
-    from ddp_utils.outputs.hub import push_to_hub
+    from ddp_utils.results.hub import push_to_hub
 
     with HubStandIn(tmp_path / "hub", settings_fail_with=403) as hub:
         standin_hub(monkeypatch, hub)
@@ -450,7 +450,7 @@ def test_a_push_replaces_the_files_of_an_earlier_push_in_one_commit(tmp_path, mo
     leaves out) in the commit that adds its own files, keeping .gitattributes; unchanged files stay."""
     from hub_standin import GITATTRIBUTES, HubStandIn
 
-    from ddp_utils.outputs.hub import push_to_hub
+    from ddp_utils.results.hub import push_to_hub
 
     shared = {"tokenizer.json": b"{}", "report/README.md": b"report", "training_args.json": b"{}"}
     full = {"README.md": b"# full\n", "config.json": b"{}", "model.safetensors": b"full", "predictions.jsonl": b"{}\n"}
@@ -475,7 +475,7 @@ def test_a_push_to_a_repository_of_other_files_deletes_nothing_and_says_so(tmp_p
     from hub_standin import HubStandIn
 
     from ddp_utils.core.errors import RunFailed
-    from ddp_utils.outputs.hub import push_to_hub
+    from ddp_utils.results.hub import push_to_hub
 
     with HubStandIn(tmp_path / "hub") as hub:
         standin_hub(monkeypatch, hub)
@@ -495,7 +495,7 @@ def test_a_push_overtaken_by_another_commit_fails_and_deletes_nothing(tmp_path, 
     from huggingface_hub import HfApi
 
     from ddp_utils.core.errors import RunFailed
-    from ddp_utils.outputs.hub import push_to_hub
+    from ddp_utils.results.hub import push_to_hub
 
     def another_push():
         if not overtaken:
@@ -521,7 +521,7 @@ def test_push_to_hub_refuses_the_default_output_dir_names_without_hub_model_id(t
 
     from huggingface_hub import constants
 
-    from ddp_utils.outputs.hub import check_hub_push
+    from ddp_utils.results.hub import check_hub_push
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     for script in ("train", "train_sft", "train_dpo", "train_clm", "train_image"):

@@ -272,7 +272,7 @@ def test_lora_keeps_the_frozen_base_in_the_checkpoint_dtype_and_trains_the_adapt
     frozen = {name: p.dtype for name, p in model.named_parameters() if not p.requires_grad}
     assert trainable and set(trainable.values()) == {torch.float32}
     assert frozen and set(frozen.values()) == {torch.bfloat16}, "the frozen base is not copied to fp32"
-    from ddp_utils.outputs.output import saved_dtype
+    from ddp_utils.results.output import saved_dtype
 
     assert saved_dtype(model) is None, "a LoRA adapter is saved as trained"
     assert saved_dtype(model.merge_and_unload()) == torch.bfloat16, "a merged model in the checkpoint's dtype"

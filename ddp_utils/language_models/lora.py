@@ -14,7 +14,7 @@ from accelerate.logging import get_logger
 from ..checkpoints.write_failure import agree_on_write
 from ..core.errors import UsageError
 from ..core.sharded import is_sharded
-from ..outputs.output import save_model, saved_dtype, write_pretrained
+from ..results.output import save_model, saved_dtype, write_pretrained
 
 logger = get_logger(__name__)
 

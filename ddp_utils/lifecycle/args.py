@@ -224,7 +224,7 @@ def check_training_args(args) -> None:
             "checkpoint needs an evaluation at its step to be ranked by --metric_for_best_model"
         )
     if args.push_to_hub:
-        from ..outputs.hub import check_hub_push
+        from ..results.hub import check_hub_push
 
         check_hub_push(args)
 

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 
 from ..core.errors import EXIT_PREEMPTED, EXIT_USAGE, Preempted, RunFailed, UsageError
-from ..outputs.after_the_run import Interrupted, queued_jobs
+from ..results.after_the_run import Interrupted, queued_jobs
 from .start import _accelerators
 
 

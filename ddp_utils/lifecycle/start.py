@@ -22,7 +22,7 @@ from ..checkpoints.preemption import clear_preempted_marker
 from ..core.errors import UsageError
 from ..core.redact import hide_secret_args
 from ..core.sharded import SHARDED_TYPES
-from ..outputs.output import check_output_dir, prepare_output_dir
+from ..results.output import check_output_dir, prepare_output_dir
 from ..training.fsdp import fix_fsdp2_preparation
 from ..training.oom_backoff import OOMBackoff
 from ..training.optimizer import describe_optimizer

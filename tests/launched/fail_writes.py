@@ -12,7 +12,7 @@ import sys
 
 import accelerate
 
-import ddp_utils.outputs.output
+import ddp_utils.results.output
 
 what = sys.argv[1]
 rank = int(os.environ.get("RANK", "0"))
@@ -34,7 +34,7 @@ if what.startswith("checkpoint") and rank == 0:
 
     accelerate.Accelerator.save_state = save_state
 elif what == "model" and rank == 0:
-    ddp_utils.outputs.output.write_pretrained = full_disk
+    ddp_utils.results.output.write_pretrained = full_disk
 
 script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "train.py")
 sys.argv = [script, *sys.argv[2:]]

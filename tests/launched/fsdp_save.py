@@ -2,7 +2,7 @@
 FSDP on GPUs only, so the model is sharded here with torch's own `fully_shard` (one unit per
 transformer layer, as accelerate_configs/fsdp.yaml asks), trained a few steps, and saved the way
 `ddp_utils.save_model` saves under FSDP2: the full state dict that `accelerator.get_state_dict`
-gathers (the same `get_model_state_dict` options), written by `ddp_utils.outputs.output.write_pretrained`.
+gathers (the same `get_model_state_dict` options), written by `ddp_utils.results.output.write_pretrained`.
 
 usage: fsdp_save.py TINY_BERT_DIR OUTPUT_DIR
 """
@@ -18,7 +18,7 @@ from transformers import AutoModelForSequenceClassification
 
 import ddp_utils
 from ddp_utils.lifecycle.start import make_accelerator
-from ddp_utils.outputs.output import write_pretrained
+from ddp_utils.results.output import write_pretrained
 
 
 def main():

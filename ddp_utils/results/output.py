@@ -10,9 +10,9 @@ import tempfile
 
 from accelerate import Accelerator
 
+from ..checkpoints.write_failure import agree_on_write
 from ..core.errors import UsageError
 from ..core.ranks import from_main_process
-from ..checkpoints.write_failure import agree_on_write
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool = False) -> None:

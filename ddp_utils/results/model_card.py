@@ -9,8 +9,8 @@ import json
 import os
 from fnmatch import fnmatch
 
-from .hub import PREDICTIONS, hub_repo_id
 from ..core.redact import loggable_args
+from .hub import PREDICTIONS, hub_repo_id
 
 # What the saved model is, from its own files: config.json's architecture, or a LoRA adapter.
 _TASKS = {

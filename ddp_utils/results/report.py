@@ -19,13 +19,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from .after_the_run import after_every_rank
+from ..checkpoints.write_failure import agree_on_write
 from ..core.files import write_json
-from .hub import push_to_hub
-from .model_card import write_model_card
 from ..core.redact import loggable_args
 from ..training.training_log import describe, peak_memory_mb, read_train_log
-from ..checkpoints.write_failure import agree_on_write
+from .after_the_run import after_every_rank
+from .hub import push_to_hub
+from .model_card import write_model_card
 
 logger = get_logger(__name__)
 
