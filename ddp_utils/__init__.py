@@ -1,32 +1,54 @@
-"""The distributed chores the training scripts share. Each function's docstring says which ranks
-call it; every one that takes part in a collective starts with "All ranks call this".
+"""The distributed chores the training scripts share, so that each script shows only its task.
 
-What the scripts use, in the order they use it, and the module that holds it:
+What it promises every script, and where each promise is kept:
+- rank-0 I/O: the main process alone reads the Hub or writes a file, atomically; the other ranks wait and share its
+  verdict, a failure included (core/ranks.py, core/files.py, checkpoints/write_failure.py);
+- gathered metrics: evaluation gathers each example exactly once over the ranks (data/evaluation.py);
+- the exact loss: a step's loss is the mean over all its examples on all ranks (training/exact_loss.py);
+- the saved model: the unwrapped model's full state dict, gathered under FSDP, reloadable (results/output.py);
+- checkpoints: atomic, verified, resumed on any layout (checkpoints/);
+- bad input and faults: one line on every rank, never a hang (core/errors.py, lifecycle/process_exit.py).
+Each function's docstring says which ranks call it; one that takes part in a collective starts with
+"All ranks call this".
 
-- start:    `start_run` (the Accelerator, checked by the launch guard; start.py), `run` (a clean exit,
-            one-line errors; process_exit.py), `UsageError` (errors.py)
-- options:  `add_training_args`, `add_causal_lm_args`, `check_training_args`, `check_causal_lm_args`,
-            `check_data_args`, `check_positive` (args.py), `check_metric_for_best_model` (evaluation.py)
-- data:     `load_on_main_first` (ranks.py), `read_data_files`, `check_splits` (raw_data.py),
-            `make_train_dataloader`, `make_eval_dataloader` (the training order; dataloaders.py),
-            `load_metric` (evaluation.py)
-- model:    `load_model_config`, `fetch_weights` (pretrained.py), `load_pretrained` (under FSDP only rank 0
-            reads the weights; fsdp.py), `train_in_fp32`, `make_adamw`,
-            `make_lr_scheduler` (optimizer.py); causal LMs: `load_config_and_tokenizer`,
-            `load_causal_lm` (causal_lm.py), `check_merge_lora`, `save_with_merged` (lora.py)
-- the run:  `StepPlan` (steps, epochs, progress; step_plan.py), `start_training` (output directory,
-            `Checkpointer` with resume, `TrainingLog`, `OOMBackoff`; start.py)
-- a step:   `count_step` (what the step holds on all ranks), `global_mean_loss` (the exact loss;
-            exact_loss.py), `OOMBackoff.run` (--oom_backoff; oom_backoff.py)
-- eval:     `evaluate_classification` (classification.py), `gather_for_eval` (any task; evaluation.py)
-- the end:  `save_model` (output.py), `write_results` (metrics.json, report/; report.py)
+Seven sub-packages, each importing only those listed below it (docs/design.md, "Package layout"):
+  lifecycle/        a script's start and end: launch guard, options, the Accelerator, a clean exit
+  language_models/  causal LMs: loading, chat, SFT and preference rows, DPO, generation, LoRA, GGUF
+  results/          after training: the model saved, metrics.json, the report, the model card, the Hub push
+  training/         the model made ready (weights, FSDP, optimizer), the step plan, the exact loss, the log
+  checkpoints/      save, verify and resume; preemption; a failed write reported on every rank
+  data/             data files read, the training order, gathering for evaluation, classification, images, demos
+  core/             error types, rank-0 I/O, atomic files, whether weights are sharded, secrets kept out of logs
 
-Task helpers live in their own modules: `causal_lm` (language models), `lora`, `chat`
-(conversations and their targets), `sft_data` (SFT records as training rows), `preference_data`
-(preference pairs as training rows), `dpo` (preference losses, the reference), `generation`
-(answers scored by generation), `gguf` (GGUF checkpoints), `vision` (images), `classification`,
-`demo` (the offline demos' models and data). `is_sharded` (sharded.py) is the one test of
-whether the weights are split over the ranks.
+What the scripts call, one job a line, in the order a script uses it:
+  start_run, make_accelerator       the Accelerator, checked by the launch guard (lifecycle/start.py)
+  run, UsageError                   a clean exit; bad input as one line (lifecycle/process_exit.py, core/errors.py)
+  add_training_args, add_causal_lm_args, check_training_args, check_causal_lm_args, check_data_args,
+  check_positive                    the options every script shares, checked (lifecycle/args.py)
+  load_on_main_first                the main process reads first, every rank shares its verdict (core/ranks.py)
+  refuse_together                   a problem one rank found, refused on every rank (core/ranks.py)
+  read_data_files, check_splits     one data check for every script; preparation_processes (data/raw_data.py)
+  make_train_dataloader             the training order: whole steps, the same on any layout (data/dataloaders.py)
+  make_eval_dataloader, longest_first, SAMPLE_WEIGHT   evaluation batches; a filler row weighs 0 (same)
+  load_metric, gather_for_eval      metrics offline; each example gathered once (data/evaluation.py)
+  check_metric_for_best_model       the score that ranks checkpoints (data/evaluation.py)
+  load_model_config, fetch_weights  a model from the Hub or a directory (training/pretrained.py)
+  load_pretrained                   under FSDP only rank 0 reads the weights (training/fsdp.py)
+  make_adamw, make_lr_scheduler     the optimizer and its schedule (training/optimizer.py)
+  train_in_fp32, describe_optimizer fp32 master weights under mixed precision; the log's line (same)
+  load_config_and_tokenizer, load_causal_lm   a causal LM, LoRA, GGUF (language_models/causal_lm.py)
+  check_merge_lora                  --merge_lora checked before training (language_models/lora.py)
+  StepPlan                          steps, epochs and progress (training/step_plan.py)
+  start_training                    output directory (prepare_output_dir), Checkpointer with resume, TrainingLog,
+                                    OOMBackoff (lifecycle/start.py)
+  is_sharded                        whether the weights are split over the ranks (core/sharded.py)
+  count_step, global_mean_loss      what the step holds on all ranks; the exact loss (training/exact_loss.py)
+  evaluate_classification           accuracy and F1; label_config, label_mapping (data/classification.py)
+  save_model, save_with_merged      the unwrapped model, and LoRA merged (results/output.py, language_models/lora.py)
+  write_results                     metrics.json, training_args.json, report/ (results/report.py)
+  write_jsonl                       predictions, atomically, by the main process (core/files.py)
+The task helpers a script imports by module (`from ddp_utils.language_models.chat import ...`) are named in its
+sub-package's docstring.
 """
 
 from .checkpoints.checkpoint import Checkpointer

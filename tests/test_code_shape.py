@@ -10,6 +10,7 @@
 """
 
 import ast
+import re
 import subprocess
 import sys
 
@@ -251,20 +252,76 @@ def test_no_doc_copies_the_code_of_the_scripts_or_ddp_utils():
     assert copied == [], f"docs copy code; name it and link to its lines instead: {copied[:3]}"
 
 
+# Each sub-package of ddp_utils and the ones it may import (their docstrings say the same): a newcomer can
+# tell what a change may touch, and no two modules import each other.
+MAY_IMPORT = {
+    "core": set(),
+    "data": {"core"},
+    "checkpoints": {"core"},
+    "training": {"core", "data", "checkpoints"},
+    "results": {"core", "data", "checkpoints", "training"},
+    "language_models": {"core", "data", "checkpoints", "training", "results"},
+    "lifecycle": {"core", "data", "checkpoints", "training", "results", "language_models"},
+}
+
+
+def module_imports() -> dict[tuple[str, str], set[tuple[str, str]]]:
+    """(sub-package, module) -> the (sub-package, module) pairs it imports, lazily or not."""
+    graph = {}
+    for package in MAY_IMPORT:
+        for path in sorted((PACKAGE / package).glob("*.py")):
+            imported = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    parts = [*(node.module or "").split("."), *(alias.name for alias in node.names)]
+                    parts = [part for part in parts if part]
+                    imported.add((package, parts[0]) if node.level == 1 else (parts[0], parts[1]))
+            graph[(package, path.stem)] = imported
+    return graph
+
+
 @pytest.mark.fast
-def test_the_leaf_modules_stay_leaves_and_the_task_helpers_do_not_import_the_start_of_a_run():
-    """errors.py and sharded.py import nothing of ddp_utils; the data, model and task helpers never
-    import start.py, process_exit.py or launch_guard.py (the start and end of a process)."""
-    start_of_a_run = {"start", "process_exit", "launch_guard"}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        imported = {
-            node.module.split(".")[-1] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level
-        }
-        if path.stem in ("errors", "sharded"):
-            assert imported == set(), f"ddp_utils/{path.stem}.py imports nothing of ddp_utils"
-        elif path.stem not in start_of_a_run | {"__init__"}:
-            assert not imported & start_of_a_run, f"ddp_utils/{path.stem}.py imports {imported & start_of_a_run}"
+def test_ddp_utils_sub_packages_import_only_the_ones_below_them_and_no_module_imports_itself_back():
+    graph = module_imports()
+    wrong = [
+        f"{p}/{m}.py imports {q}/{n}.py"
+        for (p, m), found in graph.items()
+        for q, n in found
+        if q != p and q not in MAY_IMPORT[p]
+    ]
+    assert wrong == [], wrong
+    assert graph[("core", "errors")] == set() and graph[("core", "sharded")] == set(), "the leaves import nothing"
+
+    def circle_from(module, path):
+        for imported in graph.get(module, ()):
+            if imported in path:
+                return [*path[path.index(imported) :], imported]
+            found = circle_from(imported, [*path, imported])
+            if found:
+                return found
+        return None
+
+    for module in graph:
+        circle = circle_from(module, [module])
+        assert circle is None, " -> ".join(f"{p}/{m}.py" for p, m in circle)
+
+
+@pytest.mark.fast
+def test_ddp_utils_modules_stay_short_and_their_index_names_them_all():
+    """No module past 400 lines; each sub-package's docstring names its modules, and the package's
+    docstring every name the scripts call."""
+    import ddp_utils
+
+    for path in sorted(PACKAGE.glob("*/*.py")):
+        assert len(path.read_text().splitlines()) <= 400, f"{path.relative_to(REPO)} holds more than one job: split it"
+    for package in MAY_IMPORT:
+        index = (PACKAGE / package / "__init__.py").read_text()
+        for path in (PACKAGE / package).glob("*.py"):
+            named = path.stem == "__init__" or f"{path.name} " in index
+            assert named, f"{package}/__init__.py does not name {path.name}"
+    missing = [name for name in ddp_utils.__all__ if not re.search(rf"\b{name}\b", ddp_utils.__doc__)]
+    assert missing == [], f"ddp_utils/__init__.py's docstring does not name {missing}"
+    assert {path.name for path in PACKAGE.iterdir() if path.is_dir() and path.name != "__pycache__"} == set(MAY_IMPORT)
 
 
 def test_matplotlib_is_not_imported_on_the_training_path():

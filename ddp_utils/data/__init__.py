@@ -1,1 +1,11 @@
-"""data"""
+"""Data: the user's files read and checked, the training order, and the evaluation gathered.
+
+- raw_data.py        read_data_files, check_splits: local CSV, TSV, JSON, JSONL, Parquet or text, checked once
+- dataloaders.py     the training order: whole steps, shuffled from (seed, epoch), dealt to the ranks
+- evaluation.py      each example gathered once; metrics loaded offline (metrics/); the score that ranks checkpoints
+- classification.py  labels to classes, accuracy, F1, the confusion matrix, regression scores
+- vision.py          images: unreadable files found first, inputs, a seeded augmentation, SyncBatchNorm
+- demo.py            the offline demos' models (demo_models/) and data
+
+Knows nothing of checkpoints, training, results or language models: imports only core.
+"""

@@ -1,1 +1,14 @@
-"""language_models"""
+"""Causal language models: loading, conversations, training rows, DPO, generation, LoRA, GGUF.
+
+- causal_lm.py        load_causal_lm, the collator, blocks and packing, the causal-LM loss, perplexity
+- chat.py             conversations rendered by the chat template; the assistant-only targets; end-of-turn tokens
+- sft_data.py         SFT records in their shapes (chat, Alpaca, ShareGPT, prompt/completion) as training rows
+- preference_data.py  preference pairs in their shapes, checked and tokenized; a pair as one row
+- pair_scoring.py     both sides of a pair in one forward pass, and the probe that refuses where it is not exact
+- dpo.py              the DPO, IPO and SimPO losses; the reference without a second model; preference evaluation
+- generation.py       answers by greedy generation, scored; the shared prompt prefix computed once
+- lora.py             LoRA set-up, --lora_last_layers, the model saved with merged/
+- gguf.py             GGUF checkpoints dequantized once into a cache
+
+Knows nothing of a script's start or options parsing: imports core, data, checkpoints, training and results.
+"""

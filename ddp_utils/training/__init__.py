@@ -1,1 +1,13 @@
-"""training"""
+"""Training: the model made ready, the steps planned, the exact loss, and what the log shows.
+
+- pretrained.py    load_model_config, fetch_weights: a model from the Hub or a local directory
+- fsdp.py          load_pretrained (under FSDP only rank 0 reads the weights), fixes to Accelerate's FSDP2 preparation
+- optimizer.py     make_adamw, make_lr_scheduler, train_in_fp32
+- step_plan.py     StepPlan: steps, epochs, progress; dropout seeded per micro-batch
+- exact_loss.py    count_step, global_mean_loss: the step's loss over all its examples on all ranks
+- training_log.py  TrainingLog: trackers, train_log.jsonl, the progress bar
+- nonfinite.py     a loss or gradient that turned NaN or infinite, found on every rank
+- oom_backoff.py   OOMBackoff: --oom_backoff, a step split in smaller micro-batches after running out of memory
+
+Knows nothing of results, language models or a script's start: imports core, data and checkpoints.
+"""
