@@ -67,7 +67,8 @@ def parse_args(argv=None):
 # ==================================== DATA ====================================
 # The one place to edit for your own dataset: return a DatasetDict with a "train" split and a
 # "validation" (or "test") split that hold the text column(s) and the label column. Your own names and
-# labels, e.g. a "review" column and "stars" 1 to 5 as 3 classes, on what a branch below returns:
+# labels, e.g. a "review" column and "stars" 1 to 5 as 3 classes, on what the --train_file branch below
+# returns:
 #   data = data.rename_columns({"review": "text"})
 #   data = data.map(lambda row: {"label": "negative" if row["stars"] <= 2 else "neutral" if row["stars"] == 3
 #                                else "positive"})  (or keep "review" and pass --text_column review)
@@ -164,7 +165,7 @@ def main():
                 if regression:  # one output per example: its squared error
                     losses = F.mse_loss(logits.squeeze(-1), labels.float(), reduction="none")
                 else:  # one per example
-                    losses = F.cross_entropy(logits, labels, reduction="none")
+                    losses = F.cross_entropy(logits, labels, reduction="none")  # eval_loss: classification.py
                 # The mean over the step's examples on all ranks, not over this micro-batch.
                 accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
                 loss_sum += (losses.detach() * weights).sum()

@@ -123,7 +123,7 @@ def parse_args(argv=None):
 # "validation" if you have one) with "prompt", "chosen" and "rejected" columns (strings, or
 # conversations: a list of {"role", "content"} turns and the two answers as assistant turns), or
 # "chosen" and "rejected" conversations that share their first turns, or LLaMA-Factory's shapes.
-# Your own names, on what a branch below returns:
+# Your own names, on what the --train_file branch below returns:
 #   data = data.rename_columns({"question": "prompt", "good": "chosen", "bad": "rejected"})
 DEMO_REVIEW_WORDS = 50  # each review's last words: the verdict is usually at the end (SFT's demo keeps 80)
 

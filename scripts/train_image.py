@@ -76,7 +76,8 @@ def parse_args(argv=None):
 # ==================================== DATA ====================================
 # The one place to edit for your own dataset: return a DatasetDict with a "train" split (and
 # "validation" or "test" if you have one; else some training images are held out) holding the
-# image column (PIL images) and the label column. Your own names and labels, on what a branch below returns:
+# image column (PIL images) and the label column. Your own names and labels, on what the --train_file
+# branch below returns:
 #   data = data.rename_columns({"img": "image", "kind": "label"})
 #   data = data.map(lambda row: {"label": "cat" if row["label"] in ("tabby", "siamese") else "dog"})
 def load_raw_datasets(args):
