@@ -14,7 +14,7 @@ LAUNCH := $(BIN)/accelerate launch --config_file $(CONFIG)
 # 1.5x and generation faster at the same accuracy (bench/README.md). Elsewhere bf16 would be emulated: fp32.
 LLM_PRECISION ?= $(shell grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null && echo bf16 || echo no)
 
-.PHONY: train train-sft train-dpo train-clm train-image test test-fast lint format bench gpu-check gpu-payload install clean
+.PHONY: train train-sft train-dpo train-grpo train-clm train-image test test-fast lint format bench gpu-check gpu-payload install clean
 
 train: $(STAMP)  ## install if needed, then fine-tune the demo classifier on 2 CPU processes
 	$(LAUNCH) scripts/train.py $(TRAIN_ARGS)
@@ -24,6 +24,9 @@ train-sft: $(STAMP)  ## the LLM demo: SmolLM2-135M-Instruct (LoRA) learns the re
 
 train-dpo: $(STAMP)  ## preference tuning (DPO): SmolLM2-135M-Instruct (LoRA) prefers the right sentiment word to a wrong one
 	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_dpo.py --output_dir outputs/demo_dpo --overwrite_output_dir
+
+train-grpo: $(STAMP)  ## reinforcement learning from rewards (GRPO): SmolLM2-135M-Instruct (LoRA) rewarded for the right word
+	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_grpo.py --output_dir outputs/demo_grpo --overwrite_output_dir
 
 train-clm: $(STAMP)  ## continued pre-training of SmolLM2-135M-Instruct (LoRA) on the reviews' text: perplexity drops
 	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir

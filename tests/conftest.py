@@ -148,7 +148,7 @@ def refused_in_process(script: str, args, expected: str) -> None:
     with pytest.raises(UsageError) as refused:
         args = module.parse_args([str(a) for a in args])
         data = module.prepare_data(args)
-        if script in ("train_sft", "train_dpo", "train_clm"):
+        if script in ("train_sft", "train_dpo", "train_grpo", "train_clm"):
             import ddp_utils
 
             ddp_utils.load_causal_lm(args, data[2], data[1])

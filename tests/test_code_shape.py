@@ -20,7 +20,8 @@ from conftest import REPO, launch_env
 
 PACKAGE = REPO / "ddp_utils"
 SCRIPTS = {
-    name: REPO / "scripts" / f"{name}.py" for name in ("train", "train_sft", "train_dpo", "train_clm", "train_image")
+    name: REPO / "scripts" / f"{name}.py"
+    for name in ("train", "train_sft", "train_dpo", "train_grpo", "train_clm", "train_image")
 }
 # Calls that are collectives themselves: Accelerate's and torch.distributed's (`prepare` wraps in
 # DDP, which broadcasts the weights; `clip_grad_norm_` all-reduces the norm under FSDP).

@@ -524,7 +524,7 @@ def test_push_to_hub_refuses_the_default_output_dir_names_without_hub_model_id(t
     from ddp_utils.results.hub import check_hub_push
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    for script in ("train", "train_sft", "train_dpo", "train_clm", "train_image"):
+    for script in ("train", "train_sft", "train_dpo", "train_grpo", "train_clm", "train_image"):
         expected = f"--push_to_hub without --hub_model_id pushes to the repository named after --output_dir, '{script}'"
         refused_in_process(script, ["--model_name_or_path", "someone/model", "--push_to_hub"], expected)
     sources = [REPO / "Makefile", REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

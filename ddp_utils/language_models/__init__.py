@@ -1,4 +1,4 @@
-"""Causal language models: loading, conversations, training rows, DPO, generation, LoRA, GGUF.
+"""Causal language models: loading, conversations, training rows, DPO, GRPO, generation, LoRA, GGUF.
 
 - causal_lm.py        load_causal_lm, the collator, blocks and packing, the causal-LM loss, perplexity
 - chat.py             conversations rendered by the chat template; the assistant-only targets; end-of-turn tokens
@@ -7,6 +7,7 @@
 - pair_scoring.py     both sides of a pair in one forward pass, and the probe that refuses where it is not exact
 - dpo.py              the DPO, IPO and SimPO losses; the reference without a second model; preference evaluation
 - generation.py       answers by greedy generation, scored; the shared prompt prefix computed once
+- grpo.py             GRPO: completions sampled by (seed, step, prompt), rewards, advantages, the clipped loss
 - lora.py             LoRA set-up, --lora_last_layers, the model saved with merged/
 - gguf.py             GGUF checkpoints dequantized once into a cache
 

@@ -17,8 +17,8 @@ def hub_repo_id(args) -> str:
 # The output directory names that the scripts and the Makefile give by default, and the docs in their examples: without
 # --hub_model_id every run left at one would push to the same repository, each push replacing the last one's files.
 SHARED_OUTPUT_NAMES = frozenset(
-    """run train train_sft train_dpo train_clm train_image demo demo_sft demo_dpo demo_clm demo_image
-    sft dpo wikitext reviews""".split()
+    """run train train_sft train_dpo train_grpo train_clm train_image demo demo_sft demo_dpo demo_grpo demo_clm
+    demo_image sft dpo grpo wikitext reviews""".split()
 )
 
 

@@ -190,10 +190,18 @@ class SeededMicroBatches(list):
         super().__init__(micro_batches)
         self.seed, self.step, self.rank, self.world_size = seed, step, rank, world_size
         self.generators = generators
+        self.iteration = 0
+
+    def with_batches(self, batches: list, iteration: int = 0) -> SeededMicroBatches:
+        """`batches` in place of these micro-batches, one for one (GRPO's samples of their prompts), seeded as
+        these are; each further `iteration` over the same batches draws other masks. No communication."""
+        seeded = SeededMicroBatches(batches, self.seed, self.step, self.rank, self.world_size, self.generators)
+        seeded.iteration = iteration
+        return seeded
 
     def __iter__(self):
         for k, batch in enumerate(super().__iter__()):
-            seed = micro_batch_seed(self.seed, self.step, k * self.world_size + self.rank)
+            seed = micro_batch_seed(self.seed, self.step, k * self.world_size + self.rank, self.iteration)
             if self.generators is None:
                 torch.manual_seed(seed)  # every backend's generators: about 110 microseconds
             else:
@@ -213,7 +221,9 @@ def random_generators(device: torch.device) -> list | None:
     return None
 
 
-def micro_batch_seed(seed: int, step: int, place: int) -> int:
+def micro_batch_seed(seed: int, step: int, place: int, iteration: int = 0) -> int:
     """The seed of the micro-batch at `place` in optimizer step `step` (0-based) of a run seeded
-    with `seed`: the three mixed by NumPy's SeedSequence, so nearby triples draw unrelated streams."""
-    return int(np.random.SeedSequence([seed, step, place]).generate_state(1, dtype=np.uint64)[0] % 2**63)
+    with `seed` (and its pass over the same batch, for GRPO's --num_iterations): mixed by NumPy's
+    SeedSequence, so nearby triples draw unrelated streams."""
+    entropy = [seed, step, place] + ([iteration] if iteration else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] % 2**63)

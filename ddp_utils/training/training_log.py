@@ -129,15 +129,21 @@ class TrainingLog:
         self._grad_norms = torch.zeros((), device=self.accelerator.device)  # steps with a gradient norm, not skipped
         self._skipped = torch.zeros((), device=self.accelerator.device)  # steps fp16's loss scaler skipped
         self._learning_rate = None
+        self._means: dict[str, torch.Tensor] = {}  # name -> [numerator, denominator] summed over the window
 
-    def step(self, plan, loss_sum: torch.Tensor, grad_norm, learning_rate: float) -> None:
+    def step(self, plan, loss_sum: torch.Tensor, grad_norm, learning_rate: float, means: dict | None = None) -> None:
         """All ranks call this after every optimizer step (after `plan.advance`), with this
         rank's weighted loss sum over its micro-batches, the gradient norm before clipping (None if
         DeepSpeed keeps it) and the learning rate the step used. Every --logging_steps steps and at
         the last step it writes a record, with one gather of every rank's loss and peak memory, and
         stops the run on every rank if a step's loss or gradient norm was not finite. Between records
-        nothing leaves the device: one host sync per record."""
+        nothing leaves the device: one host sync per record. `means`, {name: (numerator, denominator)} of
+        this rank's step (the same names every step and on every rank), are logged as train/<name>: the
+        numerators over the window and all ranks, divided by the denominators."""
         self._loss_sum += loss_sum.detach().float()
+        for name, (numerator, denominator) in (means or {}).items():
+            pair = torch.stack([torch.as_tensor(numerator), torch.as_tensor(denominator)]).float()
+            self._means[name] = self._means.get(name, 0) + pair.to(self.accelerator.device)
         if grad_norm is not None:
             if hasattr(grad_norm, "full_tensor"):  # FSDP2's norm is a DTensor (all ranks call this: it may gather)
                 grad_norm = grad_norm.full_tensor()
@@ -161,7 +167,8 @@ class TrainingLog:
         # Copied without waiting: a blocking copy to the device would wait for the steps queued before it.
         host_values = torch.tensor(list(memory.values()), dtype=torch.float32).to(accelerator.device, non_blocking=True)
         window = torch.stack([self._loss_sum.float(), self._grad_norm_sum, self._grad_norms.float(), self._skipped])
-        local = torch.cat([window.float(), host_values, self.finite.first_bad])
+        means = torch.stack(list(self._means.values())).flatten() if self._means else window[:0]
+        local = torch.cat([window.float(), host_values, means.float(), self.finite.first_bad])
         now, everyone = plan.read(accelerator.gather(local[None]))  # (world size, 4 + memory kinds + 3), on the host
         seconds = max(now["train_time_s"] - start["train_time_s"], 1e-9)
         weight, tokens = now["trained_weight"] - start["trained_weight"], now["tokens_seen"] - start["tokens_seen"]
@@ -179,6 +186,9 @@ class TrainingLog:
             record["train/tokens_per_second"] = tokens / seconds
         for i, name in enumerate(memory, start=4):
             record[f"train/{name}"] = everyone[:, i].max().item()
+        totals = everyone[:, 4 + len(memory) : 4 + len(memory) + 2 * len(self._means)].sum(dim=0)
+        for i, name in enumerate(self._means):
+            record[f"train/{name}"] = totals[2 * i].item() / max(totals[2 * i + 1].item(), 1e-12)
         self._write(record, plan.step)
         speed = f"{record['train/samples_per_second']:,.1f} samples/s"
         if tokens:

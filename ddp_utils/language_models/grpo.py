@@ -1,0 +1,346 @@
+"""GRPO's pieces: prompts tokenized, completions sampled the same way on any layout, rewards from plain Python
+functions, group-normalised advantages, and the clipped loss, normalised exactly over the whole step.
+
+The same run on any layout: each completion is sampled from its own generator, seeded by (seed, step, the
+prompt's place in the data, the sample's number), through the Gumbel-max trick in a logits processor
+(`SeededSampling`). 1 process, N processes, and 1 process with accumulation draw the same completions for the
+same prompts, whatever else shares their batch; transformers' sampling draws from one generator per process.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+
+from ..core.errors import UsageError
+from ..core.ranks import fail_together
+from ..core.sharded import is_sharded
+from ..data.dataloaders import SAMPLE_WEIGHT
+from ..training.exact_loss import INPUT_TOKENS
+from .chat import render
+from .generation import only_this_config, stop_token_ids
+
+LOSS_TYPES = ("token", "sequence")  # DAPO's and TRL's default: a mean over tokens; the original GRPO's: over answers
+LOSS_WEIGHT = "loss_weight"  # per rollout row: its completion tokens (token loss), or 1 (sequence loss); 0 for fillers
+
+
+def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: bool, num_proc=None):
+    """Every split's "prompt" column (a string, or a conversation of {"role", "content"} turns) as the ids that
+    ask for an answer, with "index" (the record's place in its split: its samples' seed, and where the rewards
+    find the record) and "length"; nothing else. A prompt past `max_prompt_length` tokens keeps its last ones.
+    No communication."""
+
+    def encode(record, index):
+        prompt = record["prompt"]
+        if isinstance(prompt, str) and use_chat_template:
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, list):
+            text = render(tokenizer, prompt, generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        else:
+            raise UsageError(f"record {index}: its prompt is a {type(prompt).__name__}; give a string or chat turns")
+        ids = ids[-max_prompt_length:]
+        return {"input_ids": ids, "index": index, "length": len(ids)}
+
+    import datasets
+
+    return datasets.DatasetDict(
+        {
+            split: records.map(encode, with_indices=True, num_proc=num_proc, remove_columns=records.column_names)
+            for split, records in raw.items()
+        }
+    )
+
+
+def decode_completions(tokenizer, rollouts: list[dict]) -> list[str]:
+    """The completions of `rollouts` as text, their stop token and padding left out."""
+    return [
+        tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+        for rollout in rollouts
+        for ids, mask in zip(rollout["completion_ids"], rollout["completion_mask"])
+    ]
+
+
+class PromptCollator:
+    """Prompt rows (input_ids, index, sample_weight) into a batch padded on the left, as generation needs."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict:
+        length = max(len(row["input_ids"]) for row in rows)
+        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids = torch.tensor(row["input_ids"])
+            input_ids[i, length - len(ids) :], attention_mask[i, length - len(ids) :] = ids, 1
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "index": torch.tensor([row["index"] for row in rows]),
+            SAMPLE_WEIGHT: torch.tensor([float(row.get(SAMPLE_WEIGHT, 1.0)) for row in rows]),
+        }
+
+
+def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
+    """The seed of one completion: (run seed, optimizer step, the prompt's place in the data, the sample)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{prompt}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class SeededSampling:
+    """A logits processor that turns greedy decoding into sampling with temperature and top-p, each row drawing
+    from its own generator: argmax(log p + Gumbel noise) is a sample from p. The noise is drawn on the CPU, so
+    the same seeds give the same samples on any device."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids, scores):
+        logps = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
+            sorted_logps, order = logps.sort(dim=-1, descending=True)
+            before = sorted_logps.exp().cumsum(dim=-1) - sorted_logps.exp()  # the mass of the tokens ranked above
+            dropped = torch.zeros_like(logps, dtype=torch.bool).scatter(-1, order, before >= self.top_p)
+            logps = logps.masked_fill(dropped, -math.inf)
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1 - 1e-7)))
+        return logps + gumbel.to(logps.device)
+
+
+def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, args, step: int) -> dict:
+    """`args.num_generations` completions for each prompt of `batch`, at most `args.max_completion_length`
+    tokens, sampled by (seed, step, prompt, sample) (`SeededSampling`). Each prompt is computed once: its cache
+    is copied to its samples. Returns the rollout rows: prompt and completion ids, the completion mask (up to
+    and with the stop token), whether each was cut at the maximum, and the prompt's index and sample weight,
+    each repeated per sample. All ranks call this (with sharded weights generation steps them together)."""
+    from transformers import DynamicCache, GenerationConfig
+
+    generator = accelerator.unwrap_model(model)
+    group = args.num_generations
+    stops = stop_token_ids(tokenizer, generator.generation_config)
+    config = GenerationConfig(
+        max_new_tokens=args.max_completion_length,
+        min_new_tokens=args.max_completion_length if is_sharded(accelerator) else 0,  # sharded: the same steps
+        do_sample=False,  # the sampling is SeededSampling's
+        eos_token_id=stops,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+    prompts, mask = batch["input_ids"], batch["attention_mask"]
+    seeds = [sample_seed(args.seed, step, int(i), k) for i in batch["index"].tolist() for k in range(group)]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    was_training = generator.training
+    generator.eval()
+    try:
+        cache = DynamicCache(config=generator.config)
+        with torch.no_grad(), accelerator.autocast():  # the prompts once, all but their last token
+            generator(
+                input_ids=prompts[:, :-1],
+                attention_mask=mask[:, :-1],
+                position_ids=positions[:, :-1],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        cache.batch_repeat_interleave(group)
+        with torch.no_grad(), accelerator.autocast(), only_this_config(generator):
+            output = generator.generate(
+                input_ids=prompts.repeat_interleave(group, dim=0),
+                attention_mask=mask.repeat_interleave(group, dim=0),
+                past_key_values=copy.copy(cache),
+                generation_config=config,
+                logits_processor=[SeededSampling(seeds, args.temperature, args.top_p)],
+                synced_gpus=accelerator.num_processes > 1 and is_sharded(accelerator),
+            )
+    finally:
+        generator.train(was_training)
+    completions = output[:, prompts.shape[1] :]
+    is_stop = torch.isin(completions, torch.tensor(stops, device=completions.device))
+    ended = is_stop.any(dim=1)
+    first_stop = torch.where(ended, is_stop.int().argmax(dim=1), completions.shape[1] - 1)
+    places = torch.arange(completions.shape[1], device=completions.device)
+    completion_mask = (places[None] <= first_stop[:, None]).long()
+    return {
+        "prompt_ids": prompts.repeat_interleave(group, dim=0),
+        "prompt_mask": mask.repeat_interleave(group, dim=0),
+        "completion_ids": completions.masked_fill(completion_mask == 0, tokenizer.pad_token_id),
+        "completion_mask": completion_mask,
+        "truncated": ~ended,
+        "index": batch["index"].repeat_interleave(group),
+        SAMPLE_WEIGHT: batch[SAMPLE_WEIGHT].repeat_interleave(group),
+    }
+
+
+def score_completions(accelerator: Accelerator, rewards: dict, completions: list[str], records: list[dict]):
+    """All ranks call this (one gather): each reward function of `rewards` ({function: weight}) on this rank's
+    completions and their records. Returns (per function rewards (completions, functions), their weighted sum).
+    A function that raises, returns NaN or returns the wrong number of values ends the run on every rank, in
+    one line that names the function and the record."""
+    values, problem = np.zeros((len(completions), len(rewards))), None
+    for j, function in enumerate(rewards):
+        name = getattr(function, "__name__", repr(function))
+        try:
+            found = list(function(completions, records))
+        except Exception as exc:  # the user's code: any error, reported with its place
+            found, problem = None, f"reward function {name} raised {type(exc).__name__}: {exc}"
+        if found is not None and len(found) != len(completions):
+            problem = f"reward function {name} returned {len(found)} values for {len(completions)} completions"
+        elif found is not None:
+            try:
+                values[:, j] = np.asarray(found, dtype=np.float64)
+            except (TypeError, ValueError):
+                problem = f"reward function {name} returned values that are not numbers ({found[:3]}...)"
+            bad = np.flatnonzero(~np.isfinite(values[:, j]))
+            if problem is None and len(bad):
+                i = int(bad[0])
+                problem = f"reward function {name} returned {values[i, j]} for the completion {completions[i]!r}"
+                problem += f" of record {records[i].get('index', i)}"
+        if problem:
+            problem += "; fix it in the DATA section, it must return one finite number per completion"
+            break
+    fail_together(accelerator, problem)
+    weights = np.asarray(list(rewards.values()), dtype=np.float64)
+    return values, values @ weights
+
+
+def group_advantages(rewards: torch.Tensor, group: int, scale: bool) -> torch.Tensor:
+    """Each completion's reward less its group's mean (the group: its prompt's samples, together), divided by
+    the group's standard deviation (+1e-4) when `scale` (GRPO), not (Dr. GRPO). No communication."""
+    grouped = rewards.view(-1, group)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    return advantages.reshape(-1)
+
+
+def completion_logps(model, rollout: dict) -> torch.Tensor:
+    """Per completion token, its log-probability under `model` (the prompt left-padded, the completion after
+    it); the LM head runs only on the completion's positions. No communication."""
+    input_ids = torch.cat([rollout["prompt_ids"], rollout["completion_ids"]], dim=1)
+    mask = torch.cat([rollout["prompt_mask"], rollout["completion_mask"]], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    length = rollout["completion_ids"].shape[1]
+    logits = (
+        model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=length + 1
+        )
+        .logits[:, :-1]
+        .float()
+    )
+    return torch.take_along_dim(logits.log_softmax(-1), rollout["completion_ids"][..., None], dim=-1)[..., 0]
+
+
+def grpo_losses(logps, old_logps, ref_logps, rollout: dict, args) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(the loss of each row, its weight in the step's mean, sums for the log) of one micro-batch of rollouts:
+    the clipped ratio to the old policy times the advantage, less `beta` times the KL to the reference (k3),
+    averaged over each completion's tokens (--loss_type sequence) or kept per token (token: the weight is then
+    the row's tokens, and `global_mean_loss` divides by the step's). No communication."""
+    mask = rollout["completion_mask"].float()
+    advantages = rollout["advantages"][:, None]
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)
+    token_loss = -torch.minimum(ratio * advantages, clipped * advantages)
+    kl = torch.zeros_like(logps)
+    if ref_logps is not None:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        token_loss = token_loss + args.beta * kl
+    losses = (token_loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # each completion's mean
+    weights = rollout[LOSS_WEIGHT]  # its tokens (the step's mean over tokens), or 1 (over completions)
+    sample_weight = rollout[SAMPLE_WEIGHT]
+    was_clipped = ((ratio * advantages) > (clipped * advantages)).float() * mask
+    real = mask * sample_weight[:, None]
+    sums = {"clipped": ((was_clipped * real).sum(), real.sum()), "kl": ((kl * real).sum(), real.sum())}
+    return losses, weights, sums
+
+
+def reference_logps(accelerator: Accelerator, model, rollout: dict) -> torch.Tensor:
+    """The completion tokens' log-probs under the reference: the same model with its LoRA adapters off (never
+    a second model). No communication beyond the model's own forward pass."""
+    with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
+        return completion_logps(model, rollout)
+
+
+def finish_rollouts(rollouts: list[dict], advantages: torch.Tensor, loss_type: str) -> None:
+    """Add to each rollout micro-batch its advantages, its rows' weights in the step's loss (LOSS_WEIGHT) and
+    their tokens (for the throughput). No communication."""
+    start = 0
+    for rollout in rollouts:
+        rows, tokens = len(rollout["index"]), rollout["completion_mask"].sum(dim=1).float()
+        rollout["advantages"] = advantages[start : start + rows].to(tokens.device)
+        weight = rollout[SAMPLE_WEIGHT].to(tokens.device)
+        rollout[LOSS_WEIGHT] = tokens * weight if loss_type == "token" else weight
+        rollout[INPUT_TOKENS] = rollout["prompt_mask"].sum(dim=1) + rollout["completion_mask"].sum(dim=1)
+        start += rows
+
+
+class GenerationClock:
+    """How much of each step's time went to generation, for the log: `new_step()`, then `with clock:` around
+    generation, then `share()`. No communication."""
+
+    def new_step(self) -> None:
+        self.step_started, self.generating = time.perf_counter(), 0.0
+
+    def __enter__(self):
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.generating += time.perf_counter() - self.started
+
+    def share(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seconds generating, seconds in the step so far): a mean for `TrainingLog.step`."""
+        return torch.tensor(self.generating), torch.tensor(time.perf_counter() - self.step_started)
+
+
+def rollout_sums(rollouts: list[dict], rewards: np.ndarray, total: np.ndarray, names: list[str], group: int, device):
+    """(numerator, denominator) pairs for the log over this rank's rollouts of a step: each reward function's
+    mean and spread, the share of groups whose rewards are all equal (no signal), completion lengths, and the
+    share cut at the maximum. No communication."""
+    weight = torch.cat([r[SAMPLE_WEIGHT] for r in rollouts]).double().cpu().numpy()
+    lengths = torch.cat([r["completion_mask"].sum(dim=1) for r in rollouts]).double().cpu().numpy()
+    cut = torch.cat([r["truncated"] for r in rollouts]).double().cpu().numpy()
+    flat = total.reshape(-1, group)
+    real_groups = weight.reshape(-1, group)[:, 0]
+    sums = {
+        "no_signal_groups": ((np.ptp(flat, axis=1) == 0) * real_groups).sum(),
+        "completion_length": (lengths * weight).sum(),
+        "cut_at_max_length": (cut * weight).sum(),
+    }
+    sums.update({f"reward/{name}": (rewards[:, j] * weight).sum() for j, name in enumerate(names)})
+    counts = {"no_signal_groups": real_groups.sum()}
+    out = {key: (torch.tensor(value), torch.tensor(counts.get(key, weight.sum()))) for key, value in sums.items()}
+    for j, name in enumerate(names):  # the spread within groups, averaged over the groups
+        spread = rewards[:, j].reshape(-1, group).std(axis=1)
+        out[f"reward/{name}_std"] = (torch.tensor((spread * real_groups).sum()), torch.tensor(real_groups.sum()))
+    return {key: (num.float().to(device), den.float().to(device)) for key, (num, den) in out.items()}
+
+
+def check_grpo_args(args) -> None:
+    """The GRPO options, each checked with the fix in one line. Every rank calls it while parsing."""
+    if args.num_generations < 2:
+        raise UsageError(
+            f"--num_generations must be at least 2 (a group's samples are compared), got {args.num_generations}"
+        )
+    if args.max_completion_length < 1:
+        raise UsageError(f"--max_completion_length must be at least 1, got {args.max_completion_length}")
+    if not args.temperature > 0 or not 0 < args.top_p <= 1:
+        raise UsageError(f"--temperature must be > 0 and --top_p in (0, 1], got {args.temperature} and {args.top_p}")
+    if args.num_iterations < 1:
+        raise UsageError(f"--num_iterations must be at least 1, got {args.num_iterations}")
+    if args.beta < 0:
+        raise UsageError(f"--beta must be 0 or more, got {args.beta}")
+    if args.beta > 0 and not args.lora_r:
+        raise UsageError(
+            "--beta > 0 needs a reference model: with LoRA (--lora_r) it is the model with its adapters off; "
+            "without, a second copy of the model would double its memory, which this script does not do"
+        )

@@ -1,0 +1,270 @@
+"""scripts/train_grpo.py: the advantages and both losses against hand computations, completions sampled by
+(seed, step, prompt, sample) whatever shares their batch, reward functions' faults as one line, N processes
+and accumulation training the same model as one big batch, and an exact resume."""
+
+import json
+import math
+import os
+import random
+from argparse import Namespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from conftest import AUDIT_HOOK_DIR, FILLER, REPO, WORDS, launch, make_tiny_causal_lm
+from ddp_utils import SAMPLE_WEIGHT
+from ddp_utils.core.errors import RunFailed
+from ddp_utils.language_models.grpo import (
+    LOSS_WEIGHT,
+    PromptCollator,
+    SeededSampling,
+    finish_rollouts,
+    group_advantages,
+    grpo_losses,
+    sample_completions,
+    score_completions,
+)
+from ddp_utils.training.exact_loss import global_mean_loss
+
+TRAIN_GRPO = REPO / "scripts" / "train_grpo.py"
+
+
+@pytest.fixture(scope="module")
+def chat_lm(tmp_path_factory):
+    return make_tiny_causal_lm(tmp_path_factory.mktemp("grpo-lm"), chat_template=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    """Short reviews in the tiny vocabulary, their label the answer: what the script's demo rewards read."""
+    directory, rng = tmp_path_factory.mktemp("grpo-data"), random.Random(0)
+    files = {}
+    for split, count in (("train", 16), ("validation", 6)):
+        files[split] = directory / f"{split}.jsonl"
+        with open(files[split], "w") as handle:
+            for _ in range(count):
+                label = rng.choice(sorted(WORDS))
+                text = " ".join(rng.choices(FILLER, k=rng.randint(2, 5)) + [rng.choice(WORDS[label])])
+                handle.write(json.dumps({"prompt": text, "answer": label}) + "\n")
+    return files
+
+
+def grpo_args(model, data, output_dir, *extra):
+    return [
+        "--model_name_or_path", model, "--train_file", data["train"], "--validation_file", data["validation"],
+        "--output_dir", output_dir, "--learning_rate", 5e-2, "--warmup_ratio", 0.0, "--lora_r", 4,
+        "--num_generations", 4, "--max_completion_length", 5, "--eval_max_new_tokens", 3,
+        "--per_device_eval_batch_size", 2, "--checkpointing_steps", "no", "--report_to", "none",
+        "--logging_steps", 1, *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("scale", [True, False])
+def test_advantages_are_each_reward_against_its_own_group(scale):
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 3.0, 0.0, 1.0])
+    advantages = group_advantages(rewards, 4, scale)
+    expected = []
+    for group in rewards.view(3, 4).tolist():
+        mean, std = np.mean(group), np.std(group, ddof=1)
+        expected += [(r - mean) / (std + 1e-4) if scale else r - mean for r in group]
+    np.testing.assert_allclose(advantages.numpy(), expected, rtol=1e-6)
+    assert advantages[4:8].abs().max() == 0, "a group whose rewards are all equal gives no signal"
+
+
+def rollout(rng, rows, length, weights=None):
+    mask = torch.ones(rows, length, dtype=torch.long)
+    for i in range(rows):
+        mask[i, rng.randint(1, length) :] = 0  # completions of different lengths
+    return {
+        "index": torch.arange(rows),
+        "prompt_mask": torch.ones(rows, 3, dtype=torch.long),
+        "completion_mask": mask,
+        SAMPLE_WEIGHT: torch.tensor(weights or [1.0] * rows),
+    }
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("loss_type", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_each_loss_over_two_micro_batches_equals_its_hand_computation(loss_type, beta):
+    """The step's loss is the mean over all its completion tokens (token) or over its completions (sequence),
+    however the micro-batches split them; a filler completion (weight 0) counts for nothing; the ratio is
+    clipped at 1 - epsilon and 1 + epsilon_high, and beta adds the k3 estimate of the KL to the reference."""
+    rng, generator = random.Random(1), torch.Generator().manual_seed(1)
+    args = Namespace(epsilon=0.2, epsilon_high=0.28, beta=beta, loss_type=loss_type)
+    rollouts = [rollout(rng, 4, 6), rollout(rng, 4, 6, weights=[1.0, 1.0, 0.0, 0.0])]
+    advantages = torch.randn(8, generator=generator)
+    finish_rollouts(rollouts, advantages, loss_type)
+    step_weight = sum(r[LOSS_WEIGHT].sum() for r in rollouts)
+    accelerator = Namespace(num_processes=1, gradient_accumulation_steps=1)
+    total, hand_terms = 0.0, []
+    for r in rollouts:
+        logps = torch.randn(4, 6, generator=generator) * 0.3 - 2
+        old = logps + torch.randn(4, 6, generator=generator) * 0.3  # ratios spread past both clips
+        ref = logps + torch.randn(4, 6, generator=generator) * 0.5 if beta else None
+        losses, weights, _ = grpo_losses(logps, old, ref, r, args)
+        total += global_mean_loss(losses, weights, step_weight, accelerator).item()
+        for i in range(4):
+            if r[SAMPLE_WEIGHT][i] == 0:
+                continue
+            terms = []
+            for t in range(int(r["completion_mask"][i].sum())):
+                ratio, a = math.exp(logps[i, t] - old[i, t]), r["advantages"][i].item()
+                term = -min(ratio * a, min(max(ratio, 0.8), 1.28) * a)
+                if beta:
+                    d = (ref[i, t] - logps[i, t]).item()
+                    term += beta * (math.exp(d) - d - 1)
+                terms.append(term)
+            hand_terms.append(terms)
+    if loss_type == "token":
+        expected = sum(map(sum, hand_terms)) / sum(map(len, hand_terms))
+    else:
+        expected = np.mean([np.mean(terms) for terms in hand_terms])
+    assert total == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.fast
+def test_top_p_samples_only_the_nucleus_and_in_its_proportions():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    counts = np.zeros(4)
+    for seed in range(4000):
+        counts[int(SeededSampling([seed], 1.0, 0.7)(None, logits).argmax())] += 1
+    assert counts[2:].sum() == 0, "tokens past the top 70% of the mass are never drawn"
+    np.testing.assert_allclose(counts[:2] / counts.sum(), [0.5 / 0.8, 0.3 / 0.8], atol=0.03)
+    counts = np.zeros(4)
+    for seed in range(4000):
+        counts[int(SeededSampling([seed], 1.0, 1.0)(None, logits).argmax())] += 1
+    np.testing.assert_allclose(counts / counts.sum(), [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+@pytest.mark.fast
+def test_a_prompts_samples_depend_on_the_seed_step_and_prompt_alone_not_on_its_batch(chat_lm):
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.language_models.causal_lm import load_tokenizer
+
+    accelerator = Accelerator(cpu=True)
+    tokenizer = load_tokenizer(str(chat_lm))
+    model = AutoModelForCausalLM.from_pretrained(chat_lm)
+    texts = {3: "the movie was good", 7: "a film is not bad really", 9: "okay"}
+    rows = {i: {"input_ids": tokenizer(t)["input_ids"], "index": i} for i, t in texts.items()}
+    collate = PromptCollator(tokenizer.pad_token_id)
+    args = Namespace(num_generations=4, max_completion_length=6, seed=5, temperature=1.0, top_p=1.0)
+
+    def samples(indices, step=0):
+        out = sample_completions(accelerator, model, collate([rows[i] for i in indices]), tokenizer, args, step)
+        ids = out["completion_ids"].masked_fill(out["completion_mask"] == 0, -1)
+        return {i: ids[k * 4 : (k + 1) * 4].tolist() for k, i in enumerate(indices)}
+
+    alone = samples([7])[7]
+    assert samples([3, 7, 9])[7] == alone and samples([9, 7])[7] == alone, "the batch changed a prompt's samples"
+    assert len({tuple(s) for s in alone}) > 1, "a group's samples differ from each other"
+    assert samples([7], step=1)[7] != alone, "each step samples anew"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "reward, expected",
+    [
+        (lambda c, r: [r_["missing"] for r_ in r], "reward function <lambda> raised KeyError: 'missing'"),
+        (lambda c, r: [1.0], "reward function <lambda> returned 1 values for 3 completions"),
+        (lambda c, r: [1.0, float("nan"), 0.0], "reward function <lambda> returned nan for the completion 'b'"),
+        (lambda c, r: ["x", "y", "z"], "reward function <lambda> returned values that are not numbers"),
+    ],
+)
+def test_a_reward_functions_fault_ends_the_run_in_one_line_naming_it(reward, expected):
+    from accelerate import Accelerator
+
+    with pytest.raises(RunFailed) as failed:
+        score_completions(Accelerator(cpu=True), {reward: 1.0}, ["a", "b", "c"], [{"index": i} for i in range(3)])
+    assert expected in str(failed.value) and "\n" not in str(failed.value), str(failed.value)
+
+
+@pytest.mark.fast
+def test_rewards_are_weighted_and_summed():
+    from accelerate import Accelerator
+
+    def length(completions, records):
+        return [len(c) for c in completions]
+
+    def first(completions, records):
+        return [float(r["first"]) for r in records]
+
+    values, total = score_completions(
+        Accelerator(cpu=True), {length: 0.5, first: 2.0}, ["ab", "c"], [{"first": 1}, {"first": 0}]
+    )
+    np.testing.assert_array_equal(values, [[2, 1], [1, 0]])
+    np.testing.assert_array_equal(total, [3.0, 0.5])
+
+
+LAYOUTS = {
+    "one_process_batch_2B": (1, ["--per_device_train_batch_size", 4]),
+    "two_processes_batch_B": (2, ["--per_device_train_batch_size", 2]),
+    "one_process_batch_B_accumulating_2": (1, ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]),
+}
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(chat_lm, prompts, tmp_path_factory):
+    base, runs = tmp_path_factory.mktemp("grpo-runs"), {}
+    for name, (num_processes, extra) in LAYOUTS.items():
+        output_dir = base / name
+        result = launch(TRAIN_GRPO, *grpo_args(chat_lm, prompts, output_dir, *extra), num_processes=num_processes)
+        assert result.returncode == 0, result.output[-4000:]
+        log = [json.loads(line) for line in (output_dir / "train_log.jsonl").read_text().splitlines()]
+        runs[name] = {"dir": output_dir, "log": [r for r in log if "train/loss" in r]}
+        runs[name]["metrics"] = json.loads((output_dir / "metrics.json").read_text())
+    return runs
+
+
+def test_two_processes_and_accumulation_sample_and_train_the_same_model_as_one_big_batch(grpo_runs):
+    """With the defaults users run (LoRA dropout 0.05 included): every layout samples the same completions
+    (the same rewards and lengths at every step); 2 processes and 1 with accumulation, whose per-device batch
+    is the same and so draw the same dropout masks, end with the same adapter weights."""
+    reference = grpo_runs["one_process_batch_B_accumulating_2"]
+    sampled = ["train/reward/right_word", "train/reward/short_answer", "train/completion_length"]
+    assert any(step["train/no_signal_groups"] < 1 for step in reference["log"]), "no group ever had a signal"
+    for name in ("two_processes_batch_B", "one_process_batch_2B"):
+        run = grpo_runs[name]
+        assert len(run["log"]) == len(reference["log"]) == 4
+        for ours, theirs in zip(run["log"], reference["log"]):
+            for key in sampled:
+                assert ours[key] == pytest.approx(theirs[key], abs=1e-9), f"{name}, step {ours['step']}: {key}"
+        assert run["metrics"]["optimizer_steps"] == 4 and run["metrics"]["train_prompts_seen"] == 16
+    weights = load_file(str(reference["dir"] / "adapter_model.safetensors"))
+    initial_b = [k for k in weights if "lora_B" in k]
+    assert all(np.abs(weights[k]).max() > 0 for k in initial_b), "LoRA's B starts at zero: training moved it"
+    other = load_file(str(grpo_runs["two_processes_batch_B"]["dir"] / "adapter_model.safetensors"))
+    for key in weights:
+        np.testing.assert_allclose(other[key], weights[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_a_run_preempted_mid_epoch_resumes_bit_for_bit(grpo_runs, chat_lm, prompts, tmp_path):
+    output_dir = tmp_path / "run"
+    args = grpo_args(chat_lm, prompts, output_dir, *LAYOUTS["two_processes_batch_B"][1])
+    args[args.index("--checkpointing_steps") + 1] = 1
+    hooks = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}
+    # SIGTERM while the checkpoint of step 1 is written: the ranks save after step 2 and exit.
+    stopped = launch(TRAIN_GRPO, *args, num_processes=2, env={**hooks, "SIGTERM_ON_WRITE": ".tmp-checkpoint-1/"})
+    assert stopped.returncode != 0 and "checkpoint-2" in os.listdir(output_dir), stopped.output[-3000:]
+    resumed = launch(TRAIN_GRPO, *args, "--resume_from_checkpoint", "latest", num_processes=2)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    reference = load_file(str(grpo_runs["two_processes_batch_B"]["dir"] / "adapter_model.safetensors"))
+    ours = load_file(str(output_dir / "adapter_model.safetensors"))
+    assert [k for k in reference if not np.array_equal(ours[k], reference[k])] == [], "not bit for bit"
+
+
+def test_records_without_what_a_reward_reads_end_the_run_on_every_rank_in_one_line(chat_lm, prompts, tmp_path):
+    data = tmp_path / "no_answer.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"the film was good {i}"}) + "\n" for i in range(8)))
+    args = grpo_args(chat_lm, {"train": data, "validation": data}, tmp_path / "o", "--max_train_steps", 1)
+    result = launch(TRAIN_GRPO, *args, num_processes=2)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: reward function right_word raised KeyError: 'answer'" in result.output, (
+            result.output[-3000:]
+        )
