@@ -30,13 +30,13 @@ from ddp_utils.language_models.generation import (
     normalize_answer,
     score_by_generation,
 )
+from ddp_utils.language_models.group_scoring import completion_logps
 from ddp_utils.language_models.grpo import (
     LOSS_TYPES,
     LOSS_WEIGHT,
     GenerationClock,
     PromptCollator,
     check_grpo_args,
-    completion_logps,
     decode_completions,
     finish_rollouts,
     group_advantages,
@@ -47,6 +47,7 @@ from ddp_utils.language_models.grpo import (
     score_completions,
     tokenize_prompts,
 )
+from ddp_utils.language_models.pair_scoring import choose_pair_layout
 
 logger = get_logger(__name__)
 
@@ -164,6 +165,9 @@ def main():
 
     tokenized, tokenizer, config, raw = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
     model = ddp_utils.load_causal_lm(args, config, tokenizer)  # every rank at once (a collective under ZeRO-3)
+    # All ranks: one row per prompt, its G completions after it, where that scores each as if alone; else a row each.
+    block = (args.max_prompt_length + args.num_generations * args.max_completion_length) // 2 + 1
+    layout = choose_pair_layout(accelerator, model, block)
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates; LoRA's base stays
     train_dataloader = ddp_utils.make_train_dataloader(
         tokenized["train"], args, accelerator, PromptCollator(tokenizer.pad_token_id), length_column="length"
@@ -200,7 +204,7 @@ def main():
         records = [raw["train"][int(i)] for r in rollouts for i in r["index"]]
         values, rewards = score_completions(accelerator, REWARDS, decode_completions(tokenizer, rollouts), records)
         advantages = group_advantages(torch.tensor(rewards).float(), args.num_generations, args.scale_rewards)
-        finish_rollouts(rollouts, advantages, args.loss_type)
+        finish_rollouts(rollouts, advantages, args, layout, tokenizer.pad_token_id)  # loss weights; rows per prompt
         sums = rollout_sums(rollouts, values, rewards, names, args.num_generations, accelerator.device)
         return rollouts, sums
 
@@ -208,9 +212,9 @@ def main():
         loss_sum = torch.zeros((), device=accelerator.device)
         for k, rollout in enumerate(rollouts):
             with accelerator.accumulate(model):  # DDP syncs the gradients on the last micro-batch only
-                logps = completion_logps(model, rollout)
+                logps = completion_logps(model, rollout, layout)
                 old_logps = old[k] if old is not None else logps.detach()  # one iteration: the ratio is 1
-                ref_logps = reference_logps(accelerator, model, rollout) if args.beta > 0 else None
+                ref_logps = reference_logps(accelerator, model, rollout, layout) if args.beta > 0 else None
                 losses, weights, parts = grpo_losses(logps, old_logps, ref_logps, rollout, args)
                 # The mean over the step's completion tokens (or completions) on all ranks, not this micro-batch's.
                 accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
@@ -237,7 +241,7 @@ def main():
             old = None
             if args.num_iterations > 1:  # the samples' log-probs before this batch's first update
                 with torch.no_grad():
-                    old = [completion_logps(model, rollout) for rollout in rollouts]
+                    old = [completion_logps(model, rollout, layout) for rollout in rollouts]
             for iteration in range(args.num_iterations):
                 loss_sum = forward_backward(micro_batches.with_batches(rollouts, iteration), step_size, old, sums)
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # all ranks
@@ -261,7 +265,7 @@ def main():
     log.close()
     # The model (or with LoRA the adapter, and with --merge_lora also merged/) as safetensors, with the tokenizer.
     ddp_utils.save_with_merged(accelerator, model, args, tokenizer)  # all ranks
-    facts = {"rewards": {name: weight for name, weight in zip(names, REWARDS.values())}, **checkpointer.facts()}
+    facts = {"rewards": dict(zip(names, REWARDS.values())), "group_layout": layout, **checkpointer.facts()}
     ddp_utils.write_results(accelerator, args, plan, {**scores, **zero_shot}, facts, confusion=confusion)  # all ranks
     accelerator.end_training()
 

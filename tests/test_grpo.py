@@ -26,6 +26,7 @@ from ddp_utils.language_models.grpo import (
     sample_completions,
     score_completions,
 )
+from ddp_utils.language_models.pair_scoring import TWO_ROWS
 from ddp_utils.training.exact_loss import global_mean_loss
 
 TRAIN_GRPO = REPO / "scripts" / "train_grpo.py"
@@ -94,10 +95,10 @@ def test_each_loss_over_two_micro_batches_equals_its_hand_computation(loss_type,
     however the micro-batches split them; a filler completion (weight 0) counts for nothing; the ratio is
     clipped at 1 - epsilon and 1 + epsilon_high, and beta adds the k3 estimate of the KL to the reference."""
     rng, generator = random.Random(1), torch.Generator().manual_seed(1)
-    args = Namespace(epsilon=0.2, epsilon_high=0.28, beta=beta, loss_type=loss_type)
+    args = Namespace(epsilon=0.2, epsilon_high=0.28, beta=beta, loss_type=loss_type, num_generations=4)
     rollouts = [rollout(rng, 4, 6), rollout(rng, 4, 6, weights=[1.0, 1.0, 0.0, 0.0])]
     advantages = torch.randn(8, generator=generator)
-    finish_rollouts(rollouts, advantages, loss_type)
+    finish_rollouts(rollouts, advantages, args, TWO_ROWS, pad_token_id=0)
     step_weight = sum(r[LOSS_WEIGHT].sum() for r in rollouts)
     accelerator = Namespace(num_processes=1, gradient_accumulation_steps=1)
     total, hand_terms = 0.0, []
@@ -268,3 +269,38 @@ def test_records_without_what_a_reward_reads_end_the_run_on_every_rank_in_one_li
         assert f"[rank {rank}] error: reward function right_word raised KeyError: 'answer'" in result.output, (
             result.output[-3000:]
         )
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_one_row_per_prompt_scores_each_completion_as_a_row_of_its_own_does(chat_lm, attention):
+    """[prompt, completion 1, ..., completion G] with its 4D mask and positions gives every completion token the
+    log-prob that [prompt, completion] alone gives: completions of different lengths, prompts of two lengths."""
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.language_models.group_scoring import completion_logps, one_row_per_prompt
+
+    model = AutoModelForCausalLM.from_pretrained(chat_lm, attn_implementation=attention).eval()
+    generator, group, width = torch.Generator().manual_seed(3), 3, 5
+    prompts = [[1, 10, 11, 12, 13], [1, 14, 15]]
+    prompt_ids = torch.zeros(2, 5, dtype=torch.long)
+    prompt_mask = torch.zeros(2, 5, dtype=torch.long)
+    for p, ids in enumerate(prompts):  # left-padded, as generation gives them
+        prompt_ids[p, 5 - len(ids) :], prompt_mask[p, 5 - len(ids) :] = torch.tensor(ids), 1
+    completion_ids = torch.randint(5, 40, (2 * group, width), generator=generator)
+    completion_mask = torch.zeros(2 * group, width, dtype=torch.long)
+    for row, length in enumerate([5, 2, 1, 3, 5, 4]):
+        completion_mask[row, :length] = 1
+    rollout = {
+        "prompt_ids": prompt_ids.repeat_interleave(group, dim=0),
+        "prompt_mask": prompt_mask.repeat_interleave(group, dim=0),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
+    rollout["rows"] = one_row_per_prompt(rollout, group, pad_token_id=0)
+    assert rollout["rows"]["input_ids"].shape == (2, max(5 + 5 + 2 + 1, 3 + 3 + 5 + 4)), "each prompt once"
+    with torch.no_grad():
+        one_row = completion_logps(model, rollout)
+        own_rows = completion_logps(model, rollout, TWO_ROWS)
+    torch.testing.assert_close(one_row, own_rows, atol=1e-5, rtol=0)
+    assert (one_row[completion_mask.bool()] < 0).all() and (one_row[~completion_mask.bool()] == 0).all()

@@ -25,6 +25,8 @@ from ..data.dataloaders import SAMPLE_WEIGHT
 from ..training.exact_loss import INPUT_TOKENS
 from .chat import render
 from .generation import only_this_config, stop_token_ids
+from .group_scoring import completion_logps, one_row_per_prompt
+from .pair_scoring import ONE_ROW
 
 LOSS_TYPES = ("token", "sequence")  # DAPO's and TRL's default: a mean over tokens; the original GRPO's: over answers
 LOSS_WEIGHT = "loss_weight"  # per rollout row: its completion tokens (token loss), or 1 (sequence loss); 0 for fillers
@@ -223,23 +225,6 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: bool) -> torch.Te
     return advantages.reshape(-1)
 
 
-def completion_logps(model, rollout: dict) -> torch.Tensor:
-    """Per completion token, its log-probability under `model` (the prompt left-padded, the completion after
-    it); the LM head runs only on the completion's positions. No communication."""
-    input_ids = torch.cat([rollout["prompt_ids"], rollout["completion_ids"]], dim=1)
-    mask = torch.cat([rollout["prompt_mask"], rollout["completion_mask"]], dim=1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    length = rollout["completion_ids"].shape[1]
-    logits = (
-        model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=length + 1
-        )
-        .logits[:, :-1]
-        .float()
-    )
-    return torch.take_along_dim(logits.log_softmax(-1), rollout["completion_ids"][..., None], dim=-1)[..., 0]
-
-
 def grpo_losses(logps, old_logps, ref_logps, rollout: dict, args) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(the loss of each row, its weight in the step's mean, sums for the log) of one micro-batch of rollouts:
     the clipped ratio to the old policy times the advantage, less `beta` times the KL to the reference (k3),
@@ -263,23 +248,28 @@ def grpo_losses(logps, old_logps, ref_logps, rollout: dict, args) -> tuple[torch
     return losses, weights, sums
 
 
-def reference_logps(accelerator: Accelerator, model, rollout: dict) -> torch.Tensor:
+def reference_logps(accelerator: Accelerator, model, rollout: dict, layout: str) -> torch.Tensor:
     """The completion tokens' log-probs under the reference: the same model with its LoRA adapters off (never
     a second model). No communication beyond the model's own forward pass."""
     with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
-        return completion_logps(model, rollout)
+        return completion_logps(model, rollout, layout)
 
 
-def finish_rollouts(rollouts: list[dict], advantages: torch.Tensor, loss_type: str) -> None:
-    """Add to each rollout micro-batch its advantages, its rows' weights in the step's loss (LOSS_WEIGHT) and
-    their tokens (for the throughput). No communication."""
+def finish_rollouts(rollouts: list[dict], advantages: torch.Tensor, args, layout: str, pad_token_id: int) -> None:
+    """Add to each rollout micro-batch its advantages, its rows' weights in the step's loss (LOSS_WEIGHT), their
+    tokens (for the throughput), and in the one-row layout its rows [prompt, completion 1, ..., completion G]
+    (`group_scoring`). No communication."""
     start = 0
     for rollout in rollouts:
         rows, tokens = len(rollout["index"]), rollout["completion_mask"].sum(dim=1).float()
         rollout["advantages"] = advantages[start : start + rows].to(tokens.device)
         weight = rollout[SAMPLE_WEIGHT].to(tokens.device)
-        rollout[LOSS_WEIGHT] = tokens * weight if loss_type == "token" else weight
-        rollout[INPUT_TOKENS] = rollout["prompt_mask"].sum(dim=1) + rollout["completion_mask"].sum(dim=1)
+        rollout[LOSS_WEIGHT] = tokens * weight if args.loss_type == "token" else weight
+        prompt_tokens = rollout["prompt_mask"].sum(dim=1).float()
+        # The tokens the model reads: in one row per prompt, each completion carries a G-th of its prompt.
+        rollout[INPUT_TOKENS] = tokens + (prompt_tokens / args.num_generations if layout == ONE_ROW else prompt_tokens)
+        if layout == ONE_ROW:
+            rollout["rows"] = one_row_per_prompt(rollout, args.num_generations, pad_token_id)
         start += rows
 
 

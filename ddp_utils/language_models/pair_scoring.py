@@ -169,7 +169,7 @@ def choose_pair_layout(accelerator: Accelerator, model, block_size: int) -> str:
         logger.warning(reason)
     elif layout == TWO_ROWS:
         model_type = getattr(_text_config(model), "model_type", type(model).__name__)
-        logger.info(f"{model_type}: {reason}; each pair is scored as two rows, its prompt computed twice")
+        logger.info(f"{model_type}: {reason}; each answer gets a row of its own, its prompt computed again for each")
     return layout
 
 
