@@ -186,7 +186,7 @@ def main():
     )
     if generate_prompts is not None:
         generate_dataloader = accelerator.prepare(generate_dataloader)
-    checkpointer, log, backoff = ddp_utils.start_training(accelerator, args, model, optimizer, plan)  # all ranks
+    checkpointer, log, _ = ddp_utils.start_training(accelerator, args, model, optimizer, plan)  # all ranks
     names = [function.__name__ for function in REWARDS]
     clock = GenerationClock()
 

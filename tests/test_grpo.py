@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import AUDIT_HOOK_DIR, FILLER, REPO, WORDS, launch, make_tiny_causal_lm
+from conftest import AUDIT_HOOK_DIR, FILLER, REPO, WORDS, launch, make_tiny_causal_lm, refused_in_process
 from ddp_utils import SAMPLE_WEIGHT
 from ddp_utils.core.errors import RunFailed
 from ddp_utils.language_models.grpo import (
@@ -236,6 +236,8 @@ def test_two_processes_and_accumulation_sample_and_train_the_same_model_as_one_b
             for key in sampled:
                 assert ours[key] == pytest.approx(theirs[key], abs=1e-9), f"{name}, step {ours['step']}: {key}"
         assert run["metrics"]["optimizer_steps"] == 4 and run["metrics"]["train_prompts_seen"] == 16
+    card = (reference["dir"] / "README.md").read_text()  # the model card names the rewards and the sampling
+    assert "Rewards (GRPO): `right_word` x 1, `short_answer` x 0.5." in card and "| `num_generations` | 4 |" in card
     weights = load_file(str(reference["dir"] / "adapter_model.safetensors"))
     initial_b = [k for k in weights if "lora_B" in k]
     assert all(np.abs(weights[k]).max() > 0 for k in initial_b), "LoRA's B starts at zero: training moved it"
@@ -304,3 +306,20 @@ def test_one_row_per_prompt_scores_each_completion_as_a_row_of_its_own_does(chat
         own_rows = completion_logps(model, rollout, TWO_ROWS)
     torch.testing.assert_close(one_row, own_rows, atol=1e-5, rtol=0)
     assert (one_row[completion_mask.bool()] < 0).all() and (one_row[~completion_mask.bool()] == 0).all()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--num_generations", 1], "--num_generations must be at least 2"),
+        (["--beta", 0.04], "--beta > 0 needs a reference model: with LoRA (--lora_r)"),
+        (["--oom_backoff"], "--oom_backoff does not split GRPO's steps yet"),
+        (["--top_p", 0], "--temperature must be > 0 and --top_p in (0, 1]"),
+    ],
+)
+def test_options_that_cannot_train_are_refused_with_the_fix(chat_lm, prompts, tmp_path, extra, expected):
+    args = grpo_args(chat_lm, prompts, tmp_path / "o", *extra)
+    if "--beta" in extra:
+        args[args.index("--lora_r") + 1] = 0
+    refused_in_process("train_grpo", args, expected)

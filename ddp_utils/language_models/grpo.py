@@ -329,6 +329,8 @@ def check_grpo_args(args) -> None:
         raise UsageError(f"--num_iterations must be at least 1, got {args.num_iterations}")
     if args.beta < 0:
         raise UsageError(f"--beta must be 0 or more, got {args.beta}")
+    if getattr(args, "oom_backoff", False):
+        raise UsageError("--oom_backoff does not split GRPO's steps yet; lower --per_device_train_batch_size instead")
     if args.beta > 0 and not args.lora_r:
         raise UsageError(
             "--beta > 0 needs a reference model: with LoRA (--lora_r) it is the model with its adapters off; "

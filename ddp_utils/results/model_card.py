@@ -40,6 +40,13 @@ _HYPER_PARAMETERS = (
     "loss_type",
     "beta",
     "sft_weight",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "epsilon",
+    "epsilon_high",
+    "num_iterations",
 )
 
 
@@ -122,6 +129,11 @@ def write_model_card(args, metrics: dict) -> str:
         f"{metrics.get('optimizer_steps', 0)} optimizer steps, {metrics.get('epochs_trained', 0):g} epoch(s).",
         f"- Hardware: {metrics.get('world_size', '?')} process(es), {metrics.get('distributed_type', '?')}, mixed "
         f"precision {metrics.get('mixed_precision', '?')}; {metrics.get('train_runtime_s', 0):.0f} s of training.",
+        *(
+            [f"- Rewards (GRPO): {', '.join(f'`{name}` x {weight:g}' for name, weight in metrics['rewards'].items())}."]
+            if isinstance(metrics.get("rewards"), dict)
+            else []
+        ),
         "",
         "| hyper-parameter | value |",
         "|---|---|",
