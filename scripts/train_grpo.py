@@ -15,6 +15,7 @@ rewards in the DATA section.
 """
 
 import argparse
+import dataclasses
 import math
 
 import datasets
@@ -213,10 +214,13 @@ def main():
         loss_sum = torch.zeros((), device=accelerator.device)
         for k, rollout in enumerate(rollouts):
             with accelerator.accumulate(model):  # DDP syncs the gradients on the last micro-batch only
-                logps = completion_logps(model, rollout, layout)
-                old_logps = old[k] if old is not None else logps.detach()  # one iteration: the ratio is 1
-                ref_logps = reference_logps(accelerator, model, rollout, layout) if args.beta > 0 else None
-                losses, weights, parts = grpo_losses(logps, old_logps, ref_logps, rollout, args)
+                logps = completion_logps(model, rollout, layout, args.temperature)
+                if len(old) == k:  # the first pass over these samples: the policy they were sampled from
+                    old.append(logps.detach())
+                ref_logps = None
+                if args.beta:  # the KL's reference: the same model with its adapters off
+                    ref_logps = reference_logps(accelerator, model, rollout, layout, args.temperature)
+                losses, weights, parts = grpo_losses(logps, old[k], ref_logps, rollout, args)
                 # The mean over the step's completion tokens (or completions) on all ranks, not this micro-batch's.
                 accelerator.backward(ddp_utils.global_mean_loss(losses, weights, step_size.weight, accelerator))
                 loss_sum += (losses.detach() * weights).sum()
@@ -239,20 +243,22 @@ def main():
             prompts = ddp_utils.count_step(accelerator, micro_batches)  # all ranks: the step's prompts
             rollouts, sums = generate_and_score(micro_batches)  # all ranks: generate, score, advantages
             step_size = ddp_utils.count_step(accelerator, rollouts, weight_key=LOSS_WEIGHT)  # all ranks
-            old = None
-            if args.num_iterations > 1:  # the samples' log-probs before this batch's first update
-                with torch.no_grad():
-                    old = [completion_logps(model, rollout, layout) for rollout in rollouts]
+            old, loss_sum = [], 0.0  # --num_iterations: each pass's ratio is to the log-probs of the first
             for iteration in range(args.num_iterations):
-                loss_sum = forward_backward(micro_batches.with_batches(rollouts, iteration), step_size, old, sums)
+                rollout_batches = micro_batches.with_batches(rollouts, iteration)  # dropout seeded per micro-batch
+                loss_sum += forward_backward(rollout_batches, step_size, old, sums) / args.num_iterations
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # all ranks
                 optimizer.step()
                 optimizer.zero_grad()
                 learning_rate = lr_scheduler.get_last_lr()[0]  # the rate this step used
                 lr_scheduler.step()
-            plan.advance(prompts)  # count the step; no communication
+            plan.advance(dataclasses.replace(prompts, tokens=step_size.tokens))  # count the step; no communication
             sums["generation_share"] = clock.share()
+            loss_sum = loss_sum * prompts.weight / step_size.weight  # the log divides by the prompts
             log.step(plan, loss_sum, grad_norm, learning_rate, means=sums)  # all ranks: every --logging_steps a record
+            if plan.evaluation_due():  # every --eval_steps: greedy answers to the held-out prompts
+                scores, confusion = evaluate("predictions")  # all ranks
+                log.evaluation(plan, scores)
             checkpointer.step(plan)  # all ranks: stops for a preemption signal, saves when due
             if plan.done:
                 break

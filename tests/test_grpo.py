@@ -323,3 +323,30 @@ def test_options_that_cannot_train_are_refused_with_the_fix(chat_lm, prompts, tm
     if "--beta" in extra:
         args[args.index("--lora_r") + 1] = 0
     refused_in_process("train_grpo", args, expected)
+
+
+@pytest.mark.fast
+def test_sampling_at_a_tiny_temperature_is_plain_greedy_generation_without_the_shared_cache(chat_lm):
+    """The prompt's cache computed once and copied to its samples, and the positions of left-padded prompts,
+    give what transformers' own greedy generation gives on the whole prompts."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.language_models.causal_lm import load_tokenizer
+
+    accelerator, tokenizer = Accelerator(cpu=True), load_tokenizer(str(chat_lm))
+    model = AutoModelForCausalLM.from_pretrained(chat_lm).eval()
+    texts = ["the movie was good", "a film is not bad really quite", "okay"]
+    batch = PromptCollator(tokenizer.pad_token_id)(
+        [{"input_ids": tokenizer(t)["input_ids"], "index": i} for i, t in enumerate(texts)]
+    )
+    args = Namespace(num_generations=2, max_completion_length=6, seed=0, temperature=1e-4, top_p=1.0)
+    sampled = sample_completions(accelerator, model, batch, tokenizer, args, step=0)
+    with torch.no_grad():
+        greedy = model.generate(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False, max_new_tokens=6,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )[:, batch["input_ids"].shape[1] :]  # fmt: skip
+    for row in range(len(texts) * 2):
+        length = int(sampled["completion_mask"][row].sum())
+        assert sampled["completion_ids"][row, :length].tolist() == greedy[row // 2, :length].tolist(), row

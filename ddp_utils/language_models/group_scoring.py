@@ -19,20 +19,41 @@ import torch
 from .pair_scoring import ONE_ROW, masks_for
 
 
-def completion_logps(model, rollout: dict, layout: str = ONE_ROW) -> torch.Tensor:
+def completion_logps(model, rollout: dict, layout: str = ONE_ROW, temperature: float = 1.0) -> torch.Tensor:
     """Per completion token of `rollout` (rows grouped by prompt, from `grpo.sample_completions`), its
-    log-probability under `model`: (completions, completion length), 0 past each completion's end."""
+    log-probability under `model` at the sampling `temperature` (the policy the samples came from):
+    (completions, completion length), 0 past each completion's end."""
     if layout == ONE_ROW:
-        return _one_row_logps(model, rollout)
-    input_ids = torch.cat([rollout["prompt_ids"], rollout["completion_ids"]], dim=1)
-    mask = torch.cat([rollout["prompt_mask"], rollout["completion_mask"]], dim=1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    length = rollout["completion_ids"].shape[1]
-    logits = model(
-        input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=length + 1
-    ).logits[:, :-1]
-    logps = torch.take_along_dim(logits.float().log_softmax(-1), rollout["completion_ids"][..., None], dim=-1)
-    return logps[..., 0] * rollout["completion_mask"]
+        rows = rollout["rows"]  # from one_row_per_prompt, built once per rollout
+        logits = model(
+            input_ids=rows["input_ids"],
+            attention_mask=masks_for(model, rows["attention_mask"], rows["position_ids"]),
+            position_ids=rows["position_ids"],
+            use_cache=False,
+            logits_to_keep=rows["keep"],
+        ).logits  # (positions kept, vocab)
+        places = rows["source"]  # each completion token's predicting position among the kept ones
+    else:
+        input_ids = torch.cat([rollout["prompt_ids"], rollout["completion_ids"]], dim=1)
+        mask = torch.cat([rollout["prompt_mask"], rollout["completion_mask"]], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        rows, width = len(input_ids), rollout["completion_ids"].shape[1]
+        logits = (
+            model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=width + 1,
+            )
+            .logits[:, :-1]
+            .reshape(rows * width, -1)
+        )
+        places = torch.arange(rows * width, device=logits.device).view(rows, width)
+    logits = logits.float() / temperature
+    # The token's logit less the log-normaliser: never a (tokens, vocab) copy of the log-softmax.
+    logps = logits[places, rollout["completion_ids"]] - logits.logsumexp(dim=-1)[places]
+    return logps * rollout["completion_mask"]
 
 
 def one_row_per_prompt(rollout: dict, group: int, pad_token_id: int) -> dict:
@@ -78,17 +99,3 @@ def one_row_per_prompt(rollout: dict, group: int, pad_token_id: int) -> dict:
         "keep": keep.view(prompts, length),
         "source": source,
     }
-
-
-def _one_row_logps(model, rollout: dict) -> torch.Tensor:
-    rows = rollout["rows"]  # from one_row_per_prompt, built once per rollout
-    logits = model(
-        input_ids=rows["input_ids"],
-        attention_mask=masks_for(model, rows["attention_mask"], rows["position_ids"]),
-        position_ids=rows["position_ids"],
-        use_cache=False,
-        logits_to_keep=rows["keep"],
-    ).logits  # (positions kept, vocab)
-    logps = logits.float().log_softmax(-1)[rows["source"]]  # (completions, completion length, vocab)
-    logps = torch.take_along_dim(logps, rollout["completion_ids"][..., None], dim=-1)[..., 0]
-    return logps * rollout["completion_mask"]

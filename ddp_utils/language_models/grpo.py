@@ -9,7 +9,6 @@ same prompts, whatever else shares their batch; transformers' sampling draws fro
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import time
@@ -132,7 +131,6 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     stops = stop_token_ids(tokenizer, generator.generation_config)
     config = GenerationConfig(
         max_new_tokens=args.max_completion_length,
-        min_new_tokens=args.max_completion_length if is_sharded(accelerator) else 0,  # sharded: the same steps
         do_sample=False,  # the sampling is SeededSampling's
         eos_token_id=stops,
         pad_token_id=tokenizer.pad_token_id,
@@ -159,7 +157,7 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
             output = generator.generate(
                 input_ids=prompts.repeat_interleave(group, dim=0),
                 attention_mask=mask.repeat_interleave(group, dim=0),
-                past_key_values=copy.copy(cache),
+                past_key_values=cache,
                 generation_config=config,
                 logits_processor=[SeededSampling(seeds, args.temperature, args.top_p)],
                 synced_gpus=accelerator.num_processes > 1 and is_sharded(accelerator),
@@ -248,11 +246,11 @@ def grpo_losses(logps, old_logps, ref_logps, rollout: dict, args) -> tuple[torch
     return losses, weights, sums
 
 
-def reference_logps(accelerator: Accelerator, model, rollout: dict, layout: str) -> torch.Tensor:
+def reference_logps(accelerator: Accelerator, model, rollout: dict, layout: str, temperature: float) -> torch.Tensor:
     """The completion tokens' log-probs under the reference: the same model with its LoRA adapters off (never
     a second model). No communication beyond the model's own forward pass."""
     with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
-        return completion_logps(model, rollout, layout)
+        return completion_logps(model, rollout, layout, temperature)
 
 
 def finish_rollouts(rollouts: list[dict], advantages: torch.Tensor, args, layout: str, pad_token_id: int) -> None:

@@ -157,6 +157,8 @@ def one_row_is_exact(model) -> bool | None:
     # on an AMD EPYC): the same two rows padded to the one row's length measure it, and the tolerance allows twice
     # that. The leaks measured on hybrid models were 2e-5 and up per answer.
     noise = max((padded.chosen[:1] - two.chosen).abs().item(), (padded.rejected[:1] - two.rejected).abs().item())
+    if not low_precision and noise > 1e-3:  # scores that move with the batch's padding: no layout is trusted as exact
+        return False
     tolerance = (2e-2 if low_precision else 1e-5) + 2 * noise
     return bool(
         torch.allclose(one.chosen, two.chosen, atol=tolerance, rtol=0)
