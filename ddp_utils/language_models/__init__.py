@@ -8,6 +8,7 @@
 - dpo.py              the DPO, IPO and SimPO losses; the reference without a second model; preference evaluation
 - generation.py       answers by greedy generation, scored; the shared prompt prefix computed once
 - grpo.py             GRPO: completions sampled by (seed, step, prompt), rewards, advantages, the clipped loss
+- group_scoring.py    a group's completions scored in one pass: one row per prompt, or a row per completion
 - lora.py             LoRA set-up, --lora_last_layers, the model saved with merged/
 - gguf.py             GGUF checkpoints dequantized once into a cache
 
