@@ -588,7 +588,7 @@ def test_dpo_on_a_mamba_hybrid_trains_with_two_rows_per_pair_on_two_processes(ti
     args = dpo_args(tmp_path / "bamba", pairs, tmp_path / "o", "--lora_r", 4, "--max_train_steps", 2)
     result = launch(TRAIN_DPO, *args, num_processes=2)
     assert result.returncode == 0, result.output[-4000:]
-    assert result.output.count("each pair is scored as two rows") == 1
+    assert result.output.count("each answer gets a row of its own") == 1
     metrics = json.loads((tmp_path / "o" / "metrics.json").read_text())
     assert metrics["pair_layout"] == "two rows" and metrics["eval_pairs"] == 7
 
