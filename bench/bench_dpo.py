@@ -26,7 +26,8 @@ from pathlib import Path
 
 import psutil
 from bench_sft import demo_model_dir
-from bench_train import HERE, REPO, accelerate_launch, bench_env, run_one
+from bench_train import HERE, REPO, accelerate_launch, bench_env
+from side_by_side import add_side_by_side_args, print_side_by_side, run_contenders
 
 NAMES = {
     "ours": "scripts/train_dpo.py (ours), adapters off",
@@ -46,13 +47,7 @@ def parse_args():
     p.add_argument("--max_length", type=int, default=256, help="prompt + one answer (ours: --block_size)")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (alpha 16, no dropout, all linear layers)")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--bf16", action="store_true", help="both in bf16 (on a GPU; ours through its launch option)")
-    p.add_argument("--processes", type=int, default=2, help="processes of each run (the GPU check: 1)")
-    p.add_argument("--config", default="cpu_2proc.yaml", help="ours' launch config in accelerate_configs/")
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    p.add_argument("--only", nargs="*", default=None, choices=list(NAMES), help="run only these contenders")
-    p.add_argument("--workdir", default=str(HERE / "runs_dpo"), help="where runs write")
+    add_side_by_side_args(p, NAMES, HERE / "runs_dpo")
     return p.parse_args()
 
 
@@ -123,7 +118,7 @@ def figures(key: str, data: dict) -> dict:
         pairs_per_s = data["train_pairs_per_second"]
     else:
         pairs_per_s = data["train_pairs"] / data["train_time_s"]
-    return {"pairs_per_s": pairs_per_s, "gpu_mib": data.get("peak_gpu_memory_mb"), "steps": data["optimizer_steps"]}
+    return {"per_s": pairs_per_s, "gpu_mib": data.get("peak_gpu_memory_mb"), "steps": data["optimizer_steps"]}
 
 
 def main():
@@ -132,50 +127,15 @@ def main():
     workdir.mkdir(parents=True, exist_ok=True)
     data = write_pairs(workdir, args.train_pairs)
     pairs = sum(1 for _ in open(data["train"]))
-    model = demo_model_dir()
-    results, have_trl = {}, importlib.util.find_spec("trl") is not None
-    for key, (result_file, command) in contenders(args, workdir, model, data).items():
-        if (args.only and key not in args.only) or (key.startswith("trl") and not have_trl):
-            print(f"skipped: {NAMES[key]}" + ("" if have_trl else " (trl is not installed)"), flush=True)
-            continue
-        print(f"running {NAMES[key]} ...", flush=True)
-        result = run_one(command, result_file, workdir / f"{key}.log", bench_env())
-        if result["data"].get("world_size") != args.processes:
-            raise SystemExit(f"{NAMES[key]} trained on {result['data'].get('world_size')} process(es); see its log")
-        result.update(figures(key, result["data"]))
-        results[key] = result
-        gpu = f", peak GPU {result['gpu_mib']:.0f} MiB" if result["gpu_mib"] else ""
-        print(
-            f"  {result['pairs_per_s']:.3f} pairs/s, wall {result['wall_s']:.1f} s, "
-            f"peak RSS {result['peak_rss_mib']:.0f} MiB{gpu}, steps {result['steps']}, {result['exit']}",
-            flush=True,
-        )
-
-    if args.json:
-        figures_only = {key: {k: v for k, v in r.items() if k != "data"} for key, r in results.items()}
-        Path(args.json).write_text(json.dumps(figures_only, indent=1))
+    commands = contenders(args, workdir, args.model or demo_model_dir(), data)
+    results = run_contenders(args, commands, NAMES, figures, workdir, bench_env())
     print(
         f"\n{pairs} pairs, {args.epochs} epoch(s), batch {args.batch_size} pairs/process x {args.processes} "
         f"process(es), max length {args.max_length}, LoRA r{args.lora_r}, beta {BETA}, lr {args.lr}, "
         f"{'bf16' if args.bf16 else 'fp32'}; "
         f"{psutil.cpu_count()} CPUs, {platform.processor() or platform.machine()}\n"
     )
-    print(
-        "| run | pairs/s | × TRL, same reference | wall time (s) | peak RSS / process (MiB) | peak GPU memory (MiB) "
-        "| × TRL | steps | exit |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for key, r in results.items():
-        base = results.get(BASELINE[key])
-        speed = f"{r['pairs_per_s'] / base['pairs_per_s']:.2f}" if base else "-"
-        gpu = f"{r['gpu_mib']:.0f}" if r["gpu_mib"] else "-"
-        memory = f"{r['gpu_mib'] / base['gpu_mib']:.2f}" if base and r["gpu_mib"] and base["gpu_mib"] else "-"
-        if base and not r["gpu_mib"]:
-            memory = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f} (RSS)"
-        print(
-            f"| {NAMES[key]} | {r['pairs_per_s']:.3f} | {speed} | {r['wall_s']:.1f} | {r['peak_rss_mib']:.0f} "
-            f"| {gpu} | {memory} | {r['steps']} | {r['exit']} |"
-        )
+    print_side_by_side(results, NAMES, BASELINE, "pairs")
 
 
 if __name__ == "__main__":

@@ -61,8 +61,8 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert environment["torch"] and environment["python"] and environment["gpu"] is None  # no CUDA here
     assert isinstance(environment["differs_from_requirements"], list)
     steps = data["steps"]
-    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9"]
-    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9"):
+    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10"]
+    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10"):
         assert steps[step]["status"] == "ok", (step, steps[step])
     for record in steps.values():
         assert record["wall_s"] > 0
@@ -100,7 +100,10 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert manifest["checkpoint_gib"] > 0.04 and manifest["seconds"]["save_ours"] > 0, manifest
     assert "manifest_adds_to_a_save" in steps["8"]["figures"]
     dpo = steps["9"]["runs"]["bench_dpo"]["figures"]["ours"]  # TRL's runs need trl, which CI does not install
-    assert dpo["pairs_per_s"] > 0 and dpo["steps"] >= 1, dpo
+    assert dpo["per_s"] > 0 and dpo["steps"] >= 1, dpo
+    grpo = steps["10"]["runs"]["bench_grpo"]["figures"]["ours"]
+    assert grpo["per_s"] > 0 and grpo["steps"] >= 1, grpo
+    assert "--model" in steps["10"]["runs"]["bench_grpo"]["command"]  # the prepared (here: tiny) LLM, not the demo's
 
     # The failure a CPU must give is caught, recorded with its error line, and expected.
     assert steps["6"]["status"] == "failed" and steps["6"]["expected_in_dry_run"]

@@ -92,6 +92,26 @@ def baseline_arg_parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def trl_matched_settings(args) -> dict:
+    """What every TRL baseline sets as ours does: epochs, lr with 10% warm-up, weight decay 0.01, clipping at
+    1.0, the seed; no evaluation, no checkpoints, no tracking; on the CPU without a GPU; no loader workers."""
+    return dict(
+        num_train_epochs=args.epochs,
+        learning_rate=args.lr,
+        warmup_steps=0.1,  # a float: a ratio of the steps, as ours' --warmup_ratio 0.1
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        seed=args.seed,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        logging_steps=10,
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+    )
+
+
 def reduce_over_ranks(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     """`values` reduced over all ranks (as they are without a process group). All ranks call this."""
     tensor = torch.tensor(values, dtype=torch.float64)

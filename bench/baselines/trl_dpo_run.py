@@ -14,8 +14,7 @@ by default, as ours on a CPU. The results add the peak GPU memory on a GPU.
 
 import json
 
-import torch
-from common import baseline_arg_parser, peak_gpu_memory
+from common import baseline_arg_parser, peak_gpu_memory, trl_matched_settings
 from datasets import load_dataset
 from peft import LoraConfig
 from transformers import set_seed
@@ -42,25 +41,13 @@ def main():
     config = DPOConfig(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.epochs,
-        learning_rate=args.lr,
-        warmup_steps=0.1,  # a float: a ratio of the steps, as ours' --warmup_ratio 0.1
-        weight_decay=0.01,
-        max_grad_norm=1.0,
-        seed=args.seed,
         beta=args.beta,
         loss_type=["sigmoid"],
         max_length=args.max_length,
         precompute_ref_log_probs=args.precompute_ref_log_probs,
         bf16=args.bf16,
         gradient_checkpointing=args.gradient_checkpointing,
-        eval_strategy="no",
-        save_strategy="no",
-        report_to="none",
-        logging_steps=10,
-        disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(),
-        dataloader_num_workers=0,
+        **trl_matched_settings(args),
     )
     lora = LoraConfig(
         r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"

@@ -23,9 +23,8 @@ on a GPU, the peak GPU memory.
 import json
 import time
 
-import torch
 import torch.distributed as dist
-from common import baseline_arg_parser, count_train_padding, peak_gpu_memory, reduce_over_ranks
+from common import baseline_arg_parser, count_train_padding, peak_gpu_memory, reduce_over_ranks, trl_matched_settings
 from datasets import load_dataset
 from peft import LoraConfig
 from transformers import TrainerCallback, set_seed
@@ -102,19 +101,7 @@ def main():
     config = SFTConfig(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.epochs,
-        learning_rate=args.lr,
-        warmup_steps=0.1,  # a float: a ratio of the steps, as ours' --warmup_ratio 0.1
-        weight_decay=0.01,
-        max_grad_norm=1.0,
-        seed=args.seed,
-        eval_strategy="no",
-        save_strategy="no",
-        report_to="none",
-        logging_steps=10,
-        disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(),
-        dataloader_num_workers=0,
+        **trl_matched_settings(args),
         dataset_num_proc=args.dataset_num_proc,
         **{"max_length": args.max_length, **matched},
     )

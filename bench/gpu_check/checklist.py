@@ -22,6 +22,8 @@ Steps (bench/gpu_check/README.md says what each measures and how):
   7   fp16: the image demo and the LoRA SFT with the loss scaler's first scale at 2**40, so that the first
       steps overflow and are skipped: both must finish, with the skipped steps counted
   8   bench/bench_manifest.py: a checkpoint of several GB saved and resumed, with and without the manifest
+  9   bench/bench_dpo.py: train_dpo.py against TRL's DPOTrainer, both references
+  10  bench/bench_grpo.py: train_grpo.py against TRL's GRPOTrainer, no vLLM on either side
 
 Results accumulate in --results (default outputs/gpu_check): gpu_check.json (a step run again replaces
 its record), gpu_check.md and logs/. With --copy_to (default: $OUT, set on the GPU machine) they are
@@ -64,6 +66,7 @@ STEPS = {
     "7": "fp16 with its loss scaler: the image demo and the LoRA SFT start at a scale that overflows, and finish",
     "8": "a checkpoint of several GB: the save and the resume, with and without the manifest",
     "9": "train_dpo.py (LoRA) against TRL's DPOTrainer, both references: pairs/s and peak GPU memory",
+    "10": "train_grpo.py (LoRA) against TRL's GRPOTrainer, no vLLM: prompts/s, peak GPU memory, generation's share",
 }
 FP16_SCALER = REPO / "tests" / "launched" / "fp16_scaler.py"  # a script run with torch's GradScaler, first scale set
 FSDP_ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"  # a script run under FSDP2 on CPU processes
@@ -114,7 +117,10 @@ RUN_S = {
     ("7", "image"): (11.3, 15),
     ("7", "lora"): (8.0, 12),
     ("8", "manifest"): (7.8, 200),  # 8 GB: two saves and two resumes, 3 times: ~100 GB through the disk
-    ("9", "bench_dpo"): (146.0, 90),  # 4 runs: the dry run's 30 s of preparation and one run of 29 s, 4 times
+    # Steps 9 and 10 run the prepared LLM (the dry run's tiny one: 19.7 s and 18.2 s on 2 busy cores); with the real
+    # 135M model a run started in 29 s here, and the pairs' or prompts' preparation took 10 s.
+    ("9", "bench_dpo"): (126.0, 90),  # 4 runs: 10 s of preparation and 29 s a run
+    ("10", "bench_grpo"): (68.0, 120),  # 2 runs; on the GPU 91 steps of 16 samples of 8 tokens each
 }
 # The device calls of a session with a GPU, back to back (README "The device calls"): the payload part each one
 # carries (payload.py's sets: step1 in one part, llm in two), whether it installs, and its steps.
@@ -123,7 +129,7 @@ CALLS = [
     {"carry": "llm-1", "install": False, "steps": ["6", "8"]},
     {"carry": "llm-2", "install": True, "steps": ["2a", "2b", "4", "7"]},
     {"carry": None, "install": False, "steps": ["3", "5"]},
-    {"carry": None, "install": False, "steps": ["9"]},  # the one left for the next session when minutes run short
+    {"carry": None, "install": False, "steps": ["9", "10"]},  # left for the next session when minutes run short
 ]
 # Which of payload.py's sets a step can run with (any one of them installed): the steps not named need the LLM.
 STEP_SETS = {"1": ("step1",), "6": ("step1", "llm"), "8": ("step1", "llm")}
@@ -145,10 +151,12 @@ class Sizes:
         self.image = (
             ["--max_train_samples", "64", "--max_eval_samples", "32", "--num_train_epochs", "1"] if dry_run else []
         )
-        self.timeout = 240 if dry_run else 420
+        self.timeout = 420  # a hang guard: the dry run shares 2 cores with the rest of the suite
         self.fp16_llm = ["--max_train_samples", "16", "--max_eval_samples", "8"] if dry_run else []
         self.checkpoint_gb, self.checkpoint_repeats = (0.05, 1) if dry_run else (8, 3)
         self.dpo = ["--train_pairs", "4", "--only", "ours"] if dry_run else ["--train_pairs", "600", "--bf16"]
+        tiny_grpo = ["--train_prompts", "4", "--only", "ours", "--num_generations", "2", "--max_completion_length", "4"]
+        self.grpo = tiny_grpo if dry_run else ["--train_prompts", "182", "--bf16"]  # the demo's prompts, all of them
         # Dynamo traces every frame, and finds every graph break, in the first step; on 2 CPU cores each further
         # step costs 5 to 10 s of CI (the second recompiles for its new length: the GPU run counts recompiles).
         self.compiled = ["--max_train_steps", "1"] if dry_run else []
@@ -891,25 +899,40 @@ class Checklist:
     def step_9(self) -> None:
         """bench/bench_dpo.py on one GPU, in bf16: ours (LoRA, the reference with the adapters off, and
         precomputed) against TRL's DPOTrainer with the same reference, on the DPO demo's 600 pairs, batch 4."""
-        s, work = self.sizes, self.results / "step9"
-        work.mkdir(exist_ok=True)
-        out = work / "bench_dpo.json"
-        command = [sys.executable, BENCH / "bench_dpo.py", "--processes", 1, "--config", "single_gpu.yaml"]
-        command += ["--workdir", work, "--json", out, *s.dpo]
-        run = self.launch("bench_dpo", command, out, timeout=None if self.dry_run else 600)
-        if run["status"] == "ok":
-            run["figures"] = figures = read_json(out)
-            rows = [
-                [name, f(r["pairs_per_s"], 3), cell(r.get("gpu_mib")), f(r["peak_rss_mib"], 0), r["steps"]]
-                for name, r in figures.items()
-            ]
-            for ours, trl in (("ours", "trl"), ("ours_precomputed", "trl_precomputed")):
-                if ours in figures and trl in figures:
-                    self.step_record["figures"][f"{ours}_x_trl"] = (
-                        figures[ours]["pairs_per_s"] / figures[trl]["pairs_per_s"]
-                    )
-            self.table(["run", "pairs/s", "peak GPU MiB", "peak RSS MiB", "steps"], rows)
+        figures = self.side_by_side("9", "bench_dpo", self.sizes.dpo, "pairs")
+        for ours, trl in (("ours", "trl"), ("ours_precomputed", "trl_precomputed")):
+            if ours in figures and trl in figures:
+                self.step_record["figures"][f"{ours}_x_trl"] = figures[ours]["per_s"] / figures[trl]["per_s"]
         self.step_record["figures"]["target"] = "ours ≥ 1.5× TRL's pairs/s, with less peak memory"
+
+    def step_10(self) -> None:
+        """bench/bench_grpo.py on one GPU, in bf16: ours (LoRA, G 8, 8 new tokens, no reference) against TRL's
+        GRPOTrainer with the same settings and rewards, both generating with the policy (no vLLM)."""
+        figures = self.side_by_side("10", "bench_grpo", self.sizes.grpo, "prompts")
+        if "ours" in figures and "trl" in figures:
+            self.step_record["figures"]["ours_x_trl"] = figures["ours"]["per_s"] / figures["trl"]["per_s"]
+        if "ours" in figures:
+            self.step_record["figures"]["ours_generation_share"] = figures["ours"].get("generation_share")
+        self.step_record["figures"]["target"] = "ours ≥ 1.5× TRL's prompts/s, without vLLM on either side"
+
+    def side_by_side(self, step: str, bench: str, sizes: list, unit: str) -> dict:
+        """bench/<bench>.py (ours against TRL) with one process and single_gpu.yaml on the prepared LLM: its
+        figures by contender ({} if it failed), and the step's table."""
+        work = self.results / f"step{step}"
+        work.mkdir(exist_ok=True)
+        out = work / f"{bench}.json"
+        command = [sys.executable, BENCH / f"{bench}.py", "--processes", 1, "--config", "single_gpu.yaml"]
+        command += ["--workdir", work, "--json", out, "--model", self.llm()["model_dir"], *sizes]
+        run = self.launch(bench, command, out, timeout=None if self.dry_run else 600)
+        if run["status"] != "ok":
+            return {}
+        run["figures"] = figures = read_json(out)
+        rows = [
+            [name, f(r["per_s"], 3), cell(r.get("gpu_mib")), f(r["peak_rss_mib"], 0), r["steps"]]
+            for name, r in figures.items()
+        ]
+        self.table(["run", f"{unit}/s", "peak GPU MiB", "peak RSS MiB", "steps"], rows)
+        return figures
 
     # --- helpers of the steps ---------------------------------------------------------------------------
 
@@ -1534,7 +1557,7 @@ def parse_steps(text: str) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,4,5,6,7,8 (2 = 2a,2b), or all")
+    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,10 (2 = 2a,2b), or all")
     p.add_argument("--dry_run", action="store_true", help="a CPU, tiny sizes: checks the checklist, not the GPU")
     p.add_argument("--results", default=None, help="where the JSON, Markdown and logs go (default outputs/gpu_check)")
     p.add_argument("--budget_s", type=float, default=None, help="start no run that would end after this many seconds")
@@ -1620,7 +1643,7 @@ def main() -> int:
 
 # The dry run's two lanes: step 3 reads step 2a's run, so they share a lane; about equal halves on a CPU (measured
 # 2026-11-25, seconds alone on 2 busy cores: 1 24, 2a 9, 3 19, 4 12, 5 7, 6 7, 8 8 against 2b 6, 7 19, 9 59).
-LANES = [("1", "2a", "3", "4", "5", "6", "8"), ("2b", "7", "9")]
+LANES = [("1", "2a", "3", "4", "5", "6", "8"), ("2b", "7", "9", "10")]
 
 
 def run_lanes(args, steps: list[str]) -> int:

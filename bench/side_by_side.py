@@ -1,0 +1,67 @@
+"""The loop bench_dpo.py and bench_grpo.py share: run each contender in turn, read its figures, and print
+one Markdown table with each run's speed and memory as ratios to its TRL peer."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from bench_train import run_one
+
+
+def add_side_by_side_args(p, names: dict, workdir: Path) -> None:
+    """The options every side-by-side benchmark takes: the seed, bf16, the processes and launch config, the
+    model, a JSON of the figures, --only, the working folder."""
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--bf16", action="store_true", help="both in bf16 (on a GPU; ours through its launch option)")
+    p.add_argument("--processes", type=int, default=2, help="processes of each run (the GPU check: 1)")
+    p.add_argument("--config", default="cpu_2proc.yaml", help="ours' launch config in accelerate_configs/")
+    p.add_argument("--model", default=None, help="a local model directory (default: the demo LLM, dequantized)")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--only", nargs="*", default=None, choices=list(names), help="run only these contenders")
+    p.add_argument("--workdir", default=str(workdir), help="where runs write")
+
+
+def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, env: dict) -> dict:
+    """Run `commands` (key -> (results file, command)) one at a time; skip those not in --only, and TRL's
+    when trl is not installed; add `figures(key, results)` (a dict with "per_s", "gpu_mib", "steps")."""
+    results, have_trl = {}, importlib.util.find_spec("trl") is not None
+    for key, (result_file, command) in commands.items():
+        if (args.only and key not in args.only) or (key.startswith("trl") and not have_trl):
+            print(f"skipped: {names[key]}" + ("" if have_trl else " (trl is not installed)"), flush=True)
+            continue
+        print(f"running {names[key]} ...", flush=True)
+        result = run_one(command, result_file, workdir / f"{key}.log", env)
+        if result["data"].get("world_size") != args.processes:
+            raise SystemExit(f"{names[key]} trained on {result['data'].get('world_size')} process(es); see its log")
+        result.update(figures(key, result["data"]))
+        results[key] = result
+        gpu = f", peak GPU {result['gpu_mib']:.0f} MiB" if result["gpu_mib"] else ""
+        print(
+            f"  {result['per_s']:.3f}/s, wall {result['wall_s']:.1f} s, "
+            f"peak RSS {result['peak_rss_mib']:.0f} MiB{gpu}, steps {result['steps']}, {result['exit']}",
+            flush=True,
+        )
+    if args.json:
+        figures_only = {key: {k: v for k, v in r.items() if k != "data"} for key, r in results.items()}
+        Path(args.json).write_text(json.dumps(figures_only, indent=1))
+    return results
+
+
+def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) -> None:
+    """The Markdown table: each run's `unit`/s and peak memory, and their ratios to `baseline[key]`'s."""
+    print(
+        f"| run | {unit}/s | × TRL | wall time (s) | peak RSS / process (MiB) | peak GPU memory (MiB) | × TRL "
+        "| steps | exit |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for key, r in results.items():
+        base = results.get(baseline[key])
+        speed = f"{r['per_s'] / base['per_s']:.2f}" if base else "-"
+        gpu = f"{r['gpu_mib']:.0f}" if r["gpu_mib"] else "-"
+        memory = f"{r['gpu_mib'] / base['gpu_mib']:.2f}" if base and r["gpu_mib"] and base["gpu_mib"] else "-"
+        if base and not r["gpu_mib"]:
+            memory = f"{r['peak_rss_mib'] / base['peak_rss_mib']:.2f} (RSS)"
+        print(
+            f"| {names[key]} | {r['per_s']:.3f} | {speed} | {r['wall_s']:.1f} | {r['peak_rss_mib']:.0f} "
+            f"| {gpu} | {memory} | {r['steps']} | {r['exit']} |"
+        )
