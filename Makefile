@@ -4,6 +4,9 @@ PYTHON      ?= python3
 CONFIG      ?= accelerate_configs/cpu_2proc.yaml
 TRAIN_ARGS  ?= --output_dir outputs/demo --overwrite_output_dir
 PYTEST_ARGS ?=
+# Test files run on this many pytest workers at once (pytest-xdist): a launched run is mostly one process's imports
+# and start, so 2 workers keep 2 cores busy. A file's tests stay on one worker, its module fixtures made once.
+TEST_WORKERS ?= 2
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -35,10 +38,10 @@ train-image: $(STAMP)  ## a small ResNet on scikit-learn's digits, from scratch 
 	$(LAUNCH) scripts/train_image.py --output_dir outputs/demo_image --overwrite_output_dir
 
 test: $(STAMP)  ## the whole test suite (CPU, real 2-process launches, tiny models, no Hub)
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)  ## the quick tier for the edit loop: unit tests and the launches of the core promise (< 2 min)
-	$(BIN)/python -m pytest tests -m fast $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -m fast -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## ruff: lint and format check (what CI runs before the tests)
 	$(BIN)/ruff check .

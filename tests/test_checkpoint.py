@@ -135,7 +135,7 @@ def test_total_limit_keeps_the_newest_complete_checkpoints_and_the_best(uninterr
     )
 
 
-@pytest.mark.parametrize("target", [pytest.param("launcher", marks=pytest.mark.fast), "workers"])
+@pytest.mark.parametrize("target", ["launcher", "workers"])
 def test_sigterm_saves_exits_75_and_resumes_exactly(target, dropout_model, tiny_data, uninterrupted, tmp_path):
     output_dir = tmp_path / "run"
     # While rank 0 writes the checkpoint of step 10, SIGTERM goes to the launcher (which forwards it

@@ -103,7 +103,6 @@ def fsdp_classifier(dropout_bert, tiny_data, tmp_path_factory):
     return output_dir
 
 
-@pytest.mark.fast
 def test_fsdp_trains_what_one_process_with_accumulation_trains_with_dropout(
     fsdp_classifier, dropout_bert, tiny_data, tmp_path
 ):
