@@ -8,8 +8,9 @@ usage: torchrun --nproc_per_node 2 bench/baselines/trl_grpo_run.py --out OUT.jso
 Matched to ours: G samples per prompt at temperature 1 (top-p 1, no top-k), at most --max_length new tokens
 each, DAPO's token-level loss (TRL's default, ours' --loss_type token), rewards scaled by the group's
 standard deviation, epsilon 0.2, beta 0 (no reference), one iteration per batch, LoRA on all linear
-layers with dropout off, and the same two rewards with the same weights (scripts/train_grpo.py's own
-functions, called through TRL's signature). --batch_size counts prompts per process, as ours does:
+layers with dropout off, no gradient checkpointing (GRPOConfig turns it on by default; ours has it off),
+and the same two rewards with the same weights (scripts/train_grpo.py's own functions, called through
+TRL's signature). --batch_size counts prompts per process, as ours does:
 TRL's per_device_train_batch_size counts completions, so it is given G times that.
 """
 
@@ -71,6 +72,7 @@ def main():
         beta=0.0,
         num_iterations=1,
         reward_weights=weights,
+        gradient_checkpointing=False,  # GRPOConfig's default is True; ours (and this bench) computes without it
         bf16=args.bf16,
         **trl_matched_settings(args),
     )
