@@ -51,11 +51,13 @@ format: $(STAMP)  ## ruff: fix what it can and format the code
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer and TRL's SFTTrainer, data at scale, memory (about two hours here; not a test)
+bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer and TRL's SFT, DPO and GRPO trainers, data at scale, memory (about two hours here; not a test)
 	$(BIN)/python bench/bench_train.py --seeds $(BENCH_SEEDS)
 	$(BIN)/python bench/bench_train.py --epochs 1 --ours_checkpoints --seeds 42 43 --only ours trainer trainer_grouped --workdir bench/runs/one_epoch
 	$(BIN)/python bench/bench_clm.py
 	$(BIN)/python bench/bench_sft.py
+	$(BIN)/python bench/bench_dpo.py
+	$(BIN)/python bench/bench_grpo.py
 	$(BIN)/python bench/bench_lm_head.py
 	$(LAUNCH) bench/bench_checkpoint.py
 	$(BIN)/python bench/bench_scale.py

@@ -7,7 +7,7 @@ temperature 1, DAPO's token-level loss, epsilon 0.2, beta 0, LoRA r16 (alpha 16,
 layers), 2 prompts per process per step, 1 epoch, lr 2e-4, 2 processes, no checkpoints and no evaluation.
 
     pip install -r bench/requirements-bench.txt      # TRL, for the benchmark only (`make bench` does it)
-    python bench/bench_grpo.py [--train_prompts 64] [--only ours trl]
+    python bench/bench_grpo.py [--train_prompts 32] [--only ours trl]   # about 8 minutes here
     python bench/bench_grpo.py --train_prompts 8   # a smoke run
 
 Reports prompts/s (prompts trained per second of the training loop: generation, scoring and the update),
@@ -34,7 +34,7 @@ LORA_ALPHA = 16
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--train_prompts", type=int, default=64, help="prompts trained on (the demo's first N)")
+    p.add_argument("--train_prompts", type=int, default=32, help="prompts trained on (the demo's first N, shuffled)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch_size", type=int, default=2, help="prompts per process per step")
     p.add_argument("--num_generations", type=int, default=8, help="samples per prompt (G)")
