@@ -58,6 +58,7 @@ bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer 
 	$(BIN)/python bench/bench_sft.py
 	$(BIN)/python bench/bench_dpo.py
 	$(BIN)/python bench/bench_grpo.py
+	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_sampling.py --batches 4
 	$(BIN)/python bench/bench_lm_head.py
 	$(LAUNCH) bench/bench_checkpoint.py
 	$(BIN)/python bench/bench_scale.py
