@@ -51,7 +51,7 @@ format: $(STAMP)  ## ruff: fix what it can and format the code
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer and TRL's SFT, DPO and GRPO trainers, data at scale, memory (about two hours here; not a test)
+bench: $(BENCH_STAMP)  ## ours vs a hand loop, the Trainer, TRL's SFT/DPO/GRPO; scale, memory (~2.5 h here; not a test)
 	$(BIN)/python bench/bench_train.py --seeds $(BENCH_SEEDS)
 	$(BIN)/python bench/bench_train.py --epochs 1 --ours_checkpoints --seeds 42 43 --only ours trainer trainer_grouped --workdir bench/runs/one_epoch
 	$(BIN)/python bench/bench_clm.py
@@ -64,7 +64,7 @@ bench: $(BENCH_STAMP)  ## ours vs a hand-written DDP loop, transformers.Trainer 
 	$(BIN)/python bench/bench_scale.py
 	$(BIN)/python bench/bench_memory.py --steps 10000
 
-# The GPU checklist (bench/gpu_check/README.md): STEPS=1,2a,2b,3,4,5,6,7,8,9 (2 = 2a,2b; default all), DRY_RUN=1 for
+# The GPU checklist (bench/gpu_check/README.md): STEPS=1,2a,2b,3,...,10 (2 = 2a,2b; default all), DRY_RUN=1 for
 # the CPU dry run CI runs (tiny sizes), BUDGET_S=540 to start no run that would end later. Here it runs with
 # .venv; the GPU machine has no venv, so give its interpreter there: make gpu-check PYTHON=python3 STEPS=1,2a
 STEPS ?= all
@@ -94,4 +94,4 @@ $(STAMP): requirements.txt requirements-demo.txt requirements-dev.txt pyproject.
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) outputs bench/runs bench/runs_clm bench/runs_sft .pytest_cache .ruff_cache
+	rm -rf $(VENV) outputs bench/runs bench/runs_clm bench/runs_sft bench/runs_dpo bench/runs_grpo .pytest_cache .ruff_cache

@@ -203,14 +203,15 @@ def run_one(command, result_file: Path, log_file: Path, env, timeout_s: float | 
 
 
 def bench_env() -> dict:
-    """One thread per process, offline, the repo and the baselines importable."""
+    """One thread per process, offline, the repo and the baselines importable, and what PYTHONPATH already holds
+    (on the GPU machine, the GPU checklist's installed wheels)."""
     return dict(
         os.environ,
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
         HF_HUB_OFFLINE="1",
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), str(HERE / "baselines")]),
+        PYTHONPATH=os.pathsep.join([str(REPO), str(HERE / "baselines"), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
 
 

@@ -156,6 +156,20 @@ def test_a_step_that_raises_is_recorded_and_the_next_step_runs(tmp_path):
     assert "| 1 | train.py demo in bf16" in (tmp_path / "gpu_check.md").read_text()
 
 
+def test_steps_9_and_10_alone_have_the_llm_prepared_for_them(tmp_path):
+    """Call 5 runs --steps 9,10 alone: the environment helper must prepare the LLM they pass as --model."""
+    checklist = load(CHECKLIST)
+    args = argparse.Namespace(
+        dry_run=True, results=str(tmp_path), budget_s=None, site=None, copy_to=None, fresh=True, steps="9,10"
+    )
+    runner = checklist.Checklist(args)
+    asked = []
+    runner.helper = lambda name, *helper_args, **_: asked.append(helper_args) or {"environment": {}, "llm": {}}
+    for steps, llm in ((["9", "10"], True), (["10"], True), (["1", "6", "8"], False), (["2a"], True)):
+        runner.environment(steps)
+        assert ("--llm" in asked[-1]) == llm, steps
+
+
 def test_the_error_line_is_the_line_that_says_why():
     checklist = load(CHECKLIST)
     ours = "loading\n[rank 0] error: --max_length 900 is above this model's limit\nTraceback\nChildFailedError: x\n"

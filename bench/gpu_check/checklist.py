@@ -133,6 +133,13 @@ CALLS = [
 ]
 # Which of payload.py's sets a step can run with (any one of them installed): the steps not named need the LLM.
 STEP_SETS = {"1": ("step1",), "6": ("step1", "llm"), "8": ("step1", "llm")}
+
+
+def needs_llm(step: str) -> bool:
+    """Whether a step runs the LLM that the environment helper prepares (steps 2 to 5, 7, 9 and 10)."""
+    return STEP_SETS.get(step, ("llm",)) == ("llm",)
+
+
 # The seconds of a call around the checklist: the machine's start (first call), the pause before a later call, the
 # transfers, payload.py's receive, probe and install (1.9 s for step 1's set on this machine), a margin at the end.
 CALL_S = {"start": 90, "gap": 20, "transfer": 10, "receive": 5, "probe": 5, "install": 15, "margin": 30}
@@ -247,7 +254,7 @@ class Checklist:
         """The machine's facts, and (when an LLM step is to run) the LLM's model, data and MFU facts, in one
         helper process (each one costs an import of torch and transformers)."""
         args = []
-        if set(steps) & {"2a", "2b", "3", "4", "5", "7"}:
+        if any(needs_llm(step) for step in steps):
             args = ["--llm", self.results / "llm", self.sizes.llm_train, self.sizes.llm_eval]
         try:
             found = self.helper("env", *args)
@@ -1144,7 +1151,7 @@ def plan() -> list[dict]:
         commands.append(
             f"python3 bench/gpu_check/checklist.py --steps {','.join(steps)} --budget_s {budget} --require_site"
         )
-        llm = any(STEP_SETS.get(step, ("llm",)) == ("llm",) for step in steps)
+        llm = any(needs_llm(step) for step in steps)
         env = ("llm_cached" if llm_ready else "llm") if llm else "plain"
         llm_ready |= llm
         step_s = {step: sum(run_estimate_s(step, run) for run in gpu_runs(step)) for step in steps}
