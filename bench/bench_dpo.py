@@ -18,13 +18,13 @@ per process (on a GPU, `--gpu`: peak GPU memory too) and the ratios against TRL'
 """
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
 from pathlib import Path
 
 import psutil
+from baselines.common import demo_raw_datasets
 from bench_sft import demo_model_dir
 from bench_train import HERE, REPO, accelerate_launch, bench_env
 from side_by_side import add_side_by_side_args, print_side_by_side, run_contenders
@@ -54,10 +54,7 @@ def parse_args():
 def write_pairs(workdir: Path, train_pairs: int, eval_pairs: int = 16) -> dict[str, Path]:
     """The demo's pairs, built by scripts/train_dpo.py's own `load_raw_datasets` (its offline demo),
     the first N of each split, as JSONL both trainers read."""
-    spec = importlib.util.spec_from_file_location("train_dpo", REPO / "scripts" / "train_dpo.py")
-    train_dpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_dpo)
-    demo = train_dpo.load_raw_datasets(argparse.Namespace(train_file=None, dataset_name=None))
+    demo = demo_raw_datasets("train_dpo")
     files = {}
     for split, count in (("train", train_pairs), ("validation", eval_pairs)):
         files[split] = workdir / f"pairs_{split}.jsonl"

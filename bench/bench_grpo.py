@@ -16,13 +16,13 @@ ratios against TRL. No vLLM on either side: both generate with the policy itself
 """
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
 from pathlib import Path
 
 import psutil
+from baselines.common import demo_raw_datasets
 from bench_sft import demo_model_dir
 from bench_train import HERE, REPO, accelerate_launch, bench_env
 from side_by_side import add_side_by_side_args, print_side_by_side, run_contenders
@@ -48,10 +48,7 @@ def parse_args():
 def write_prompts(workdir: Path, train_prompts: int, eval_prompts: int = 8) -> dict[str, Path]:
     """The demo's prompts, built by scripts/train_grpo.py's own `load_raw_datasets` (its offline demo),
     the first N of the training split shuffled (the demo's are in label order), as JSONL both trainers read."""
-    spec = importlib.util.spec_from_file_location("train_grpo", REPO / "scripts" / "train_grpo.py")
-    train_grpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_grpo)
-    demo = train_grpo.load_raw_datasets(argparse.Namespace(train_file=None, dataset_name=None))
+    demo = demo_raw_datasets("train_grpo")
     files = {}
     for split, count in (("train", train_prompts), ("validation", eval_prompts)):
         files[split] = workdir / f"prompts_{split}.jsonl"

@@ -16,15 +16,14 @@ Reports seconds per batch (the mean of --batches after one warm-up) and the rati
 """
 
 import argparse
-import importlib.util
 import platform
 import time
 
 import psutil
 import torch
 from accelerate import Accelerator
+from baselines.common import demo_raw_datasets
 from bench_sft import demo_model_dir
-from bench_train import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ddp_utils.language_models import grpo
@@ -58,15 +57,12 @@ def parse_args():
 
 def main():
     args = parse_args()
-    spec = importlib.util.spec_from_file_location("train_grpo", REPO / "scripts" / "train_grpo.py")
-    train_grpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_grpo)
 
     accelerator = Accelerator(cpu=True)
     model_dir = args.model or demo_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    raw = train_grpo.load_raw_datasets(argparse.Namespace(train_file=None, dataset_name=None))
+    raw = demo_raw_datasets("train_grpo")
     prompts = grpo.tokenize_prompts(raw, tokenizer, 512, True)["train"].shuffle(seed=0)
     collate = grpo.PromptCollator(tokenizer.pad_token_id)
     batches = [

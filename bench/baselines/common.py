@@ -14,17 +14,25 @@ from ddp_utils.data.demo import demo_model_path, load_demo_reviews
 LABELS = ["negative", "neutral", "positive"]
 
 
-def demo_reviews():
-    """The demo's reviews exactly as scripts/train.py reads them: its own DATA section's
-    `load_raw_datasets` (each review's last words)."""
+def load_script(name: str):
+    """scripts/<name>.py as a module (its DATA section, its REWARDS), without running its main."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
-    spec = importlib.util.spec_from_file_location("train", path)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    return train.load_raw_datasets(argparse.Namespace(train_file=None, dataset_name=None))
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def demo_raw_datasets(name: str):
+    """The offline demo data exactly as scripts/<name>.py reads it: its own DATA section's `load_raw_datasets`."""
+    return load_script(name).load_raw_datasets(argparse.Namespace(train_file=None, dataset_name=None))
+
+
+def demo_reviews():
+    """The demo's reviews exactly as scripts/train.py reads them (each review's last words)."""
+    return demo_raw_datasets("train")
 
 
 def demo_data(max_length, max_train_samples=None, max_eval_samples=None, files=None):

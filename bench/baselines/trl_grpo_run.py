@@ -14,25 +14,19 @@ TRL's signature). --batch_size counts prompts per process, as ours does:
 TRL's per_device_train_batch_size counts completions, so it is given G times that.
 """
 
-import importlib.util
 import json
-from pathlib import Path
 
-from common import baseline_arg_parser, peak_gpu_memory, trl_matched_settings
+from common import baseline_arg_parser, load_script, peak_gpu_memory, trl_matched_settings
 from datasets import load_dataset
 from peft import LoraConfig
 from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 from trl_sft_run import LoopClock
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def our_rewards():
     """scripts/train_grpo.py's REWARDS, each wrapped in TRL's signature: (completions, **columns) -> floats."""
-    spec = importlib.util.spec_from_file_location("train_grpo", REPO / "scripts" / "train_grpo.py")
-    train_grpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_grpo)
+    train_grpo = load_script("train_grpo")
 
     def wrap(function):
         def reward(completions, answer, **_):
