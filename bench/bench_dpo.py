@@ -27,7 +27,7 @@ import psutil
 from baselines.common import demo_raw_datasets
 from bench_sft import demo_model_dir
 from bench_train import HERE, REPO, accelerate_launch, bench_env
-from side_by_side import add_side_by_side_args, print_side_by_side, run_contenders
+from side_by_side import add_side_by_side_args, peak_gpu_mib, print_side_by_side, run_contenders
 
 NAMES = {
     "ours": "scripts/train_dpo.py (ours), adapters off",
@@ -115,7 +115,7 @@ def figures(key: str, data: dict) -> dict:
         pairs_per_s = data["train_pairs_per_second"]
     else:
         pairs_per_s = data["train_pairs"] / data["train_time_s"]
-    return {"per_s": pairs_per_s, "gpu_mib": data.get("peak_gpu_memory_mb"), "steps": data["optimizer_steps"]}
+    return {"per_s": pairs_per_s, "gpu_mib": peak_gpu_mib(data), "steps": data["optimizer_steps"]}
 
 
 def main():

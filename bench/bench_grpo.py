@@ -25,7 +25,7 @@ import psutil
 from baselines.common import demo_raw_datasets
 from bench_sft import demo_model_dir
 from bench_train import HERE, REPO, accelerate_launch, bench_env
-from side_by_side import add_side_by_side_args, print_side_by_side, run_contenders
+from side_by_side import add_side_by_side_args, peak_gpu_mib, print_side_by_side, run_contenders
 
 NAMES = {"ours": "scripts/train_grpo.py (ours)", "trl": "TRL GRPOTrainer"}
 BASELINE = {"ours": "trl", "trl": "trl"}
@@ -91,12 +91,12 @@ def figures(key: str, data: dict, workdir: Path) -> dict:
     share of the step spent generating (the mean of its log's records)."""
     if key == "trl":
         per_s = data["train_prompts"] / data["train_time_s"]
-        return {"per_s": per_s, "gpu_mib": data.get("peak_gpu_memory_mb"), "steps": data["optimizer_steps"]}
+        return {"per_s": per_s, "gpu_mib": peak_gpu_mib(data), "steps": data["optimizer_steps"]}
     log = [json.loads(line) for line in open(workdir / "ours" / "train_log.jsonl")]
     shares = [record["train/generation_share"] for record in log if "train/generation_share" in record]
     return {
         "per_s": data["train_prompts_per_second"],
-        "gpu_mib": data.get("peak_gpu_memory_mb"),
+        "gpu_mib": peak_gpu_mib(data),
         "steps": data["optimizer_steps"],
         "generation_share": sum(shares) / len(shares) if shares else None,
     }

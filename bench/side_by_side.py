@@ -21,6 +21,13 @@ def add_side_by_side_args(p, names: dict, workdir: Path) -> None:
     p.add_argument("--workdir", default=str(workdir), help="where runs write")
 
 
+def peak_gpu_mib(data: dict) -> float | None:
+    """A run's peak GPU memory: TRL's JSON holds one figure (`peak_gpu_memory_mb`), ours' metrics.json one per
+    process (`peak_gpu_memory_mb_per_rank`, found missing from the first GPU run's table); None on a CPU."""
+    per_rank = [value for value in data.get("peak_gpu_memory_mb_per_rank") or [] if value is not None]
+    return data.get("peak_gpu_memory_mb") or (max(per_rank) if per_rank else None)
+
+
 def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, env: dict) -> dict:
     """Run `commands` (key -> (results file, command)) one at a time; skip those not in --only, and TRL's
     when trl is not installed; add `figures(key, results)` (a dict with "per_s", "gpu_mib", "steps")."""

