@@ -447,3 +447,15 @@ def test_the_llm_shape_becomes_a_model_with_random_weights_that_loads(tmp_path):
         assert torch.equal(a, b), name  # seeded: the same weights each time
     tokenizer = AutoTokenizer.from_pretrained(first)
     assert tokenizer.chat_template and tokenizer("hello")["input_ids"]
+
+
+def test_ours_peak_gpu_memory_is_read_from_its_per_process_figures():
+    """Steps 9 and 10's ours' peak GPU memory: our metrics.json has one figure per process, TRL's JSON one (the
+    first GPU run's table showed ours' as missing); none on a CPU."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from side_by_side import peak_gpu_mib
+
+    assert peak_gpu_mib({"peak_gpu_memory_mb_per_rank": [812.0, 845.5]}) == 845.5
+    assert peak_gpu_mib({"peak_gpu_memory_mb": 2973.0}) == 2973.0
+    assert peak_gpu_mib({"peak_gpu_memory_mb_per_rank": [None, None]}) is None
+    assert peak_gpu_mib({}) is None
