@@ -13,6 +13,14 @@ sampling from a generator per (seed, step, prompt, sample) costs. The model and 
   Gumbel noise drawn on the CPU.
 
 Reports seconds per batch (the mean of --batches after one warm-up) and the ratios.
+
+    python bench/bench_sampling.py --count_ops     # the operators each way runs: what a GPU launches
+
+With --count_ops it times nothing: it counts the operators (torch's aten ops, views left out) each way runs
+for one batch, and those of one training pass (forward and backward, LoRA r16) on a GRPO step's rows: one row
+per prompt (ours) against one per sample (TRL). On a GPU a small model's step is bound by those launches, not
+by its FLOPs; the weights are drawn at random, so every sample runs to its maximum length, as in the first
+GPU run's step 10.
 """
 
 import argparse
@@ -24,7 +32,8 @@ import torch
 from accelerate import Accelerator
 from baselines.common import demo_raw_datasets
 from bench_sft import demo_model_dir
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ddp_utils.language_models import grpo
 from ddp_utils.language_models.generation import stop_token_ids
@@ -45,6 +54,35 @@ class OneDrawPerProcess:
         return torch.full_like(scores, -float("inf")).scatter(-1, chosen, 0.0)
 
 
+class OperatorCount(TorchDispatchMode):
+    """Counts the operators torch dispatches (each a kernel launch or more on a GPU; views are none), and
+    apart those run while `in_sampling` is set (the sampling processor's: on a GPU partly CPU work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.sampling_ops, self.in_sampling = 0, 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops += 1
+            self.sampling_ops += self.in_sampling
+        return func(*args, **(kwargs or {}))
+
+
+def counted(processor_class, counter: OperatorCount):
+    """`processor_class` whose calls count their operators apart in `counter`."""
+
+    class Counted(processor_class):
+        def __call__(self, input_ids, scores):
+            counter.in_sampling = True
+            try:
+                return super().__call__(input_ids, scores)
+            finally:
+                counter.in_sampling = False
+
+    return Counted
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, default=6, help="timed batches per way and length, after one warm-up")
@@ -52,6 +90,7 @@ def parse_args():
     p.add_argument("--num_generations", type=int, default=8, help="samples per prompt (G)")
     p.add_argument("--batch_size", type=int, default=2, help="prompts per batch (the demo's per-device batch)")
     p.add_argument("--model", default=None, help="a local model directory (default: the demo LLM, dequantized)")
+    p.add_argument("--count_ops", action="store_true", help="count each way's operators instead of timing it")
     return p.parse_args()
 
 
@@ -61,7 +100,11 @@ def main():
     accelerator = Accelerator(cpu=True)
     model_dir = args.model or demo_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if args.count_ops:  # weights drawn at random: no sample stops early
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     raw = demo_raw_datasets("train_grpo")
     prompts = grpo.tokenize_prompts(raw, tokenizer, 512, True)["train"].shuffle(seed=0)
     collate = grpo.PromptCollator(tokenizer.pad_token_id)
@@ -99,6 +142,8 @@ def main():
 
         return run
 
+    if args.count_ops:
+        return count_operators(args, model, tokenizer, batches[0], transformers_generate, ours)
     ways = {
         "transformers generate (prompt G times)": transformers_generate,
         "ours, one draw per process": ours(OneDrawPerProcess),
@@ -124,6 +169,40 @@ def main():
                 f"| {name} | {length} | {seconds:.3f} | {args.batch_size / seconds:.2f} | {base / seconds:.2f} |",
                 flush=True,
             )
+
+
+def count_operators(args, model, tokenizer, batch, transformers_generate, ours) -> None:
+    """One batch of each way, and one training pass on each layout's rows, with their operators counted."""
+    from peft import LoraConfig, get_peft_model
+
+    counter = OperatorCount()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear"))
+    ways = {
+        "transformers generate (prompt G times)": transformers_generate,
+        "ours, one draw per process": ours(counted(OneDrawPerProcess, counter)),
+        "ours (seeded per sample)": ours(counted(TrainGrpoSampling, counter)),
+    }
+    print(f"{args.batch_size} prompts a batch, G {args.num_generations}, LoRA r16, weights drawn at random")
+    print("\n| work | max new tokens | operators | in the sampling processor | per new token |")
+    print("|---|---:|---:|---:|---:|")
+    for length in args.lengths:
+        for name, way in ways.items():
+            counter.ops = counter.sampling_ops = 0
+            with counter:
+                way(batch, length, 0)
+            print(
+                f"| {name} | {length} | {counter.ops:,} | {counter.sampling_ops:,} | {counter.ops / length:,.0f} |",
+                flush=True,
+            )
+    model.train()
+    width = batch["input_ids"].shape[1] + max(args.lengths)
+    for label, rows in (("one row per prompt (ours)", args.batch_size), ("one row per sample (TRL)", None)):
+        rows = rows or args.batch_size * args.num_generations
+        ids = torch.randint(0, tokenizer.vocab_size, (rows, width))
+        counter.ops = 0
+        with counter:
+            model(input_ids=ids, labels=ids).loss.backward()
+        print(f"| training pass: {label}, {rows} rows of {width} tokens | - | {counter.ops:,} | - | - |", flush=True)
 
 
 if __name__ == "__main__":
