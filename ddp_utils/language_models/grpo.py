@@ -121,16 +121,17 @@ class SeededSampling:
 def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, args, step: int) -> dict:
     """`args.num_generations` completions for each prompt of `batch`, at most `args.max_completion_length`
     tokens, sampled by (seed, step, prompt, sample) (`SeededSampling`). Each prompt is computed once: its cache
-    is copied to its samples. Returns the rollout rows: prompt and completion ids, the completion mask (up to
-    and with the stop token), whether each was cut at the maximum, and the prompt's index and sample weight,
-    each repeated per sample. All ranks call this (with sharded weights generation steps them together)."""
+    is copied to its samples, and its last position's logits give their first tokens. Returns the rollout rows:
+    prompt and completion ids, the completion mask (up to and with the stop token), whether each was cut at the
+    maximum, and the prompt's index and sample weight, each repeated per sample. All ranks call this (with sharded
+    weights generation steps them together)."""
     from transformers import DynamicCache, GenerationConfig
 
     generator = accelerator.unwrap_model(model)
     group = args.num_generations
     stops = stop_token_ids(tokenizer, generator.generation_config)
     config = GenerationConfig(
-        max_new_tokens=args.max_completion_length,
+        max_new_tokens=max(args.max_completion_length - 1, 1),  # after the first token, drawn before `generate`
         do_sample=False,  # the sampling is SeededSampling's
         eos_token_id=stops,
         pad_token_id=tokenizer.pad_token_id,
@@ -139,29 +140,35 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     prompts, mask = batch["input_ids"], batch["attention_mask"]
     seeds = [sample_seed(args.seed, step, int(i), k) for i in batch["index"].tolist() for k in range(group)]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    sampling = SeededSampling(seeds, args.temperature, args.top_p)
     was_training = generator.training
     generator.eval()
     try:
         cache = DynamicCache(config=generator.config)
-        with torch.no_grad(), accelerator.autocast():  # the prompts once, all but their last token
-            generator(
-                input_ids=prompts[:, :-1],
-                attention_mask=mask[:, :-1],
-                position_ids=positions[:, :-1],
+        with torch.no_grad(), accelerator.autocast():  # the prompts once: their cache and their last token's logits
+            logits = generator(
+                input_ids=prompts,
+                attention_mask=mask,
+                position_ids=positions,
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
-            )
+            ).logits[:, -1]
         cache.batch_repeat_interleave(group)
-        with torch.no_grad(), accelerator.autocast(), only_this_config(generator):
-            output = generator.generate(
-                input_ids=prompts.repeat_interleave(group, dim=0),
-                attention_mask=mask.repeat_interleave(group, dim=0),
-                past_key_values=cache,
-                generation_config=config,
-                logits_processor=[SeededSampling(seeds, args.temperature, args.top_p)],
-                synced_gpus=accelerator.num_processes > 1 and is_sharded(accelerator),
-            )
+        # Each sample's first token drawn here, from its prompt's logits, so that `generate` starts after it: one
+        # forward pass fewer than letting it compute the prompt's last token again (on a GPU, launches are the cost).
+        first = sampling(None, logits.repeat_interleave(group, dim=0)).argmax(dim=-1, keepdim=True)
+        output = torch.cat([prompts.repeat_interleave(group, dim=0), first.to(prompts.device)], dim=1)
+        if args.max_completion_length > 1:
+            with torch.no_grad(), accelerator.autocast(), only_this_config(generator):
+                output = generator.generate(
+                    input_ids=output,
+                    attention_mask=torch.cat([mask.repeat_interleave(group, dim=0), torch.ones_like(first)], dim=1),
+                    past_key_values=cache,
+                    generation_config=config,
+                    logits_processor=[sampling],
+                    synced_gpus=accelerator.num_processes > 1 and is_sharded(accelerator),
+                )
     finally:
         generator.train(was_training)
     completions = output[:, prompts.shape[1] :]
