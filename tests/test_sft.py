@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -411,7 +412,11 @@ def test_lora_on_the_last_layers_stops_the_backward_pass_below_them(checkpointin
             *(["--gradient_checkpointing"] if checkpointing else []),
         ]
     )
-    model = load_causal_lm(args, AutoConfig.from_pretrained(tiny_lm), AutoTokenizer.from_pretrained(tiny_lm))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_causal_lm(args, AutoConfig.from_pretrained(tiny_lm), AutoTokenizer.from_pretrained(tiny_lm))
+    assert model.get_base_model().is_activation_checkpointing == checkpointing
+    assert not [w for w in caught if "gradient_checkpointing_enable" in str(w.message)], "the deprecated name"
     adapted = {name.split(".layers.")[1].split(".")[0] for name, p in model.named_parameters() if p.requires_grad}
     assert adapted == {"1"}
     model.train()

@@ -221,7 +221,10 @@ def load_causal_lm(args, config, tokenizer):
             "GPT-2, ...)"
         )
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x's name; the old one warns
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if args.lora_last_layers:  # see lora.add_lora
             model.disable_input_require_grads()
     if args.lora_r:
