@@ -230,8 +230,15 @@ def tiny_data(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session", autouse=True)
 def isolated_hf_home(tmp_path_factory):
-    """Keep the datasets/evaluate caches of the launched runs out of the user's home."""
-    os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf-home"))
+    """Keep the datasets/evaluate caches of the launched runs out of the user's home. The dequantized copies
+    of GGUF files are shared by the test processes of one run (pytest-xdist's workers): the demo LLM's takes
+    30 s or more to make, and its writer is safe with several at once (a staging folder, then a rename)."""
+    home = tmp_path_factory.mktemp("hf-home")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "dequantized-gguf"  # the run's folder, above each worker's
+        shared.mkdir(exist_ok=True)
+        (home / "dequantized-gguf").symlink_to(shared, target_is_directory=True)
+    os.environ["HF_HOME"] = str(home)
     yield
 
 
