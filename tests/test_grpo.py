@@ -167,6 +167,67 @@ def test_a_prompts_samples_depend_on_the_seed_step_and_prompt_alone_not_on_its_b
     assert samples([7], step=1)[7] != alone, "each step samples anew"
 
 
+def stop_first(rows):
+    """A SeededSampling that draws the stop token for `rows` on its first call (each sample's first token, drawn
+    before `generate`) and samples as usual after."""
+    from ddp_utils.language_models import grpo
+
+    class StopFirst(grpo.SeededSampling):
+        calls = 0
+
+        def __call__(self, input_ids, scores):
+            out = super().__call__(input_ids, scores)
+            if StopFirst.calls == 0:
+                out[rows] = -math.inf
+                out[rows, StopFirst.stop] = 0.0
+            StopFirst.calls += 1
+            return out
+
+    return StopFirst
+
+
+@pytest.mark.fast
+def test_a_sample_that_ends_at_its_first_token_is_one_token_long_and_does_not_keep_generation_going(
+    chat_lm, monkeypatch
+):
+    """Each sample's first token is drawn before `generate`, which does not read its input's last token: a
+    sample that drew a stop token must still count as ended, and with every sample ended generation stops at
+    once. With --max_completion_length 1 `generate` is not called at all."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.language_models import grpo
+    from ddp_utils.language_models.causal_lm import load_tokenizer
+
+    accelerator, tokenizer = Accelerator(cpu=True), load_tokenizer(str(chat_lm))
+    model = AutoModelForCausalLM.from_pretrained(chat_lm).eval()
+    batch = PromptCollator(tokenizer.pad_token_id)(
+        [{"input_ids": tokenizer("the movie was good")["input_ids"], "index": 0}]
+    )
+    args = Namespace(num_generations=3, max_completion_length=6, seed=0, temperature=1.0, top_p=1.0)
+    eos = tokenizer.eos_token_id
+
+    sampler = stop_first([0])
+    sampler.stop = eos
+    monkeypatch.setattr(grpo, "SeededSampling", sampler)
+    out = sample_completions(accelerator, model, batch, tokenizer, args, step=0)
+    assert out["completion_ids"][0, 0] == eos and out["completion_mask"][0].sum() == 1 and not out["truncated"][0]
+
+    sampler = stop_first([0, 1, 2])
+    sampler.stop = eos
+    monkeypatch.setattr(grpo, "SeededSampling", sampler)
+    out = sample_completions(accelerator, model, batch, tokenizer, args, step=0)
+    assert out["completion_ids"].shape[1] <= 2, "every sample had ended: generation goes no further"
+    assert out["completion_mask"].sum(dim=1).tolist() == [1, 1, 1]
+
+    monkeypatch.setattr(grpo, "SeededSampling", SeededSampling)
+    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("one token needs no generate"))
+    out = sample_completions(
+        accelerator, model, batch, tokenizer, Namespace(**{**vars(args), "max_completion_length": 1}), 0
+    )
+    assert out["completion_ids"].shape == (3, 1) and out["completion_mask"].tolist() == [[1], [1], [1]]
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize(
     "reward, expected",

@@ -118,6 +118,20 @@ class SeededSampling:
         return logps + gumbel.to(logps.device)
 
 
+class EndedStaysEnded:
+    """A logits processor for the samples whose first token, drawn before `generate`, was a stop token: it
+    draws that token again, so `generate` counts them finished after its first step (it does not read its
+    input's last token) instead of decoding them to the maximum length."""
+
+    def __init__(self, ended: torch.Tensor, stop: int):
+        self.ended, self.stop = ended, stop
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores[:1], -math.inf)
+        forced[:, self.stop] = 0.0
+        return torch.where(self.ended[:, None].to(scores.device), forced, scores)
+
+
 def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, args, step: int) -> dict:
     """`args.num_generations` completions for each prompt of `batch`, at most `args.max_completion_length`
     tokens, sampled by (seed, step, prompt, sample) (`SeededSampling`). Each prompt is computed once: its cache
@@ -157,16 +171,18 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
         cache.batch_repeat_interleave(group)
         # Each sample's first token drawn here, from its prompt's logits, so that `generate` starts after it: one
         # forward pass fewer than letting it compute the prompt's last token again (on a GPU, launches are the cost).
-        first = sampling(None, logits.repeat_interleave(group, dim=0)).argmax(dim=-1, keepdim=True)
-        output = torch.cat([prompts.repeat_interleave(group, dim=0), first.to(prompts.device)], dim=1)
-        if args.max_completion_length > 1:
+        first = sampling(None, logits.repeat_interleave(group, dim=0)).argmax(dim=-1, keepdim=True).to(prompts.device)
+        output = torch.cat([prompts.repeat_interleave(group, dim=0), first], dim=1)
+        ended = torch.isin(first[:, 0], torch.tensor(stops, device=first.device))
+        processors = [sampling, *([EndedStaysEnded(ended, stops[0])] if bool(ended.any()) else [])]
+        if args.max_completion_length > 1:  # the same on every rank: with sharded weights they generate together
             with torch.no_grad(), accelerator.autocast(), only_this_config(generator):
                 output = generator.generate(
                     input_ids=output,
                     attention_mask=torch.cat([mask.repeat_interleave(group, dim=0), torch.ones_like(first)], dim=1),
                     past_key_values=cache,
                     generation_config=config,
-                    logits_processor=[sampling],
+                    logits_processor=processors,
                     synced_gpus=accelerator.num_processes > 1 and is_sharded(accelerator),
                 )
     finally:
