@@ -17,10 +17,10 @@ Reports seconds per batch (the mean of --batches after one warm-up) and the rati
     python bench/bench_sampling.py --count_ops     # the operators each way runs: what a GPU launches
 
 With --count_ops it times nothing: it counts the operators (torch's aten ops, views left out) each way runs
-for one batch, and those of one training pass (forward and backward, LoRA r16) on a GRPO step's rows: one row
-per prompt (ours) against one per sample (TRL). On a GPU a small model's step is bound by those launches, not
-by its FLOPs; the weights are drawn at random, so every sample runs to its maximum length, as in the first
-GPU run's step 10.
+for one batch, and those of one training pass (forward and backward of the completions' log-probs, LoRA r16)
+on those samples: one row per prompt, as the script lays them out, against one per completion (TRL's). On a
+GPU a small model's step is bound by those launches, not by its FLOPs; the weights are drawn at random, so
+every sample runs to its maximum length, as in the first GPU run's step 10.
 """
 
 import argparse
@@ -37,6 +37,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ddp_utils.language_models import grpo
 from ddp_utils.language_models.generation import stop_token_ids
+from ddp_utils.language_models.group_scoring import completion_logps
+from ddp_utils.language_models.pair_scoring import ONE_ROW, TWO_ROWS
 
 TrainGrpoSampling = grpo.SeededSampling
 
@@ -194,15 +196,22 @@ def count_operators(args, model, tokenizer, batch, transformers_generate, ours) 
                 f"| {name} | {length} | {counter.ops:,} | {counter.sampling_ops:,} | {counter.ops / length:,.0f} |",
                 flush=True,
             )
+    # The training pass of a GRPO step on these samples: the script's layout (a row per prompt: the prompt, then its
+    # G completions under a 4D mask) against a row per completion (TRL's), through the script's own log-probs.
+    settings = argparse.Namespace(
+        num_generations=args.num_generations, max_completion_length=max(args.lengths), seed=42, temperature=1.0,
+        top_p=1.0, loss_type="token",
+    )  # fmt: skip
     model.train()
-    width = batch["input_ids"].shape[1] + max(args.lengths)
-    for label, rows in (("one row per prompt (ours)", args.batch_size), ("one row per sample (TRL)", None)):
-        rows = rows or args.batch_size * args.num_generations
-        ids = torch.randint(0, tokenizer.vocab_size, (rows, width))
+    for label, layout in (("one row per prompt (ours)", ONE_ROW), ("one row per completion (TRL)", TWO_ROWS)):
+        rollout = grpo.sample_completions(Accelerator(cpu=True), model, batch, tokenizer, settings, 0)
+        grpo.finish_rollouts([rollout], torch.randn(len(rollout["index"])), settings, layout, tokenizer.pad_token_id)
+        rows = len(rollout["rows"]["input_ids"]) if layout == ONE_ROW else len(rollout["index"])
         counter.ops = 0
         with counter:
-            model(input_ids=ids, labels=ids).loss.backward()
-        print(f"| training pass: {label}, {rows} rows of {width} tokens | - | {counter.ops:,} | - | - |", flush=True)
+            logps = completion_logps(model, rollout, layout)
+            (logps * rollout["completion_mask"]).sum().backward()
+        print(f"| training pass: {label}, {rows} rows | - | {counter.ops:,} | - | - |", flush=True)
 
 
 if __name__ == "__main__":
