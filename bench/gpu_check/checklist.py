@@ -209,6 +209,7 @@ class StepFailed(Exception):
 class Checklist:
     def __init__(self, args):
         self.args, self.dry_run = args, args.dry_run
+        self.llm_shape = getattr(args, "llm_shape", None)  # the LLM's config and tokenizer: its weights drawn at random
         self.sizes = Sizes(self.dry_run)
         self.results = Path(args.results).resolve()
         self.logs = self.results / "logs"
@@ -289,8 +290,8 @@ class Checklist:
         args = []
         if any(needs_llm(step) for step in steps):
             args = ["--llm", self.results / "llm", self.sizes.llm_train, self.sizes.llm_eval]
-            if getattr(self.args, "llm_shape", None):
-                args += ["--llm_shape", Path(self.args.llm_shape).resolve()]
+            if self.llm_shape:
+                args += ["--llm_shape", Path(self.llm_shape).resolve()]
         try:
             found = self.helper("env", *args)
             self.data["environment"], self._llm = found["environment"], found.get("llm")
@@ -559,7 +560,7 @@ class Checklist:
         block 256, bf16 through the launch config, the demo's generation settings; no checkpoints."""
         s, llm = self.sizes, self.llm()
         model = ["--model_name_or_path", llm["gguf_dir"], "--gguf_file", llm["gguf_file"]] if self.dry_run else []
-        if getattr(self.args, "llm_shape", None):
+        if self.llm_shape:
             model = ["--model_name_or_path", llm["model_dir"]]
         args = [
             *model,
@@ -1500,8 +1501,9 @@ def helper_llm_prep(args) -> dict:
 
 def random_weights_llm(shape: Path, target: Path) -> str:
     """A model directory of the LLM whose config and tokenizer are in `shape`, with weights drawn at random
-    (seed 0, the architecture's own initialization, float32 as the dequantized demo's): every speed figure of
-    the real model (the same shapes, the same kernels) in a call that cannot carry its weights."""
+    (seed 0, the architecture's own initialization, float32 as the dequantized demo's): the real model's training
+    speed and memory (the same shapes, the same kernels) in a call that cannot carry its weights; its generation
+    runs every answer to its maximum length (no stop token is drawn), its accuracy means nothing."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
