@@ -121,6 +121,24 @@ def only_this_config(model):
             m.generation_config = config
 
 
+@contextlib.contextmanager
+def in_weights_dtype(model):
+    """While sampling: `model` (unwrapped) runs in its weights' own dtype, without the mixed-precision autocast
+    that Accelerate's `prepare` wraps its forward in (`unwrap_model` keeps it). Under autocast, every frozen weight
+    is cast again at each call: a third more launches per new token, and more bytes read than the fp32 weights
+    themselves. peft's `generate` calls its base model and so skips the wrapper already (TRL's sampling runs so).
+    The KV cache is then in the weights' dtype: twice the memory of a bf16 one for fp32 weights."""
+    patched, original = vars(model).get("forward"), vars(model).get("_original_forward")  # set by prepare
+    if patched is None or original is None:
+        yield
+        return
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = patched
+
+
 def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max_new_tokens: int) -> list[str]:
     """All ranks call this (a gather per batch): greedy answers of at most `max_new_tokens` tokens
     to every prompt of a prepared dataloader of `LeftPaddingCollator` batches, in the dataset's

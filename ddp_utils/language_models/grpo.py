@@ -23,7 +23,7 @@ from ..core.sharded import is_sharded
 from ..data.dataloaders import SAMPLE_WEIGHT
 from ..training.exact_loss import INPUT_TOKENS
 from .chat import render
-from .generation import only_this_config, stop_token_ids
+from .generation import in_weights_dtype, only_this_config, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
 from .pair_scoring import ONE_ROW
 
@@ -99,8 +99,9 @@ def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
 
 class SeededSampling:
     """A logits processor that turns greedy decoding into sampling with temperature and top-p, each row drawing
-    from its own generator: argmax(log p + Gumbel noise) is a sample from p. The noise is drawn on the CPU, so
-    the same seeds give the same samples on any device."""
+    from its own generator: argmax(log p + Gumbel noise) is a sample from p. The uniform draws are made on the CPU,
+    so the same seeds give the same samples on any device; their transform runs where the logits are (on a GPU it
+    cost the CPU as much again per token)."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float):
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
@@ -113,9 +114,8 @@ class SeededSampling:
             before = sorted_logps.exp().cumsum(dim=-1) - sorted_logps.exp()  # the mass of the tokens ranked above
             dropped = torch.zeros_like(logps, dtype=torch.bool).scatter(-1, order, before >= self.top_p)
             logps = logps.masked_fill(dropped, -math.inf)
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
-        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1 - 1e-7)))
-        return logps + gumbel.to(logps.device)
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators]).to(logps.device)
+        return logps - torch.log(-torch.log(uniform.clamp(min=1e-20, max=1 - 1e-7)))
 
 
 class EndedStaysEnded:
@@ -135,7 +135,9 @@ class EndedStaysEnded:
 def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, args, step: int) -> dict:
     """`args.num_generations` completions for each prompt of `batch`, at most `args.max_completion_length`
     tokens, sampled by (seed, step, prompt, sample) (`SeededSampling`). Each prompt is computed once: its cache
-    is copied to its samples, and its last position's logits give their first tokens. Returns the rollout rows:
+    is copied to its samples, and its last position's logits give their first tokens. The model samples in its
+    weights' dtype, without the run's autocast (`in_weights_dtype`); the training pass scores in the run's precision.
+    Returns the rollout rows:
     prompt and completion ids, the completion mask (up to and with the stop token), whether each was cut at the
     maximum, and the prompt's index and sample weight, each repeated per sample. All ranks call this (with sharded
     weights generation steps them together)."""
@@ -159,7 +161,7 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     generator.eval()
     try:
         cache = DynamicCache(config=generator.config)
-        with torch.no_grad(), accelerator.autocast():  # the prompts once: their cache and their last token's logits
+        with torch.no_grad(), in_weights_dtype(generator):  # the prompts once: their cache and last token's logits
             logits = generator(
                 input_ids=prompts,
                 attention_mask=mask,
@@ -176,7 +178,7 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
         ended = torch.isin(first[:, 0], torch.tensor(stops, device=first.device))
         processors = [sampling, *([EndedStaysEnded(ended, stops[0])] if bool(ended.any()) else [])]
         if args.max_completion_length > 1:  # the same on every rank: with sharded weights they generate together
-            with torch.no_grad(), accelerator.autocast(), only_this_config(generator):
+            with torch.no_grad(), in_weights_dtype(generator), only_this_config(generator):
                 output = generator.generate(
                     input_ids=output,
                     attention_mask=torch.cat([mask.repeat_interleave(group, dim=0), torch.ones_like(first)], dim=1),
