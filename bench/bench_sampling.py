@@ -21,6 +21,11 @@ for one batch, and those of one training pass (forward and backward of the compl
 on those samples: one row per prompt, as the script lays them out, against one per completion (TRL's). On a
 GPU a small model's step is bound by those launches, not by its FLOPs; the weights are drawn at random, so
 every sample runs to its maximum length, as in the first GPU run's step 10.
+
+    python bench/bench_sampling.py --count_ops --bf16   # as the GPU runs were: the model prepared in bf16
+
+With --bf16 the model is prepared by a bf16 Accelerator, whose autocast wraps its forward, as in the script and
+in TRL's trainer on the GPU; peft's `generate` calls its base model and so samples without it.
 """
 
 import argparse
@@ -93,20 +98,26 @@ def parse_args():
     p.add_argument("--batch_size", type=int, default=2, help="prompts per batch (the demo's per-device batch)")
     p.add_argument("--model", default=None, help="a local model directory (default: the demo LLM, dequantized)")
     p.add_argument("--count_ops", action="store_true", help="count each way's operators instead of timing it")
+    p.add_argument("--bf16", action="store_true", help="the model prepared by a bf16 Accelerator, as the GPU runs were")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.bf16 else "no")
     model_dir = args.model or demo_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if args.count_ops:  # weights drawn at random: no sample stops early
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
+        from peft import LoraConfig, get_peft_model  # the training pass's LoRA, as on the GPU
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear"))
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if args.bf16:  # prepare wraps the forward in bf16 autocast; peft's generate calls its base model, which skips it
+        model = accelerator.prepare(model)
     raw = demo_raw_datasets("train_grpo")
     prompts = grpo.tokenize_prompts(raw, tokenizer, 512, True)["train"].shuffle(seed=0)
     collate = grpo.PromptCollator(tokenizer.pad_token_id)
@@ -145,14 +156,15 @@ def main():
         return run
 
     if args.count_ops:
-        return count_operators(args, model, tokenizer, batches[0], transformers_generate, ours)
+        return count_operators(args, accelerator, model, tokenizer, batches[0], transformers_generate, ours)
     ways = {
         "transformers generate (prompt G times)": transformers_generate,
         "ours, one draw per process": ours(OneDrawPerProcess),
         "ours (seeded per sample)": ours(TrainGrpoSampling),
     }
+    precision = "bf16 autocast" if args.bf16 else "fp32"
     print(
-        f"{args.batch_size} prompts a batch, G {args.num_generations}, temperature 1, fp32, 1 process, "
+        f"{args.batch_size} prompts a batch, G {args.num_generations}, temperature 1, {precision}, 1 process, "
         f"{torch.get_num_threads()} thread(s); {psutil.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
     )
     print("\n| way | max new tokens | s / batch | prompts/s | × transformers |")
@@ -173,18 +185,18 @@ def main():
             )
 
 
-def count_operators(args, model, tokenizer, batch, transformers_generate, ours) -> None:
+def count_operators(args, accelerator, model, tokenizer, batch, transformers_generate, ours) -> None:
     """One batch of each way, and one training pass on each layout's rows, with their operators counted."""
-    from peft import LoraConfig, get_peft_model
-
     counter = OperatorCount()
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear"))
     ways = {
         "transformers generate (prompt G times)": transformers_generate,
         "ours, one draw per process": ours(counted(OneDrawPerProcess, counter)),
         "ours (seeded per sample)": ours(counted(TrainGrpoSampling, counter)),
     }
-    print(f"{args.batch_size} prompts a batch, G {args.num_generations}, LoRA r16, weights drawn at random")
+    precision = "the model prepared in bf16 (autocast)" if args.bf16 else "fp32"
+    print(
+        f"{args.batch_size} prompts a batch, G {args.num_generations}, LoRA r16, weights drawn at random, {precision}"
+    )
     print("\n| work | max new tokens | operators | in the sampling processor | per new token |")
     print("|---|---:|---:|---:|---:|")
     for length in args.lengths:
@@ -204,7 +216,7 @@ def count_operators(args, model, tokenizer, batch, transformers_generate, ours) 
     )  # fmt: skip
     model.train()
     for label, layout in (("one row per prompt (ours)", ONE_ROW), ("one row per completion (TRL)", TWO_ROWS)):
-        rollout = grpo.sample_completions(Accelerator(cpu=True), model, batch, tokenizer, settings, 0)
+        rollout = grpo.sample_completions(accelerator, model, batch, tokenizer, settings, 0)
         grpo.finish_rollouts([rollout], torch.randn(len(rollout["index"])), settings, layout, tokenizer.pad_token_id)
         rows = len(rollout["rows"]["input_ids"]) if layout == ONE_ROW else len(rollout["index"])
         counter.ops = 0
