@@ -3,6 +3,9 @@ one Markdown table with each run's speed and memory as ratios to its TRL peer.""
 
 import importlib.util
 import json
+import os
+import shutil
+import statistics
 from pathlib import Path
 
 from bench_train import run_one
@@ -19,6 +22,7 @@ def add_side_by_side_args(p, names: dict, workdir: Path) -> None:
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--only", nargs="*", default=None, choices=list(names), help="run only these contenders")
     p.add_argument("--workdir", default=str(workdir), help="where runs write")
+    p.add_argument("--count_ops", action="store_true", help="count each step's operators (speeds then mean nothing)")
 
 
 def peak_gpu_mib(data: dict) -> float | None:
@@ -37,10 +41,17 @@ def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, en
             print(f"skipped: {names[key]}" + ("" if have_trl else " (trl is not installed)"), flush=True)
             continue
         print(f"running {names[key]} ...", flush=True)
+        ops_dir = workdir / "ops" / key
+        if args.count_ops:  # op_count/sitecustomize.py counts in every process the run starts
+            shutil.rmtree(ops_dir, ignore_errors=True)
+            paths = [str(Path(__file__).resolve().parent / "op_count"), env.get("PYTHONPATH")]
+            env = {**env, "OPS_PER_STEP_DIR": str(ops_dir), "PYTHONPATH": os.pathsep.join(filter(None, paths))}
         result = run_one(command, result_file, workdir / f"{key}.log", env)
         if result["data"].get("world_size") != args.processes:
             raise SystemExit(f"{names[key]} trained on {result['data'].get('world_size')} process(es); see its log")
         result.update(figures(key, result["data"]))
+        if args.count_ops:
+            result["ops_per_step"] = ops_per_step(ops_dir)
         results[key] = result
         gpu = f", peak GPU {result['gpu_mib']:.0f} MiB" if result["gpu_mib"] else ""
         print(
@@ -52,6 +63,18 @@ def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, en
         figures_only = {key: {k: v for k, v in r.items() if k != "data"} for key, r in results.items()}
         Path(args.json).write_text(json.dumps(figures_only, indent=1))
     return results
+
+
+def ops_per_step(ops_dir: Path) -> int | None:
+    """The median operators of a step, on the process that counted the most: each step's from the end of the one
+    before (the first step, with the set-up before it, left out); None with fewer than 3 steps."""
+    per_process = []
+    for path in ops_dir.glob("ops-*.json"):
+        ends = json.loads(path.read_text())["step_ends"]
+        steps = [b - a for a, b in zip(ends, ends[1:])]
+        if len(steps) >= 2:
+            per_process.append(round(statistics.median(steps)))
+    return max(per_process) if per_process else None
 
 
 def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) -> None:
@@ -72,3 +95,11 @@ def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) ->
             f"| {names[key]} | {r['per_s']:.3f} | {speed} | {r['wall_s']:.1f} | {r['peak_rss_mib']:.0f} "
             f"| {gpu} | {memory} | {r['steps']} | {r['exit']} |"
         )
+    if any("ops_per_step" in r for r in results.values()):
+        print("\nOperators per optimizer step (on a GPU: kernel launches; the speeds above are slowed by the count):")
+        print("\n| run | operators / step | × TRL |\n|---|---:|---:|")
+        for key, r in results.items():
+            base = results.get(baseline[key], {}).get("ops_per_step")
+            ops = r.get("ops_per_step")
+            ratio = f"{ops / base:.2f}" if ops and base else "-"
+            print(f"| {names[key]} | {ops:,} | {ratio} |" if ops else f"| {names[key]} | - | - |")

@@ -19,6 +19,7 @@ import math
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -123,6 +124,10 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
         "gpu_check.md",
         "gpu_check_logs.tar.gz",
     ]
+    with tarfile.open(results / "out" / "gpu_check_logs.tar.gz") as tar:  # the side-by-side runs' own logs too
+        names = tar.getnames()
+    lane = next(name.split("/step10/")[0] for name in names if "/step10/" in name)  # the dry run's lane of step 10
+    assert f"{lane}/step10/ours.log" in names and f"{lane}/step10/ours/train_log.jsonl" in names, names
 
 
 def test_make_gpu_check_runs_the_checklist_with_the_machines_own_python():
@@ -359,7 +364,7 @@ def test_the_call_plan_fits_each_session_and_runs_every_step_not_yet_run_on_a_gp
     estimated seconds fit its --budget_s; every step that has not yet run on a GPU is planned; README shows it."""
     checklist, payload = load(CHECKLIST), load(PAYLOAD)
     calls, rows = checklist.CALLS, checklist.plan()
-    ran_on_a_gpu = {"1", "2a", "4", "7"}  # session 1 (2026-11-26): GPU_S holds its runs
+    ran_on_a_gpu = {"1", "2a", "4", "7", "9", "10"}  # sessions 1 and 2 (2026-11-26): GPU_S holds their runs
     assert ran_on_a_gpu <= {step for step, _ in checklist.GPU_S}
     assert set(checklist.STEPS) - ran_on_a_gpu <= {s for call in calls for s in call["steps"]}
 
@@ -459,3 +464,31 @@ def test_ours_peak_gpu_memory_is_read_from_its_per_process_figures():
     assert peak_gpu_mib({"peak_gpu_memory_mb": 2973.0}) == 2973.0
     assert peak_gpu_mib({"peak_gpu_memory_mb_per_rank": [None, None]}) is None
     assert peak_gpu_mib({}) is None
+
+
+@pytest.mark.fast
+def test_the_operator_count_gives_each_steps_operators_also_when_the_process_ends_with_os_exit(tmp_path):
+    """side_by_side.py --count_ops: op_count/sitecustomize.py counts in any process (our scripts end with os._exit,
+    which skips atexit); each step's count is the same from step to step, and grows with the step's work."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from side_by_side import ops_per_step
+
+    program = (
+        "import os, sys, torch\n"
+        "model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(int(sys.argv[1]))])\n"
+        "optimizer = torch.optim.AdamW(model.parameters())\n"
+        "for _ in range(5):\n"
+        "    model(torch.randn(2, 4)).sum().backward(); optimizer.step(); optimizer.zero_grad()\n"
+        "os._exit(0)\n"
+    )
+    counts = {}
+    for layers in (1, 3):
+        folder = tmp_path / str(layers)
+        env = {**launch_env(), "OPS_PER_STEP_DIR": str(folder), "PYTHONPATH": str(REPO / "bench" / "op_count")}
+        subprocess.run([sys.executable, "-c", program, str(layers)], env=env, check=True, timeout=120)
+        (ends,) = [json.loads(path.read_text())["step_ends"] for path in folder.glob("ops-*.json")]
+        steps = [b - a for a, b in zip(ends, ends[1:])]
+        assert len(ends) == 5 and len(set(steps)) == 1, ends
+        counts[layers] = ops_per_step(folder)
+        assert counts[layers] == steps[0]
+    assert counts[3] > counts[1] > 0, counts

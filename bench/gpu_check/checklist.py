@@ -140,22 +140,24 @@ GPU_S = {
     ("4", "train"): 55.0,  # with the reload
     ("7", "image"): 30.5,
     ("7", "lora"): 66.6,
-    ("10", "bench_grpo"): 200.0,  # its runs: 94.7 s and 91.0 s; the preparation and the call's end not seen
+    # Session 2 (a second H200, 2026-11-26): the steps' whole wall time, from their records.
+    ("9", "bench_dpo"): 370.3,  # 4 runs; 279 s estimated
+    ("10", "bench_grpo"): 268.1,  # its runs: 146.6 s and 111.8 s (94.7 s and 91.0 s on session 1's machine)
 }
 # The device calls still to make (README "The device calls"), session by session: a session has 15 device minutes
 # and one machine start; the machine goes back 30 s after a call. `carry`: the payload's parts and folders (payload.py's
 # sets: step1 and llm_shape in one part each, llm in two); `shape`: the LLM steps run with --llm_shape (the demo LLM's
 # architecture, its weights drawn at random). Session 1 (2026-11-26) ran steps 1, 2a, 4 and 7, 2b's first case,
-# and step 10's runs (the call ended before their record), with step1-1 and peft and trl (bench/gpu_check/README.md).
+# and step 10's runs (the call ended before their record); session 2 (2026-11-26) ran steps 10 and 9
+# (bench/gpu_check/README.md).
 CALLS = [
-    # Step 10 first: its time is measured; step 9's is an estimate of the kind that proved up to 3 times short.
-    {"session": 2, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["10", "9"]},
-    {"session": 2, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["2b"]},
-    {"session": 3, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["3", "5", "6"]},
-    {"session": 3, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["8"]},
+    # Step 10 again: sampling without the run's autocast came after session 2; 2b's checkpointed case.
+    {"session": 3, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["10", "2b"]},
+    {"session": 3, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["3"]},
+    {"session": 4, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["5", "6", "8"]},
     # The demo LLM's own weights: generation accuracy on a GPU (two calls carry them).
-    {"session": 4, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
-    {"session": 4, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["2a", "4"]},
+    {"session": 5, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
+    {"session": 5, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["2a", "4"]},
 ]
 SESSION_S = 900  # a session's device time
 # Which of payload.py's sets a step can run with (any one of them installed); the other steps run the LLM.
@@ -973,7 +975,7 @@ class Checklist:
             return {}
         run["figures"] = figures = read_json(out)
         rows = [
-            [name, f(r["per_s"], 3), cell(r.get("gpu_mib")), f(r["peak_rss_mib"], 0), r["steps"]]
+            [name, f(r["per_s"], 3), f(r.get("gpu_mib"), 0), f(r["peak_rss_mib"], 0), r["steps"]]
             for name, r in figures.items()
         ]
         self.table(["run", f"{unit}/s", "peak GPU MiB", "peak RSS MiB", "steps"], rows)
@@ -1010,7 +1012,9 @@ def fp16(command: list) -> list:
 
 def write_results(results: Path, data: dict, copy_to: Path | None) -> None:
     """gpu_check.json and gpu_check.md in `results`; with `copy_to` ($OUT on the GPU machine) also there,
-    with every log (logs/, lanes/*/logs/) in gpu_check_logs.tar.gz."""
+    with every log (logs/, lanes/*/logs/, and the side-by-side steps' runs: their logs and ours' train_log.jsonl,
+    whose records hold what the step's table does not, such as GRPO's generation share step by step) in
+    gpu_check_logs.tar.gz."""
     write_atomic(results / "gpu_check.json", json.dumps(data, indent=2, default=str) + "\n")
     write_atomic(results / "gpu_check.md", markdown(data))
     if not copy_to:
@@ -1020,7 +1024,10 @@ def write_results(results: Path, data: dict, copy_to: Path | None) -> None:
         shutil.copy(results / "gpu_check.json", copy_to / "gpu_check.json")
         shutil.copy(results / "gpu_check.md", copy_to / "gpu_check.md")
         with tarfile.open(copy_to / "gpu_check_logs.tar.gz", "w:gz") as tar:
-            for log in sorted(results.glob("logs/*.log")) + sorted(results.glob("lanes/*/logs/*.log")):
+            logs = []
+            for where in (results, *results.glob("lanes/*")):  # the dry run's lanes hold their steps' folders
+                logs += [*where.glob("logs/*.log"), *where.glob("step*/*.log"), *where.glob("step*/*/train_log.jsonl")]
+            for log in sorted(logs):
                 tar.add(log, arcname=str(log.relative_to(results)))
     except OSError as exc:
         print(f"could not copy the results to {copy_to}: {exc}", flush=True)
