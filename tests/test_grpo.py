@@ -240,49 +240,54 @@ def fresh_accelerator_state():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_sampling_runs_in_the_weights_dtype_and_training_keeps_the_runs_autocast(
-    chat_lm, monkeypatch, fresh_accelerator_state, lora
+@pytest.mark.parametrize(
+    "lora, compiled, sampled_in",
+    [(False, False, torch.bfloat16), (True, False, torch.float32), (True, True, torch.float32)],
+    ids=["full", "lora", "lora-compiled"],
+)
+def test_lora_on_fp32_weights_samples_in_fp32_and_training_keeps_the_runs_autocast(
+    chat_lm, monkeypatch, fresh_accelerator_state, lora, compiled, sampled_in
 ):
-    """Under the run's bf16 autocast every frozen weight is cast again at each new token: on the GPU a third more
-    launches than TRL's LoRA sampling, which skips the autocast (bench_sampling.py --count_ops --bf16). So the
-    samples come from the fp32 weights, and the model's forward is the run's autocast again afterwards, also after
-    a fault in generation."""
+    """Under the run's bf16 autocast LoRA's frozen fp32 weights are cast again at each new token: on the GPU a
+    third more launches than TRL's LoRA sampling, which skips the autocast (bench_sampling.py --count_ops --bf16).
+    So LoRA samples from the fp32 weights, compiled too (the compiled wrapper kept prepare's autocast); full
+    fine-tuning keeps the autocast, which casts its trainable weights once per call. The model's forward is the
+    run's autocast again afterwards, also after a fault in generation."""
     from accelerate import Accelerator
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from ddp_utils.language_models.causal_lm import load_tokenizer
 
-    accelerator, tokenizer = Accelerator(cpu=True, mixed_precision="bf16"), load_tokenizer(str(chat_lm))
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", dynamo_backend="eager" if compiled else "no")
+    tokenizer = load_tokenizer(str(chat_lm))
     model = AutoModelForCausalLM.from_pretrained(chat_lm, dtype=torch.float32)
     if lora:
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear"))
     model = accelerator.prepare(model)
+    inner = accelerator.unwrap_model(model, keep_torch_compile=False)  # called uncompiled below: no tracing here
+    assert compiled == (inner is not accelerator.unwrap_model(model))
     dtypes = []
-    accelerator.unwrap_model(model).get_output_embeddings().register_forward_hook(
-        lambda module, inputs, output: dtypes.append(output.dtype)
-    )
+    inner.get_output_embeddings().register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
     batch = PromptCollator(tokenizer.pad_token_id)(
         [{"input_ids": tokenizer("the movie was good")["input_ids"], "index": 0}]
     )
     args = Namespace(num_generations=2, max_completion_length=4, seed=0, temperature=1.0, top_p=1.0)
 
     sample_completions(accelerator, model, batch, tokenizer, args, step=0)
-    assert len(dtypes) >= 2 and set(dtypes) == {torch.float32}, dtypes  # the prompts' pass and each new token
+    assert len(dtypes) >= 2 and set(dtypes) == {sampled_in}, dtypes  # the prompts' pass and each new token
     dtypes.clear()
-    model(input_ids=batch["input_ids"])
+    inner(input_ids=batch["input_ids"])
     assert dtypes == [torch.bfloat16], "the training forward lost the run's autocast"
 
     def fault(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    generator = accelerator.unwrap_model(model)
-    monkeypatch.setattr(generator.get_base_model() if lora else generator, "generate", fault)
+    monkeypatch.setattr(inner.get_base_model() if lora else inner, "generate", fault)
     with pytest.raises(RuntimeError, match="out of memory"):
         sample_completions(accelerator, model, batch, tokenizer, args, step=0)
     dtypes.clear()
-    model(input_ids=batch["input_ids"])
+    inner(input_ids=batch["input_ids"])
     assert dtypes == [torch.bfloat16], "a fault in generation left the forward without the run's autocast"
 
 

@@ -121,13 +121,22 @@ def only_this_config(model):
             m.generation_config = config
 
 
+def sampling_precision(accelerator: Accelerator, model):
+    """The context to sample in with `model` (unwrapped, not compiled): the run's autocast, except where it would
+    cast frozen fp32 weights again at every new token (LoRA on fp32 weights; autocast caches only trainable ones):
+    there, on a GPU a third more launches per token (bench/README.md "The GPU check, session 2"), so the weights'
+    own dtype (`in_weights_dtype`), as TRL's LoRA sampling runs. Its KV cache is then fp32: twice a bf16 one."""
+    frozen_fp32 = any(not p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
+    if accelerator.mixed_precision in ("bf16", "fp16") and frozen_fp32:
+        return in_weights_dtype(model)
+    return accelerator.autocast()
+
+
 @contextlib.contextmanager
 def in_weights_dtype(model):
-    """While sampling: `model` (unwrapped) runs in its weights' own dtype, without the mixed-precision autocast
-    that Accelerate's `prepare` wraps its forward in (`unwrap_model` keeps it). Under autocast, every frozen weight
-    is cast again at each call: a third more launches per new token, and more bytes read than the fp32 weights
-    themselves. peft's `generate` calls its base model and so skips the wrapper already (TRL's sampling runs so).
-    The KV cache is then in the weights' dtype: twice the memory of a bf16 one for fp32 weights."""
+    """`model` (unwrapped) runs in its weights' own dtype, without the mixed-precision autocast that Accelerate's
+    `prepare` wraps its forward in (`unwrap_model` keeps it); prepare's forward is back on exit. peft's `generate`
+    calls its base model and so skips the wrapper already."""
     patched, original = vars(model).get("forward"), vars(model).get("_original_forward")  # set by prepare
     if patched is None or original is None:
         yield

@@ -23,7 +23,7 @@ from ..core.sharded import is_sharded
 from ..data.dataloaders import SAMPLE_WEIGHT
 from ..training.exact_loss import INPUT_TOKENS
 from .chat import render
-from .generation import in_weights_dtype, only_this_config, stop_token_ids
+from .generation import only_this_config, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
 from .pair_scoring import ONE_ROW
 
@@ -100,8 +100,8 @@ def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
 class SeededSampling:
     """A logits processor that turns greedy decoding into sampling with temperature and top-p, each row drawing
     from its own generator: argmax(log p + Gumbel noise) is a sample from p. The uniform draws are made on the CPU,
-    so the same seeds give the same samples on any device; their transform runs where the logits are (on a GPU it
-    cost the CPU as much again per token)."""
+    so they do not depend on the device or on the rows beside them; their transform runs where the logits are (on
+    a GPU, on the CPU it cost as much again per token)."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float):
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
@@ -135,15 +135,13 @@ class EndedStaysEnded:
 def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, args, step: int) -> dict:
     """`args.num_generations` completions for each prompt of `batch`, at most `args.max_completion_length`
     tokens, sampled by (seed, step, prompt, sample) (`SeededSampling`). Each prompt is computed once: its cache
-    is copied to its samples, and its last position's logits give their first tokens. The model samples in its
-    weights' dtype, without the run's autocast (`in_weights_dtype`); the training pass scores in the run's precision.
-    Returns the rollout rows:
-    prompt and completion ids, the completion mask (up to and with the stop token), whether each was cut at the
-    maximum, and the prompt's index and sample weight, each repeated per sample. All ranks call this (with sharded
-    weights generation steps them together)."""
+    is copied to its samples, and its last position's logits give their first tokens (in `sampling_precision`:
+    with LoRA on fp32 weights, fp32). Returns the rollout rows: prompt and completion ids, the completion mask (up
+    to and with the stop token), whether each was cut at the maximum, and the prompt's index and sample weight,
+    each repeated per sample. All ranks call this (with sharded weights generation steps them together)."""
     from transformers import DynamicCache, GenerationConfig
 
-    generator = accelerator.unwrap_model(model)
+    generator = accelerator.unwrap_model(model, keep_torch_compile=False)  # generate skips a compiled wrapper
     group = args.num_generations
     stops = stop_token_ids(tokenizer, generator.generation_config)
     config = GenerationConfig(
@@ -159,10 +157,10 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     sampling = SeededSampling(seeds, args.temperature, args.top_p)
     was_training = generator.training
     generator.eval()
-    try:
-        cache = DynamicCache(config=generator.config)
-        with torch.no_grad(), in_weights_dtype(generator):  # the prompts once: their cache and last token's logits
-            logits = generator(
+    try:  # one precision context for the whole call: autocast casts trainable weights once in it (its cache)
+        with torch.no_grad(), sampling_precision(accelerator, generator):
+            cache = DynamicCache(config=generator.config)
+            logits = generator(  # the prompts once: their cache and their last token's logits
                 input_ids=prompts,
                 attention_mask=mask,
                 position_ids=positions,
@@ -170,23 +168,24 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-        cache.batch_repeat_interleave(group)
-        # Each sample's first token drawn here, from its prompt's logits, so that `generate` starts after it: one
-        # forward pass fewer than letting it compute the prompt's last token again (on a GPU, launches are the cost).
-        first = sampling(None, logits.repeat_interleave(group, dim=0)).argmax(dim=-1, keepdim=True).to(prompts.device)
-        output = torch.cat([prompts.repeat_interleave(group, dim=0), first], dim=1)
-        ended = torch.isin(first[:, 0], torch.tensor(stops, device=first.device))
-        processors = [sampling, *([EndedStaysEnded(ended, stops[0])] if bool(ended.any()) else [])]
-        if args.max_completion_length > 1:  # the same on every rank: with sharded weights they generate together
-            with torch.no_grad(), in_weights_dtype(generator), only_this_config(generator):
-                output = generator.generate(
-                    input_ids=output,
-                    attention_mask=torch.cat([mask.repeat_interleave(group, dim=0), torch.ones_like(first)], dim=1),
-                    past_key_values=cache,
-                    generation_config=config,
-                    logits_processor=processors,
-                    synced_gpus=accelerator.num_processes > 1 and is_sharded(accelerator),
-                )
+            cache.batch_repeat_interleave(group)
+            # Each sample's first token drawn here, from its prompt's logits, so that `generate` starts after it: one
+            # forward pass fewer than letting it compute the prompt's last token again (on a GPU launches cost).
+            first = sampling(None, logits.repeat_interleave(group, dim=0)).argmax(dim=-1, keepdim=True)
+            first = first.to(prompts.device)
+            output = torch.cat([prompts.repeat_interleave(group, dim=0), first], dim=1)
+            ended = torch.isin(first[:, 0], torch.tensor(stops, device=first.device))
+            processors = [sampling, *([EndedStaysEnded(ended, stops[0])] if bool(ended.any()) else [])]
+            if args.max_completion_length > 1:  # the same on every rank: with sharded weights they generate together
+                with only_this_config(generator):
+                    output = generator.generate(
+                        input_ids=output,
+                        attention_mask=torch.cat([mask.repeat_interleave(group, dim=0), torch.ones_like(first)], 1),
+                        past_key_values=cache,
+                        generation_config=config,
+                        logits_processor=processors,
+                        synced_gpus=accelerator.num_processes > 1 and is_sharded(accelerator),
+                    )
     finally:
         generator.train(was_training)
     completions = output[:, prompts.shape[1] :]
