@@ -492,3 +492,26 @@ def test_the_operator_count_gives_each_steps_operators_also_when_the_process_end
         counts[layers] = ops_per_step(folder)
         assert counts[layers] == steps[0]
     assert counts[3] > counts[1] > 0, counts
+
+
+@pytest.mark.fast
+def test_the_report_merges_the_calls_json_with_later_steps_winning_and_each_call_once(tmp_path):
+    """`checklist.py --report`: a warm machine's JSON already holds its earlier calls, which the merge lists once
+    (session 2's table listed its first call twice); a step a later call ran again takes that call's record."""
+    checklist = load(CHECKLIST)
+    session2 = json.loads((REPO / "bench/gpu_check/results/2026-11-26-h200-session2/gpu_check.json").read_text())
+    first = {
+        **session2,
+        "calls": session2["calls"][:1],
+        "steps": {"9": {"status": "skipped"}, "10": session2["steps"]["10"]},
+    }
+    (tmp_path / "1.json").write_text(json.dumps(first))
+    (tmp_path / "2.json").write_text(json.dumps(session2))
+    args = argparse.Namespace(
+        report=[str(tmp_path / "1.json"), str(tmp_path / "2.json")], results=str(tmp_path / "out")
+    )
+    assert checklist.report(args) == 0
+    merged = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert [call["steps"] for call in merged["calls"]] == ["10,9", "9"]
+    assert merged["steps"]["9"]["status"] == "ok" and merged["steps"]["10"] == session2["steps"]["10"]
+    assert "ours_x_trl 1.315" in (tmp_path / "out" / "gpu_check.md").read_text()

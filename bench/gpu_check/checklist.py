@@ -1805,7 +1805,8 @@ def report(args) -> int:
     for name in args.report:
         data = read_json(Path(name))
         steps = {**merged.get("steps", {}), **data.get("steps", {})}
-        calls = merged.get("calls", []) + data.get("calls", [])
+        calls = merged.get("calls", []) + data.get("calls", [])  # a warm machine's JSON holds its earlier calls too
+        calls = list({(c.get("started"), str(c.get("argv"))): c for c in calls}.values())
         merged = {**merged, **data, "steps": steps, "calls": calls}
     merged["updated"] = now()
     write_atomic(results / "gpu_check.json", json.dumps(merged, indent=2, default=str) + "\n")

@@ -4,7 +4,9 @@ with nothing changed in either. On a GPU each operator is a kernel launch or mor
 model's step is bound by those launches: the counts compare two contenders' steps as a GPU runs them.
 
 Each process writes OPS_PER_STEP_DIR/ops-<pid>.json: the operators counted up to the end of each optimizer step.
-The counting runs each operator through Python: the run's speed means nothing while it counts."""
+The counting runs each operator through Python: the run's speed means nothing while it counts. On the path first,
+this file hides any other sitecustomize, and every process imports torch, the launchers too (they count no step).
+A benchmark's tool, never a training run's."""
 
 import os
 
