@@ -101,7 +101,7 @@ class SeededSampling:
     """A logits processor that turns greedy decoding into sampling with temperature and top-p, each row drawing
     from its own generator: argmax(log p + Gumbel noise) is a sample from p. The uniform draws are made on the CPU,
     so they do not depend on the device or on the rows beside them; their transform runs where the logits are (on
-    a GPU, on the CPU it cost as much again per token)."""
+    the CPU it cost as much again as the draws, per token)."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float):
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
