@@ -25,8 +25,8 @@ def main():
         raise SystemExit("usage: python bench/op_count/narrow_model.py OUTPUT_DIR")
     out, demo = Path(sys.argv[1]), Path(demo_model_dir())
     config = AutoConfig.from_pretrained(demo)
-    config.update({"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64})
-    config.intermediate_size = 384
+    width = {"hidden_size": 192, "intermediate_size": 384, "head_dim": 64}  # the demo's: 576, 1536, 64
+    config.update({**width, "num_attention_heads": 3, "num_key_value_heads": 1})  # its 3:1 heads kept
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
     AutoTokenizer.from_pretrained(demo).save_pretrained(out)
