@@ -65,8 +65,9 @@ def worker_env(base: dict, rank: int, world_size: int, port: int) -> dict:
         TORCHELASTIC_RESTART_COUNT="0",
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_RUN_ID="none",
-        TORCHELASTIC_USE_AGENT_STORE="False",
+        TORCHELASTIC_USE_AGENT_STORE="False",  # no agent: rank 0 hosts the rendezvous store
         TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+        TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     )
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
@@ -118,6 +119,7 @@ def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | N
         connection.send(json.dumps({"real": "not torchrun on one machine"}).encode())
         return None
     os.setsid()
+    os.dup2(out_fd, 1), os.dup2(out_fd, 2)  # what this process says goes with its workers' output, as a launcher's
     connection.send(json.dumps({"pid": os.getpid()}).encode())
     env = {**prepare_multi_gpu_env(parsed), **message["env"]}
     world_size, port = parsed.num_processes, parsed.main_process_port
@@ -153,6 +155,7 @@ def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | N
 def serve(path: str) -> None:
     import importlib
 
+    started_with = dict(os.environ)  # without what the imports add (TORCHINDUCTOR_CACHE_DIR): a worker adds its own
     for name in WARM_MODULES:
         importlib.import_module(name)
     import accelerate.commands.launch  # noqa: F401  (the launcher's own argument parser and checks)
@@ -164,12 +167,14 @@ def serve(path: str) -> None:
     listener.bind(path)
     listener.listen(8)
     print("ready", flush=True)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads that pipe again: a full one would block a launch
     while True:
         connection, _ = listener.accept()
         data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 1)
         if os.fork() == 0:
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # this process waits for its workers
+            os.environ.clear(), os.environ.update(started_with)
             try:
                 code = run_launch(json.loads(data), fds[0], connection)
             except BaseException as error:  # the launch could not start: say so, as a launcher would
