@@ -78,7 +78,7 @@ def test_bad_input_fails_fast_on_every_rank(case, tiny_model, tiny_data, tmp_pat
     args = change(train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 2), tmp_path, tiny_model)
     if case not in LAUNCHED:
         return refused_in_process("train", args, expected)
-    result = launch(TRAIN, *args, num_processes=2, timeout=120)
+    result = launch(TRAIN, *args, num_processes=2, timeout=120, real_launcher=True)
     assert_fails_cleanly(result, expected, output_dir)
 
 

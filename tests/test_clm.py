@@ -184,6 +184,7 @@ def test_offline_default_runs_a_few_steps(tmp_path):
         "no",
         num_processes=2,
         timeout=600,
+        real_launcher=True,  # as users run it: `accelerate launch`, a fresh interpreter
     )
     assert result.returncode == 0, result.output[-4000:]
     metrics = json.loads((output_dir / "metrics.json").read_text())
@@ -216,5 +217,5 @@ def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, tmp_path):
     args = [*text_args(tiny_lm, corpus, output_dir, "--max_train_steps", 2), *[str(a) for a in change(tmp_path)]]
     if case != "fewer_tokens_than_a_block":  # launched: the main process's check reaches every rank
         return refused_in_process("train_clm", args, expected)
-    result = launch(TRAIN_CLM, *args, num_processes=2, timeout=120)
+    result = launch(TRAIN_CLM, *args, num_processes=2, timeout=120, real_launcher=True)
     assert_fails_cleanly(result, expected, output_dir)

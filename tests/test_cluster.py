@@ -317,6 +317,7 @@ def test_fsdp_and_deepspeed_configs_are_refused_on_a_machine_without_gpus(tiny_m
             "--mixed_precision",
             "no",
         ],
+        real_launcher=True,
     )
     assert_fails_cleanly(
         result, "asks for FSDP, and Accelerate started MULTI_CPU instead (it runs FSDP on GPUs only", output_dir

@@ -19,6 +19,7 @@ def test_default_demo_resolves_packaged_model_and_data(tmp_path):
         output_dir,
         num_processes=2,
         timeout=300,
+        real_launcher=True,  # as users run it: `accelerate launch`, a fresh interpreter
     )
     assert result.returncode == 0, result.output[-4000:]
     scores = json.loads((output_dir / "metrics.json").read_text())

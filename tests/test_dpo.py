@@ -480,7 +480,7 @@ def test_bad_pairs_fail_fast_on_every_rank(tiny_lm, tmp_path):
     )
     output_dir = tmp_path / "out"
     args = dpo_args(tiny_lm, {"train": path, "validation": path}, output_dir)
-    result = launch(TRAIN_DPO, *args, num_processes=2, timeout=120)
+    result = launch(TRAIN_DPO, *args, num_processes=2, timeout=120, real_launcher=True)
     assert_fails_cleanly(result, "train record 0: its chosen and rejected answers are the same", output_dir)
 
 
@@ -491,7 +491,7 @@ def test_offline_default_runs_a_few_steps(tmp_path):
     output_dir = tmp_path / "default"
     args = ["--output_dir", output_dir, "--max_train_steps", 2, "--max_train_samples", 8, "--max_eval_samples", 4]
     args += ["--per_device_train_batch_size", 1, "--per_device_eval_batch_size", 2, "--checkpointing_steps", "no"]
-    result = launch(TRAIN_DPO, *args, num_processes=2, timeout=600)
+    result = launch(TRAIN_DPO, *args, num_processes=2, timeout=600, real_launcher=True)  # as users run it
     assert result.returncode == 0, result.output[-4000:]
     assert "preference data format: prompt/chosen/rejected conversations" in result.output
     metrics = json.loads((output_dir / "metrics.json").read_text())

@@ -29,7 +29,8 @@ def test_a_diverging_run_stops_on_every_rank_and_saves_no_nan_weights(tiny_model
     naming the step, saves no model, and every checkpoint it kept holds finite weights."""
     output_dir = tmp_path / "run"
     args = train_args(tiny_model, tiny_data, output_dir, "--learning_rate", 1e4, "--max_train_steps", 12)
-    result = launch(TRAIN, *args, "--checkpointing_steps", 1, "--checkpoints_total_limit", 20, "--logging_steps", 10)
+    args += ["--checkpointing_steps", 1, "--checkpoints_total_limit", 20, "--logging_steps", 10]
+    result = launch(TRAIN, *args, real_launcher=True)  # the error as the launcher's last line
     assert_one_line_on_every_rank(result, "the ")
     line = result.output.split("[rank 0] error:")[1].splitlines()[0]
     assert "became NaN or infinite at optimizer step" in line and "Try a lower --learning_rate (it was 10000)" in line
@@ -65,7 +66,7 @@ def test_a_full_disk_names_the_newest_complete_checkpoint(what, tiny_model, tiny
     what could not be written, why, and which checkpoint to resume from."""
     output_dir = tmp_path / "run"
     args = train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 4, "--checkpointing_steps", 2)
-    result = launch(FAIL_WRITES, what, *args, "--report_to", "none")
+    result = launch(FAIL_WRITES, what, *args, "--report_to", "none", real_launcher=True)
     target = (
         f"checkpoint {str(output_dir / 'checkpoint-4')!r}" if what != "model" else f"the model to {str(output_dir)!r}"
     )

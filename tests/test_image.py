@@ -238,6 +238,7 @@ def test_sync_batchnorm_is_refused_on_cpu_and_converts_every_batchnorm(runs, ima
         *image_args(runs["models"]["resnet"], images, output_dir, "--sync_batchnorm"),
         num_processes=2,
         timeout=120,
+        real_launcher=True,
     )
     assert_fails_cleanly(result, "--sync_batchnorm needs GPUs: torch's SyncBatchNorm refuses CPU tensors", output_dir)
 
@@ -268,9 +269,8 @@ def test_an_unreadable_image_is_named_or_skipped_and_counted(runs, images, tmp_p
     whole = (train / "dark" / "0.png").read_bytes()
     (train / "dark" / "cut.png").write_bytes(whole[: len(whole) // 2])  # a truncated download
     data = {"train": train, "validation": images["validation"]}
-    failed = launch(
-        TRAIN_IMAGE, *image_args(runs["models"]["vit"], data, tmp_path / "refused"), num_processes=2, timeout=120
-    )
+    args = image_args(runs["models"]["vit"], data, tmp_path / "refused")
+    failed = launch(TRAIN_IMAGE, *args, num_processes=2, timeout=120, real_launcher=True)
     assert_fails_cleanly(failed, "2 train image(s) cannot be read: ", tmp_path / "refused")
     assert "cut.png" in failed.output and "notes.png" in failed.output and "--skip_bad_images" in failed.output
 
@@ -315,15 +315,14 @@ def test_bad_input_fails_fast_on_every_rank(case, runs, images, tmp_path):
     args = image_args(runs["models"]["vit"], images, output_dir)
     for flag, value in zip(*[iter(change(tmp_path, images))] * 2):
         args[args.index(flag) + 1] = value
-    result = launch(TRAIN_IMAGE, *args, num_processes=2, timeout=120)
+    result = launch(TRAIN_IMAGE, *args, num_processes=2, timeout=120, real_launcher=True)
     assert_fails_cleanly(result, expected, output_dir)
 
 
 def test_offline_default_runs_a_few_steps(tmp_path):
     output_dir = tmp_path / "out"
-    result = launch(
-        TRAIN_IMAGE, "--output_dir", output_dir, "--max_train_steps", 3, "--max_eval_samples", 50, num_processes=2
-    )
+    args = ["--output_dir", output_dir, "--max_train_steps", 3, "--max_eval_samples", 50]
+    result = launch(TRAIN_IMAGE, *args, num_processes=2, real_launcher=True)  # as users run it: `accelerate launch`
     assert result.returncode == 0, result.output[-4000:]
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert (metrics["optimizer_steps"], metrics["eval_examples"], metrics["train_samples_seen"]) == (3, 50, 3 * 64)

@@ -102,3 +102,26 @@ def test_a_rank_that_finds_the_same_bad_input_later_still_reports_it():
     assert result.returncode != 0 and result.seconds < 30
     for rank in (0, 1):
         assert f"[rank {rank}] error: the same bad input" in result.output, result.output[-3000:]
+
+
+def test_the_warm_launcher_gives_each_process_what_accelerate_launch_gives(tmp_path):
+    """Most tests launch through tests/warm_launch.py (forked processes, the imports done once). Each of its
+    processes must see what `accelerate launch` gives one: the same arguments, working directory, first import
+    path and environment, but for the rendezvous port and what only torchrun's agent has (its error files, the
+    store it hosts)."""
+
+    def seen(name, **options):
+        result = launch(LAUNCHED / "show_environment.py", tmp_path / name, "one", "two words", **options)
+        assert result.returncode == 0 and result.warm == (name == "warm"), result.output[-3000:]
+        return {rank: json.loads((tmp_path / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)}
+
+    real, warm = seen("real", real_launcher=True), seen("warm")
+    agent_only = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
+    for rank in (0, 1):
+        for key in ("argv", "cwd", "path0"):
+            assert real[rank][key] == warm[rank][key], (key, real[rank][key], warm[rank][key])
+        ours, theirs = warm[rank]["env"], real[rank]["env"]
+        differ = {name: (theirs.get(name), ours.get(name)) for name in set(ours) | set(theirs)}
+        differ = {name: values for name, values in differ.items() if values[0] != values[1]}
+        assert set(differ) <= agent_only, differ
+        assert ours["RANK"] == str(rank) and ours["WORLD_SIZE"] == "2" and ours["ACCELERATE_MIXED_PRECISION"] == "no"

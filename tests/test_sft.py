@@ -604,6 +604,7 @@ def test_offline_default_runs_a_few_steps(tmp_path):
         "--eval_perplexity",
         num_processes=2,
         timeout=600,
+        real_launcher=True,  # as users run it: `accelerate launch`, a fresh interpreter
     )
     assert result.returncode == 0, result.output[-4000:]
     assert "dequantizing once into" in result.output or "using its dequantized copy" in result.output
@@ -772,7 +773,7 @@ def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, sft_data, tmp_path):
         del args[i : i + 4]
     if case not in LAUNCHED:
         return refused_in_process("train_sft", [*args, *extra], expected)
-    result = launch(TRAIN_SFT, *args, *extra, num_processes=2, timeout=120)
+    result = launch(TRAIN_SFT, *args, *extra, num_processes=2, timeout=120, real_launcher=True)
     assert_fails_cleanly(result, expected, output_dir)
 
 

@@ -179,9 +179,8 @@ def test_a_tracker_that_is_not_installed_is_refused_on_every_rank_before_trainin
         "validation": write_examples(tmp_path / "val.csv", 8, seed=2),
     }
     output_dir = tmp_path / "out"
-    result = launch(
-        TRAIN, *train_args(model, data, output_dir, "--report_to", "tensorboard,wandb"), num_processes=2, timeout=120
-    )
+    args = train_args(model, data, output_dir, "--report_to", "tensorboard,wandb")
+    result = launch(TRAIN, *args, num_processes=2, timeout=120, real_launcher=True)
     assert_fails_cleanly(
         result, "--report_to wandb needs the 'wandb' package, which is not installed: pip install wandb", output_dir
     )
