@@ -138,6 +138,9 @@ RUNTIME_ENV = {
     "LOCAL_LOSS_LOG",
 }
 AUDIT_PYTHONPATH = os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])
+# Set by torch's import in every process that imports it, to the same default: a test that imports torch's
+# compiler in the pytest process adds it there, and that must not turn the warm launcher off.
+SET_BY_IMPORTS = {"TORCHINDUCTOR_CACHE_DIR"}
 
 
 def comparable(env: dict) -> dict:
@@ -159,7 +162,13 @@ def warm_launcher() -> dict | None:
         assert server.stdout.readline().strip() == "ready", "the warm launcher did not start"
         atexit.register(server.kill)
         _WARM.update(server=server, path=path, env=comparable(env))
-    return _WARM if comparable(launch_env()) == _WARM["env"] else None
+    now = comparable(launch_env())
+    drift = {name for name in set(now) | set(_WARM["env"]) if now.get(name) != _WARM["env"].get(name)}
+    drift -= SET_BY_IMPORTS
+    if drift and not _WARM.get("said"):
+        _WARM["said"] = True
+        print(f"warm launcher off from here: the environment changed ({', '.join(sorted(drift))})", file=sys.stderr)
+    return None if drift else _WARM
 
 
 def warm_env(env: dict | None) -> dict | None:
