@@ -138,9 +138,9 @@ RUNTIME_ENV = {
     "LOCAL_LOSS_LOG",
 }
 AUDIT_PYTHONPATH = os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])
-# Set by torch's import in every process that imports it, to the same default: a test that imports torch's
-# compiler in the pytest process adds it there, and that must not turn the warm launcher off.
-SET_BY_IMPORTS = {"TORCHINDUCTOR_CACHE_DIR"}
+# Set by an import in every process that imports the library, to the same default (torch's; scikit-learn's, seen
+# turning the warm launcher off for the rest of a worker's tests): a test's import in the pytest process adds them.
+SET_BY_IMPORTS = {"TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK"}
 
 
 def comparable(env: dict) -> dict:
