@@ -138,9 +138,9 @@ RUNTIME_ENV = {
     "LOCAL_LOSS_LOG",
 }
 AUDIT_PYTHONPATH = os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])
-# Set by an import in every process that imports the library, to the same default (torch's; scikit-learn's, seen
-# turning the warm launcher off for the rest of a worker's tests): a test's import in the pytest process adds them.
-SET_BY_IMPORTS = {"TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK"}
+# Set by an import, to a fixed default, the first time a test in the pytest process imports the library (torch's;
+# scikit-learn's and joblib's, seen turning the warm launcher off for the rest of a worker's tests).
+SET_BY_IMPORTS = {"TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
 
 
 def comparable(env: dict) -> dict:
@@ -353,6 +353,19 @@ def isolated_hf_home(tmp_path_factory):
         (home / "dequantized-gguf").symlink_to(shared, target_is_directory=True)
     os.environ["HF_HOME"] = str(home)
     yield
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_environment():
+    """A test that leaves a variable in os.environ hands it to every later launch of its worker (and turns the warm
+    launcher off for them): fail it, by name. monkeypatch.setenv/delenv undo theirs; a delenv of an unset variable
+    does not undo what the code under test sets after it. What launch_env sets itself cannot leak (datasets' map
+    leaves TOKENIZERS_PARALLELISM=false)."""
+    before = comparable(launch_env())
+    yield
+    after = comparable(launch_env())
+    leaked = {name for name in set(before) | set(after) if before.get(name) != after.get(name)} - SET_BY_IMPORTS
+    assert not leaked, f"the test changed os.environ and left it so: {sorted(leaked)} (use monkeypatch.setenv)"
 
 
 def train_args(tiny_model, tiny_data, output_dir, *extra) -> list:
