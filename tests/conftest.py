@@ -173,11 +173,13 @@ def warm_launcher() -> dict | None:
 
 def warm_env(env: dict | None) -> dict | None:
     """What a launch with `env` adds to the warm launcher's environment, or None where a fresh interpreter
-    is needed: a variable other than RUNTIME_ENV's might be read at import time, before the fork."""
+    is needed: a variable other than RUNTIME_ENV's might be read at import time, before the fork. SET_BY_IMPORTS
+    are passed on as they are now: a fresh launch inherits what this process's imports have set since."""
     extra = dict(env or {})
     hooks = extra.pop("PYTHONPATH", None)
     if hooks not in (None, AUDIT_PYTHONPATH) or set(extra) - RUNTIME_ENV:
         return None
+    extra = {**{k: v for k, v in os.environ.items() if k in SET_BY_IMPORTS}, **extra}
     return {**extra, "PYTHONPATH": hooks} if hooks else extra
 
 
