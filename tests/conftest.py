@@ -1,5 +1,5 @@
-"""Shared test fixtures: a tiny BERT built from a config, small synthetic data files, and a helper
-that runs scripts through the real `accelerate launch` with 1 or 2 CPU processes (gloo)."""
+"""Shared test fixtures: tiny models built from a config, small synthetic data files in the shapes users bring,
+and the arguments of a tiny run. How a test launches a script on N processes is in launching.py."""
 
 from __future__ import annotations
 
@@ -7,20 +7,22 @@ import csv
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-CPU_CONFIG = REPO / "accelerate_configs" / "cpu_2proc.yaml"
-AUDIT_HOOK_DIR = Path(__file__).resolve().parent / "audit"
+from launching import (  # noqa: F401  (the tests import these from here)
+    AUDIT_HOOK_DIR,
+    CPU_CONFIG,
+    REPO,
+    SET_BY_IMPORTS,
+    LaunchResult,
+    assert_error_is_last,
+    assert_fails_cleanly,
+    comparable,
+    free_port,
+    launch,
+    launch_env,
+)
 
 WORDS = {
     "positive": "good great fine lovely superb".split(),
@@ -28,224 +30,6 @@ WORDS = {
     "neutral": "okay average plain usual middling".split(),
 }
 FILLER = "the a movie film was is very not quite really it this".split()
-
-
-@dataclass
-class LaunchResult:
-    returncode: int
-    output: str
-    seconds: float  # from start to exit of the whole launch
-    exit_after_last_line: float  # seconds between the last line printed and the launch's exit
-    lines: list = field(default_factory=list)
-    warm: bool = False  # through tests/warm_launch.py: no launcher process, so no launcher's summary
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch_env(extra: dict | None = None) -> dict:
-    """The environment of a launched test run: offline, one thread per process, isolated caches."""
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    env.update(extra or {})
-    return env
-
-
-def launch(
-    script,
-    *args,
-    num_processes=2,
-    launcher_args=(),
-    env=None,
-    timeout=300,
-    file_size_limit=None,
-    real_launcher=False,
-) -> LaunchResult:
-    """Run `<script> <args>` on `num_processes` CPU processes and time its exit. With the default CPU config
-    and the suite's environment, the processes are forked from the warm launcher (tests/warm_launch.py: the
-    environment `accelerate launch` gives, without a fresh interpreter's imports); otherwise, or with
-    `real_launcher`, through `accelerate launch` itself. `file_size_limit` (bytes): no process of the launch
-    may write a larger file (ulimit -f)."""
-    launcher_args = [*(launcher_args or ["--config_file", str(CPU_CONFIG), "--num_processes", str(num_processes)])]
-    launcher_args += ["--main_process_port", str(free_port())]
-    if not (real_launcher or file_size_limit or os.environ.get("TESTS_REAL_LAUNCHER")):
-        warm, extra = warm_launcher(), warm_env(env)
-        result = launch_warm(warm, script, args, launcher_args, extra, timeout) if warm and extra is not None else None
-        if result is not None:
-            return result
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, str(script), *map(str, args)]
-    start = time.monotonic()
-
-    def limit_file_size():
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=launch_env(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=limit_file_size if file_size_limit else None,
-    )
-    lines: list[tuple[float, str]] = []
-
-    def read():
-        for line in process.stdout:
-            lines.append((time.monotonic(), line))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        reader.join(5)
-        raise AssertionError(f"launch hung for {timeout}s:\n" + "".join(text for _, text in lines[-60:])) from None
-    end = time.monotonic()
-    reader.join(10)
-    last_line_at = lines[-1][0] if lines else end
-    return LaunchResult(process.returncode, "".join(t for _, t in lines), end - start, end - last_line_at, lines)
-
-
-_WARM: dict = {}  # this pytest process's warm launcher: its server, socket and environment (started once)
-# Variables that the audit hook (tests/audit) and the helpers in tests/launched read at run time, after the
-# imports: a launch that adds only these, and the audit hook's PYTHONPATH, can run warm. Not SIGTERM_ON_WRITE:
-# a preemption's exit code and signals are the launcher's.
-RUNTIME_ENV = {
-    "WRITE_AUDIT_TARGET",
-    "WRITE_AUDIT_LOG",
-    "CRASH_ON_WRITE",
-    "SLOW_ON_WRITE",
-    "STEP_LOG",
-    "FINISH_LOG",
-    "FP16_INIT_SCALE",
-    "FP16_BACKOFF_FACTOR",
-    "LOCAL_LOSS_LOG",
-}
-AUDIT_PYTHONPATH = os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])
-# Set by an import, to a fixed default, the first time a test in the pytest process imports the library (torch's;
-# scikit-learn's and joblib's, seen turning the warm launcher off for the rest of a worker's tests).
-SET_BY_IMPORTS = {"TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
-
-
-def comparable(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
-
-
-def warm_launcher() -> dict | None:
-    """The warm launcher of this pytest process, started at its first use; None where the suite's
-    environment has changed since (a variable read at import time would be stale in its processes)."""
-    if not _WARM:
-        import atexit
-        import tempfile
-
-        path = os.path.join(tempfile.mkdtemp(prefix="warm-launch-"), "socket")
-        env = launch_env()
-        server = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "warm_launch.py"), path], env=env, stdout=subprocess.PIPE, text=True
-        )
-        assert server.stdout.readline().strip() == "ready", "the warm launcher did not start"
-        atexit.register(server.kill)
-        _WARM.update(server=server, path=path, env=comparable(env))
-    now = comparable(launch_env())
-    drift = {name for name in set(now) | set(_WARM["env"]) if now.get(name) != _WARM["env"].get(name)}
-    drift -= SET_BY_IMPORTS
-    if drift and not _WARM.get("said"):
-        _WARM["said"] = True
-        print(f"warm launcher off from here: the environment changed ({', '.join(sorted(drift))})", file=sys.stderr)
-    return None if drift else _WARM
-
-
-def warm_env(env: dict | None) -> dict | None:
-    """What a launch with `env` adds to the warm launcher's environment, or None where a fresh interpreter
-    is needed: a variable other than RUNTIME_ENV's might be read at import time, before the fork. SET_BY_IMPORTS
-    are passed on as they are now: a fresh launch inherits what this process's imports have set since."""
-    extra = dict(env or {})
-    hooks = extra.pop("PYTHONPATH", None)
-    if hooks not in (None, AUDIT_PYTHONPATH) or set(extra) - RUNTIME_ENV:
-        return None
-    extra = {**{k: v for k, v in os.environ.items() if k in SET_BY_IMPORTS}, **extra}
-    return {**extra, "PYTHONPATH": hooks} if hooks else extra
-
-
-def launch_warm(warm: dict, script, args, launcher_args: list, env: dict, timeout: float) -> LaunchResult | None:
-    """`launch` through the warm launcher: its processes write to a pipe read here; a hang kills them.
-    None where `accelerate launch` would not use torchrun on one machine (--cpu, DeepSpeed, several nodes)."""
-    from warm_launch import request
-
-    start = time.monotonic()
-    read_end, write_end = os.pipe()
-    startup = AUDIT_HOOK_DIR / "sitecustomize.py" if env.get("PYTHONPATH") else None
-    connection = request(warm["path"], script, list(args), launcher_args, env, startup, REPO, write_end)
-    os.close(write_end)
-    answer = json.loads(connection.recv(4096))
-    if "real" in answer:
-        connection.close(), os.close(read_end)
-        return None
-    group = answer["pid"]
-    lines: list[tuple[float, str]] = []
-
-    def read():
-        with open(read_end, encoding="utf-8", errors="replace") as stream:
-            for line in stream:
-                lines.append((time.monotonic(), line))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    connection.settimeout(timeout)
-    try:
-        answer = connection.recv(4096)
-    except TimeoutError:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        reader.join(5)
-        raise AssertionError(f"launch hung for {timeout}s:\n" + "".join(text for _, text in lines[-60:])) from None
-    finally:
-        connection.close()
-    returncode = json.loads(answer)["returncode"] if answer else -signal.SIGKILL  # empty: its launcher was killed
-    end = time.monotonic()
-    reader.join(10)
-    last_line_at = lines[-1][0] if lines else end
-    return LaunchResult(returncode, "".join(t for _, t in lines), end - start, end - last_line_at, lines, warm=True)
-
-
-def assert_fails_cleanly(result: LaunchResult, expected: str, output_dir: Path) -> None:
-    """Bad input: a non-zero exit within 60 s, the error on every rank, no output directory."""
-    assert result.returncode != 0
-    assert result.seconds < 60
-    for rank in (0, 1):
-        assert f"[rank {rank}] error:" in result.output, (
-            f"rank {rank} did not report the error:\n{result.output[-3000:]}"
-        )
-    assert expected in result.output, result.output[-3000:]
-    assert not output_dir.exists(), "bad input must not leave an output directory behind"
-    assert_error_is_last(result, expected)
-
-
-def assert_error_is_last(result: LaunchResult, expected: str) -> None:
-    """The launcher's summary ends with the error line as its root cause (read from the failed
-    process's error file), so the line holding `expected` is the last one but the closing rule."""
-    assert not result.warm, "the last line is the launcher's: launch this run with real_launcher=True"
-    lines = result.output.rstrip().splitlines()
-    last = max((i for i, text in enumerate(lines) if expected in text), default=-1)
-    assert last >= 0 and len(lines) - 1 - last <= 1, "the error is not the last line:\n" + "\n".join(lines[last:])
 
 
 def refused_in_process(script: str, args, expected: str) -> None:

@@ -5,7 +5,7 @@ them again (about 8 CPU seconds a process here, two thirds of a tiny run's cost)
 What stays real: N processes, gloo, the script run as `__main__` from its first line, and the environment
 `accelerate launch` gives it, computed by Accelerate's own launcher code (`prepare_multi_gpu_env`) plus the
 variables torchrun sets for each worker. What it skips: the launcher process and torchrun's agent (their exit
-codes, signals, error files and summary) and a fresh interpreter's imports. `conftest.launch` uses it only for
+codes, signals, error files and summary) and a fresh interpreter's imports. `launching.launch` uses it only for
 the default CPU config with the suite's plain environment, where nothing read at import time differs; tests of
 the launcher, of signals and of each script's demo pass `real_launcher=True` and go through `accelerate launch`.
 
