@@ -18,10 +18,10 @@ from launching import (  # noqa: F401  (the tests import these from here)
     LaunchResult,
     assert_error_is_last,
     assert_fails_cleanly,
-    comparable,
     free_port,
     launch,
     launch_env,
+    without_test_name,
 )
 
 WORDS = {
@@ -147,9 +147,9 @@ def no_leaked_environment():
     launcher off for them): fail it, by name. monkeypatch.setenv/delenv undo theirs; a delenv of an unset variable
     does not undo what the code under test sets after it. What launch_env sets itself cannot leak (datasets' map
     leaves TOKENIZERS_PARALLELISM=false)."""
-    before = comparable(launch_env())
+    before = without_test_name(launch_env())
     yield
-    after = comparable(launch_env())
+    after = without_test_name(launch_env())
     leaked = {name for name in set(before) | set(after) if before.get(name) != after.get(name)} - SET_BY_IMPORTS
     assert not leaked, f"the test changed os.environ and left it so: {sorted(leaked)} (use monkeypatch.setenv)"
 

@@ -5,12 +5,15 @@ checks on a failed one's output are here too. conftest.py imports them for the t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,9 +73,9 @@ def launch(
     may write a larger file (ulimit -f)."""
     launcher_args = [*(launcher_args or ["--config_file", str(CPU_CONFIG), "--num_processes", str(num_processes)])]
     launcher_args += ["--main_process_port", str(free_port())]
-    if not (real_launcher or file_size_limit or os.environ.get("TESTS_REAL_LAUNCHER")):
-        warm, extra = warm_launcher(), warm_env(env)
-        result = launch_warm(warm, script, args, launcher_args, extra, timeout) if warm and extra is not None else None
+    extra = warm_env(env)
+    if not (real_launcher or file_size_limit or extra is None or os.environ.get("TESTS_REAL_LAUNCHER")):
+        result = launch_warm(script, args, launcher_args, extra, timeout)
         if result is not None:
             return result
     command = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, str(script), *map(str, args)]
@@ -113,7 +116,6 @@ def launch(
     return LaunchResult(process.returncode, "".join(t for _, t in lines), end - start, end - last_line_at, lines)
 
 
-_WARM: dict = {}  # this pytest process's warm launcher: its server, socket and environment (started once)
 # Variables that the audit hook (tests/audit) and the helpers in tests/launched read at run time, after the
 # imports: a launch that adds only these, and the audit hook's PYTHONPATH, can run warm. Not SIGTERM_ON_WRITE:
 # a preemption's exit code and signals are the launcher's.
@@ -130,43 +132,54 @@ RUNTIME_ENV = {
 }
 AUDIT_PYTHONPATH = os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])
 # Set by an import, to a fixed default, the first time a test in the pytest process imports the library (torch's;
-# scikit-learn's and joblib's, seen turning the warm launcher off for the rest of a worker's tests).
+# scikit-learn's and joblib's). Handed on as they are now, as a fresh launch inherits them: never a change.
 SET_BY_IMPORTS = {"TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
+_WARM: dict = {}  # this pytest process's warm launcher: its server, socket path and the environment it started with
 
 
-def comparable(env: dict) -> dict:
+def without_test_name(env: dict) -> dict:
+    """`env` but for PYTEST_CURRENT_TEST, which pytest changes at each step of each test."""
     return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
 
 
-def warm_launcher() -> dict | None:
-    """The warm launcher of this pytest process, started at its first use; None where the suite's
-    environment has changed since (a variable read at import time would be stale in its processes)."""
-    if not _WARM:
+def warm_launcher() -> dict:
+    """The warm launcher of this pytest process, started at its first use, and started again where the suite's
+    environment has changed since (a variable read at import time would be stale in its processes: a test's
+    monkeypatch.setenv, then its undoing) or where it has died."""
+    now = without_test_name(launch_env())
+    if _WARM:
+        changed = {name for name in set(now) | set(_WARM["env"]) if now.get(name) != _WARM["env"].get(name)}
+        if not changed - SET_BY_IMPORTS and _WARM["server"].poll() is None:
+            return _WARM
+        stop_warm_launcher()
+    else:
         import atexit
-        import tempfile
 
-        path = os.path.join(tempfile.mkdtemp(prefix="warm-launch-"), "socket")
-        env = launch_env()
-        server = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "warm_launch.py"), path], env=env, stdout=subprocess.PIPE, text=True
-        )
-        assert server.stdout.readline().strip() == "ready", "the warm launcher did not start"
-        atexit.register(server.kill)
-        _WARM.update(server=server, path=path, env=comparable(env))
-    now = comparable(launch_env())
-    drift = {name for name in set(now) | set(_WARM["env"]) if now.get(name) != _WARM["env"].get(name)}
-    drift -= SET_BY_IMPORTS
-    if drift and not _WARM.get("said"):
-        _WARM["said"] = True
-        print(f"warm launcher off from here: the environment changed ({', '.join(sorted(drift))})", file=sys.stderr)
-    return None if drift else _WARM
+        atexit.register(stop_warm_launcher)
+    folder = tempfile.mkdtemp(prefix="warm-launch-")
+    server = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "warm_launch.py"), os.path.join(folder, "socket")],
+        env=launch_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdout.readline().strip() == "ready", "the warm launcher did not start"
+    _WARM.update(server=server, folder=folder, path=os.path.join(folder, "socket"), env=now)
+    return _WARM
+
+
+def stop_warm_launcher() -> None:
+    if _WARM:
+        _WARM["server"].kill()
+        _WARM["server"].wait()
+        shutil.rmtree(_WARM["folder"], ignore_errors=True)
+        _WARM.clear()
 
 
 def warm_env(env: dict | None) -> dict | None:
     """What a launch with `env` adds to the warm launcher's environment, or None where a fresh interpreter
     is needed: a variable other than RUNTIME_ENV's might be read at import time, before the fork. SET_BY_IMPORTS
-    are passed on as they are now: a fresh launch inherits what this process's imports have set since, and the
-    name of the test running now."""
+    are passed on as they are now, and the name of the test running now."""
     extra = dict(env or {})
     hooks = extra.pop("PYTHONPATH", None)
     if hooks not in (None, AUDIT_PYTHONPATH) or set(extra) - RUNTIME_ENV:
@@ -176,40 +189,56 @@ def warm_env(env: dict | None) -> dict | None:
     return {**extra, "PYTHONPATH": hooks} if hooks else extra
 
 
-def launch_warm(warm: dict, script, args, launcher_args: list, env: dict, timeout: float) -> LaunchResult | None:
-    """`launch` through the warm launcher: its processes write to a pipe read here; a hang kills them.
-    None where `accelerate launch` would not use torchrun on one machine (--cpu, DeepSpeed, several nodes)."""
-    from warm_launch import request
+def request_launch(path: str, script, args: list, launcher_args: list, env: dict, startup, out_fd: int):
+    """Ask the warm launcher at `path` for one launch whose processes write to `out_fd`, with `env` added to the
+    server's environment and `startup` (a sitecustomize.py, or None) run first in each process, as a fresh
+    interpreter would. Returns the connection: it answers {"pid": the launch's process group} at once and
+    {"returncode": ...} at the end, or {"real": why} where only `accelerate launch` will do."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    connection.connect(path)
+    message = {"script": str(script), "args": [str(a) for a in args], "launcher_args": launcher_args, "cwd": str(REPO)}
+    message.update(env=env, startup=str(startup) if startup else None)
+    socket.send_fds(connection, [json.dumps(message).encode()], [out_fd])
+    return connection
 
+
+def launch_warm(script, args, launcher_args: list, env: dict, timeout: float) -> LaunchResult | None:
+    """`launch` through the warm launcher: its processes write to a pipe read here; a hang, or this process
+    interrupted, kills them. None where `accelerate launch` would not use torchrun on one machine (--cpu,
+    DeepSpeed, several nodes) or cannot parse the launcher's arguments: `launch` then runs it for real."""
     start = time.monotonic()
     read_end, write_end = os.pipe()
     startup = AUDIT_HOOK_DIR / "sitecustomize.py" if env.get("PYTHONPATH") else None
-    connection = request(warm["path"], script, list(args), launcher_args, env, startup, REPO, write_end)
+    connection = request_launch(warm_launcher()["path"], script, list(args), launcher_args, env, startup, write_end)
     os.close(write_end)
-    answer = json.loads(connection.recv(4096))
-    if "real" in answer:
-        connection.close(), os.close(read_end)
-        return None
-    group = answer["pid"]
-    lines: list[tuple[float, str]] = []
-
-    def read():
-        with open(read_end, encoding="utf-8", errors="replace") as stream:
-            for line in stream:
-                lines.append((time.monotonic(), line))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     connection.settimeout(timeout)
+    lines: list[tuple[float, str]] = []
+    group = reader = None
     try:
+        answer = json.loads(connection.recv(4096))
+        if "real" in answer:
+            os.close(read_end)
+            return None
+        group = answer["pid"]
+
+        def read():
+            with open(read_end, encoding="utf-8", errors="replace") as stream:
+                for line in stream:
+                    lines.append((time.monotonic(), line))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         answer = connection.recv(4096)
-    except TimeoutError:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        reader.join(5)
-        raise AssertionError(f"launch hung for {timeout}s:\n" + "".join(text for _, text in lines[-60:])) from None
+    except BaseException as stop:
+        if reader is None:
+            os.close(read_end)
+        if group is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        if isinstance(stop, TimeoutError):
+            text = "".join(line for _, line in lines[-60:])
+            raise AssertionError(f"launch hung for {timeout}s:\n{text}") from None
+        raise
     finally:
         connection.close()
     returncode = json.loads(answer)["returncode"] if answer else -signal.SIGKILL  # empty: its launcher was killed

@@ -178,7 +178,10 @@ def test_report_to_and_secret_scrubbing(monkeypatch):
 
     monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-0123456789")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # named like "token" but not a credential
-    monkeypatch.setenv("HF_TOKEN", "unset below"), monkeypatch.delenv("HF_TOKEN")  # undone: hide_secret_args sets it
+    # Unset for this test, and unset again after it: a delenv of an unset variable would not undo what
+    # hide_secret_args sets below.
+    monkeypatch.setenv("HF_TOKEN", "placeholder")
+    monkeypatch.delenv("HF_TOKEN")
     monkeypatch.setattr(
         sys, "argv", ["train.py", "--hub_token=hf_abcdefgh123", "--run_name", "x-wandb-secret-0123456789"]
     )

@@ -1,4 +1,4 @@
-"""scripts/train_image.py through the real launcher: a model without BatchNorm trains the same on
+"""scripts/train_image.py on 2 processes: a model without BatchNorm trains the same on
 2 processes x B as on 1 x 2B (augmentation included); one with BatchNorm does not, and the test
 shows by how much; --sync_batchnorm; evaluation counts each image once; the saved model reloads
 through `pipeline`; unreadable images; the offline default."""

@@ -2,12 +2,16 @@
 transformers, datasets, peft, accelerate and ddp_utils once, instead of N fresh interpreters that import
 them again (about 8 CPU seconds a process here, two thirds of a tiny run's cost).
 
-What stays real: N processes, gloo, the script run as `__main__` from its first line, and the environment
+What stays real: N processes, gloo, the script run as `__main__` from its first line, the environment
 `accelerate launch` gives it, computed by Accelerate's own launcher code (`prepare_multi_gpu_env`) plus the
-variables torchrun sets for each worker. What it skips: the launcher process and torchrun's agent (their exit
-codes, signals, error files and summary) and a fresh interpreter's imports. `launching.launch` uses it only for
-the default CPU config with the suite's plain environment, where nothing read at import time differs; tests of
-the launcher, of signals and of each script's demo pass `real_launcher=True` and go through `accelerate launch`.
+variables torchrun sets for each worker, and the end of a process: its non-daemon threads joined and its atexit
+functions run, as at an interpreter's exit. Each worker reseeds what a fresh interpreter seeds at import (numpy's
+global generator, datasets' random fingerprints). What it skips: the launcher process and torchrun's agent (their
+exit codes, signals, error files and summary), a fresh interpreter's imports, and the module teardown at its exit.
+It assumes that no variable the launch adds (RANK, WORLD_SIZE, ACCELERATE_*, the test hooks' own) is read at import
+time by the libraries imported here: true of the versions pinned, by a grep of their sources. `launching.launch`
+uses it only for the default CPU config; tests of the launcher, of signals and exit codes and each script's demo
+pass `real_launcher=True` and go through `accelerate launch`.
 
     python tests/warm_launch.py SOCKET     # serve: import once, then fork one launch per connection
 """
@@ -32,19 +36,6 @@ WARM_MODULES = (
     "ddp_utils",
 )
 FAILED = 1  # a failed launch's exit code, as torchrun's
-
-
-def request(path: str, script, args: list, launcher_args: list, env: dict, startup, cwd, out_fd: int):
-    """Ask the server at `path` for one launch whose processes write to `out_fd`, with `env` added to the
-    server's environment and `startup` (a sitecustomize.py, or None) run first in each process, as a fresh
-    interpreter would. Returns the connection: it answers {"pid": the launch's process group} at once and
-    {"returncode": ...} at the end, or {"real": why} where only `accelerate launch` will do."""
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    connection.connect(path)
-    message = {"script": str(script), "args": [str(a) for a in args], "launcher_args": launcher_args, "cwd": str(cwd)}
-    message.update(env=env, startup=str(startup) if startup else None)
-    socket.send_fds(connection, [json.dumps(message).encode()], [out_fd])
-    return connection
 
 
 def worker_env(base: dict, rank: int, world_size: int, port: int) -> dict:
@@ -75,9 +66,17 @@ def worker_env(base: dict, rank: int, world_size: int, port: int) -> dict:
 
 def run_worker(script: str, args: list, cwd: str, env: dict, startup, out_fd: int) -> None:
     """A forked worker: run `script` as `__main__`, as `python script args` would. Never returns."""
+    import atexit
     import runpy
+    import threading
     import traceback
 
+    import datasets.fingerprint
+    import numpy
+
+    _die_with_parent(signal.SIGKILL)
+    numpy.random.seed()  # a fresh interpreter seeds these from the OS at import; forked, all would share the server's
+    datasets.fingerprint.fingerprint_rng.seed()
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.close(out_fd)
@@ -100,7 +99,14 @@ def run_worker(script: str, args: list, cwd: str, env: dict, startup, out_fd: in
     except BaseException:
         traceback.print_exc()
         code = 1
-    sys.stdout.flush(), sys.stderr.flush()
+    # An interpreter's exit: wait for the non-daemon threads, then run the atexit functions (a hang there is a hang
+    # of the real run too). The module teardown after them is skipped.
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 
@@ -111,15 +117,21 @@ def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | N
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    parsed = launch_command_parser().parse_args([*message["launcher_args"], message["script"], *message["args"]])
-    parsed, _, _ = _validate_launch_command(parsed)
+    try:
+        parsed = launch_command_parser().parse_args([*message["launcher_args"], message["script"], *message["args"]])
+        parsed, _, _ = _validate_launch_command(parsed)
+    except (Exception, SystemExit) as error:  # `accelerate launch` itself will say what is wrong with its arguments
+        connection.send(json.dumps({"real": f"the launcher's arguments: {error!r}"}).encode())
+        return None
     # Only where `accelerate launch` would start torchrun on this one machine (its multi_gpu_launcher).
     torchrun = (parsed.multi_gpu or parsed.use_fsdp) and not (parsed.cpu or parsed.use_deepspeed or parsed.tpu)
     if not torchrun or parsed.num_machines > 1:
         connection.send(json.dumps({"real": "not torchrun on one machine"}).encode())
         return None
     os.setsid()
-    os.dup2(out_fd, 1), os.dup2(out_fd, 2)  # what this process says goes with its workers' output, as a launcher's
+    _die_with_parent(signal.SIGKILL)  # with the server, which dies with the pytest process
+    os.dup2(out_fd, 1)  # what this process says goes with its workers' output, as a launcher's
+    os.dup2(out_fd, 2)
     connection.send(json.dumps({"pid": os.getpid()}).encode())
     env = {**prepare_multi_gpu_env(parsed), **message["env"]}
     world_size, port = parsed.num_processes, parsed.main_process_port
@@ -174,7 +186,8 @@ def serve(path: str) -> None:
         if os.fork() == 0:
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # this process waits for its workers
-            os.environ.clear(), os.environ.update(started_with)
+            os.environ.clear()
+            os.environ.update(started_with)
             try:
                 code = run_launch(json.loads(data), fds[0], connection)
             except BaseException as error:  # the launch could not start: say so, as a launcher would
@@ -187,14 +200,18 @@ def serve(path: str) -> None:
         os.close(fds[0])
 
 
-def _die_with_parent() -> None:
-    """End the server with the pytest process that started it (Linux: PR_SET_PDEATHSIG)."""
+def _die_with_parent(how: int = signal.SIGTERM) -> None:
+    """End this process with its parent (Linux: PR_SET_PDEATHSIG): the server with the pytest process, a launch
+    with the server, a worker with its launch, so that no process of a killed test run is left behind."""
+    parent = os.getppid()
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, how)
     except OSError:
-        pass
+        return
+    if os.getppid() != parent:  # it died before the prctl
+        os.kill(os.getpid(), how)
 
 
 if __name__ == "__main__":
