@@ -95,25 +95,55 @@ def launch(
         text=True,
         preexec_fn=limit_file_size if file_size_limit else None,
     )
+    reader, lines = read_in_background(process.stdout)
+    try:
+        process.wait(timeout=timeout)
+    except BaseException as stop:  # a hang, or this process interrupted
+        kill_with_descendants(process.pid)
+        process.wait()
+        reader.join(5)
+        if isinstance(stop, subprocess.TimeoutExpired):
+            raise hung(timeout, lines) from None
+        raise
+    return finished(process.returncode, start, reader, lines)
+
+
+def kill_with_descendants(pid: int) -> None:
+    """Kill a launcher and every process under it: torchrun starts its workers in sessions of their own, so a killed
+    launcher, or its process group, leaves them running."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        launcher = psutil.Process(pid)
+        for process in [*launcher.children(recursive=True), launcher]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+
+
+def read_in_background(stream) -> tuple[threading.Thread, list[tuple[float, str]]]:
+    """Each line of a launch's output with the time it arrived, read by a daemon thread."""
     lines: list[tuple[float, str]] = []
 
     def read():
-        for line in process.stdout:
-            lines.append((time.monotonic(), line))
+        with stream:
+            for line in stream:
+                lines.append((time.monotonic(), line))
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        reader.join(5)
-        raise AssertionError(f"launch hung for {timeout}s:\n" + "".join(text for _, text in lines[-60:])) from None
+    return reader, lines
+
+
+def hung(timeout: float, lines: list) -> AssertionError:
+    return AssertionError(f"launch hung for {timeout}s:\n" + "".join(text for _, text in lines[-60:]))
+
+
+def finished(returncode: int, start: float, reader: threading.Thread, lines: list, warm=False) -> LaunchResult:
+    """The result of a launch that has exited, once its last output is read."""
     end = time.monotonic()
     reader.join(10)
     last_line_at = lines[-1][0] if lines else end
-    return LaunchResult(process.returncode, "".join(t for _, t in lines), end - start, end - last_line_at, lines)
+    return LaunchResult(returncode, "".join(t for _, t in lines), end - start, end - last_line_at, lines, warm)
 
 
 # Variables that the audit hook (tests/audit) and the helpers in tests/launched read at run time, after the
@@ -220,14 +250,7 @@ def launch_warm(script, args, launcher_args: list, env: dict, timeout: float) ->
             os.close(read_end)
             return None
         group = answer["pid"]
-
-        def read():
-            with open(read_end, encoding="utf-8", errors="replace") as stream:
-                for line in stream:
-                    lines.append((time.monotonic(), line))
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
+        reader, lines = read_in_background(open(read_end, encoding="utf-8", errors="replace"))
         answer = connection.recv(4096)
     except BaseException as stop:
         if reader is None:
@@ -236,16 +259,12 @@ def launch_warm(script, args, launcher_args: list, env: dict, timeout: float) ->
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
         if isinstance(stop, TimeoutError):
-            text = "".join(line for _, line in lines[-60:])
-            raise AssertionError(f"launch hung for {timeout}s:\n{text}") from None
+            raise hung(timeout, lines) from None
         raise
     finally:
         connection.close()
     returncode = json.loads(answer)["returncode"] if answer else -signal.SIGKILL  # empty: its launcher was killed
-    end = time.monotonic()
-    reader.join(10)
-    last_line_at = lines[-1][0] if lines else end
-    return LaunchResult(returncode, "".join(t for _, t in lines), end - start, end - last_line_at, lines, warm=True)
+    return finished(returncode, start, reader, lines, warm=True)
 
 
 def assert_fails_cleanly(result: LaunchResult, expected: str, output_dir: Path) -> None:
