@@ -14,14 +14,14 @@ from launching import (  # noqa: F401  (the tests import these from here)
     AUDIT_HOOK_DIR,
     CPU_CONFIG,
     REPO,
-    SET_BY_IMPORTS,
     LaunchResult,
     assert_error_is_last,
     assert_fails_cleanly,
+    changed_since,
+    environment_now,
     free_port,
     launch,
     launch_env,
-    without_test_name,
 )
 
 WORDS = {
@@ -143,14 +143,13 @@ def isolated_hf_home(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def no_leaked_environment():
-    """A test that leaves a variable in os.environ hands it to every later launch of its worker (and turns the warm
-    launcher off for them): fail it, by name. monkeypatch.setenv/delenv undo theirs; a delenv of an unset variable
-    does not undo what the code under test sets after it. What launch_env sets itself cannot leak (datasets' map
-    leaves TOKENIZERS_PARALLELISM=false)."""
-    before = without_test_name(launch_env())
+    """A test that leaves a variable in os.environ hands it to every later launch of its worker (and makes the next
+    one restart the warm launcher's server): fail it, by name. monkeypatch.setenv/delenv undo theirs; a delenv of an
+    unset variable does not undo what the code under test sets after it. What launch_env sets itself cannot leak
+    (datasets' map leaves TOKENIZERS_PARALLELISM=false)."""
+    before = environment_now()
     yield
-    after = without_test_name(launch_env())
-    leaked = {name for name in set(before) | set(after) if before.get(name) != after.get(name)} - SET_BY_IMPORTS
+    leaked = changed_since(before, environment_now())
     assert not leaked, f"the test changed os.environ and left it so: {sorted(leaked)} (use monkeypatch.setenv)"
 
 

@@ -66,8 +66,8 @@ def launch(
     file_size_limit=None,
     real_launcher=False,
 ) -> LaunchResult:
-    """Run `<script> <args>` on `num_processes` CPU processes and time its exit. With the default CPU config
-    and the suite's environment, the processes are forked from the warm launcher (tests/warm_launch.py: the
+    """Run `<script> <args>` on `num_processes` CPU processes and time its exit. Where `env` holds only the test
+    hooks' variables (RUNTIME_ENV), the processes are forked from the warm launcher (tests/warm_launch.py: the
     environment `accelerate launch` gives, without a fresh interpreter's imports); otherwise, or with
     `real_launcher`, through `accelerate launch` itself. `file_size_limit` (bytes): no process of the launch
     may write a larger file (ulimit -f)."""
@@ -167,19 +167,23 @@ SET_BY_IMPORTS = {"TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_A
 _WARM: dict = {}  # this pytest process's warm launcher: its server, socket path and the environment it started with
 
 
-def without_test_name(env: dict) -> dict:
-    """`env` but for PYTEST_CURRENT_TEST, which pytest changes at each step of each test."""
-    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+def environment_now() -> dict:
+    """What a launch would inherit now, but for PYTEST_CURRENT_TEST, which pytest changes at each step of each test."""
+    return {k: v for k, v in launch_env().items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def changed_since(before: dict, now: dict) -> set[str]:
+    """The variables whose value differs between two `environment_now()`s, but for SET_BY_IMPORTS (never a change)."""
+    return {name for name in set(before) | set(now) if before.get(name) != now.get(name)} - SET_BY_IMPORTS
 
 
 def warm_launcher() -> dict:
     """The warm launcher of this pytest process, started at its first use, and started again where the suite's
     environment has changed since (a variable read at import time would be stale in its processes: a test's
     monkeypatch.setenv, then its undoing) or where it has died."""
-    now = without_test_name(launch_env())
+    now = environment_now()
     if _WARM:
-        changed = {name for name in set(now) | set(_WARM["env"]) if now.get(name) != _WARM["env"].get(name)}
-        if not changed - SET_BY_IMPORTS and _WARM["server"].poll() is None:
+        if not changed_since(_WARM["env"], now) and _WARM["server"].poll() is None:
             return _WARM
         stop_warm_launcher()
     else:

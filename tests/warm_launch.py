@@ -167,7 +167,7 @@ def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | N
 def serve(path: str) -> None:
     import importlib
 
-    started_with = dict(os.environ)  # without what the imports add (TORCHINDUCTOR_CACHE_DIR): a worker adds its own
+    started_with = dict(os.environ)  # before the imports add theirs: each launch's own env comes on top (warm_env)
     for name in WARM_MODULES:
         importlib.import_module(name)
     import accelerate.commands.launch  # noqa: F401  (the launcher's own argument parser and checks)
