@@ -33,13 +33,32 @@ LLAMA3 = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
-QWEN25 = (
-    "{%- for message in messages %}"
-    "{%- if loop.first and message['role'] != 'system' %}"
-    "{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
+QWEN25 = (  # with its tool support: the tools in the system turn, calls in <tool_call> tags, results as a user turn
+    "{%- set default_system = 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' %}"
+    "{%- if tools %}{{- '<|im_start|>system\n' }}"
+    "{{- messages[0]['content'] if messages[0]['role'] == 'system' else default_system }}"
+    "{{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '"
+    ' + \'<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": \''
+    " + '<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] != 'system' %}{{- '<|im_start|>system\n' + default_system + '<|im_end|>\n' }}"
     "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not (loop.first and tools))"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
     "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{%- endfor %}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}{%- if call.function is defined %}{%- set call = call.function %}{%- endif %}"
+    '{{- \'\n<tool_call>\n{"name": "\' + call.name + \'", "arguments": \' + call.arguments | tojson'
+    " + '}\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 QWEN3 = (
@@ -108,13 +127,15 @@ CHATML = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+QWEN_TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # added, not special
 # family: (template, special tokens, bos, eos, end of turn, non-special added tokens)
 FAMILIES = {
     "llama3": (LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                         "<|end_of_text|>"], "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>", []),
     "llama3-base": (LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                              "<|end_of_text|>"], "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", []),
-    "qwen2.5": (QWEN25, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], None, "<|im_end|>", "<|im_end|>", []),
+    "qwen2.5": (QWEN25, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], None, "<|im_end|>", "<|im_end|>",
+                QWEN_TOOL_TAGS),
     "qwen2.5-base": (QWEN25, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], None, "<|endoftext|>", "<|im_end|>", []),
     "qwen3": (QWEN3, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], None, "<|im_end|>", "<|im_end|>",
               ["<think>", "</think>"]),

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from ..core.errors import UsageError
 from .causal_lm import IGNORE_INDEX
+from .turns import check_tools_rendered, tools_end, uses_tools
 
 LOSS_ON = ("assistant", "last_assistant", "all")
 
@@ -72,7 +73,8 @@ def check_messages(messages, record: int, split: str) -> None:
     if not isinstance(messages, list) or not all(fits(turn) for turn in messages):
         raise UsageError(
             f"{split} record {record} fits none of the SFT formats: a conversation must be a list of "
-            f"{{'role': ..., 'content': ...}} turns (or ShareGPT's {{'from': ..., 'value': ...}}), "
+            f"{{'role': ..., 'content': ...}} turns (an assistant's may hold 'tool_calls' instead of content; or "
+            f"ShareGPT's {{'from': ..., 'value': ...}}), "
             f"got {str(messages)[:120]!r}; name the right column with --messages_column"
         )
     if not any(m["role"] == "assistant" for m in messages):
@@ -116,13 +118,13 @@ def per_template(tokenizer, name: str, compute):
     return known[1]
 
 
-def render(tokenizer, messages, generation_prompt: bool = False) -> str:
-    """`messages` rendered by the tokenizer's chat template, with the run's --chat_template_kwargs
-    (`tokenizer.chat_template_kwargs`, e.g. Qwen3's enable_thinking) and a system turn folded into the
-    first user turn where the template would drop or move it (`folds_system`). No communication."""
+def render(tokenizer, messages, generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+    """`messages` rendered by the tokenizer's chat template, with the record's `tools` (function schemas), the run's
+    --chat_template_kwargs (`tokenizer.chat_template_kwargs`, e.g. Qwen3's enable_thinking) and a system turn folded
+    into the first user turn where the template would drop or move it (`folds_system`). No communication."""
     if messages and messages[0]["role"] == "system" and folds_system(tokenizer):
         messages = fold_system(messages)
-    kwargs = getattr(tokenizer, "chat_template_kwargs", None) or {}
+    kwargs = dict(getattr(tokenizer, "chat_template_kwargs", None) or {}, **({"tools": tools} if tools else {}))
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
 
 
@@ -158,13 +160,15 @@ def _system_kept(tokenizer) -> bool:
     return all(text.count("Sx9q") == 1 and text.index("Sx9q") < text.index("U1x") for text in texts)
 
 
-def assistant_spans(tokenizer, messages: list[dict], loss_on: str) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    tokenizer, messages: list[dict], loss_on: str, tools: list[dict] | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the character spans of its targets). Each assistant span is
-    what the turn adds after its generation prompt, trailing whitespace dropped: its content and
-    end-of-turn marker. An earlier turn that the template renders otherwise once later ones follow
+    what the turn adds after its generation prompt, trailing whitespace dropped: its content (or its
+    tool calls) and end-of-turn marker. An earlier turn that the template renders otherwise once later ones follow
     (Qwen3 drops the reasoning of earlier answers) is learned as the conversation shows it, up to its
-    end-of-turn marker. With loss_on="all" the span is the whole text."""
-    text = render(tokenizer, messages)
+    end-of-turn marker. With loss_on="all" the span is the whole text. `tools`: the record's, in every rendering."""
+    text = render(tokenizer, messages, tools=tools)
     if loss_on == "all":
         lost = [m["role"] for m in messages if m["content"].strip() and m["content"].strip() not in text]
         if lost:
@@ -178,8 +182,8 @@ def assistant_spans(tokenizer, messages: list[dict], loss_on: str) -> tuple[str,
         turns = turns[-1:]
     spans, marker = [], None
     for i in turns:
-        prompt = render(tokenizer, messages[:i], generation_prompt=True)
-        answered = render(tokenizer, messages[: i + 1])
+        prompt = render(tokenizer, messages[:i], generation_prompt=True, tools=tools)
+        answered = render(tokenizer, messages[: i + 1], tools=tools)
         if not (answered.startswith(prompt) and text.startswith(prompt)):
             raise UsageError(
                 f"this chat template renders the conversation before assistant turn {i} differently once the answer "
@@ -203,40 +207,54 @@ def assistant_spans(tokenizer, messages: list[dict], loss_on: str) -> tuple[str,
     return text, spans
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], loss_on: str, block_size: int) -> TokenizedRecord | None:
+def tokenize_conversation(
+    tokenizer, messages: list[dict], loss_on: str, block_size: int, tools: list[dict] | None = None, where: str = ""
+) -> TokenizedRecord | None:
     """The conversation's token ids and labels (the targets of `assistant_spans`), at most
-    `block_size` tokens (`fit_block`, cut after BOS and the system turn). Needs a fast tokenizer
-    (character offsets)."""
-    text, spans = assistant_spans(tokenizer, messages, loss_on)
+    `block_size` tokens (`fit_block`, cut after BOS, the system turn and the `tools`). A conversation with tools, tool
+    calls or results is a UsageError naming the record (`where`) when the template leaves them out. Needs a fast
+    tokenizer (character offsets)."""
+    text, spans = assistant_spans(tokenizer, messages, loss_on, tools)
+    if uses_tools(messages, tools):
+        check_tools_rendered(text, messages, tools, tokenizer, where or "a record")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"]
     labels = [
         token if any(start < span_end and end > span_start for span_start, span_end in spans) else IGNORE_INDEX
         for token, (start, end) in zip(ids, encoded["offset_mapping"])
     ]
-    head = head_length(tokenizer, messages, text) if len(ids) > block_size else 0
+    head = 0
+    if len(ids) > block_size:
+        head = head_length(tokenizer, messages, text, keep=tools_kept(tokenizer, messages, text, tools))
     return fit_block(ids, labels, block_size, cut_targets=loss_on == "all", head=head)
 
 
-def head_length(tokenizer, messages: list[dict] | None, text: str) -> int:
+def head_length(tokenizer, messages: list[dict] | None, text: str, keep: int = 0) -> int:
     """How many of the first tokens of `text` (tokenized without special tokens added) a cut keeps:
     BOS, and the system turn's text with the special tokens that close it, where the conversation
     `messages` starts with one that the rendering shows first (in its own turn, or folded into the
     first user turn). A model degrades without BOS (Gemma most), and the system turn says what to do.
-    Plain text (`messages` None) keeps BOS."""
+    At least the tokens of the first `keep` characters (the tools' text, `tools_kept`). Plain text (`messages` None)
+    keeps BOS."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     head = 1 if ids and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id else 0
     system = messages[0]["content"].strip() if messages and messages[0]["role"] == "system" else ""
     where = text.find(system) if system else -1
-    if where < 0:
+    end = max(where + len(system) if where >= 0 else 0, keep)
+    if not end:
         return head
-    end = where + len(system)
     head = max(head, sum(1 for _, token_end in offsets if token_end <= end))
     special = set(tokenizer.all_special_ids)
     while head < len(ids) and ids[head] in special:  # the marker that closes the system turn
         head += 1
     return head
+
+
+def tools_kept(tokenizer, messages: list[dict], text: str, tools: list[dict] | None, generation_prompt=False) -> int:
+    """Where the text of the `tools` ends in `text` (`messages` rendered with them): what a cut keeps with the
+    head, so that the calls learned keep their tools. 0 without tools."""
+    return tools_end(text, render(tokenizer, messages, generation_prompt)) if tools else 0
 
 
 def cut_middle(ids: list, head: int, cut: int) -> list:
@@ -277,8 +295,15 @@ def fit_block(
     return TokenizedRecord(cut_middle(ids, head, cut), kept, cut, dropped)
 
 
-def generation_prompt(tokenizer, messages: list[dict]) -> tuple[str, str]:
-    """(the conversation up to its last assistant turn, rendered to ask for that turn; the last
-    assistant turn's content: the reference answer)."""
+def generation_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, str]:
+    """(the conversation up to its last assistant turn, rendered with the `tools` to ask for that turn; the reference
+    answer: the last assistant turn's content, or, when it calls tools, the text the template renders for it up to
+    its end-of-turn marker: the calls as the model learns to write them)."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return render(tokenizer, messages[:last], generation_prompt=True), messages[last]["content"]
+    prompt = render(tokenizer, messages[:last], generation_prompt=True, tools=tools)
+    if not messages[last].get("tool_calls"):
+        return prompt, messages[last]["content"]
+    answer = render(tokenizer, messages[: last + 1], tools=tools)[len(prompt) :]
+    end = end_of_turn(tokenizer)[0]
+    marker = tokenizer.decode([end]) if end is not None else ""
+    return prompt, (answer[: answer.find(marker)] if marker and marker in answer else answer).strip()

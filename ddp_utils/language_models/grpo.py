@@ -26,6 +26,7 @@ from .chat import render
 from .generation import only_this_config, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
 from .pair_scoring import ONE_ROW
+from .turns import check_tools_rendered, record_tools, tool_turn, uses_tools
 
 LOSS_TYPES = ("token", "sequence")  # DAPO's and TRL's default: a mean over tokens; the original GRPO's: over answers
 LOSS_WEIGHT = "loss_weight"  # per rollout row: its completion tokens (token loss), or 1 (sequence loss); 0 for fillers
@@ -38,11 +39,16 @@ def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: 
     No communication."""
 
     def encode(record, index):
-        prompt = record["prompt"]
+        prompt, tools = record["prompt"], record_tools(record.get("tools"), f"record {index}")
         if isinstance(prompt, str) and use_chat_template:
             prompt = [{"role": "user", "content": prompt}]
+        if tools and not isinstance(prompt, list):
+            raise UsageError(f"record {index} has tools, which only a chat template shows; drop --no-chat_template")
         if isinstance(prompt, list):
-            text = render(tokenizer, prompt, generation_prompt=True)
+            prompt = [tool_turn(turn, f"record {index}") if isinstance(turn, dict) else turn for turn in prompt]
+            text = render(tokenizer, prompt, generation_prompt=True, tools=tools)
+            if uses_tools(prompt, tools):
+                check_tools_rendered(text, prompt, tools, tokenizer, f"record {index}")
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]

@@ -18,7 +18,8 @@ from ..data.dataloaders import SAMPLE_WEIGHT
 from ..training.exact_loss import INPUT_TOKENS
 from .causal_lm import IGNORE_INDEX
 from .chat import cut_middle, head_length, render, text_content
-from .sft_data import PROMPT_SEPARATOR, alpaca_prompt, settle_chat_template, sharegpt_turns
+from .sft_data import PROMPT_SEPARATOR, alpaca_prompt, settle_chat_template
+from .turns import sharegpt_turns
 
 logger = get_logger(__name__)
 
@@ -158,6 +159,11 @@ def _checked(prompt, chosen, rejected, index: int, split: str):
         if not all(isinstance(turns, list) for turns in (prompt, chosen, rejected)):
             raise UsageError(f"{where} fits none of the preference formats: {PAIR_FORMATS}")
         turns = prompt + chosen + rejected
+        if any(isinstance(t, dict) and (t.get("tool_calls") or t.get("role") == "tool") for t in turns):
+            raise UsageError(
+                f"{where} holds tool calls or tool results: preference tuning here learns text answers only; "
+                "scripts/train_sft.py learns tool calls (scripts/train_grpo.py can reward them)"
+            )
         if not all(isinstance(t, dict) and t.get("role") and t.get("content") is not None for t in turns):
             raise UsageError(f"{where}: every turn needs a 'role' and a 'content', got {str(turns)[:160]!r}")
         prompt, chosen, rejected = (text_content(turns, index, split) for turns in (prompt, chosen, rejected))

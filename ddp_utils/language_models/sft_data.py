@@ -5,7 +5,7 @@ Nothing here communicates: the script calls `tokenize_sft` inside `load_on_main_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import datasets
 import numpy as np
@@ -22,13 +22,14 @@ from .chat import (
     head_length,
     text_content,
     tokenize_conversation,
+    tools_kept,
 )
+from .turns import record_tools, sharegpt_turns, tool_turn
 
 logger = get_logger(__name__)
 
 
 FORMATS = "messages ([{'role', 'content'}, ...]), ShareGPT ([{'from', 'value'}, ...]), prompt/completion, Alpaca"
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 # Without a chat template a prompt and its answer are joined with this (BOS before, EOS after), so that the answer
 # does not run on from the prompt's last word.
 PROMPT_SEPARATOR = "\n\n"
@@ -47,6 +48,7 @@ class SFTFormat:
     columns: tuple[str, ...]  # the columns read, in the order of `kind`
     chat_template: bool | None  # render plain prompt/completion strings as chat turns; None: if the tokenizer can
     loss_on: str
+    tools: str | None = None  # the column of each record's tools (function schemas), where the data has one
 
     def turns(self, record: dict, index: int, split: str) -> list[dict] | None:
         """The record as role/content turns, or None for a plain prompt/completion pair trained
@@ -56,12 +58,20 @@ class SFTFormat:
             if self.kind == "sharegpt":
                 fix = f"the formats: {FORMATS}; name the right column with --messages_column"
                 turns = sharegpt_turns(turns, f"{split} record {index}", "SFT", fix)
+                if isinstance(record.get("system"), str) and record["system"].strip():  # LLaMA-Factory's system column
+                    turns = [{"role": "system", "content": record["system"]}, *turns]
+            elif isinstance(turns, list):  # tool calls parsed, the keys `datasets` filled with None dropped
+                turns = [tool_turn(t, f"{split} record {index}") if isinstance(t, dict) else t for t in turns]
             check_messages(turns, index, split)
             return text_content(turns, index, split)
         prompt, completion = self.prompt_and_completion(record)
         if isinstance(prompt, str) and isinstance(completion, str) and not self.chat_template:
             return None
         return text_content(as_messages(prompt, completion), index, split)
+
+    def record_tools(self, record: dict, index: int, split: str) -> list[dict] | None:
+        """The record's tools, as templates render them (`turns.record_tools`), or None."""
+        return record_tools(record.get(self.tools), f"{split} record {index}") if self.tools else None
 
     def prompt_and_completion(self, record: dict):
         """A prompt/completion or Alpaca record's prompt and answer (Alpaca: the instruction, then
@@ -103,13 +113,16 @@ def detect_format(raw, args) -> tuple[SFTFormat, dict[str, str]]:
             f"the train data's columns {columns} fit none of the SFT formats: {FORMATS}; name the conversation "
             "column with --messages_column, or the prompt and answer with --prompt_column and --completion_column"
         )
+    if "tools" in columns:  # each record's own (None where it has none); a validation file may lack the column
+        fmt = replace(fmt, tools="tools")
     name = {
         "messages": "messages",
         "sharegpt": "ShareGPT",
         "prompt/completion": "prompt/completion",
         "alpaca": "Alpaca",
     }
-    logger.info(f"SFT data format: {name[fmt.kind]} (columns {', '.join(c for c in fmt.columns if c in columns)})")
+    read = [c for c in (*fmt.columns, fmt.tools) if c in columns]
+    logger.info(f"SFT data format: {name[fmt.kind]} (columns {', '.join(read)})")
     return fmt, needed
 
 
@@ -149,28 +162,6 @@ def refuse_other_data(train) -> None:
             )
 
 
-def sharegpt_turns(turns, where: str, formats: str, fix: str) -> list[dict]:
-    """ShareGPT turns ({"from": "human"|"gpt"|"system"|..., "value": ...}) as role/content turns.
-    Anything else is a UsageError naming `where` (the record), the script's `formats` ("SFT") and
-    the `fix`; a role not in SHAREGPT_ROLES is one too."""
-
-    def fits(turn):
-        return isinstance(turn, dict) and turn.get("from") is not None and turn.get("value") is not None
-
-    if not isinstance(turns, list) or not all(fits(turn) for turn in turns):
-        raise UsageError(
-            f"{where} fits none of the {formats} formats: its conversation is not a list of "
-            f"{{'from': ..., 'value': ...}} turns (ShareGPT), got {str(turns)[:120]!r}; {fix}"
-        )
-    unknown = sorted({t["from"] for t in turns} - set(SHAREGPT_ROLES))
-    if unknown:
-        raise UsageError(
-            f"{where}: ShareGPT role {unknown[0]!r} is not one of {sorted(SHAREGPT_ROLES)}; "
-            "map it in your data, or convert the records to messages"
-        )
-    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
-
-
 def _bos(tokenizer) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
@@ -179,9 +170,14 @@ def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, in
     """(input_ids, labels, tokens of context cut) of one SFT record, or None when its answer does
     not fit in `block_size` tokens. Conversations: the chat template, the loss on --loss_on's
     turns. Plain pairs: BOS + prompt + completion + EOS, the loss on the completion and EOS."""
-    messages = fmt.turns(record, index, split)
+    messages, tools = fmt.turns(record, index, split), fmt.record_tools(record, index, split)
     if messages is not None:
-        return tokenize_conversation(tokenizer, messages, fmt.loss_on, block_size)
+        where = f"{split} record {index}"
+        return tokenize_conversation(tokenizer, messages, fmt.loss_on, block_size, tools=tools, where=where)
+    if tools:
+        raise UsageError(
+            f"{split} record {index} has tools, which only a chat template shows the model; drop --no-chat_template"
+        )
     prompt, completion = fmt.prompt_and_completion(record)
     prompt = _bos(tokenizer) + tokenizer(prompt + PROMPT_SEPARATOR, add_special_tokens=False)["input_ids"]
     completion = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -193,9 +189,9 @@ def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, in
 def generation_prompt_ids(record: dict, fmt: SFTFormat, tokenizer, max_prompt_tokens: int, index: int = 0):
     """(prompt ids that ask for the record's last answer, cut to `max_prompt_tokens` after BOS and
     the system turn as in training (`chat.head_length`); the reference answer; whether it was cut)."""
-    messages = fmt.turns(record, index, "validation")
+    messages, tools = fmt.turns(record, index, "validation"), fmt.record_tools(record, index, "validation")
     if messages is not None:
-        text, reference = generation_prompt(tokenizer, messages)
+        text, reference = generation_prompt(tokenizer, messages, tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         prompt, reference = fmt.prompt_and_completion(record)
@@ -203,8 +199,11 @@ def generation_prompt_ids(record: dict, fmt: SFTFormat, tokenizer, max_prompt_to
     cut = max(len(ids) - max_prompt_tokens, 0)
     if not cut:
         return ids, reference, False
-    head = head_length(tokenizer, messages, text) if messages is not None else len(_bos(tokenizer))
-    return cut_middle(ids, head, cut), reference, True
+    if messages is None:
+        return cut_middle(ids, len(_bos(tokenizer)), cut), reference, True
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    keep = tools_kept(tokenizer, messages[:last], text, tools, generation_prompt=True)
+    return cut_middle(ids, head_length(tokenizer, messages, text, keep), cut), reference, True
 
 
 def warn_of_answers_that_never_stop(rows, tokenizer, fmt: SFTFormat, sample: int = 200) -> None:
@@ -312,8 +311,6 @@ def tokenize_sft(
 def _settle_chat_template(fmt: SFTFormat, tokenizer) -> SFTFormat:
     """`fmt` with its chat_template settled for this tokenizer (`settle_chat_template`);
     conversations always use the template (`tokenize_sft` refuses a tokenizer without one)."""
-    from dataclasses import replace
-
     if fmt.kind in ("messages", "sharegpt"):
         return fmt
     return replace(fmt, chat_template=settle_chat_template(fmt.chat_template, tokenizer, fmt.kind))
