@@ -125,6 +125,10 @@ def test_openai_and_llama_factory_tool_records_train_the_calls_and_answers_not_t
         ours = tokenize_record(factory[n], factory_fmt, qwen, block_size=512, index=n)
         assert ours == tokenize_record(openai[same], openai_fmt, qwen, block_size=512, index=same), "the same tokens"
     assert tokenize_record(openai[1], openai_fmt, qwen, block_size=512, index=1).labels.count(IGNORE_INDEX) > 0
+    as_object = openai_record("paris")
+    as_object["messages"][3]["content"] = {"celsius": 12}  # a tool result given as an object, not as its JSON text
+    raw, fmt = read(tmp_path, [as_object], "object.jsonl")
+    assert tokenize_record(raw[0], fmt, qwen, block_size=512) == tokenize_record(openai[0], openai_fmt, qwen, 512)
 
 
 @pytest.mark.fast
@@ -172,6 +176,14 @@ def test_a_template_without_tool_support_and_bad_arguments_are_refused_naming_th
     raw, fmt = read(tmp_path, [without_tools], "no-tools.jsonl")
     with pytest.raises(UsageError, match="leaves out its call to 'get_weather': it has no tool support"):
         tokenize_record(raw[0], fmt, chatml, block_size=512)
+    strict = make_family_tokenizer("chatml", tmp_path / "strict")
+    strict.chat_template = (  # as Gemma's and Mistral's raise on a role they do not take
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('Conversation roles must alternate') }}"
+        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    raw, fmt = read(tmp_path, [plain_record(0), without_tools], "strict.jsonl")
+    with pytest.raises(UsageError, match="train record 1: the chat template of .* refuses it: Conversation roles must"):
+        tokenize_record(raw[1], fmt, strict, block_size=512, index=1)
     bad = openai_record("paris")
     bad["messages"][2]["tool_calls"][0]["function"]["arguments"] = "{'city': 'paris'}"  # Python, not JSON
     raw, fmt = read(tmp_path, [bad], "bad.jsonl")
@@ -189,7 +201,7 @@ def test_dpo_pairs_with_tool_calls_are_refused_and_grpo_prompts_show_their_tools
 
     record = openai_record("paris")
     pair = {"prompt": record["messages"][:2], "chosen": record["messages"][2:3], "rejected": record["messages"][4:]}
-    with pytest.raises(UsageError, match="train record 3 holds tool calls or tool results: .*scripts/train_sft.py"):
+    with pytest.raises(UsageError, match="train record 3 holds tool calls or results: .*train_sft.py learns calls"):
         PairFormat("conversational", None).pair(pair, 3, "train")
     prompts = datasets.DatasetDict(
         {"train": datasets.Dataset.from_list([{"prompt": "what is the weather in paris", "tools": [WEATHER]}])}

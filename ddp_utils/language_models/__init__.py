@@ -3,6 +3,7 @@
 - causal_lm.py        load_causal_lm, the collator, blocks and packing, the causal-LM loss, perplexity
 - chat.py             conversations rendered by the chat template; the assistant-only targets; end-of-turn tokens
 - sft_data.py         SFT records in their shapes (chat, Alpaca, ShareGPT, prompt/completion) as training rows
+- turns.py            ShareGPT turns and tool calls (OpenAI's, LLaMA-Factory's) as the turns and tools templates render
 - preference_data.py  preference pairs in their shapes, checked and tokenized; a pair as one row
 - pair_scoring.py     both sides of a pair in one forward pass, and the probe that refuses where it is not exact
 - dpo.py              the DPO, IPO and SimPO losses; the reference without a second model; preference evaluation

@@ -214,7 +214,15 @@ def tokenize_conversation(
     `block_size` tokens (`fit_block`, cut after BOS, the system turn and the `tools`). A conversation with tools, tool
     calls or results is a UsageError naming the record (`where`) when the template leaves them out. Needs a fast
     tokenizer (character offsets)."""
-    text, spans = assistant_spans(tokenizer, messages, loss_on, tools)
+    from jinja2.exceptions import TemplateError
+
+    try:
+        text, spans = assistant_spans(tokenizer, messages, loss_on, tools)
+    except TemplateError as error:  # the template's own raise_exception: roles out of order, a role it lacks
+        raise UsageError(
+            f"{where or 'a record'}: the chat template of {tokenizer.name_or_path!r} refuses it: {error}; fix or drop "
+            "the record"
+        ) from None
     if uses_tools(messages, tools):
         check_tools_rendered(text, messages, tools, tokenizer, where or "a record")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

@@ -160,10 +160,7 @@ def _checked(prompt, chosen, rejected, index: int, split: str):
             raise UsageError(f"{where} fits none of the preference formats: {PAIR_FORMATS}")
         turns = prompt + chosen + rejected
         if any(isinstance(t, dict) and (t.get("tool_calls") or t.get("role") == "tool") for t in turns):
-            raise UsageError(
-                f"{where} holds tool calls or tool results: preference tuning here learns text answers only; "
-                "scripts/train_sft.py learns tool calls (scripts/train_grpo.py can reward them)"
-            )
+            raise UsageError(f"{where} holds tool calls or results: DPO here learns text; train_sft.py learns calls")
         if not all(isinstance(t, dict) and t.get("role") and t.get("content") is not None for t in turns):
             raise UsageError(f"{where}: every turn needs a 'role' and a 'content', got {str(turns)[:160]!r}")
         prompt, chosen, rejected = (text_content(turns, index, split) for turns in (prompt, chosen, rejected))

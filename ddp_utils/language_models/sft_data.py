@@ -53,21 +53,24 @@ class SFTFormat:
     def turns(self, record: dict, index: int, split: str) -> list[dict] | None:
         """The record as role/content turns, or None for a plain prompt/completion pair trained
         without a chat template. A record that does not fit the format is a UsageError naming it."""
+        where = f"{split} record {index}"
         if self.kind in ("messages", "sharegpt"):
             turns = record[self.columns[0]]
             if self.kind == "sharegpt":
                 fix = f"the formats: {FORMATS}; name the right column with --messages_column"
-                turns = sharegpt_turns(turns, f"{split} record {index}", "SFT", fix)
+                turns = sharegpt_turns(turns, where, "SFT", fix)
                 if isinstance(record.get("system"), str) and record["system"].strip():  # LLaMA-Factory's system column
                     turns = [{"role": "system", "content": record["system"]}, *turns]
-            elif isinstance(turns, list):  # tool calls parsed, the keys `datasets` filled with None dropped
-                turns = [tool_turn(t, f"{split} record {index}") if isinstance(t, dict) else t for t in turns]
+        else:
+            prompt, completion = self.prompt_and_completion(record)
+            if isinstance(prompt, str) and isinstance(completion, str) and not self.chat_template:
+                return None
+            turns = as_messages(prompt, completion)
+        if isinstance(turns, list):  # tool calls parsed, the keys `datasets` filled with None dropped
+            turns = [tool_turn(turn, where) if isinstance(turn, dict) else turn for turn in turns]
+        if self.kind in ("messages", "sharegpt"):
             check_messages(turns, index, split)
-            return text_content(turns, index, split)
-        prompt, completion = self.prompt_and_completion(record)
-        if isinstance(prompt, str) and isinstance(completion, str) and not self.chat_template:
-            return None
-        return text_content(as_messages(prompt, completion), index, split)
+        return text_content(turns, index, split)
 
     def record_tools(self, record: dict, index: int, split: str) -> list[dict] | None:
         """The record's tools, as templates render them (`turns.record_tools`), or None."""
