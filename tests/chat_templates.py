@@ -5,9 +5,10 @@ the EOS each ships, on a word-level vocabulary: built offline, no Hub.
 What each family does that the scripts must handle:
 
 - llama3 (Llama 3.x instruct): a system block always, turns end with <|eot_id|>, EOS <|eot_id|>;
-  llama3-base: the same template, EOS <|end_of_text|> (answers never stopped);
+  llama3-base: the same template, EOS <|end_of_text|> (answers never stopped); tools as Llama 3.1 shows them: in
+  the first user turn, a call as {"name", "parameters"}, one a turn, every result quoted as JSON text;
 - qwen2.5 (instruct) and qwen2.5-base: ChatML with a default system turn, <|im_end|>; the base EOS is
-  <|endoftext|>;
+  <|endoftext|>; tools in the system turn, calls in <tool_call> tags, results as a user turn;
 - qwen3: ChatML, a <think> block on answers after the last user turn, dropped from earlier answers,
   and an empty one in the generation prompt with enable_thinking=false;
 - mistral (v0.3): [INST] ... [/INST] answer</s>, the system text in the LAST user turn only;
@@ -20,16 +21,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
-LLAMA3 = (
+LLAMA3 = (  # with Llama 3.1's tool support: the tools in the first user turn, one call a turn, results JSON-quoted
     "{{- bos_token }}"
     "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] | trim %}"
     "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
     "{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    "{%- if tools %}{{- 'Environment: ipython\n' }}{%- endif %}"
     "{{- 'Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n' }}"
     "{{- system_message }}{{- '<|eot_id|>' }}"
+    "{%- if tools %}{%- set first_user = messages[0]['content'] | trim %}{%- set messages = messages[1:] %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\n\nCall one of these functions with JSON when it helps.\n\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson(indent=4) + '\n\n' }}{%- endfor %}"
+    "{{- first_user + '<|eot_id|>' }}{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content | tojson + '<|eot_id|>' }}"
+    "{%- elif 'tool_calls' in message %}"
+    "{%- if message.tool_calls | length != 1 %}{{- raise_exception('only one tool call at a time') }}{%- endif %}"
+    "{%- set call = message.tool_calls[0].function %}"
+    '{{- \'<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "\' + call.name + \'", "parameters": \''
+    " + call.arguments | tojson + '}<|eot_id|>' }}"
+    "{%- else %}"
     "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
     "{{- message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )

@@ -132,6 +132,31 @@ def test_openai_and_llama_factory_tool_records_train_the_calls_and_answers_not_t
 
 
 @pytest.mark.fast
+def test_llama_3_1s_layout_tools_in_the_user_turn_results_quoted_one_call_a_turn(tmp_path):
+    from ddp_utils.language_models.chat import assistant_spans, render
+    from ddp_utils.language_models.sft_data import tokenize_record
+
+    llama = make_family_tokenizer("llama3", tmp_path / "llama3")
+    two_calls = openai_record("oslo")
+    two_calls["messages"][2]["tool_calls"] *= 2
+    raw, fmt = read(tmp_path, [openai_record("paris"), two_calls])
+    messages, tools = fmt.turns(raw[0], 0, "train"), fmt.record_tools(raw[0], 0, "train")
+    text, spans = assistant_spans(llama, messages, "assistant", tools)
+    assert [text[start:end] for start, end in spans] == [
+        '{"name": "get_weather", "parameters": {"city": "paris"}}<|eot_id|>',
+        "it is 12 degrees in paris<|eot_id|>",
+    ]
+    assert '"{\\"celsius\\": 12}"' in text, "the result quoted as JSON text: shown, not refused as left out"
+    whole = tokenize_record(raw[0], fmt, llama, block_size=4096)
+    row = tokenize_record(raw[0], fmt, llama, block_size=len(whole.input_ids) - 3)
+    tools_text = render(llama, messages, tools=tools).split("what is the weather")[0]
+    kept = len(llama(tools_text, add_special_tokens=False)["input_ids"])
+    assert row.context_cut == 3 and row.input_ids[:kept] == whole.input_ids[:kept], "the cut is after the tools"
+    with pytest.raises(UsageError, match="train record 1: the chat template of .* refuses it: only one tool call"):
+        tokenize_record(raw[1], fmt, llama, block_size=4096, index=1)
+
+
+@pytest.mark.fast
 def test_a_tool_call_answer_is_scored_against_the_call_the_template_writes(tmp_path, qwen):
     from ddp_utils.language_models.sft_data import generation_prompt_ids
 

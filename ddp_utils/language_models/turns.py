@@ -102,7 +102,9 @@ def check_tools_rendered(text: str, messages: list[dict], tools: list[dict] | No
     shown = [("tool", tool["function"].get("name", "")) for tool in tools or []]
     shown += [("call to", call["function"]["name"]) for m in messages for call in m.get("tool_calls", [])]
     shown += [("tool result", m["content"].strip()) for m in messages if m["role"] == "tool"]
-    missing = next(((kind, name) for kind, name in shown if name and name not in text), None)
+    # A result may be shown quoted as JSON text (Llama 3.1 quotes every result): its quotes escaped.
+    seen = lambda name: name in text or json.dumps(name, ensure_ascii=False)[1:-1] in text  # noqa: E731
+    missing = next(((kind, name) for kind, name in shown if name and not seen(name)), None)
     if missing:
         raise UsageError(
             f"{where}: the chat template of {tokenizer.name_or_path!r} leaves out its {missing[0]} "
