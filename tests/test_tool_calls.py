@@ -157,6 +157,24 @@ def test_llama_3_1s_layout_tools_in_the_user_turn_results_quoted_one_call_a_turn
 
 
 @pytest.mark.fast
+def test_an_assistant_turn_of_weight_0_is_context_not_learned(tmp_path, qwen):
+    """OpenAI's chat fine-tuning shape marks a turn not to learn with "weight": 0."""
+    from ddp_utils.language_models.chat import assistant_spans
+    from ddp_utils.language_models.sft_data import tokenize_record
+
+    record = openai_record("paris")
+    record["messages"][2]["weight"] = 0  # the call is context; the answer is learned
+    raw, fmt = read(tmp_path, [record])
+    messages, tools = fmt.turns(raw[0], 0, "train"), fmt.record_tools(raw[0], 0, "train")
+    text, spans = assistant_spans(qwen, messages, "assistant", tools)
+    assert [text[start:end] for start, end in spans] == ["it is 12 degrees in paris<|im_end|>"]
+    record["messages"][4]["weight"] = 0
+    raw, fmt = read(tmp_path, [record], "none.jsonl")
+    with pytest.raises(UsageError, match="train record 0: every assistant turn has weight 0"):
+        tokenize_record(raw[0], fmt, qwen, block_size=512)
+
+
+@pytest.mark.fast
 def test_a_tool_call_answer_is_scored_against_the_call_the_template_writes(tmp_path, qwen):
     from ddp_utils.language_models.sft_data import generation_prompt_ids
 

@@ -167,7 +167,8 @@ def assistant_spans(
     what the turn adds after its generation prompt, trailing whitespace dropped: its content (or its
     tool calls) and end-of-turn marker. An earlier turn that the template renders otherwise once later ones follow
     (Qwen3 drops the reasoning of earlier answers) is learned as the conversation shows it, up to its
-    end-of-turn marker. With loss_on="all" the span is the whole text. `tools`: the record's, in every rendering."""
+    end-of-turn marker; not a turn with "weight": 0 (OpenAI's). With loss_on="all" the span is the whole text.
+    `tools`: the record's, in every rendering."""
     text = render(tokenizer, messages, tools=tools)
     if loss_on == "all":
         lost = [m["role"] for m in messages if m["content"].strip() and m["content"].strip() not in text]
@@ -177,7 +178,10 @@ def assistant_spans(
                 "would then train without; train on the answers with --loss_on assistant"
             )
         return text, [(0, len(text))]
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    # OpenAI's chat fine-tuning shape: an assistant turn with "weight": 0 is context, not learned.
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight", 1) != 0]
+    if not turns:
+        raise UsageError("every assistant turn has weight 0, so there is nothing to learn; drop the record")
     if loss_on == "last_assistant":
         turns = turns[-1:]
     spans, marker = [], None
@@ -223,6 +227,8 @@ def tokenize_conversation(
             f"{where or 'a record'}: the chat template of {tokenizer.name_or_path!r} refuses it: {error}; fix or drop "
             "the record"
         ) from None
+    except UsageError as error:
+        raise (UsageError(f"{where}: {error}") if where else error) from None
     if uses_tools(messages, tools):
         check_tools_rendered(text, messages, tools, tokenizer, where or "a record")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
