@@ -27,7 +27,7 @@ What the scripts call, one job a line, in the order a script uses it:
   check_positive                    the options every script shares, checked (lifecycle/args.py)
   load_on_main_first                the main process reads first, every rank shares its verdict (core/ranks.py)
   refuse_together                   a problem one rank found, refused on every rank (core/ranks.py)
-  read_data_files, check_splits     one data check for every script; preparation_processes (data/raw_data.py)
+  read_data_files, check_splits     one data check for all; named_splits, preparation_processes (data/raw_data.py)
   make_train_dataloader             the training order: whole steps, the same on any layout (data/dataloaders.py)
   make_eval_dataloader, longest_first, SAMPLE_WEIGHT   evaluation batches; a filler row weighs 0 (same)
   load_metric, gather_for_eval      metrics offline; each example gathered once (data/evaluation.py)
@@ -59,7 +59,7 @@ from .core.sharded import is_sharded
 from .data.classification import evaluate_classification, label_config, label_mapping
 from .data.dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader, make_train_dataloader
 from .data.evaluation import check_metric_for_best_model, gather_for_eval, load_metric
-from .data.raw_data import check_splits, preparation_processes, read_data_files
+from .data.raw_data import check_splits, named_splits, preparation_processes, read_data_files
 from .language_models.causal_lm import load_causal_lm, load_config_and_tokenizer
 from .language_models.lora import check_merge_lora, save_with_merged
 from .lifecycle.args import (
@@ -121,6 +121,7 @@ __all__ = [
     "make_train_dataloader",
     "prepare_output_dir",
     "preparation_processes",
+    "named_splits",
     "read_data_files",
     "refuse_together",
     "run",

@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo's)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name, e.g. glue")
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration, e.g. sst2")
+    p.add_argument("--train_split", default=None, help="the Hub dataset's training split (default: train)")
+    p.add_argument("--validation_split", default=None, help="its validation split (default: validation, else test)")
     p.add_argument("--train_file", default=None, help="local training data: .csv, .tsv, .json, .jsonl or .parquet")
     p.add_argument("--validation_file", default=None, help="local validation data (default: held out of the training)")
     p.add_argument("--validation_split_percentage", type=int, default=10, help="%% held out without validation data")
@@ -80,7 +82,8 @@ def load_raw_datasets(args):
         files = {"train": args.train_file, **({"validation": args.validation_file} if args.validation_file else {})}
         return ddp_utils.read_data_files(files)
     if args.dataset_name:
-        return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+        raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+        return ddp_utils.named_splits(raw, args.train_split, args.validation_split)  # the Hub's own split names
     reviews = load_demo_reviews()  # offline demo: 600 train / 379 validation drug reviews, 3 labels
     return reviews.map(lambda review: {"text": " ".join(review["text"].split()[-DEMO_REVIEW_WORDS:])})
 

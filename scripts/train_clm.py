@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo LLM)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name, e.g. wikitext")
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration, e.g. wikitext-2-raw-v1")
+    p.add_argument("--train_split", default=None, help="the Hub dataset's training split (default: train)")
+    p.add_argument("--validation_split", default=None, help="its validation split (default: validation, else test)")
     p.add_argument("--train_file", default=None, help="local training text: .txt, .csv, .json, .jsonl or .parquet")
     p.add_argument("--validation_file", default=None, help="local validation text (default: split off the training)")
     p.add_argument("--validation_split_percentage", type=int, default=5, help="%% held out without a validation split")
@@ -91,7 +93,8 @@ def load_raw_datasets(args):
         files = {"train": args.train_file, **({"validation": args.validation_file} if args.validation_file else {})}
         return ddp_utils.read_data_files(files)
     if args.dataset_name:
-        return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+        raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+        return ddp_utils.named_splits(raw, args.train_split, args.validation_split)  # the Hub's own split names
     return load_demo_reviews().remove_columns("label")  # offline demo: the text of 600 train / 379 validation reviews
 
 

@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo's)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name, e.g. beans or fashion_mnist")
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration")
+    p.add_argument("--train_split", default=None, help="the Hub dataset's training split (default: train)")
+    p.add_argument("--validation_split", default=None, help="its validation split (default: validation, else test)")
     p.add_argument("--train_dir", default=None, help="local training images, a subfolder per class (train/cat/1.jpg)")
     p.add_argument("--validation_dir", default=None, help="local validation images, same layout (default: held out)")
     p.add_argument("--validation_split_percentage", type=int, default=15, help="%% held out without a validation split")
@@ -87,7 +89,8 @@ def load_raw_datasets(args):
             folders["validation"] = f"{args.validation_dir}/**"
         return datasets.load_dataset("imagefolder", data_files=folders)
     if args.dataset_name:
-        return datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+        raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
+        return ddp_utils.named_splits(raw, args.train_split, args.validation_split)  # the Hub's own split names
     return load_demo_digits()  # offline demo: 1,437 train / 360 validation digits, 8x8 grey
 
 

@@ -308,3 +308,57 @@ def test_sft_and_clm_preparation_runs_on_several_processes_with_the_same_result(
         for extra in ([], ["--preprocessing_num_workers", "2"])
     ]
     assert blocks[0]["input_ids"] == blocks[1]["input_ids"] and len(blocks[0]) > 2
+
+
+# --- Hub datasets with their own split names --------------------------------------------------------
+
+
+def hub_layout(directory, splits: dict):
+    """A dataset folder as a Hub repository lays out its Parquet files (data/<split>-00000-of-00001.parquet), which
+    `datasets.load_dataset(<folder>)` reads through the same builder as `--dataset_name <org>/<name>`: the splits
+    keep their own names (UltraChat's train_sft and test_sft, UltraFeedback's train_prefs and test_prefs)."""
+    import datasets
+
+    for split, records in splits.items():
+        (directory / "data").mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_list(records).to_parquet(str(directory / "data" / f"{split}-00000-of-00001.parquet"))
+    return directory
+
+
+@pytest.mark.fast
+def test_a_hub_dataset_with_its_own_split_names_is_read_with_train_split_and_validation_split(tmp_path):
+    """UltraChat 200k's layout for SFT, UltraFeedback binarized's for DPO. Before, both were refused ("no 'train'
+    split") with a fix (local files) that did not let the dataset be used."""
+    chat = [{"role": "user", "content": "the movie"}, {"role": "assistant", "content": "w1 w2"}]
+    ultrachat = hub_layout(
+        tmp_path / "ultrachat",
+        {
+            "train_sft": [{"prompt": "the movie", "messages": chat, "prompt_id": str(i)} for i in range(12)],
+            "test_sft": [{"prompt": "the movie", "messages": chat, "prompt_id": str(i)} for i in range(5)],
+            "train_gen": [{"prompt": "the movie", "messages": chat[:1], "prompt_id": "g"}],
+        },
+    )
+    model = make_tiny_causal_lm(tmp_path / "llama", chat_template=True)
+    common = ["--model_name_or_path", model, "--dataset_name", ultrachat, "--report_to", "none"]
+    common += ["--output_dir", tmp_path / "o", "--eval_max_new_tokens", 0]
+    refused_in_process(
+        "train_sft", common, "the data has no 'train' split (it has ['test_sft', 'train_gen', 'train_sft']); give "
+        "--train_split, one of ['train_gen', 'train_sft'] (and --validation_split)"
+    )  # fmt: skip
+    refused_in_process("train_sft", [*common, "--train_split", "train"], "--train_split train: the dataset has no such")
+    tokenized = load_script("train_sft").prepare_data(
+        load_script("train_sft").parse_args([*map(str, common), "--train_split", "train_sft", "--validation_split",
+                                             "test_sft"])
+    )[0]  # fmt: skip
+    assert (len(tokenized["train"]), len(tokenized["validation"])) == (12, 5)
+    local = ["--model_name_or_path", model, "--train_file", tmp_path / "x.jsonl", "--train_split", "train_sft"]
+    refused_in_process("train_sft", [*local, "--output_dir", tmp_path / "o"], "name the splits of a --dataset_name")
+
+    pair = {"prompt": "the movie", "chosen": chat, "rejected": [*chat[:1], {"role": "assistant", "content": "w3"}]}
+    pair.update(score_chosen=8.0, score_rejected=2.0)  # UltraFeedback's columns besides
+    ultrafeedback = hub_layout(tmp_path / "ultrafeedback", {"train_prefs": [pair] * 8, "test_prefs": [pair] * 3})
+    dpo = load_script("train_dpo")
+    args = ["--model_name_or_path", model, "--dataset_name", ultrafeedback, "--train_split", "train_prefs"]
+    args += ["--validation_split", "test_prefs", "--report_to", "none", "--output_dir", tmp_path / "d"]
+    tokenized = dpo.prepare_data(dpo.parse_args([*map(str, args), "--eval_max_new_tokens", "0"]))[0]
+    assert (len(tokenized["train"]), len(tokenized["validation"])) == (8, 3)

@@ -110,6 +110,24 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def named_splits(raw, train_split: str | None, validation_split: str | None):
+    """A Hub dataset's splits under the names a run reads: `train_split` as "train" and `validation_split` as
+    "validation" (--train_split and --validation_split: UltraChat's train_sft and test_sft, UltraFeedback's
+    train_prefs and test_prefs). Either None: "train", and "validation" else "test", as they are. A name the data
+    lacks is a UsageError that lists its splits."""
+    import datasets
+
+    if not (train_split or validation_split):
+        return raw
+    for option, name in (("--train_split", train_split), ("--validation_split", validation_split)):
+        if name and name not in raw:
+            raise UsageError(f"{option} {name}: the dataset has no such split; it has {sorted(raw)}")
+    train = train_split or "train"
+    validation = validation_split or next((name for name in ("validation", "test") if name in raw), None)
+    picked = {"train": train, "validation": validation}
+    return datasets.DatasetDict({new: raw[old] for new, old in picked.items() if old in raw})
+
+
 def check_splits(
     raw,
     columns: dict[str, str],
@@ -137,7 +155,9 @@ def check_splits(
     import datasets
 
     if "train" not in raw:
-        raise UsageError(f"the data has no 'train' split (it has {sorted(raw)}); give {data_options}")
+        named = [split for split in sorted(raw) if split.startswith("train")]  # train_sft, train_prefs: a Hub dataset's
+        fix = f"--train_split, one of {named} (and --validation_split)" if named else data_options
+        raise UsageError(f"the data has no 'train' split (it has {sorted(raw)}); give {fix}")
     validation = "validation" if "validation" in raw else "test" if "test" in raw else None
     if validation is None and hold_out_percentage is None:
         raise UsageError(f"the data has no 'validation' split (it has {sorted(raw)}); give {data_options}")

@@ -324,8 +324,9 @@ def check_causal_lm_args(args) -> None:
 
 def check_data_args(args, train: str, validation: str, both: bool = False) -> None:
     """Refuse a data source that cannot work: a Hub dataset and local files together, local
-    validation data without training data (or, with `both`, one without the other), a held-out
-    percentage outside 1 to 99. `train` and `validation` name the options (train_file, train_dir, ...)."""
+    validation data without training data (or, with `both`, one without the other), split names without a Hub
+    dataset, a held-out percentage outside 1 to 99. `train` and `validation` name the options (train_file,
+    train_dir, ...)."""
     given_train, given_validation = getattr(args, train), getattr(args, validation)
     if both and bool(given_train) != bool(given_validation):
         raise UsageError(f"give both --{train} and --{validation} (or neither)")
@@ -333,6 +334,8 @@ def check_data_args(args, train: str, validation: str, both: bool = False) -> No
         raise UsageError(f"--{validation} needs --{train}")
     if args.dataset_name and given_train:
         raise UsageError(f"give either --dataset_name or --{train}, not both")
+    if not args.dataset_name and (getattr(args, "train_split", None) or getattr(args, "validation_split", None)):
+        raise UsageError("--train_split and --validation_split name the splits of a --dataset_name; give one")
     percentage = getattr(args, "validation_split_percentage", None)
     if percentage is not None and not 0 < percentage < 100:
         raise UsageError(f"--validation_split_percentage must be between 1 and 99, got {percentage}")
