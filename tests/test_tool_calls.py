@@ -14,7 +14,6 @@ from chat_templates import make_family_model, make_family_tokenizer
 
 from conftest import REPO, launch
 from ddp_utils import UsageError
-from ddp_utils.language_models.causal_lm import IGNORE_INDEX
 
 WEATHER = {
     "type": "function",
@@ -124,7 +123,23 @@ def test_openai_and_llama_factory_tool_records_train_the_calls_and_answers_not_t
     for n, same in ((0, 0), (1, 2)):  # its system column read as the first turn
         ours = tokenize_record(factory[n], factory_fmt, qwen, block_size=512, index=n)
         assert ours == tokenize_record(openai[same], openai_fmt, qwen, block_size=512, index=same), "the same tokens"
-    assert tokenize_record(openai[1], openai_fmt, qwen, block_size=512, index=1).labels.count(IGNORE_INDEX) > 0
+    plain, plain_fmt = read(tmp_path, [plain_record(1)], "plain.jsonl")
+    assert plain_fmt.tools is None
+    assert tokenize_record(openai[1], openai_fmt, qwen, 512) == tokenize_record(plain[0], plain_fmt, qwen, 512), (
+        "a record without tools trains the same tokens in a file with a tools column"
+    )
+    system = {"from": "system", "value": "be brief"}
+    with_system = dict(factory[0], conversations=[system, *factory[0]["conversations"]])
+    turns = factory_fmt.turns(with_system, 0, "train")
+    assert [turn["role"] for turn in turns].count("system") == 1, "its system column only where it has no system turn"
+    call = factory_fmt.turns(factory[0], 0, "train")[2]["tool_calls"][0]
+    assert call == {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "paris"}}}, (
+        "only the call's own keys: LLaMA-Factory's flat name and arguments are not left beside it"
+    )
+    no_arguments = openai_record("paris")
+    no_arguments["messages"][2]["tool_calls"][0]["function"]["arguments"] = ""  # a call without arguments
+    raw, fmt = read(tmp_path, [no_arguments], "empty.jsonl")
+    assert fmt.turns(raw[0], 0, "train")[2]["tool_calls"][0]["function"]["arguments"] == {}
     as_object = openai_record("paris")
     as_object["messages"][3]["content"] = {"celsius": 12}  # a tool result given as an object, not as its JSON text
     raw, fmt = read(tmp_path, [as_object], "object.jsonl")
@@ -154,6 +169,8 @@ def test_llama_3_1s_layout_tools_in_the_user_turn_results_quoted_one_call_a_turn
     assert row.context_cut == 3 and row.input_ids[:kept] == whole.input_ids[:kept], "the cut is after the tools"
     with pytest.raises(UsageError, match="train record 1: the chat template of .* refuses it: only one tool call"):
         tokenize_record(raw[1], fmt, llama, block_size=4096, index=1)
+    every = assistant_spans(llama, messages, "all", tools)[1]
+    assert every == [(0, len(text))], "--loss_on all takes the quoted result as shown"
 
 
 @pytest.mark.fast
@@ -172,6 +189,38 @@ def test_an_assistant_turn_of_weight_0_is_context_not_learned(tmp_path, qwen):
     raw, fmt = read(tmp_path, [record], "none.jsonl")
     with pytest.raises(UsageError, match="train record 0: every assistant turn has weight 0"):
         tokenize_record(raw[0], fmt, qwen, block_size=512)
+
+
+# The templates these models ship, as TRL keeps them (trl/chat_templates/, from each model's Hub repository): found
+# there where TRL is installed (`make bench` installs it; CI does not, and skips this).
+SHIPPED = {
+    "qwen2_5": "qwen2.5", "qwen3": "qwen2.5", "qwen3_instruct_2507": "qwen2.5", "qwen3_5_nothink": "qwen2.5",
+    "qwen3_6": "qwen2.5", "llama3_1": "llama3", "llama3_2": "llama3", "gemma4": "qwen2.5", "gptoss": "qwen2.5",
+    "glm4moe": "qwen2.5", "lfm2_2_5": "qwen2.5",
+}  # fmt: skip
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("template", sorted(SHIPPED))
+def test_the_templates_models_ship_learn_the_call_from_both_shapes(template, tmp_path):
+    from ddp_utils.language_models.chat import assistant_spans
+    from ddp_utils.language_models.sft_data import tokenize_record
+
+    trl = pytest.importorskip("trl", reason="the shipped templates come with TRL (make bench installs it)")
+    from pathlib import Path
+
+    tokenizer = make_family_tokenizer(SHIPPED[template], tmp_path / "tokenizer")
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text()
+    openai, openai_fmt = read(tmp_path, [openai_record("paris", [WEATHER])], "openai.jsonl")
+    factory, factory_fmt = read(tmp_path, [llama_factory_record("paris", [WEATHER])], "factory.jsonl")
+    row = tokenize_record(openai[0], openai_fmt, tokenizer, block_size=4096)
+    assert row == tokenize_record(factory[0], factory_fmt, tokenizer, block_size=4096), "both shapes, the same tokens"
+    messages, tools = openai_fmt.turns(openai[0], 0, "train"), openai_fmt.record_tools(openai[0], 0, "train")
+    text, spans = assistant_spans(tokenizer, messages, "assistant", tools)
+    learned = [text[start:end] for start, end in spans]
+    assert len(learned) == 2 and "get_weather" in learned[0] and "paris" in learned[0], learned
+    assert "12 degrees" in learned[1] and not any("celsius" in answer or "description" in answer for answer in learned)
+    assert text.count("the weather in a city") == 1, "the tool shown once, in the prompt"
 
 
 @pytest.mark.fast
@@ -203,6 +252,42 @@ def test_a_long_tool_conversation_is_cut_after_its_tools_never_through_them(tmp_
     kept = len(qwen(tools_text, add_special_tokens=False)["input_ids"])
     assert row.input_ids[:kept] == whole.input_ids[:kept], "the system turn and the tools stay whole"
     assert row.input_ids[-20:] == whole.input_ids[-20:] and row.labels[-20:] == whole.labels[-20:]
+    assert tokenize_record(raw[0], fmt, qwen, block_size=kept) is None, "no room after the tools: dropped, counted"
+
+
+# The layout of Mistral v0.3's tool template: the tools just before the LAST user turn, no generation prompt.
+TOOLS_LATE = (
+    "{%- set ns = namespace(last=0) %}{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{{- bos_token }}{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{%- if tools and loop.index0 == ns.last %}[AVAILABLE_TOOLS] {{ tools | tojson }} "
+    "[/AVAILABLE_TOOLS]{%- endif %}[INST] {{ m.content }} [/INST]"
+    "{%- elif m.tool_calls is defined %}"
+    " [TOOL_CALLS] {{ m.tool_calls | map(attribute='function') | list | tojson }}</s>"
+    "{%- elif m.role == 'tool' %} [TOOL_RESULTS] {{ m.content }} [/TOOL_RESULTS]"
+    "{%- else %} {{ m.content }}</s>{%- endif %}{%- endfor %}"
+)
+
+
+@pytest.mark.fast
+def test_tools_shown_late_are_not_kept_by_a_cut_that_would_then_take_the_newest_question(tmp_path):
+    """Mistral's layout: a cut keeps BOS and takes the oldest turns, as without tools, not everything up to them."""
+    from dataclasses import replace
+
+    from ddp_utils.language_models.sft_data import tokenize_record
+
+    mistral = make_family_tokenizer("mistral-v0.3", tmp_path / "mistral")
+    mistral.chat_template = TOOLS_LATE
+    record = openai_record("paris")
+    old_turns = [{"role": "user", "content": "hello " * 40}, {"role": "assistant", "content": "hi"}]
+    record["messages"] = old_turns + record["messages"][1:]  # no system turn: this template has none
+    raw, fmt = read(tmp_path, [record])
+    fmt = replace(fmt, loss_on="last_assistant")  # its earlier answers render otherwise once the tools move
+    whole = tokenize_record(raw[0], fmt, mistral, block_size=4096)
+    row = tokenize_record(raw[0], fmt, mistral, block_size=len(whole.input_ids) - 30)
+    assert row.input_ids[0] == mistral.bos_token_id and row.input_ids[1:] == whole.input_ids[31:], (
+        "the oldest turn's words went; the tools, the question and the call stay"
+    )
 
 
 @pytest.mark.fast
@@ -216,6 +301,7 @@ def test_a_template_without_tool_support_and_bad_arguments_are_refused_naming_th
         tokenize_record(raw[1], fmt, chatml, block_size=512, index=1)
     without_tools = openai_record("paris")
     del without_tools["tools"]
+    without_tools["messages"][1]["content"] = "use get_weather for paris"  # the name in the question's own words
     raw, fmt = read(tmp_path, [without_tools], "no-tools.jsonl")
     with pytest.raises(UsageError, match="leaves out its call to 'get_weather': it has no tool support"):
         tokenize_record(raw[0], fmt, chatml, block_size=512)
@@ -227,6 +313,10 @@ def test_a_template_without_tool_support_and_bad_arguments_are_refused_naming_th
     raw, fmt = read(tmp_path, [plain_record(0), without_tools], "strict.jsonl")
     with pytest.raises(UsageError, match="train record 1: the chat template of .* refuses it: Conversation roles must"):
         tokenize_record(raw[1], fmt, strict, block_size=512, index=1)
+    calculator = {"prompt": "what is 2 + 2", "completion": "4", "tools": "calculator"}  # a column of another meaning
+    raw, fmt = read(tmp_path, [calculator], "calculator.jsonl")
+    with pytest.raises(UsageError, match="train record 0: its tools is a string .*; the 'tools' column is read as"):
+        tokenize_record(raw[0], fmt, qwen, block_size=512)
     bad = openai_record("paris")
     bad["messages"][2]["tool_calls"][0]["function"]["arguments"] = "{'city': 'paris'}"  # Python, not JSON
     raw, fmt = read(tmp_path, [bad], "bad.jsonl")
@@ -255,6 +345,12 @@ def test_dpo_pairs_with_tool_calls_are_refused_and_grpo_prompts_show_their_tools
     chatml = make_family_tokenizer("chatml", tmp_path / "chatml")
     with pytest.raises(UsageError, match="record 0: the chat template of .* leaves out its tool 'get_weather'"):
         tokenize_prompts(prompts, chatml, 512, use_chat_template=True)
+    two_calls = openai_record("paris")["messages"][1:4]  # a prompt that holds calls already, two at once
+    two_calls[1]["tool_calls"] *= 2
+    llama = make_family_tokenizer("llama3", tmp_path / "llama3")
+    prompts = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": two_calls, "tools": [WEATHER]}])})
+    with pytest.raises(UsageError, match="record 0: the chat template of .* refuses it: only one tool call at a time"):
+        tokenize_prompts(prompts, llama, 512, use_chat_template=True)
 
 
 def test_train_sft_learns_a_tool_calling_file_on_two_processes(tmp_path):

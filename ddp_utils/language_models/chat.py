@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from jinja2.exceptions import TemplateError
+
 from ..core.errors import UsageError
 from .causal_lm import IGNORE_INDEX
-from .turns import check_tools_rendered, tools_end, uses_tools
+from .turns import check_tools_rendered, shown, tool_support, tools_end, uses_tools
 
 LOSS_ON = ("assistant", "last_assistant", "all")
 
@@ -171,7 +173,7 @@ def assistant_spans(
     `tools`: the record's, in every rendering."""
     text = render(tokenizer, messages, tools=tools)
     if loss_on == "all":
-        lost = [m["role"] for m in messages if m["content"].strip() and m["content"].strip() not in text]
+        lost = [m["role"] for m in messages if m["content"].strip() and not shown(m["content"].strip(), text)]
         if lost:
             raise UsageError(
                 f"this chat template leaves out of the conversation a {lost[0]} turn's text, which --loss_on all "
@@ -191,8 +193,9 @@ def assistant_spans(
         if not (answered.startswith(prompt) and text.startswith(prompt)):
             raise UsageError(
                 f"this chat template renders the conversation before assistant turn {i} differently once the answer "
-                "follows, so the answer's tokens cannot be told from the prompt's; train on every token with "
-                "--loss_on all, or use a template that renders the prompt the same"
+                "follows, so the answer's tokens cannot be told from the prompt's; train on the last answer with "
+                "--loss_on last_assistant or on every token with --loss_on all, or use a template that renders the "
+                "prompt the same"
             )
         if text.startswith(answered):
             end = len(prompt) + len(answered[len(prompt) :].rstrip())
@@ -215,22 +218,18 @@ def tokenize_conversation(
     tokenizer, messages: list[dict], loss_on: str, block_size: int, tools: list[dict] | None = None, where: str = ""
 ) -> TokenizedRecord | None:
     """The conversation's token ids and labels (the targets of `assistant_spans`), at most
-    `block_size` tokens (`fit_block`, cut after BOS, the system turn and the `tools`). A conversation with tools, tool
-    calls or results is a UsageError naming the record (`where`) when the template leaves them out. Needs a fast
-    tokenizer (character offsets)."""
-    from jinja2.exceptions import TemplateError
-
+    `block_size` tokens (`fit_block`, cut after BOS, the system turn and the `tools` where they come before the first
+    answer), or None when no answer fits (with the tools, where they are kept). A conversation with tools, calls or
+    results is a UsageError naming the record (`where`) when the template leaves them out (`check_tool_turns`).
+    Needs a fast tokenizer (character offsets)."""
+    where = where or "a record"
     try:
         text, spans = assistant_spans(tokenizer, messages, loss_on, tools)
-    except TemplateError as error:  # the template's own raise_exception: roles out of order, a role it lacks
-        raise UsageError(
-            f"{where or 'a record'}: the chat template of {tokenizer.name_or_path!r} refuses it: {error}; fix or drop "
-            "the record"
-        ) from None
+    except (TemplateError, TypeError) as error:  # its raise_exception, or a value of a type it cannot render
+        raise refused_by_template(tokenizer, where, error) from None
     except UsageError as error:
-        raise (UsageError(f"{where}: {error}") if where else error) from None
-    if uses_tools(messages, tools):
-        check_tools_rendered(text, messages, tools, tokenizer, where or "a record")
+        raise UsageError(f"{where}: {error}") from None
+    check_tool_turns(tokenizer, text, messages, tools, where)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"]
     labels = [
@@ -239,7 +238,10 @@ def tokenize_conversation(
     ]
     head = 0
     if len(ids) > block_size:
-        head = head_length(tokenizer, messages, text, keep=tools_kept(tokenizer, messages, text, tools))
+        keep = tools_kept(tokenizer, messages, text, tools)
+        head = head_length(tokenizer, messages, text, keep=keep)
+        if keep and head >= block_size:  # no room after the tools: an answer learned without them would be wrong
+            return None
     return fit_block(ids, labels, block_size, cut_targets=loss_on == "all", head=head)
 
 
@@ -267,8 +269,31 @@ def head_length(tokenizer, messages: list[dict] | None, text: str, keep: int = 0
 
 def tools_kept(tokenizer, messages: list[dict], text: str, tools: list[dict] | None, generation_prompt=False) -> int:
     """Where the text of the `tools` ends in `text` (`messages` rendered with them): what a cut keeps with the
-    head, so that the calls learned keep their tools. 0 without tools."""
-    return tools_end(text, render(tokenizer, messages, generation_prompt)) if tools else 0
+    head, so that the calls learned keep their tools. 0 without tools, or where they end after the first user
+    turn's text: a template that shows them late (Mistral's, before the last user turn) keeps them without help,
+    since a cut takes the oldest turns first, and keeping all before them would cut the newest question."""
+    if not tools:
+        return 0
+    first_user = next((m["content"].strip() for m in messages if m["role"] == "user" and m["content"].strip()), "")
+    end = tools_end(text, render(tokenizer, messages, generation_prompt))
+    return end if first_user and 0 < end <= text.find(first_user) else 0
+
+
+def refused_by_template(tokenizer, where: str, error: Exception) -> UsageError:
+    """The UsageError for a record that the chat template refuses (its raise_exception: roles out of order, a role
+    it lacks, ids of the wrong shape) or cannot render (a TypeError: DeepSeek V3's wants a call's arguments as a
+    string, where the others take the object that `turns.tool_call` gives), naming the record (`where`)."""
+    message = str(error) if isinstance(error, TemplateError) else f"{type(error).__name__}: {error}"
+    return UsageError(f"{where}: the chat template of {tokenizer.name_or_path!r} refuses it: {message}; fix or drop it")
+
+
+def check_tool_turns(tokenizer, text: str, messages: list[dict], tools: list[dict] | None, where: str) -> None:
+    """Where a conversation has tools, calls or results: a UsageError naming the record (`where`) unless its chat
+    template shows them, as found once per template (`turns.tool_support`), and `text` (the conversation rendered)
+    shows each of its own (`turns.check_tools_rendered`)."""
+    if uses_tools(messages, tools):
+        support = per_template(tokenizer, "_tool_support", lambda: tool_support(tokenizer, render))
+        check_tools_rendered(text, messages, tools, tokenizer, where, support)
 
 
 def cut_middle(ids: list, head: int, cut: int) -> list:

@@ -22,11 +22,11 @@ from ..core.ranks import fail_together
 from ..core.sharded import is_sharded
 from ..data.dataloaders import SAMPLE_WEIGHT
 from ..training.exact_loss import INPUT_TOKENS
-from .chat import render
+from .chat import check_tool_turns, refused_by_template, render
 from .generation import only_this_config, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
 from .pair_scoring import ONE_ROW
-from .turns import check_tools_rendered, record_tools, tool_turn, uses_tools
+from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
 
 LOSS_TYPES = ("token", "sequence")  # DAPO's and TRL's default: a mean over tokens; the original GRPO's: over answers
 LOSS_WEIGHT = "loss_weight"  # per rollout row: its completion tokens (token loss), or 1 (sequence loss); 0 for fillers
@@ -37,18 +37,21 @@ def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: 
     ask for an answer, with "index" (the record's place in its split: its samples' seed, and where the rewards
     find the record) and "length"; nothing else. A prompt past `max_prompt_length` tokens keeps its last ones.
     No communication."""
+    from jinja2.exceptions import TemplateError
 
     def encode(record, index):
         prompt, tools = record["prompt"], record_tools(record.get("tools"), f"record {index}")
         if isinstance(prompt, str) and use_chat_template:
             prompt = [{"role": "user", "content": prompt}]
         if tools and not isinstance(prompt, list):
-            raise UsageError(f"record {index} has tools, which only a chat template shows; drop --no-chat_template")
+            raise UsageError(f"record {index} has tools, which only a chat template shows: {NEEDS_TEMPLATE}")
         if isinstance(prompt, list):
-            prompt = [tool_turn(turn, f"record {index}") if isinstance(turn, dict) else turn for turn in prompt]
-            text = render(tokenizer, prompt, generation_prompt=True, tools=tools)
-            if uses_tools(prompt, tools):
-                check_tools_rendered(text, prompt, tools, tokenizer, f"record {index}")
+            prompt = [clean_turn(turn, f"record {index}") if isinstance(turn, dict) else turn for turn in prompt]
+            try:
+                text = render(tokenizer, prompt, generation_prompt=True, tools=tools)
+            except (TemplateError, TypeError) as error:  # as chat.tokenize_conversation
+                raise refused_by_template(tokenizer, f"record {index}", error) from None
+            check_tool_turns(tokenizer, text, prompt, tools, f"record {index}")
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]

@@ -24,7 +24,7 @@ from .chat import (
     tokenize_conversation,
     tools_kept,
 )
-from .turns import record_tools, sharegpt_turns, tool_turn
+from .turns import NEEDS_TEMPLATE, clean_turn, record_tools, sharegpt_turns
 
 logger = get_logger(__name__)
 
@@ -59,15 +59,16 @@ class SFTFormat:
             if self.kind == "sharegpt":
                 fix = f"the formats: {FORMATS}; name the right column with --messages_column"
                 turns = sharegpt_turns(turns, where, "SFT", fix)
-                if isinstance(record.get("system"), str) and record["system"].strip():  # LLaMA-Factory's system column
-                    turns = [{"role": "system", "content": record["system"]}, *turns]
+                system = record.get("system")  # LLaMA-Factory's system column, where the turns have none
+                if isinstance(system, str) and system.strip() and not (turns and turns[0]["role"] == "system"):
+                    turns = [{"role": "system", "content": system}, *turns]
         else:
             prompt, completion = self.prompt_and_completion(record)
             if isinstance(prompt, str) and isinstance(completion, str) and not self.chat_template:
                 return None
             turns = as_messages(prompt, completion)
         if isinstance(turns, list):  # tool calls parsed, the keys `datasets` filled with None dropped
-            turns = [tool_turn(turn, where) if isinstance(turn, dict) else turn for turn in turns]
+            turns = [clean_turn(turn, where) if isinstance(turn, dict) else turn for turn in turns]
         if self.kind in ("messages", "sharegpt"):
             check_messages(turns, index, split)
         return text_content(turns, index, split)
@@ -178,9 +179,7 @@ def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, in
         where = f"{split} record {index}"
         return tokenize_conversation(tokenizer, messages, fmt.loss_on, block_size, tools=tools, where=where)
     if tools:
-        raise UsageError(
-            f"{split} record {index} has tools, which only a chat template shows the model; drop --no-chat_template"
-        )
+        raise UsageError(f"{split} record {index} has tools, which only a chat template shows: {NEEDS_TEMPLATE}")
     prompt, completion = fmt.prompt_and_completion(record)
     prompt = _bos(tokenizer) + tokenizer(prompt + PROMPT_SEPARATOR, add_special_tokens=False)["input_ids"]
     completion = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

@@ -7,13 +7,18 @@ the same turns, so they train the same tokens. No communication; any rank may ca
 from __future__ import annotations
 
 import json
+import os
 
 from ..core.errors import UsageError
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 # LLaMA-Factory's ShareGPT roles for a call and its result.
 SHAREGPT_TOOL_ROLES = ("function_call", "observation")
-TEMPLATES_WITH_TOOLS = "Qwen 2.5 and 3, Llama 3.1 and later, Mistral v0.3, Hermes"
+# Tested with the templates these models ship (tests/test_tool_calls.py).
+TEMPLATES_WITH_TOOLS = "Qwen 2.5 to 3.6, Llama 3.1 and 3.2, Gemma 4, gpt-oss, GLM-4.5, LFM2.5"
+NEEDS_TEMPLATE = "use a tokenizer with a chat template (an instruct model's), without --no-chat_template"
+# A conversation with a tool, a call and a result under names no data holds: what a template shows of each.
+PROBE_TOOL, PROBE_CALL, PROBE_RESULT = "Tq7tool", "Zq9call", "Rz8result"
 
 
 def without_nulls(value):
@@ -38,14 +43,20 @@ def from_json(value, what: str, where: str):
 
 
 def record_tools(value, where: str) -> list[dict] | None:
-    """A record's tools (a list of function schemas, or a JSON string of one) in the shape templates render:
-    each `{"type": "function", "function": {...}}` (a bare `{"name", "description", "parameters"}`, LLaMA-Factory's
-    shape, is wrapped so). None when the record has none."""
-    tools = without_nulls(from_json(value, "its tools", where))
+    """A record's "tools" column (a list of function schemas, or a JSON string of one) in the shape templates
+    render: each `{"type": "function", "function": {...}}` (a bare `{"name", "description", "parameters"}`,
+    LLaMA-Factory's shape, is wrapped so). None when the record has none. Anything else is a UsageError that says
+    the column is read as tools."""
+    fix = "the 'tools' column is read as each record's function schemas; rename it if it holds something else"
+    try:
+        tools = without_nulls(from_json(value, "its tools", where))
+    except UsageError as error:
+        raise UsageError(f"{error}; {fix}") from None
     if not tools:
         return None
-    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise UsageError(f"{where}: its tools must be a list of function schemas (objects); got {str(tools)[:80]!r}")
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) and tool.get("function", tool).get("name")
+                                              for tool in tools):  # fmt: skip
+        raise UsageError(f"{where}: its tools are not a list of named function schemas, got {str(tools)[:60]!r}; {fix}")
     return [tool if "function" in tool else {"type": "function", "function": tool} for tool in tools]
 
 
@@ -56,16 +67,19 @@ def tool_call(call, where: str) -> dict:
     function = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise UsageError(f"{where}: a tool call must name its function ({{name, arguments}}); got {str(call)[:70]!r}")
-    arguments = from_json(function.get("arguments", {}), f"the arguments of its call to {function['name']!r}", where)
+    given = function.get("arguments") or {}  # "" or none: a call without arguments
+    arguments = from_json(given, f"the arguments of its call to {function['name']!r}", where)
     if not isinstance(arguments, dict):
         raise UsageError(f"{where}: the arguments of its call to {function['name']!r} must be a JSON object")
-    return {**call, "type": "function", "function": {**function, "arguments": arguments}}
+    # Only the call's own keys: LLaMA-Factory's flat {"name", "arguments"} left beside would show the string again.
+    named = {"id": call["id"]} if "id" in call else {}
+    return {**named, "type": "function", "function": {**function, "arguments": arguments}}
 
 
-def tool_turn(turn: dict, where: str) -> dict:
-    """A role/content turn without the keys `datasets` filled with None; an assistant turn's tool calls parsed
-    (`tool_call`), its missing content "" (the calls are its answer), no `tool_calls` key when there are none; a tool
-    result given as a JSON object written as JSON text."""
+def clean_turn(turn: dict, where: str) -> dict:
+    """A role/content turn as templates take it: without the keys `datasets` filled with None; an assistant turn's
+    tool calls parsed (`tool_call`), its missing content "" (the calls are its answer), no `tool_calls` key when there
+    are none; a tool result given as a JSON object written as JSON text."""
     turn = {key: value for key, value in turn.items() if value is not None}
     calls = turn.pop("tool_calls", None)
     if calls:
@@ -85,9 +99,9 @@ def sharegpt_tool_turn(role: str, value, where: str) -> dict:
     """A LLaMA-Factory ShareGPT `function_call` turn (a JSON call, or a list of them) as an assistant turn with
     tool calls, an `observation` turn (a call's result) as a tool turn."""
     if role == "observation":
-        return tool_turn({"role": "tool", "content": value}, where)
+        return clean_turn({"role": "tool", "content": value}, where)
     calls = from_json(value, "its function call", where)
-    return tool_turn({"role": "assistant", "tool_calls": calls if isinstance(calls, list) else [calls]}, where)
+    return clean_turn({"role": "assistant", "tool_calls": calls if isinstance(calls, list) else [calls]}, where)
 
 
 def uses_tools(messages: list[dict], tools: list[dict] | None) -> bool:
@@ -95,16 +109,43 @@ def uses_tools(messages: list[dict], tools: list[dict] | None) -> bool:
     return bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
 
 
-def check_tools_rendered(text: str, messages: list[dict], tools: list[dict] | None, tokenizer, where: str) -> None:
-    """A UsageError naming the record unless the rendered conversation `text` shows each of its tools, tool calls
-    and tool results: a chat template without tool support drops them, and the model would learn to answer without
-    the tools it was given, or learn empty answers where it called one."""
-    shown = [("tool", tool["function"].get("name", "")) for tool in tools or []]
-    shown += [("call to", call["function"]["name"]) for m in messages for call in m.get("tool_calls", [])]
-    shown += [("tool result", m["content"].strip()) for m in messages if m["role"] == "tool"]
-    # A result may be shown quoted as JSON text (Llama 3.1 quotes every result): its quotes escaped.
-    seen = lambda name: name in text or json.dumps(name, ensure_ascii=False)[1:-1] in text  # noqa: E731
-    missing = next(((kind, name) for kind, name in shown if name and not seen(name)), None)
+def shown(value: str, text: str) -> bool:
+    """Whether `text` shows `value` as it is, or quoted as JSON text (Llama 3.1 quotes every tool result)."""
+    return value in text or json.dumps(value, ensure_ascii=False)[1:-1] in text
+
+
+def tool_support(tokenizer, render) -> dict[str, bool]:
+    """What the chat template shows of tools, calls and results ({"tool", "call to", "tool result"}: bool), found
+    once per template (`chat.per_template`) from a conversation with names no data holds: a name that a record's
+    own words hold would pass a check of that record. `render` is `chat.render`. A template that raises on the probe
+    (one that wants ids of its own shape) is taken to show all three: a record it refuses is named then."""
+    from jinja2.exceptions import TemplateError
+
+    call = {"id": "a1b2c3d4e", "type": "function", "function": {"name": PROBE_CALL, "arguments": {"x": 1}}}
+    talk = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    talk += [{"role": "tool", "tool_call_id": "a1b2c3d4e", "content": PROBE_RESULT}]
+    talk += [{"role": "assistant", "content": "Ok"}]
+    tools = [{"type": "function", "function": {"name": PROBE_TOOL, "parameters": {"type": "object"}}}]
+    try:
+        text = render(tokenizer, talk, tools=tools)
+    except TemplateError:
+        return {"tool": True, "call to": True, "tool result": True}
+    return {"tool": PROBE_TOOL in text, "call to": PROBE_CALL in text, "tool result": shown(PROBE_RESULT, text)}
+
+
+def check_tools_rendered(
+    text: str, messages: list[dict], tools: list[dict] | None, tokenizer, where: str, support: dict[str, bool]
+) -> None:
+    """A UsageError naming the record unless its template shows tools, calls and results where the record has them
+    (`support`, from `tool_support`), and the rendered conversation `text` shows each of its own: a template without
+    tool support drops them, and the model would learn to answer without the tools it was given, or learn empty
+    answers where it called one."""
+    named = [("tool", tool["function"]["name"]) for tool in tools or []]
+    named += [("call to", call["function"]["name"]) for m in messages for call in m.get("tool_calls", [])]
+    named += [("tool result", m["content"].strip()) for m in messages if m["role"] == "tool"]
+    missing = next(
+        ((kind, name) for kind, name in named if not support[kind] or (name and not shown(name, text))), None
+    )
     if missing:
         raise UsageError(
             f"{where}: the chat template of {tokenizer.name_or_path!r} leaves out its {missing[0]} "
@@ -115,15 +156,12 @@ def check_tools_rendered(text: str, messages: list[dict], tools: list[dict] | No
 
 def tools_end(with_tools: str, without: str) -> int:
     """Where the tools' text ends in a conversation rendered `with_tools`, given the same conversation rendered
-    `without` them: the end of the part that differs. A cut to fit the block keeps the text before it, so that the
-    calls learned keep their tools. 0 when they are the same."""
-    start = 0
-    while start < min(len(with_tools), len(without)) and with_tools[start] == without[start]:
-        start += 1
-    same_end = 0
-    while same_end < min(len(with_tools), len(without)) - start and with_tools[-1 - same_end] == without[-1 - same_end]:
-        same_end += 1
-    return len(with_tools) - same_end if start < len(with_tools) else 0
+    `without` them: the end of the part that differs. 0 when they are the same."""
+    if with_tools == without:
+        return 0
+    same_start = len(os.path.commonprefix([with_tools, without]))
+    same_end = len(os.path.commonprefix([with_tools[same_start:][::-1], without[same_start:][::-1]]))
+    return len(with_tools) - same_end
 
 
 def sharegpt_turns(turns, where: str, formats: str, fix: str) -> list[dict]:
