@@ -113,8 +113,8 @@ def parse_args(argv=None):
 # ==================================== DATA ====================================
 # The one place to edit for your own dataset: return a DatasetDict with a "train" split (and
 # "validation" if you have one) holding a "messages" column of conversations
-# ([{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]), or "prompt"
-# and "completion" columns. Your own names, on what the --train_file branch below returns:
+# ([{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]; tool calls in OpenAI's shape,
+# with a "tools" column), or "prompt" and "completion" columns. Your own names, on what --train_file returns:
 #   data = data.rename_columns({"question": "prompt", "answer": "completion"})
 DEMO_REVIEW_WORDS = 80  # each review's last words: the verdict is usually at the end
 

@@ -54,8 +54,12 @@ def record_tools(value, where: str) -> list[dict] | None:
         raise UsageError(f"{error}; {fix}") from None
     if not tools:
         return None
-    if not isinstance(tools, list) or not all(isinstance(tool, dict) and tool.get("function", tool).get("name")
-                                              for tool in tools):  # fmt: skip
+
+    def named(tool) -> bool:
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        return isinstance(function, dict) and isinstance(function.get("name"), str)
+
+    if not isinstance(tools, list) or not all(named(tool) for tool in tools):
         raise UsageError(f"{where}: its tools are not a list of named function schemas, got {str(tools)[:60]!r}; {fix}")
     return [tool if "function" in tool else {"type": "function", "function": tool} for tool in tools]
 
