@@ -21,18 +21,26 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Data
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
-from ddp_utils.data.classification import CLASSIFICATION_SCORES, REGRESSION_SCORES, evaluate_regression, label_task
+from ddp_utils.data.classification import (
+    CLASSIFICATION_SCORES,
+    MULTI_LABEL_SCORES,
+    REGRESSION_SCORES,
+    evaluate_multi_label,
+    evaluate_regression,
+    label_task,
+)
 from ddp_utils.data.demo import demo_model_path, load_demo_reviews
 
 logger = get_logger(__name__)
 
 # What each task's evaluation gives, to rank checkpoints by (--metric_for_best_model), and its default.
 TASKS = {
-    "auto": CLASSIFICATION_SCORES + REGRESSION_SCORES[1:],
+    "auto": CLASSIFICATION_SCORES + REGRESSION_SCORES[1:] + MULTI_LABEL_SCORES[1:],
     "classification": CLASSIFICATION_SCORES,
     "regression": REGRESSION_SCORES,
+    "multi_label": MULTI_LABEL_SCORES,
 }
-TASK_METRIC = {"classification": "eval_accuracy", "regression": "eval_loss"}
+TASK_METRIC = {"classification": "eval_accuracy", "regression": "eval_loss", "multi_label": "eval_f1_micro"}
 
 
 def parse_args(argv=None):
@@ -47,8 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--validation_file", default=None, help="local validation data (default: held out of the training)")
     p.add_argument("--validation_split_percentage", type=int, default=10, help="%% held out without validation data")
     p.add_argument("--text_column", default="text", help="text column, or two comma-separated ones for pairs")
-    p.add_argument("--label_column", default="label", help="label column: class names or ids, or numbers to regress")
-    p.add_argument("--task", choices=TASKS, default="auto", help="auto: regression for a column of floats")
+    p.add_argument("--label_column", default="label", help="label column: class names or ids, lists of them, numbers")
+    p.add_argument("--task", choices=TASKS, default="auto", help="auto: regression for floats, multi_label for lists")
     p.add_argument("--max_length", type=int, default=128, help="truncate inputs to this many tokens")
     p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training examples")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation examples")
@@ -143,7 +151,7 @@ def main():
     train_dataloader = ddp_utils.make_train_dataloader(tokenized["train"], args, accelerator, collate)
     eval_dataloader = ddp_utils.make_eval_dataloader(tokenized["validation"], args, collate)  # longest first
     metrics = [ddp_utils.load_metric("accuracy"), ddp_utils.load_metric("f1")]
-    regression = config.problem_type == "regression"
+    regression, multi_label = config.problem_type == "regression", config.problem_type == "multi_label_classification"
     logger.info(f"{len(tokenized['train'])} train / {len(tokenized['validation'])} eval examples")
 
     optimizer = ddp_utils.make_adamw(model, args.learning_rate, args.weight_decay)  # no decay on biases and norms
@@ -157,6 +165,8 @@ def main():
     def evaluate():  # all ranks: the scores on the whole eval set, each example once, and the confusion matrix
         if regression:  # mean squared error, Pearson, Spearman
             return evaluate_regression(accelerator, model, eval_dataloader)
+        if multi_label:  # exact match, micro and macro F1
+            return evaluate_multi_label(accelerator, model, eval_dataloader)
         return ddp_utils.evaluate_classification(accelerator, model, eval_dataloader, metrics)
 
     def forward_backward(micro_batches, step_size):  # this rank's share of one optimizer step
@@ -167,6 +177,8 @@ def main():
                 logits = model(**batch).logits.float()
                 if regression:  # one output per example: its squared error
                     losses = F.mse_loss(logits.squeeze(-1), labels.float(), reduction="none")
+                elif multi_label:  # one output per label, each yes or no: the mean over the labels
+                    losses = F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none").mean(-1)
                 else:  # one per example
                     losses = F.cross_entropy(logits, labels, reduction="none")  # eval_loss: classification.py
                 # The mean over the step's examples on all ranks, not over this micro-batch.

@@ -138,6 +138,87 @@ def test_a_float_label_column_trains_a_regression_the_same_on_one_and_two_proces
     assert json.loads((runs[1] / "training_args.json").read_text())["metric_for_best_model"] == "eval_loss"
 
 
+def write_topics(path, rows, seed):
+    """Multi-label records as JSONL: a list of topics per text (none, one or both), each topic marked by its words."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            topics = sorted(rng.sample(["negative", "positive"], k=rng.choice([0, 1, 1, 2])))
+            words = rng.choices(FILLER, k=4) + [word for topic in topics for word in rng.choices(WORDS[topic], k=2)]
+            f.write(json.dumps({"text": " ".join(rng.sample(words, len(words))), "topics": topics}) + "\n")
+    return path
+
+
+def test_a_column_of_label_lists_trains_multi_label_the_same_on_one_and_two_processes(tiny_model, tmp_path):
+    """GoEmotions' or a user's list of labels per example: one output per label, its binary cross-entropy; exact
+    match and micro and macro F1 over the held-out examples, each once: the same on 1 and 2 processes; the saved
+    model reloads as a multi-label classifier (before: Arrow's "no kernel matching input types" traceback)."""
+    from transformers import pipeline
+
+    train = write_topics(tmp_path / "train.jsonl", 100, seed=0)
+    common = ["--model_name_or_path", tiny_model, "--train_file", train, "--label_column", "topics"]
+    common += ["--max_length", 32, "--learning_rate", 3e-3, "--num_train_epochs", 6, "--warmup_ratio", 0]
+    common += ["--per_device_eval_batch_size", 3, "--checkpointing_steps", "no", "--report_to", "none"]
+    runs = {}
+    for processes, batch in ((1, 8), (2, 4)):
+        output_dir = tmp_path / f"run{processes}"
+        result = launch(
+            REPO / "scripts" / "train.py", *common, "--per_device_train_batch_size", batch, "--output_dir", output_dir,
+            num_processes=processes,
+        )  # fmt: skip
+        assert result.returncode == 0, result.output[-3000:]
+        assert "task: multi-label classification on 'topics': 2 labels, each yes or no" in result.output
+        runs[processes] = json.loads((output_dir / "metrics.json").read_text())
+    one, two = runs[1], runs[2]
+    assert one["eval_examples"] == two["eval_examples"] == 10, "10% of 100 held out, each counted once"
+    for key in ("eval_loss", "eval_exact_match", "eval_f1_micro", "eval_f1_macro"):
+        assert two[key] == pytest.approx(one[key], rel=1e-3, abs=1e-6), key
+    assert one["eval_loss"] < 0.6 and one["eval_f1_micro"] > 0.6, "it learned which words mark which topic"
+    classify = pipeline("text-classification", model=str(tmp_path / "run1"), top_k=None)
+    scores = {row["label"]: row["score"] for row in classify("great superb wonderful")[0]}
+    assert set(scores) == {"negative", "positive"} and sum(scores.values()) != pytest.approx(1.0), "sigmoids"
+
+
+@pytest.mark.fast
+def test_multi_label_columns_map_to_multi_hot_and_score_as_scikit_learn(tmp_path):
+    """JSON lists of names and GoEmotions' sequence of class labels; a validation label never trained is refused,
+    and --task classification on lists names --task multi_label. The scores match scikit-learn's."""
+    import datasets
+    from accelerate import PartialState
+    from sklearn.metrics import f1_score
+
+    from ddp_utils.data.classification import label_task, multi_label_scores
+
+    PartialState(cpu=True)  # ddp_utils logs through Accelerate's logger
+
+    rows = {"train": [{"t": ["b", "a"]}, {"t": []}, {"t": ["c"]}], "validation": [{"t": ["a"]}, {"t": ["c", "b"]}]}
+    raw = datasets.DatasetDict({split: datasets.Dataset.from_list(r) for split, r in rows.items()})
+    task, config, to_labels = label_task(raw, "t")
+    assert task == "multi_label" and config["problem_type"] == "multi_label_classification"
+    assert config["id2label"] == {0: "a", 1: "b", 2: "c"} and to_labels(["c", "a"]) == [1.0, 0.0, 1.0]
+    assert to_labels([]) == [0.0, 0.0, 0.0]
+    emotions = datasets.Features({"t": datasets.List(datasets.ClassLabel(names=["anger", "joy", "love"]))})
+    goemotions = datasets.DatasetDict(
+        {split: datasets.Dataset.from_dict({"t": [[1], [0, 2]]}, features=emotions) for split in rows}
+    )
+    task, config, to_labels = label_task(goemotions, "t")
+    assert config["id2label"] == {0: "anger", 1: "joy", 2: "love"} and to_labels([2]) == [0.0, 0.0, 1.0]
+    rows["validation"].append({"t": ["d"]})
+    unseen = datasets.DatasetDict({split: datasets.Dataset.from_list(r) for split, r in rows.items()})
+    with pytest.raises(UsageError, match=r"validation labels \['d'\] never occur in the training data"):
+        label_task(unseen, "t")
+    with pytest.raises(UsageError, match="'t' holds lists of labels, which --task classification cannot train on"):
+        label_task(raw, "t", "classification")
+
+    rng = np.random.default_rng(0)
+    predicted, present = rng.integers(0, 2, (50, 4)), rng.integers(0, 2, (50, 4))
+    present[:, 3] = predicted[:, 3] = 0  # a label never present nor predicted: 0 in the macro mean
+    scores = multi_label_scores(predicted, present, np.ones(50))
+    assert scores["eval_f1_micro"] == pytest.approx(f1_score(present, predicted, average="micro"))
+    assert scores["eval_f1_macro"] == pytest.approx(f1_score(present, predicted, average="macro", zero_division=0))
+    assert scores["eval_exact_match"] == pytest.approx(float((predicted == present).all(1).mean()))
+
+
 @pytest.mark.fast
 def test_an_integer_label_column_says_how_many_classes_it_made_and_regression_needs_numbers(caplog):
     import logging
