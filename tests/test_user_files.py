@@ -209,6 +209,12 @@ def test_multi_label_columns_map_to_multi_hot_and_score_as_scikit_learn(tmp_path
         label_task(unseen, "t")
     with pytest.raises(UsageError, match="'t' holds lists of labels, which --task classification cannot train on"):
         label_task(raw, "t", "classification")
+    as_text = datasets.DatasetDict(  # a CSV's cells, the validation split the same as the training
+        {split: datasets.Dataset.from_list([{"t": str(r["t"])} for r in rows["train"]]) for split in rows}
+    )
+    with pytest.raises(UsageError, match=r"the labels of 't' are lists written as text \(\"\['b', 'a'\]\"\)"):
+        label_task(as_text, "t")
+    assert label_task(as_text, "t", "classification")[0] == "classification", "unless asked for"
 
     rng = np.random.default_rng(0)
     predicted, present = rng.integers(0, 2, (50, 4)), rng.integers(0, 2, (50, 4))

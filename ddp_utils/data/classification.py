@@ -89,6 +89,12 @@ def label_task(raw, label_column: str, task: str = "auto"):
             f"{label_column!r} holds lists of labels, which --task {task} cannot train on; give --task multi_label"
         )
     kind = _value_kind(raw["train"], label_column)
+    written = [v for v in distinct_values(raw["train"], label_column) if isinstance(v, str)] if kind is None else []
+    if task == "auto" and written and all(v.strip().startswith("[") and v.strip().endswith("]") for v in written):
+        raise UsageError(  # a CSV cell "['sports', 'tech']": each combination would be a class of its own
+            f"the labels of {label_column!r} are lists written as text ({written[0][:40]!r}); for multi-label "
+            "classification give them as JSON lists (a .jsonl file), or --task classification to train them as classes"
+        )
     if task == "regression" or (task == "auto" and kind == "float"):
         for split in ("train", "validation"):
             if _value_kind(raw[split], label_column) not in ("float", "int"):
