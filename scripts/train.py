@@ -21,15 +21,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Data
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
-from ddp_utils.data.classification import (
-    CLASSIFICATION_SCORES,
-    MULTI_LABEL_SCORES,
-    REGRESSION_SCORES,
-    evaluate_multi_label,
-    evaluate_regression,
-    label_task,
-)
+from ddp_utils.data.classification import CLASSIFICATION_SCORES, REGRESSION_SCORES, evaluate_regression, label_task
 from ddp_utils.data.demo import demo_model_path, load_demo_reviews
+from ddp_utils.data.multi_label import MULTI_LABEL_SCORES, evaluate_multi_label
 
 logger = get_logger(__name__)
 

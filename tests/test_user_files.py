@@ -187,7 +187,8 @@ def test_multi_label_columns_map_to_multi_hot_and_score_as_scikit_learn(tmp_path
     from accelerate import PartialState
     from sklearn.metrics import f1_score
 
-    from ddp_utils.data.classification import label_task, multi_label_scores
+    from ddp_utils.data.classification import label_task
+    from ddp_utils.data.multi_label import multi_label_scores
 
     PartialState(cpu=True)  # ddp_utils logs through Accelerate's logger
 
@@ -214,7 +215,22 @@ def test_multi_label_columns_map_to_multi_hot_and_score_as_scikit_learn(tmp_path
     )
     with pytest.raises(UsageError, match=r"the labels of 't' are lists written as text \(\"\['b', 'a'\]\"\)"):
         label_task(as_text, "t")
-    assert label_task(as_text, "t", "classification")[0] == "classification", "unless asked for"
+    task, config, _ = label_task(as_text, "t", "classification")
+    assert task == "classification" and config["problem_type"] == "single_label_classification", "said, not inherited"
+    joined = {split: datasets.Dataset.from_list([{"t": "2"}, {"t": "14"}, {"t": "2,14"}]) for split in rows}
+    with pytest.raises(UsageError, match=r"some labels of 't' join others with commas \('2,14'\); .*split\(\",\"\)"):
+        label_task(datasets.DatasetDict(joined), "t")  # GoEmotions' TSV
+    for vectors in ([[0, 1, 0], [1, 1, 0]], [[0.0, 1, 0], [1.0, 1, 0]], [[False, True, False], [True, True, False]]):
+        hot = datasets.DatasetDict({split: datasets.Dataset.from_dict({"t": vectors}) for split in rows})
+        task, config, to_labels = label_task(hot, "t")  # already multi-hot: Jigsaw's columns gathered, HF's tutorials
+        assert config["id2label"] == {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"} and to_labels(vectors[1]) == [1, 1, 0]
+    holes = datasets.DatasetDict({split: datasets.Dataset.from_dict({"t": [["a", None], ["b"]]}) for split in rows})
+    with pytest.raises(UsageError, match="1 items of the train label lists in 't' are null; drop them"):
+        label_task(holes, "t")
+    from ddp_utils.data.classification import label_mapping
+
+    with pytest.raises(UsageError, match="'t' holds lists of labels; this script takes one label per example"):
+        label_mapping(raw, "t")  # train_image.py's
 
     rng = np.random.default_rng(0)
     predicted, present = rng.integers(0, 2, (50, 4)), rng.integers(0, 2, (50, 4))
@@ -413,7 +429,7 @@ def hub_layout(directory, splits: dict):
 
 
 @pytest.mark.fast
-def test_a_hub_dataset_with_its_own_split_names_is_read_with_train_split_and_validation_split(tmp_path):
+def test_a_hub_dataset_with_its_own_split_names_is_read_with_train_split_and_validation_split(tmp_path, caplog):
     """UltraChat 200k's layout for SFT, UltraFeedback binarized's for DPO. Before, both were refused ("no 'train'
     split") with a fix (local files) that did not let the dataset be used."""
     chat = [{"role": "user", "content": "the movie"}, {"role": "assistant", "content": "w1 w2"}]
@@ -433,11 +449,21 @@ def test_a_hub_dataset_with_its_own_split_names_is_read_with_train_split_and_val
         "--train_split, one of ['train_gen', 'train_sft'] (and --validation_split)"
     )  # fmt: skip
     refused_in_process("train_sft", [*common, "--train_split", "train"], "--train_split train: the dataset has no such")
+    only_validation = [*common, "--validation_split", "test_sft"]
+    refused_in_process("train_sft", only_validation, "no 'train' split (it has ['test_sft', 'train_gen', 'train_sft'])")
+    both = ["--train_split", "train_sft", "--validation_split", "train_sft"]
+    refused_in_process("train_sft", [*common, *both], "--train_split and --validation_split both name 'train_sft'")
     tokenized = load_script("train_sft").prepare_data(
         load_script("train_sft").parse_args([*map(str, common), "--train_split", "train_sft", "--validation_split",
                                              "test_sft"])
     )[0]  # fmt: skip
     assert (len(tokenized["train"]), len(tokenized["validation"])) == (12, 5)
+    import logging
+
+    with caplog.at_level(logging.WARNING):  # a share held out: the splits left unread are named
+        load_script("train_sft").prepare_data(load_script("train_sft").parse_args([*map(str, common), "--train_split",
+                                                                                    "train_sft"]))  # fmt: skip
+    assert "the dataset's splits ['test_sft', 'train_gen'] are not used; --validation_split names one" in caplog.text
     local = ["--model_name_or_path", model, "--train_file", tmp_path / "x.jsonl", "--train_split", "train_sft"]
     refused_in_process("train_sft", [*local, "--output_dir", tmp_path / "o"], "name the splits of a --dataset_name")
 

@@ -1,8 +1,7 @@
 """What the two classification scripts (text and images) share: label ids, and evaluation over the
 whole eval set with a confusion matrix; and `train.py`'s regression (a float label column, or
-`--task regression`: one output, its squared error, scored by MSE, Pearson and Spearman) and multi-label
-classification (a column of lists of labels: one output per label, its binary cross-entropy, scored by exact
-match and micro and macro F1). Their training loss is in each script's training step."""
+`--task regression`: one output, its squared error, scored by MSE, Pearson and Spearman); which task a label
+column is (`label_task`; multi-label: multi_label.py). Their training loss is in each script's training step."""
 
 from __future__ import annotations
 
@@ -16,13 +15,13 @@ from accelerate.logging import get_logger
 from ..core.errors import UsageError
 from .dataloaders import SAMPLE_WEIGHT
 from .evaluation import gather_for_eval
+from .multi_label import holds_lists, multi_label_mapping
 
 logger = get_logger(__name__)
 
 # What `evaluate_classification` gives with the metrics both scripts load (accuracy, f1), for --metric_for_best_model.
 CLASSIFICATION_SCORES = ("eval_loss", "eval_accuracy", "eval_f1")
 REGRESSION_SCORES = ("eval_loss", "eval_mse", "eval_pearson", "eval_spearman")  # what `evaluate_regression` gives
-MULTI_LABEL_SCORES = ("eval_loss", "eval_exact_match", "eval_f1_micro", "eval_f1_macro")  # `evaluate_multi_label`
 MANY_CLASSES = 20  # an integer label column with more distinct values than this is said in the log
 
 
@@ -45,6 +44,8 @@ def label_mapping(raw, label_column: str):
     rank may call it."""
     import datasets
 
+    if holds_lists(raw["train"], label_column):
+        raise UsageError(f"{label_column!r} holds lists of labels; this script takes one label per example")
     train, validation = (distinct_values(raw[split], label_column) for split in ("train", "validation"))
     feature = raw["train"].features[label_column]
     if isinstance(feature, datasets.ClassLabel):
@@ -79,7 +80,7 @@ def label_task(raw, label_column: str, task: str = "auto"):
     column of floats (one output, the value as a float); "multi_label" for a column of lists of labels
     (`multi_label_mapping`); else "classification" (`label_mapping`), and the log says how many classes an
     integer column with many values made. Any rank may call it."""
-    lists = _holds_lists(raw["train"], label_column)
+    lists = holds_lists(raw["train"], label_column)
     if task == "multi_label" or (task == "auto" and lists):
         names, to_labels = multi_label_mapping(raw, label_column)
         logger.info(f"task: multi-label classification on {label_column!r}: {len(names)} labels, each yes or no")
@@ -94,6 +95,13 @@ def label_task(raw, label_column: str, task: str = "auto"):
         raise UsageError(  # a CSV cell "['sports', 'tech']": each combination would be a class of its own
             f"the labels of {label_column!r} are lists written as text ({written[0][:40]!r}); for multi-label "
             "classification give them as JSON lists (a .jsonl file), or --task classification to train them as classes"
+        )
+    combined = [v for v in written if "," in v and all(part.strip() in written for part in v.split(","))]
+    if task == "auto" and combined:  # GoEmotions' TSV: "2,14" is labels 2 and 14, not a class
+        raise UsageError(
+            f"some labels of {label_column!r} join others with commas ({combined[0][:40]!r}); for multi-label "
+            f'classification split them into lists in the DATA section (row["{label_column}"].split(",")), or give '
+            "--task classification to train each combination as a class"
         )
     if task == "regression" or (task == "auto" and kind == "float"):
         for split in ("train", "validation"):
@@ -110,57 +118,8 @@ def label_task(raw, label_column: str, task: str = "auto"):
             f"{label_column!r} holds {len(names)} distinct integers: a classifier of {len(names)} classes "
             "(--task regression predicts them as numbers)"
         )
-    return "classification", label_config(names), to_id
-
-
-def _holds_lists(dataset, column: str) -> bool:
-    """Whether `column` holds lists (GoEmotions' sequence of class labels, a JSON list of label names)."""
-    import datasets
-
-    return isinstance(dataset.features[column], (datasets.List, datasets.LargeList))
-
-
-def multi_label_mapping(raw, label_column: str):
-    """(label names in id order, function mapping a raw list of labels to its multi-hot vector of floats) for a
-    column of lists (an empty list: no label): the names of a sequence of `ClassLabel`, else the sorted distinct
-    items of the training lists. A UsageError for a column that is not lists in every split, a validation label
-    never seen in training, or fewer than two labels. Any rank may call it."""
-    import datasets
-    import pyarrow.compute as pc
-
-    for split in ("train", "validation"):
-        if not _holds_lists(raw[split], label_column):
-            raise UsageError(
-                f"multi-label classification needs a list of labels per example in {label_column!r}, and the {split} "
-                f'data holds {raw[split].features[label_column]}; give lists (e.g. ["sports", "tech"], or [])'
-            )
-
-    def items(split):
-        return pc.unique(pc.list_flatten(raw[split].with_format("arrow")[label_column])).drop_null().to_pylist()
-
-    feature = raw["train"].features[label_column].feature
-    if isinstance(feature, datasets.ClassLabel):
-        names, index = feature.names, list(range(len(feature.names)))
-    else:
-        names = sorted(items("train"), key=lambda v: (isinstance(v, str), v))
-        index = names
-    unseen = sorted(set(items("validation")) - set(index), key=str)
-    if unseen:
-        raise UsageError(
-            f"validation labels {unseen[:10]} never occur in the training data (training labels: {names[:20]}); "
-            "fix the labels or give training data that covers them"
-        )
-    if len(names) < 2:
-        raise UsageError(f"the training data holds {len(names)} label(s); multi-label classification needs two or more")
-    position = {value: i for i, value in enumerate(index)}
-
-    def to_labels(values: list) -> list[float]:
-        hot = [0.0] * len(names)
-        for value in values or []:
-            hot[position[value]] = 1.0
-        return hot
-
-    return [str(name) for name in names], to_labels
+    # Said, not left to the config read: a multi-label or regression checkpoint's would choose the wrong loss.
+    return "classification", {**label_config(names), "problem_type": "single_label_classification"}, to_id
 
 
 def _value_kind(dataset, column: str) -> str | None:
@@ -208,43 +167,6 @@ def evaluate_classification(accelerator: Accelerator, model, eval_dataloader, me
     config = accelerator.unwrap_model(model).config
     labels = [config.id2label[i] for i in range(config.num_labels)]
     return scores, ConfusionMatrix(confusion_matrix(results["predictions"], results["references"], len(labels)), labels)
-
-
-def multi_label_outputs(model, batch):
-    """Per-example predictions (a label is predicted where its logit is above 0: probability above one half),
-    references (multi-hot) and losses (the mean binary cross-entropy over the labels) for one eval batch."""
-    labels = batch.pop("labels").float()
-    batch.pop(SAMPLE_WEIGHT, None)
-    logits = model(**batch).logits.float()
-    loss = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(-1)
-    return {"predictions": (logits > 0).long(), "references": labels.long(), "loss": loss}
-
-
-def evaluate_multi_label(accelerator: Accelerator, model, eval_dataloader):
-    """All ranks call this (it gathers every rank's predictions): (scores, None) over the whole eval set, each
-    example counted once whatever the number of processes (`multi_label_scores`). Every rank gets the same result."""
-    results = gather_for_eval(accelerator, model, eval_dataloader, multi_label_outputs)
-    return multi_label_scores(results["predictions"], results["references"], results["loss"]), None
-
-
-def multi_label_scores(predictions: np.ndarray, references: np.ndarray, losses: np.ndarray) -> dict:
-    """The eval loss; exact match (every label of an example right); micro F1 (over all the example-label pairs)
-    and macro F1 (the mean over labels of each one's F1, 0 for a label never predicted nor present, as
-    scikit-learn's zero_division=0), from multi-hot `predictions` and `references` (examples, labels)."""
-    predicted, present = predictions.astype(bool), references.astype(bool)
-    hits = (predicted & present).sum(0)
-    misses = (predicted ^ present).sum(0)  # false positives and false negatives, per label
-
-    def f1(hits, misses):
-        return float(np.mean(np.where(hits > 0, 2 * hits / np.maximum(2 * hits + misses, 1), 0.0)))
-
-    return {
-        "eval_loss": float(losses.mean()),
-        "eval_exact_match": float((predicted == present).all(1).mean()),
-        "eval_f1_micro": f1(hits.sum(), misses.sum()),
-        "eval_f1_macro": f1(hits, misses),
-        "eval_examples": len(present),
-    }
 
 
 def regression_outputs(model, batch):

@@ -114,7 +114,7 @@ def named_splits(raw, train_split: str | None, validation_split: str | None):
     """A Hub dataset's splits under the names a run reads: `train_split` as "train" and `validation_split` as
     "validation" (--train_split and --validation_split: UltraChat's train_sft and test_sft, UltraFeedback's
     train_prefs and test_prefs). Either None: "train", and "validation" else "test", as they are. A name the data
-    lacks is a UsageError that lists its splits."""
+    lacks, one split named for both, or no training split is a UsageError that lists its splits."""
     import datasets
 
     if not (train_split or validation_split):
@@ -122,9 +122,16 @@ def named_splits(raw, train_split: str | None, validation_split: str | None):
     for option, name in (("--train_split", train_split), ("--validation_split", validation_split)):
         if name and name not in raw:
             raise UsageError(f"{option} {name}: the dataset has no such split; it has {sorted(raw)}")
+    if train_split and train_split == validation_split:
+        raise UsageError(f"--train_split and --validation_split both name {train_split!r}: give two splits")
     train = train_split or "train"
+    if train not in raw:
+        raise UsageError(f"the dataset has no 'train' split (it has {sorted(raw)}); name one with --train_split")
     validation = validation_split or next((name for name in ("validation", "test") if name in raw), None)
     picked = {"train": train, "validation": validation}
+    unused = sorted(set(raw) - set(picked.values()))
+    if unused and validation is None:
+        logger.warning(f"the dataset's splits {unused} are not used; --validation_split names one to evaluate on")
     return datasets.DatasetDict({new: raw[old] for new, old in picked.items() if old in raw})
 
 
@@ -159,6 +166,9 @@ def check_splits(
         fix = f"--train_split, one of {named} (and --validation_split)" if named else data_options
         raise UsageError(f"the data has no 'train' split (it has {sorted(raw)}); give {fix}")
     validation = "validation" if "validation" in raw else "test" if "test" in raw else None
+    others = sorted(set(raw) - {"train"})
+    if validation is None and others and hold_out_percentage is not None:  # a "dev" split: said, not ignored
+        logger.warning(f"splits {others} are not read as validation data, a share of 'train' is: --validation_split")
     if validation is None and hold_out_percentage is None:
         raise UsageError(f"the data has no 'validation' split (it has {sorted(raw)}); give {data_options}")
     splits = {"train": raw["train"], **({"validation": raw[validation]} if validation else {})}
