@@ -1,9 +1,11 @@
 """Data: the user's files read and checked, the training order, and the evaluation gathered.
 
-- raw_data.py        read_data_files, check_splits: local CSV, TSV, JSON, JSONL, Parquet or text, checked once
+- raw_data.py        read_data_files, check_splits: local CSV, TSV, JSON, JSONL, Parquet or text, checked once;
+                     a Hub dataset's own split names (named_splits)
 - dataloaders.py     the training order: whole steps, shuffled from (seed, epoch), dealt to the ranks
 - evaluation.py      each example gathered once; metrics loaded offline (metrics/); the score that ranks checkpoints
-- classification.py  labels to classes, accuracy, F1, the confusion matrix, regression scores
+- classification.py  labels to classes, accuracy, F1, the confusion matrix, regression scores; which task a column is
+- multi_label.py     label lists (names, class labels, 0/1 vectors) as multi-hot; exact match, micro and macro F1
 - vision.py          images: unreadable files found first, inputs, a seeded augmentation, SyncBatchNorm
 - demo.py            the offline demos' models (demo_models/) and data
 
