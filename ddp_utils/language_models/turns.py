@@ -121,8 +121,8 @@ def shown(value: str, text: str) -> bool:
 def tool_support(tokenizer, render) -> dict[str, bool]:
     """What the chat template shows of tools, calls and results ({"tool", "call to", "tool result"}: bool), found
     once per template (`chat.per_template`) from a conversation with names no data holds: a name that a record's
-    own words hold would pass a check of that record. `render` is `chat.render`. A template that raises on the probe
-    (one that wants ids of its own shape) is taken to show all three: a record it refuses is named then."""
+    own words hold would pass a check of that record. `render` is `chat.render`. A template that fails on the probe
+    (one that wants ids or arguments of its own shape) is taken to show all three: a record it refuses is named then."""
     from jinja2.exceptions import TemplateError
 
     call = {"id": "a1b2c3d4e", "type": "function", "function": {"name": PROBE_CALL, "arguments": {"x": 1}}}
@@ -132,7 +132,7 @@ def tool_support(tokenizer, render) -> dict[str, bool]:
     tools = [{"type": "function", "function": {"name": PROBE_TOOL, "parameters": {"type": "object"}}}]
     try:
         text = render(tokenizer, talk, tools=tools)
-    except TemplateError:
+    except (TemplateError, TypeError):  # as chat.tokenize_conversation catches
         return {"tool": True, "call to": True, "tool result": True}
     return {"tool": PROBE_TOOL in text, "call to": PROBE_CALL in text, "tool result": shown(PROBE_RESULT, text)}
 
