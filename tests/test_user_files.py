@@ -391,6 +391,31 @@ def test_preference_data_given_to_the_sft_script_is_named_with_the_script_that_t
 
 
 @pytest.mark.fast
+def test_conversations_in_a_csv_are_json_text_and_train_as_the_jsonl_does(tmp_path):
+    """A CSV cell (or a column stored as text) holds a conversation as JSON: messages and ShareGPT turns are read as
+    the JSONL's (before: "fits none of the SFT formats", so no CSV of conversations could be used)."""
+    import csv
+
+    def csv_argv(path):
+        model = tmp_path / "llama-True"  # the tiny Llama with a chat template that `sft` makes
+        argv = ["--model_name_or_path", model, "--train_file", path, "--validation_file", path, "--report_to", "none"]
+        return [str(a) for a in [*argv, "--output_dir", tmp_path / "out", "--eval_max_new_tokens", 0]]
+
+    sharegpt = [{"from": "human", "value": "the movie"}, {"from": "gpt", "value": "w1 w2"}]
+    for column, turns in (("messages", CONVERSATION), ("conversations", sharegpt)):
+        from_jsonl = sft(tmp_path, [{column: turns}] * 6, chat_template=True, name=f"{column}.jsonl")[0]["train"]
+        with open(tmp_path / f"{column}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=[column])
+            writer.writeheader()
+            writer.writerows({column: json.dumps(turns)} for _ in range(6))
+        script = load_script("train_sft")
+        from_csv = script.prepare_data(script.parse_args(csv_argv(tmp_path / f"{column}.csv")))[0]["train"]
+        assert from_csv["input_ids"] == from_jsonl["input_ids"] and from_csv["labels"] == from_jsonl["labels"], column
+    (tmp_path / "broken.csv").write_text('messages\n"[{role: user}]"\n"[{role: user}]"\n')
+    refused_in_process("train_sft", csv_argv(tmp_path / "broken.csv"), "its conversation is a string that is not valid")
+
+
+@pytest.mark.fast
 def test_sft_and_clm_preparation_runs_on_several_processes_with_the_same_result(tmp_path):
     """--preprocessing_num_workers, the chat template rendered per record in each (before: ignored by
     train_sft.py; train_clm.py's grouping into blocks ran in one process)."""

@@ -24,7 +24,7 @@ from .chat import (
     tokenize_conversation,
     tools_kept,
 )
-from .turns import NEEDS_TEMPLATE, clean_turn, record_tools, sharegpt_turns
+from .turns import NEEDS_TEMPLATE, as_json_turns, clean_turn, record_tools, sharegpt_turns
 
 logger = get_logger(__name__)
 
@@ -55,7 +55,7 @@ class SFTFormat:
         without a chat template. A record that does not fit the format is a UsageError naming it."""
         where = f"{split} record {index}"
         if self.kind in ("messages", "sharegpt"):
-            turns = record[self.columns[0]]
+            turns = as_json_turns(record[self.columns[0]], where)
             if self.kind == "sharegpt":
                 fix = f"the formats: {FORMATS}; name the right column with --messages_column"
                 turns = sharegpt_turns(turns, where, "SFT", fix)
@@ -104,6 +104,10 @@ def detect_format(raw, args) -> tuple[SFTFormat, dict[str, str]]:
     if conversations is not None:
         first = next((turns for turns in train.select_columns(conversations).to_iterable_dataset() if turns), None)
         first = (first or {}).get(conversations) or [{}]
+        try:  # a CSV's cell, or a column stored as text: the conversation as JSON
+            first = as_json_turns(first, "") or [{}]
+        except UsageError:
+            pass  # refused by record, with its number, when it is read
         kind = "sharegpt" if isinstance(first[0], dict) and "from" in first[0] else "messages"
         fmt, needed = SFTFormat(kind, (conversations,), **options), {conversations: "--messages_column"}
     elif args.prompt_column in columns or args.completion_column in columns:

@@ -42,6 +42,14 @@ def from_json(value, what: str, where: str):
         raise UsageError(f"{where}: {what} is a string that is not valid JSON ({error}); got {value[:80]!r}") from None
 
 
+def as_json_turns(value, where: str):
+    """A conversation given as JSON text (a CSV's cell, a column stored as a string) parsed into its turns; any other
+    value as it is. Text that starts with "[" but is not JSON is a UsageError naming the record (`where`)."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        return from_json(value, "its conversation", where)
+    return value
+
+
 def record_tools(value, where: str) -> list[dict] | None:
     """A record's "tools" column (a list of function schemas, or a JSON string of one) in the shape templates
     render: each `{"type": "function", "function": {...}}` (a bare `{"name", "description", "parameters"}`,
