@@ -416,6 +416,32 @@ def test_conversations_in_a_csv_are_json_text_and_train_as_the_jsonl_does(tmp_pa
 
 
 @pytest.mark.fast
+def test_preference_pairs_in_a_csv_are_json_text_and_read_as_the_jsonl_does(tmp_path):
+    """A CSV of DPO pairs holds its turns as JSON text: read as conversations (before: trained as raw JSON text);
+    a prompt that starts with "[INST]" or an answer that is a JSON array stays text."""
+    import datasets
+    from accelerate import PartialState
+
+    from ddp_utils.language_models.preference_data import detect_pair_format
+
+    PartialState(cpu=True)  # ddp_utils logs through Accelerate's logger
+    turns = {
+        "prompt": [{"role": "user", "content": "the movie"}],
+        "chosen": [{"role": "assistant", "content": "w1"}],
+        "rejected": [{"role": "assistant", "content": "w2"}],
+    }
+    path = tmp_path / "pairs.csv"
+    datasets.Dataset.from_list([{key: json.dumps(value) for key, value in turns.items()}] * 3).to_csv(str(path))
+    raw = datasets.load_dataset("csv", data_files=str(path))
+    fmt = detect_pair_format(raw, None)
+    assert fmt.kind == "conversational"
+    assert fmt.pair(raw["train"][0], 0, "train") == fmt.pair(turns, 0, "train")
+    texts = {"prompt": "[INST] the movie [/INST]", "chosen": '[{"id": 1}]', "rejected": "[2]"}
+    strings = datasets.DatasetDict({"train": datasets.Dataset.from_list([texts])})
+    assert detect_pair_format(strings, None).pair(texts, 0, "train") == tuple(texts.values()), "text stays text"
+
+
+@pytest.mark.fast
 def test_sft_and_clm_preparation_runs_on_several_processes_with_the_same_result(tmp_path):
     """--preprocessing_num_workers, the chat template rendered per record in each (before: ignored by
     train_sft.py; train_clm.py's grouping into blocks ran in one process)."""

@@ -19,7 +19,7 @@ from ..training.exact_loss import INPUT_TOKENS
 from .causal_lm import IGNORE_INDEX
 from .chat import cut_middle, head_length, render, text_content
 from .sft_data import PROMPT_SEPARATOR, alpaca_prompt, settle_chat_template
-from .turns import sharegpt_turns
+from .turns import json_turns, sharegpt_turns
 
 logger = get_logger(__name__)
 
@@ -51,6 +51,7 @@ class PairFormat:
         assistant turns. A record that does not fit, an empty side, or a pair whose two answers are
         the same is a UsageError that names the record and the fix."""
         where = f"{split} record {index}"
+        record = {**record, **json_turns(record, ("prompt", "chosen", "rejected"))}  # a CSV's cells
         if self.kind == "implicit":
             prompt, chosen, rejected = _split_implicit(record["chosen"], record["rejected"], where)
         elif self.kind == "alpaca":
@@ -103,7 +104,7 @@ def detect_pair_format(raw, chat_template: bool | None) -> PairFormat:
     elif "instruction" in columns:
         kind = "alpaca"
     elif "prompt" in columns:
-        kind = "strings" if isinstance(first["prompt"], str) else "conversational"
+        kind = "conversational" if not isinstance(first["prompt"], str) or json_turns(first, ("prompt",)) else "strings"
     else:
         kind = "implicit"
     logger.info(f"preference data format: {NAMES[kind]}")

@@ -50,6 +50,25 @@ def as_json_turns(value, where: str):
     return value
 
 
+def json_turns(record: dict, columns: tuple[str, ...]) -> dict:
+    """The `columns` of `record` that hold a conversation as JSON text (a CSV of preference pairs holds its turns
+    so), each parsed into its turns. Text that does not parse into role/content or from/value turns stays text: a
+    prompt may start with "[INST]", an answer may be a JSON array."""
+
+    def turns(value):
+        if not (isinstance(value, str) and value.lstrip().startswith("[")):
+            return None
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return None
+        if not (isinstance(parsed, list) and parsed):
+            return None
+        return parsed if all(isinstance(turn, dict) and ("role" in turn or "from" in turn) for turn in parsed) else None
+
+    return {column: parsed for column in columns if (parsed := turns(record.get(column))) is not None}
+
+
 def record_tools(value, where: str) -> list[dict] | None:
     """A record's "tools" column (a list of function schemas, or a JSON string of one) in the shape templates
     render: each `{"type": "function", "function": {...}}` (a bare `{"name", "description", "parameters"}`,
