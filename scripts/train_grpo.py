@@ -49,6 +49,7 @@ from ddp_utils.language_models.grpo import (
     tokenize_prompts,
 )
 from ddp_utils.language_models.pair_scoring import choose_pair_layout
+from ddp_utils.language_models.static_decoding import StaticDecoding
 
 logger = get_logger(__name__)
 
@@ -83,6 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--epsilon_high", type=float, default=None, help="the ratio's clip above (default: --epsilon)")
     p.add_argument("--num_iterations", type=int, default=1, help="optimizer steps on each batch of samples")
     p.add_argument("--beta", type=float, default=0.0, help="weight of the KL to the reference (LoRA's adapters off)")
+    p.add_argument("--compile_generation", action="store_true", help="sample in CUDA graphs: a static cache (GPU)")
     p.add_argument("--eval_max_new_tokens", type=int, default=8, help="greedy answer length at evaluation; 0: none")
     p.add_argument("--skip_zero_shot", action="store_true", help="do not evaluate the model before training")
     ddp_utils.add_causal_lm_args(p)  # GGUF, --block_size, LoRA, gradient checkpointing, torch.compile
@@ -173,6 +175,8 @@ def main():
     # All ranks: one row per prompt, its G completions after it, where that scores each as if alone; else a row each.
     block = (args.max_prompt_length + args.num_generations * args.max_completion_length) // 2 + 1
     layout = choose_pair_layout(accelerator, model, block)
+    lengths = args.max_prompt_length + args.max_completion_length  # what a static cache holds; checked here, early
+    decoding = StaticDecoding(accelerator, model, lengths) if args.compile_generation else None
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates; LoRA's base stays
     train_dataloader = ddp_utils.make_train_dataloader(
         tokenized["train"], args, accelerator, PromptCollator(tokenizer.pad_token_id), length_column="length"
@@ -205,7 +209,9 @@ def main():
 
     def generate_and_score(micro_batches):  # all ranks: this rank's samples of the step, their rewards
         with clock:  # each prompt's group on this rank, sampled by (seed, step, prompt, sample)
-            rollouts = [sample_completions(accelerator, model, b, tokenizer, args, plan.step) for b in micro_batches]
+            rollouts = [
+                sample_completions(accelerator, model, b, tokenizer, args, plan.step, decoding) for b in micro_batches
+            ]
         records = [raw["train"][int(i)] for r in rollouts for i in r["index"]]
         values, rewards = score_completions(accelerator, REWARDS, decode_completions(tokenizer, rollouts), records)
         advantages = group_advantages(torch.tensor(rewards).float(), args.num_generations, args.scale_rewards)

@@ -6,16 +6,18 @@ import json
 import math
 import os
 import random
+import re
 from argparse import Namespace
 
 import numpy as np
 import pytest
 import torch
+from model_families import HYBRIDS, tiny_model
 from safetensors.numpy import load_file
 
 from conftest import AUDIT_HOOK_DIR, FILLER, REPO, WORDS, launch, make_tiny_causal_lm, refused_in_process
 from ddp_utils import SAMPLE_WEIGHT
-from ddp_utils.core.errors import RunFailed
+from ddp_utils.core.errors import RunFailed, UsageError
 from ddp_utils.language_models.grpo import (
     LOSS_WEIGHT,
     PromptCollator,
@@ -291,6 +293,88 @@ def test_lora_on_fp32_weights_samples_in_fp32_and_training_keeps_the_runs_autoca
     assert dtypes == [torch.bfloat16], "a fault in generation left the forward without the run's autocast"
 
 
+COMPILED_FAMILIES = {  # (model, LoRA, the run's precision)
+    "llama, LoRA, bf16": (None, True, "bf16"),  # the chat LM: LoRA on fp32 weights samples in fp32, outside autocast
+    "gemma3, sliding and full layers": (
+        (
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            dict(
+                num_key_value_heads=1,
+                head_dim=16,
+                sliding_window=32,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+        ),
+        False,
+        "bf16",
+    ),  # full fine-tuning: sampled under the run's autocast
+}  # fmt: skip  MPT's samples are the same too, from 11 graphs: its modeling code breaks the graph
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("family", list(COMPILED_FAMILIES))
+def test_compiled_decoding_draws_the_same_samples_in_one_graph_per_batch_shape(
+    chat_lm, fresh_accelerator_state, family
+):
+    """--compile_generation (a static cache; on a CPU dynamo traces the step, on a GPU inductor makes it a CUDA
+    graph): the same completions as plain decoding, for batches of prompts of every length; one graph per number of
+    rows, none again when the prompts' lengths change or an earlier shape comes back, and no graph break."""
+    from accelerate import Accelerator
+    from peft import LoraConfig, get_peft_model
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.language_models.causal_lm import load_tokenizer
+    from ddp_utils.language_models.static_decoding import StaticDecoding
+
+    spec, lora, precision = COMPILED_FAMILIES[family]
+    accelerator = Accelerator(cpu=True, mixed_precision=precision)
+    tokenizer = load_tokenizer(str(chat_lm))
+    if spec is None:
+        model = AutoModelForCausalLM.from_pretrained(chat_lm, dtype=torch.float32)
+    else:
+        model = tiny_model(spec[0], spec[1], {**spec[2], "vocab_size": len(tokenizer)})
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear"))
+    args = Namespace(num_generations=4, max_completion_length=6, seed=5, temperature=1.0, top_p=1.0)
+    decoding = StaticDecoding(accelerator, model, max_length=12 + args.max_completion_length)
+    model = accelerator.prepare(model)
+    texts = ["the movie was good", "a film is not bad really great", "okay", "bad bad film the movie was not good"]
+    rows = [{"input_ids": tokenizer(t)["input_ids"], "index": i} for i, t in enumerate(texts)]
+    collate = PromptCollator(tokenizer.pad_token_id)
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    for step, batch in enumerate([[0, 1], [2, 3], [1], [3, 0]]):  # 8 rows, 8 rows of other lengths, 4, 8 again
+        prompts = collate([rows[i] for i in batch])
+        plain = sample_completions(accelerator, model, prompts, tokenizer, args, step)
+        compiled = sample_completions(accelerator, model, prompts, tokenizer, args, step, decoding)
+        for key in ("completion_ids", "completion_mask"):
+            assert torch.equal(compiled[key], plain[key]), (step, key)
+    assert counters["stats"]["unique_graphs"] - graphs == 2, "one graph for 8 rows, one for 4"
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "family, sharded, expected",
+    [
+        ("lfm2", False, "--compile_generation copies attention caches, and lfm2 has LinearAttentionLayer layers"),
+        ("gemma3, window 16", False, "needs gemma3_text's sliding window (16 tokens) to hold a whole prompt"),
+        ("qwen3 (attention only)", True, "--compile_generation needs the whole model on every process"),
+    ],
+)  # fmt: skip
+def test_what_compiled_decoding_cannot_run_is_refused_before_training_in_one_line(family, sharded, expected):
+    from accelerate.utils import DistributedType
+
+    from ddp_utils.language_models.static_decoding import StaticDecoding
+
+    gemma = ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_key_value_heads=1, head_dim=16, sliding_window=16))
+    model = tiny_model(*(gemma if family.startswith("gemma3") else HYBRIDS[family]))
+    kind = DistributedType.FSDP if sharded else DistributedType.NO
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        StaticDecoding(Namespace(distributed_type=kind, device=torch.device("cpu")), model, max_length=18)
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize(
     "reward, expected",
@@ -330,6 +414,7 @@ LAYOUTS = {
     "one_process_batch_2B": (1, ["--per_device_train_batch_size", 4]),
     "two_processes_batch_B": (2, ["--per_device_train_batch_size", 2]),
     "one_process_batch_B_accumulating_2": (1, ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]),
+    "two_processes_batch_B_compiled": (2, ["--per_device_train_batch_size", 2, "--compile_generation"]),
 }
 
 
@@ -368,6 +453,17 @@ def test_two_processes_and_accumulation_sample_and_train_the_same_model_as_one_b
     other = load_file(str(grpo_runs["two_processes_batch_B"]["dir"] / "adapter_model.safetensors"))
     for key in weights:
         np.testing.assert_allclose(other[key], weights[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_compiled_decoding_trains_the_same_model_bit_for_bit(grpo_runs):
+    """--compile_generation changes how the samples are decoded, not which: the same samples train the same
+    adapter, to the bit (the training passes are the same code)."""
+    plain, compiled = (grpo_runs[name] for name in ("two_processes_batch_B", "two_processes_batch_B_compiled"))
+    assert [step["train/completion_length"] for step in compiled["log"]] == [
+        step["train/completion_length"] for step in plain["log"]
+    ]
+    theirs, ours = (load_file(str(run["dir"] / "adapter_model.safetensors")) for run in (plain, compiled))
+    assert [key for key in theirs if not np.array_equal(ours[key], theirs[key])] == [], "not bit for bit"
 
 
 def test_a_run_preempted_mid_epoch_resumes_bit_for_bit(grpo_runs, chat_lm, prompts, tmp_path):

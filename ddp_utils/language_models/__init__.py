@@ -10,6 +10,7 @@
 - generation.py       answers by greedy generation, scored; the shared prompt prefix computed once
 - grpo.py             GRPO: completions sampled by (seed, step, prompt), rewards, advantages, the clipped loss
 - group_scoring.py    a group's completions scored in one pass: one row per prompt, or a row per completion
+- static_decoding.py  GRPO's --compile_generation: a static KV cache kept across steps, the decoding step compiled
 - lora.py             LoRA set-up, --lora_last_layers, the model saved with merged/
 - gguf.py             GGUF checkpoints dequantized once into a cache
 

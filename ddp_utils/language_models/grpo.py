@@ -141,13 +141,15 @@ class EndedStaysEnded:
         return torch.where(self.ended[:, None].to(scores.device), forced, scores)
 
 
-def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, args, step: int) -> dict:
+def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, args, step: int, decoding=None) -> dict:
     """`args.num_generations` completions for each prompt of `batch`, at most `args.max_completion_length`
     tokens, sampled by (seed, step, prompt, sample) (`SeededSampling`). Each prompt is computed once: its cache
     is copied to its samples, and its last position's logits give their first tokens (in `sampling_precision`:
-    with LoRA on fp32 weights, fp32). Returns the rollout rows: prompt and completion ids, the completion mask (up
-    to and with the stop token), whether each was cut at the maximum, and the prompt's index and sample weight,
-    each repeated per sample. All ranks call this (with sharded weights generation steps them together)."""
+    with LoRA on fp32 weights, fp32). With `decoding` (a `StaticDecoding`: --compile_generation) the samples'
+    cache is its static one and `generate` compiles its one-token step. Returns the rollout rows: prompt and
+    completion ids, the completion mask (up to and with the stop token), whether each was cut at the maximum, and
+    the prompt's index and sample weight, each repeated per sample. All ranks call this (with sharded weights
+    generation steps them together)."""
     from transformers import DynamicCache, GenerationConfig
 
     generator = accelerator.unwrap_model(model, keep_torch_compile=False)  # generate skips a compiled wrapper
@@ -177,7 +179,11 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
-            cache.batch_repeat_interleave(group)
+            if decoding is None:
+                cache.batch_repeat_interleave(group)
+            else:  # each prompt's rows repeated into the static cache that the compiled step reads
+                cache = decoding.filled_from(cache, group)
+                config.compile_config = decoding.compile_config
             # Each sample's first token drawn here, from its prompt's logits, so that `generate` starts after it: one
             # forward pass fewer than letting it compute the prompt's last token again (on a GPU launches cost).
             first = sampling(None, logits.repeat_interleave(group, dim=0)).argmax(dim=-1, keepdim=True)
