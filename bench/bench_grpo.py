@@ -10,14 +10,19 @@ layers), 2 prompts per process per step, 1 epoch, lr 2e-4, 2 processes, no check
     python bench/bench_grpo.py [--train_prompts 32] [--only ours trl]   # about 8 minutes here
     python bench/bench_grpo.py --train_prompts 8   # a smoke run
 
+A third contender, ours with --compile_generation (decoding in CUDA graphs), is for a GPU: on a CPU dynamo only
+traces it (leave it out with --only ours trl).
+
 Reports prompts/s (prompts trained per second of the training loop: generation, scoring and the update),
 wall time (launch to exit), peak resident memory per process (on a GPU: peak GPU memory too), and the
-ratios against TRL. No vLLM on either side: both generate with the policy itself.
+ratios against TRL; for ours also the share of the step spent generating and the steady prompts/s (the median of
+the later half of its logged windows, after a compilation). No vLLM on either side: all generate with the policy.
 """
 
 import argparse
 import json
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -27,8 +32,12 @@ from bench_sft import demo_model_dir
 from bench_train import HERE, REPO, accelerate_launch, bench_env
 from side_by_side import add_side_by_side_args, peak_gpu_mib, print_side_by_side, run_contenders
 
-NAMES = {"ours": "scripts/train_grpo.py (ours)", "trl": "TRL GRPOTrainer"}
-BASELINE = {"ours": "trl", "trl": "trl"}
+NAMES = {
+    "ours": "scripts/train_grpo.py (ours)",
+    "ours_compiled": "ours, --compile_generation",
+    "trl": "TRL GRPOTrainer",
+}
+BASELINE = {"ours": "trl", "ours_compiled": "trl", "trl": "trl"}
 LORA_ALPHA = 16
 
 
@@ -63,17 +72,23 @@ def contenders(args, workdir: Path, model: str, data: dict[str, Path]):
     """name -> (results file, command)."""
     launch = [*accelerate_launch("29651"), "--num_processes", args.processes]
     launch[launch.index("--config_file") + 1] = REPO / "accelerate_configs" / args.config
-    ours = [
-        *launch,
-        *(["--mixed_precision", "bf16"] if args.bf16 else []),
-        REPO / "scripts" / "train_grpo.py",
-        "--model_name_or_path", model, "--train_file", data["train"], "--validation_file", data["validation"],
-        "--lora_r", args.lora_r, "--lora_alpha", LORA_ALPHA, "--lora_dropout", 0.0,
-        "--num_generations", args.num_generations, "--max_completion_length", args.max_completion_length,
-        "--per_device_train_batch_size", args.batch_size, "--num_train_epochs", args.epochs,
-        "--learning_rate", args.lr, "--seed", args.seed, "--checkpointing_steps", "no", "--skip_zero_shot",
-        "--eval_max_new_tokens", 0, "--output_dir", workdir / "ours", "--overwrite_output_dir", "--report_to", "none",
-    ]  # fmt: skip
+
+    def ours(key: str, port: str, *extra):
+        command = [
+            *launch,
+            *(["--mixed_precision", "bf16"] if args.bf16 else []),
+            REPO / "scripts" / "train_grpo.py",
+            "--model_name_or_path", model, "--train_file", data["train"], "--validation_file", data["validation"],
+            "--lora_r", args.lora_r, "--lora_alpha", LORA_ALPHA, "--lora_dropout", 0.0,
+            "--num_generations", args.num_generations, "--max_completion_length", args.max_completion_length,
+            "--per_device_train_batch_size", args.batch_size, "--num_train_epochs", args.epochs,
+            "--learning_rate", args.lr, "--seed", args.seed, "--checkpointing_steps", "no", "--skip_zero_shot",
+            "--eval_max_new_tokens", 0, "--output_dir", workdir / key, "--overwrite_output_dir", "--report_to", "none",
+            *extra,
+        ]  # fmt: skip
+        command[command.index("--main_process_port") + 1] = port
+        return workdir / key / "metrics.json", command
+
     trl = [
         *[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", args.processes],
         *["--master_port", "29652"],
@@ -83,22 +98,30 @@ def contenders(args, workdir: Path, model: str, data: dict[str, Path]):
         "--seed", args.seed, "--lora_r", args.lora_r, "--lora_alpha", LORA_ALPHA, "--model", model,
         "--train_file", data["train"], "--output_dir", workdir / "trl_out", *(["--bf16"] if args.bf16 else []),
     ]  # fmt: skip
-    return {"ours": (workdir / "ours" / "metrics.json", ours), "trl": (workdir / "trl.json", trl)}
+    return {
+        "ours": ours("ours", "29651"),
+        "ours_compiled": ours("ours_compiled", "29653", "--compile_generation"),
+        "trl": (workdir / "trl.json", trl),
+    }
 
 
 def figures(key: str, data: dict, workdir: Path) -> dict:
-    """prompts/s and peak GPU memory from one run's results (ours: metrics.json; TRL: its JSON), and ours'
-    share of the step spent generating (the mean of its log's records)."""
+    """prompts/s over the whole training loop (with --compile_generation its compilation too) and peak GPU memory
+    from one run's results (ours: metrics.json; TRL: its JSON); for ours also the share of the step spent generating
+    (the mean of its log's records) and the steady prompts/s (the median of the later half of its logged windows:
+    after the compilation)."""
     if key == "trl":
         per_s = data["train_prompts"] / data["train_time_s"]
         return {"per_s": per_s, "gpu_mib": peak_gpu_mib(data), "steps": data["optimizer_steps"]}
-    log = [json.loads(line) for line in open(workdir / "ours" / "train_log.jsonl")]
+    log = [json.loads(line) for line in open(workdir / key / "train_log.jsonl")]
     shares = [record["train/generation_share"] for record in log if "train/generation_share" in record]
+    speeds = [record["train/samples_per_second"] for record in log if "train/samples_per_second" in record]
     return {
         "per_s": data["train_prompts_per_second"],
         "gpu_mib": peak_gpu_mib(data),
         "steps": data["optimizer_steps"],
         "generation_share": sum(shares) / len(shares) if shares else None,
+        "steady_per_s": statistics.median(speeds[len(speeds) // 2 :]) if speeds else None,
     }
 
 
@@ -117,8 +140,11 @@ def main():
         f"{psutil.cpu_count()} CPUs, {platform.processor() or platform.machine()}\n"
     )
     print_side_by_side(results, NAMES, BASELINE, "prompts")
-    if results.get("ours", {}).get("generation_share") is not None:
-        print(f"\nours: {results['ours']['generation_share']:.0%} of the step spent generating (mean of the log)")
+    for key in ("ours", "ours_compiled"):
+        run = results.get(key, {})
+        if run.get("generation_share") is not None:
+            steady = f"{run['steady_per_s']:.3f}" if run.get("steady_per_s") else "-"
+            print(f"\n{NAMES[key]}: {run['generation_share']:.0%} of the step spent generating; steady {steady}/s")
 
 
 if __name__ == "__main__":

@@ -142,7 +142,9 @@ GPU_S = {
     ("7", "lora"): 66.6,
     # Session 2 (a second H200, 2026-11-26): the steps' whole wall time, from their records.
     ("9", "bench_dpo"): 370.3,  # 4 runs; 279 s estimated
-    ("10", "bench_grpo"): 268.1,  # its runs: 146.6 s and 111.8 s (94.7 s and 91.0 s on session 1's machine)
+    # Its runs: 146.6 s and 111.8 s (94.7 s and 91.0 s on session 1's machine); since then a third, ours with
+    # --compile_generation, taken as ours' run and a minute more for inductor's compilation (not yet run on a GPU).
+    ("10", "bench_grpo"): 268.1 + 146.6 + 60,
 }
 # The device calls still to make (README "The device calls"), session by session: a session has 15 device minutes
 # and one machine start; the machine goes back 30 s after a call. `carry`: the payload's parts and folders (payload.py's
@@ -151,10 +153,11 @@ GPU_S = {
 # and step 10's runs (the call ended before their record); session 2 (2026-11-26) ran steps 10 and 9
 # (bench/gpu_check/README.md).
 CALLS = [
-    # Step 10 again: sampling without the run's autocast came after session 2; 2b's checkpointed case.
-    {"session": 3, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["10", "2b"]},
+    # Step 10 again: sampling without the run's autocast, and decoding in CUDA graphs, came after session 2.
+    {"session": 3, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["10"]},
     {"session": 3, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["3"]},
-    {"session": 4, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["5", "6", "8"]},
+    {"session": 4, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["5", "8"]},
+    {"session": 4, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["6", "2b"]},  # 2b: full_gc
     # The demo LLM's own weights: generation accuracy on a GPU (two calls carry them).
     {"session": 5, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
     {"session": 5, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["2a", "4"]},
@@ -198,7 +201,8 @@ class Sizes:
         self.fp16_llm = ["--max_train_samples", "16", "--max_eval_samples", "8"] if dry_run else []
         self.checkpoint_gb, self.checkpoint_repeats = (0.05, 1) if dry_run else (8, 3)
         self.dpo = ["--train_pairs", "4", "--only", "ours"] if dry_run else ["--train_pairs", "600", "--bf16"]
-        tiny_grpo = ["--train_prompts", "4", "--only", "ours", "--num_generations", "2", "--max_completion_length", "4"]
+        tiny_grpo = ["--train_prompts", "4", "--only", "ours", "ours_compiled", "--num_generations", "2"]
+        tiny_grpo += ["--max_completion_length", "4"]
         self.grpo = tiny_grpo if dry_run else ["--train_prompts", "182", "--bf16"]  # the demo's prompts, all of them
         # Dynamo traces every frame, and finds every graph break, in the first step; on 2 CPU cores each further
         # step costs 5 to 10 s of CI (the second recompiles for its new length: the GPU run counts recompiles).
@@ -954,13 +958,22 @@ class Checklist:
         self.step_record["figures"]["target"] = "ours ≥ 1.5× TRL's pairs/s, with less peak memory"
 
     def step_10(self) -> None:
-        """bench/bench_grpo.py on one GPU, in bf16: ours (LoRA, G 8, 8 new tokens, no reference) against TRL's
-        GRPOTrainer with the same settings and rewards, both generating with the policy (no vLLM)."""
+        """bench/bench_grpo.py on one GPU, in bf16: ours (LoRA, G 8, 8 new tokens, no reference), and ours with
+        --compile_generation (decoding in CUDA graphs), against TRL's GRPOTrainer with the same settings and
+        rewards, all generating with the policy (no vLLM). The compiled run's prompts/s include its compilation;
+        its steady figure (the later half of its logged windows) does not."""
         figures = self.side_by_side("10", "bench_grpo", self.sizes.grpo, "prompts")
-        if "ours" in figures and "trl" in figures:
-            self.step_record["figures"]["ours_x_trl"] = figures["ours"]["per_s"] / figures["trl"]["per_s"]
-        if "ours" in figures:
-            self.step_record["figures"]["ours_generation_share"] = figures["ours"].get("generation_share")
+        record = self.step_record["figures"]
+        for ours in ("ours", "ours_compiled"):
+            if ours in figures and "trl" in figures:
+                record[f"{ours}_x_trl"] = figures[ours]["per_s"] / figures["trl"]["per_s"]
+            if ours in figures:
+                record[f"{ours}_generation_share"] = figures[ours].get("generation_share")
+                record[f"{ours}_steady_per_s"] = figures[ours].get("steady_per_s")
+        if "ours" in figures and "ours_compiled" in figures:
+            record["compiled_x_eager_steady"] = ratio_of(
+                figures["ours_compiled"].get("steady_per_s"), figures["ours"].get("steady_per_s")
+            )
         self.step_record["figures"]["target"] = "ours ≥ 1.5× TRL's prompts/s, without vLLM on either side"
 
     def side_by_side(self, step: str, bench: str, sizes: list, unit: str) -> dict:
