@@ -53,15 +53,15 @@ def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, en
         if args.count_ops:
             result["ops_per_step"] = ops_per_step(ops_dir)
         results[key] = result
+        if args.json:  # after each contender: a run stopped later (the GPU check's budget) keeps what finished
+            figures_only = {key: {k: v for k, v in r.items() if k != "data"} for key, r in results.items()}
+            Path(args.json).write_text(json.dumps(figures_only, indent=1))
         gpu = f", peak GPU {result['gpu_mib']:.0f} MiB" if result["gpu_mib"] else ""
         print(
             f"  {result['per_s']:.3f}/s, wall {result['wall_s']:.1f} s, "
             f"peak RSS {result['peak_rss_mib']:.0f} MiB{gpu}, steps {result['steps']}, {result['exit']}",
             flush=True,
         )
-    if args.json:
-        figures_only = {key: {k: v for k, v in r.items() if k != "data"} for key, r in results.items()}
-        Path(args.json).write_text(json.dumps(figures_only, indent=1))
     return results
 
 

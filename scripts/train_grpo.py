@@ -175,8 +175,9 @@ def main():
     # All ranks: one row per prompt, its G completions after it, where that scores each as if alone; else a row each.
     block = (args.max_prompt_length + args.num_generations * args.max_completion_length) // 2 + 1
     layout = choose_pair_layout(accelerator, model, block)
-    lengths = args.max_prompt_length + args.max_completion_length  # what a static cache holds; checked here, early
-    decoding = StaticDecoding(accelerator, model, lengths) if args.compile_generation else None
+    decoding = None  # --compile_generation: a static cache for the samples, checked here, before training
+    if args.compile_generation:
+        decoding = StaticDecoding(accelerator, model, args.max_prompt_length, args.max_completion_length)
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates; LoRA's base stays
     train_dataloader = ddp_utils.make_train_dataloader(
         tokenized["train"], args, accelerator, PromptCollator(tokenizer.pad_token_id), length_column="length"
@@ -282,6 +283,7 @@ def main():
     # The model (or with LoRA the adapter, and with --merge_lora also merged/) as safetensors, with the tokenizer.
     ddp_utils.save_with_merged(accelerator, model, args, tokenizer)  # all ranks
     facts = {"rewards": dict(zip(names, REWARDS.values())), "group_layout": layout, **checkpointer.facts()}
+    facts.update(decoding.compiled() if decoding else {})  # graphs, graph breaks, CUDA graphs skipped
     ddp_utils.write_results(accelerator, args, plan, {**scores, **zero_shot}, facts, confusion=confusion)  # all ranks
     accelerator.end_training()
 

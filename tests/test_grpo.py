@@ -293,23 +293,15 @@ def test_lora_on_fp32_weights_samples_in_fp32_and_training_keeps_the_runs_autoca
     assert dtypes == [torch.bfloat16], "a fault in generation left the forward without the run's autocast"
 
 
-COMPILED_FAMILIES = {  # (model, LoRA, the run's precision)
+# (model, LoRA, the run's precision). MPT samples the same too, from 13 graphs: its modeling code breaks the graph.
+GEMMA3_SLIDING = dict(
+    num_key_value_heads=1, head_dim=16, sliding_window=13, layer_types=["sliding_attention", "full_attention"]
+)
+COMPILED_FAMILIES = {
     "llama, LoRA, bf16": (None, True, "bf16"),  # the chat LM: LoRA on fp32 weights samples in fp32, outside autocast
-    "gemma3, sliding and full layers": (
-        (
-            "Gemma3TextConfig",
-            "Gemma3ForCausalLM",
-            dict(
-                num_key_value_heads=1,
-                head_dim=16,
-                sliding_window=32,
-                layer_types=["sliding_attention", "full_attention"],
-            ),
-        ),
-        False,
-        "bf16",
-    ),  # full fine-tuning: sampled under the run's autocast
-}  # fmt: skip  MPT's samples are the same too, from 11 graphs: its modeling code breaks the graph
+    # Full fine-tuning, sampled under the run's autocast; the longest prompts and their answers pass the window.
+    "gemma3, sliding and full layers": (("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_SLIDING), False, "bf16"),
+}
 
 
 @pytest.mark.fast
@@ -338,7 +330,7 @@ def test_compiled_decoding_draws_the_same_samples_in_one_graph_per_batch_shape(
     if lora:
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear"))
     args = Namespace(num_generations=4, max_completion_length=6, seed=5, temperature=1.0, top_p=1.0)
-    decoding = StaticDecoding(accelerator, model, max_length=12 + args.max_completion_length)
+    decoding = StaticDecoding(accelerator, model, 12, args.max_completion_length)
     model = accelerator.prepare(model)
     texts = ["the movie was good", "a film is not bad really great", "okay", "bad bad film the movie was not good"]
     rows = [{"input_ids": tokenizer(t)["input_ids"], "index": i} for i, t in enumerate(texts)]
@@ -354,12 +346,40 @@ def test_compiled_decoding_draws_the_same_samples_in_one_graph_per_batch_shape(
     assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
 
 
+def test_a_decoding_step_that_breaks_the_graph_samples_the_same_and_is_warned_of(
+    chat_lm, fresh_accelerator_state, caplog
+):
+    """MPT's modeling code breaks the graph (`Tensor.item()`), so its step compiles in pieces, each a sync and
+    a CUDA graph of its own: the samples are the same, and the run says once that the option gains less."""
+    from accelerate import Accelerator
+
+    from ddp_utils.language_models.causal_lm import load_tokenizer
+    from ddp_utils.language_models.static_decoding import StaticDecoding
+
+    accelerator = Accelerator(cpu=True)
+    tokenizer = load_tokenizer(str(chat_lm))
+    model = tiny_model(*HYBRIDS["mpt (ALiBi)"][:2], {**HYBRIDS["mpt (ALiBi)"][2], "vocab_size": len(tokenizer)})
+    args = Namespace(num_generations=2, max_completion_length=4, seed=5, temperature=1.0, top_p=1.0)
+    decoding = StaticDecoding(accelerator, model, 12, args.max_completion_length)
+    prompts = PromptCollator(tokenizer.pad_token_id)(
+        [{"input_ids": tokenizer("the movie was good")["input_ids"], "index": 0}]
+    )
+    with caplog.at_level("WARNING"):
+        compiled = sample_completions(accelerator, model, prompts, tokenizer, args, 0, decoding)
+        sample_completions(accelerator, model, prompts, tokenizer, args, 1, decoding)
+    plain = sample_completions(accelerator, model, prompts, tokenizer, args, 0)
+    assert torch.equal(compiled["completion_ids"], plain["completion_ids"])
+    warnings = [r.getMessage() for r in caplog.records if "--compile_generation" in r.getMessage()]
+    assert len(warnings) == 1 and "gains less or nothing" in warnings[0], warnings
+    assert int(re.search(r"with (\d+) graph break", warnings[0]).group(1)) > 0, warnings
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize(
     "family, sharded, expected",
     [
-        ("lfm2", False, "--compile_generation copies attention caches, and lfm2 has LinearAttentionLayer layers"),
-        ("gemma3, window 16", False, "needs gemma3_text's sliding window (16 tokens) to hold a whole prompt"),
+        ("lfm2", False, "and lfm2 has LinearAttentionLayer layers, which it cannot copy: leave it off for this model"),
+        ("gemma3, window 16", False, "sliding window (16 tokens) to hold a whole prompt (--max_prompt_length 16)"),
         ("qwen3 (attention only)", True, "--compile_generation needs the whole model on every process"),
     ],
 )  # fmt: skip
@@ -372,7 +392,7 @@ def test_what_compiled_decoding_cannot_run_is_refused_before_training_in_one_lin
     model = tiny_model(*(gemma if family.startswith("gemma3") else HYBRIDS[family]))
     kind = DistributedType.FSDP if sharded else DistributedType.NO
     with pytest.raises(UsageError, match=re.escape(expected)):
-        StaticDecoding(Namespace(distributed_type=kind, device=torch.device("cpu")), model, max_length=18)
+        StaticDecoding(Namespace(distributed_type=kind, device=torch.device("cpu")), model, 16, 4)
 
 
 @pytest.mark.fast
@@ -464,6 +484,9 @@ def test_compiled_decoding_trains_the_same_model_bit_for_bit(grpo_runs):
     ]
     theirs, ours = (load_file(str(run["dir"] / "adapter_model.safetensors")) for run in (plain, compiled))
     assert [key for key in theirs if not np.array_equal(ours[key], theirs[key])] == [], "not bit for bit"
+    # ...and it did compile: one graph per batch shape (a step's 2 prompts; evaluation is not compiled), no break.
+    assert compiled["metrics"]["compiled_graphs"] == 1 and compiled["metrics"]["graph_breaks"] == 0
+    assert "compiled_graphs" not in plain["metrics"]
 
 
 def test_a_run_preempted_mid_epoch_resumes_bit_for_bit(grpo_runs, chat_lm, prompts, tmp_path):

@@ -985,9 +985,11 @@ class Checklist:
         command = [sys.executable, BENCH / f"{bench}.py", "--processes", 1, "--config", "single_gpu.yaml"]
         command += ["--workdir", work, "--json", out, "--model", self.llm()["model_dir"], *sizes]
         run = self.launch(bench, command, out, timeout=None if self.dry_run else 600)
-        if run["status"] != "ok":
+        if not out.exists():  # removed before the run: what is there, its contenders that finished wrote
             return {}
         run["figures"] = figures = read_json(out)
+        if run["status"] != "ok":
+            self.note(f"{bench} {run['status']}: the figures of the contenders that finished ({', '.join(figures)})")
         rows = [
             [name, f(r["per_s"], 3), f(r.get("gpu_mib"), 0), f(r["peak_rss_mib"], 0), r["steps"]]
             for name, r in figures.items()

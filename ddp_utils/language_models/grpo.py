@@ -201,6 +201,8 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
                         logits_processor=processors,
                         synced_gpus=accelerator.num_processes > 1 and is_sharded(accelerator),
                     )
+                if decoding is not None:
+                    decoding.warn_once()  # where the decoding step did not compile into one graph
     finally:
         generator.train(was_training)
     completions = output[:, prompts.shape[1] :]
