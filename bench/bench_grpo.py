@@ -122,6 +122,7 @@ def figures(key: str, data: dict, workdir: Path) -> dict:
         "steps": data["optimizer_steps"],
         "generation_share": sum(shares) / len(shares) if shares else None,
         "steady_per_s": statistics.median(speeds[len(speeds) // 2 :]) if speeds else None,
+        **{key: data[key] for key in ("compiled_graphs", "graph_breaks", "cudagraph_skips") if key in data},
     }
 
 

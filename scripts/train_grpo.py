@@ -283,7 +283,6 @@ def main():
     # The model (or with LoRA the adapter, and with --merge_lora also merged/) as safetensors, with the tokenizer.
     ddp_utils.save_with_merged(accelerator, model, args, tokenizer)  # all ranks
     facts = {"rewards": dict(zip(names, REWARDS.values())), "group_layout": layout, **checkpointer.facts()}
-    facts.update(decoding.compiled() if decoding else {})  # graphs, graph breaks, CUDA graphs skipped
     ddp_utils.write_results(accelerator, args, plan, {**scores, **zero_shot}, facts, confusion=confusion)  # all ranks
     accelerator.end_training()
 

@@ -219,3 +219,47 @@ def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, tmp_path):
         return refused_in_process("train_clm", args, expected)
     result = launch(TRAIN_CLM, *args, num_processes=2, timeout=120, real_launcher=True)
     assert_fails_cleanly(result, expected, output_dir)
+
+
+def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_in_one_graph(tiny_lm):
+    """--torch_compile (`configure_compile`): the LM head runs only at targets (a boolean `logits_to_keep`), whose
+    `nonzero` broke the graph, sent its wrapping function back to eager and recompiled it for every new shape. Now,
+    through AOTAutograd (the forward and backward graphs inductor would compile): no break, and one recompile for
+    batches of three lengths (the second shape makes them dynamic); the losses and gradients are eager's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.language_models.causal_lm import causal_lm_loss
+    from ddp_utils.training.compilation import configure_compile
+
+    def batch(length):
+        ids = torch.arange(length).repeat(2, 1) % 40 + 5
+        labels = ids.clone()
+        labels[:, : length // 2] = -100  # the prompt's half: no target, no LM head there
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+    def losses_and_grads(model):
+        out = []
+        for length in (8, 12, 16):
+            model.zero_grad()
+            losses, weights = causal_lm_loss(model, batch(length))
+            (losses * weights).sum().backward()
+            out.append([losses.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad])
+        return out
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm, dtype=torch.float32)  # with LoRA: its context manager
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear", lora_dropout=0.0))
+    expected = losses_and_grads(model)
+    torch._dynamo.reset()
+    # configure_compile's settings, undone after the test
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False, recompile_limit=8):
+        configure_compile()
+        breaks, recompiles = sum(counters["graph_break"].values()), counters["recompiles"].copy()
+        got = losses_and_grads(torch.compile(model, backend="aot_eager"))
+        assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+        assert sum(counters["recompiles"].values()) - sum(recompiles.values()) <= 1, dict(counters["recompiles"])
+    for ours, theirs in zip(got, expected):
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -86,7 +86,8 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     # Step 3 ran dynamo (eager backend: nothing compiled) and counted what it found: graph breaks and recompiles.
     compiled = steps["3"]["figures"]
     assert compiled["speed_up_steady"] > 0
-    assert compiled["graph_breaks"] + compiled["recompiles"] > 0, compiled  # 0 and 0 if dynamo had not traced
+    assert compiled["compiled_graphs"] > 0, compiled  # metrics.json's count: dynamo traced the model
+    assert compiled["graph_breaks"] == 0, compiled["graph_break_places"]  # configure_compile: the head's mask too
     assert compiled["graph_breaks"] == sum(compiled["graph_break_places"].values())
     assert any("eager" in note for note in steps["3"]["notes"])
     assert ["graph_breaks", compiled["graph_breaks"]] in steps["3"]["table"]["rows"]
@@ -108,6 +109,9 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     grpo = steps["10"]["runs"]["bench_grpo"]["figures"]["ours"]
     assert grpo["per_s"] > 0 and grpo["steps"] >= 1, grpo
     assert "--model" in steps["10"]["runs"]["bench_grpo"]["command"]  # the prepared (here: tiny) LLM, not the demo's
+    # --compile_generation's run: its decoding traced by dynamo into one graph, unbroken (on a GPU: a CUDA graph)
+    assert steps["10"]["figures"]["ours_compiled_compiled_graphs"] == 1, steps["10"]["figures"]
+    assert steps["10"]["figures"]["ours_compiled_graph_breaks"] == 0
 
     # The failure a CPU must give is caught, recorded with its error line, and expected.
     assert steps["6"]["status"] == "failed" and steps["6"]["expected_in_dry_run"]

@@ -738,6 +738,7 @@ class Checklist:
             if compiled["steady_tokens_per_s"]
             else None,
             "recompiles": log.count("Recompiling function"),
+            "compiled_graphs": read_json(work / "compiled" / "metrics.json").get("compiled_graphs"),
             **graph_breaks(log),
         }
         run["figures"] = figures
@@ -970,6 +971,9 @@ class Checklist:
             if ours in figures:
                 record[f"{ours}_generation_share"] = figures[ours].get("generation_share")
                 record[f"{ours}_steady_per_s"] = figures[ours].get("steady_per_s")
+        for key in ("compiled_graphs", "graph_breaks", "cudagraph_skips"):  # did the decoding compile, whole?
+            if key in figures.get("ours_compiled", {}):
+                record[f"ours_compiled_{key}"] = figures["ours_compiled"][key]
         if "ours" in figures and "ours_compiled" in figures:
             record["compiled_x_eager_steady"] = ratio_of(
                 figures["ours_compiled"].get("steady_per_s"), figures["ours"].get("steady_per_s")

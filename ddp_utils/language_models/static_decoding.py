@@ -21,6 +21,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..core.sharded import is_sharded
+from ..training.compilation import COUNTS, compile_counts
 
 logger = get_logger(__name__)
 
@@ -56,7 +57,7 @@ class StaticDecoding:
                 )
         # Full-length layers for sliding-window ones too: the model's mask applies the window over the whole cache.
         self.num_layers, self.max_length = len(layers), max_prompt_length + max_completion_length
-        self.caches, self.reported = {}, False
+        self.caches, self.before_first, self.reported = {}, None, False
         self.compile_config = compile_config(accelerator.device.type)
 
     def filled_from(self, prompts_cache, samples: int):
@@ -66,6 +67,8 @@ class StaticDecoding:
         from transformers.cache_utils import Cache
 
         rows = prompts_cache.layers[0].keys.shape[0] * samples
+        if self.before_first is None:  # what was compiled before the first decoding (--torch_compile's, in tests)
+            self.before_first = compile_counts()
         if rows not in self.caches:
             self.caches[rows] = Cache(layers=[static_layer_class()(self.max_length) for _ in range(self.num_layers)])
         cache = self.caches[rows]
@@ -74,29 +77,18 @@ class StaticDecoding:
             cache.update(layer.keys.repeat_interleave(samples, 0), layer.values.repeat_interleave(samples, 0), index)
         return cache
 
-    def compiled(self) -> dict:
-        """What dynamo and inductor did in this process so far: graphs compiled, graph breaks, and CUDA graphs skipped
-        (each skip runs that graph's kernels one by one); with --torch_compile the training forward's count too. For
-        the results' facts. No communication."""
-        from torch._dynamo.utils import counters
-
-        return {
-            "compiled_graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
-        }
-
     def warn_once(self) -> None:
-        """After the first compiled decoding: a warning where it was not compiled into one graph (no graph, a graph
+        """After the first compiled decoding: a warning where it did not compile into one graph (no graph, a graph
         break, a CUDA graph skipped), which transformers and torch only log quietly. No communication."""
         if self.reported:
             return
-        self.reported, figures = True, self.compiled()
-        if figures["compiled_graphs"] != 1 or figures["graph_breaks"] or figures["cudagraph_skips"]:
+        self.reported, now = True, compile_counts()
+        graphs, breaks, skips = (now.get(key, 0) - self.before_first.get(key, 0) for key in COUNTS)
+        if graphs != 1 or breaks or skips:
             logger.warning(
-                f"--compile_generation: the decoding step compiled into {figures['compiled_graphs']} graph(s), with "
-                f"{figures['graph_breaks']} graph break(s) and {figures['cudagraph_skips']} CUDA graph(s) skipped: "
-                "it gains less or nothing (TORCH_LOGS=graph_breaks,perf_hints says why)"
+                f"--compile_generation: the decoding step compiled into {graphs} graph(s), with {breaks} graph "
+                f"break(s) and {skips} CUDA graph(s) skipped: it gains less or nothing (TORCH_LOGS=graph_breaks,"
+                "perf_hints says why)"
             )
 
 

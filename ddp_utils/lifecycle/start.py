@@ -23,6 +23,7 @@ from ..core.errors import UsageError
 from ..core.redact import hide_secret_args
 from ..core.sharded import SHARDED_TYPES
 from ..results.output import check_output_dir, prepare_output_dir
+from ..training.compilation import configure_compile
 from ..training.fsdp import fix_fsdp2_preparation
 from ..training.oom_backoff import OOMBackoff
 from ..training.optimizer import describe_optimizer
@@ -154,6 +155,8 @@ def start_run(args, **accelerator_options) -> Accelerator:
         ),
         **accelerator_options,
     )
+    if accelerator_options.get("dynamo_backend", "no") != "no":  # --torch_compile
+        configure_compile()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if not accelerator.is_main_process:
         for library in (datasets.utils.logging, transformers.utils.logging):

@@ -22,6 +22,7 @@ from accelerate.logging import get_logger
 from ..checkpoints.write_failure import agree_on_write
 from ..core.files import write_json
 from ..core.redact import loggable_args
+from ..training.compilation import compile_counts
 from ..training.training_log import describe, peak_memory_mb, read_train_log
 from .after_the_run import after_every_rank
 from .hub import push_to_hub
@@ -60,6 +61,8 @@ def write_results(
         **plan.facts(),
         **{f"{name}_per_rank": [round(v, 1) for v in per_rank[:, i].tolist()] for i, name in enumerate(memory)},
     }
+    if getattr(args, "torch_compile", False) or getattr(args, "compile_generation", False):
+        facts.update(compile_counts())  # the main process's: graphs, graph breaks, CUDA graphs skipped
     metrics = {**scores, **facts, **(extra or {})}
     output_dir, error = args.output_dir, None
     if accelerator.is_main_process:  # fp16: the steps the loss scaler skipped, logged per window (resumes included)
