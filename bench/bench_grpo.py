@@ -32,6 +32,8 @@ from bench_sft import demo_model_dir
 from bench_train import HERE, REPO, accelerate_launch, bench_env
 from side_by_side import add_side_by_side_args, peak_gpu_mib, print_side_by_side, run_contenders
 
+from ddp_utils.training.compilation import COUNTS
+
 NAMES = {
     "ours": "scripts/train_grpo.py (ours)",
     "trl": "TRL GRPOTrainer",
@@ -122,7 +124,7 @@ def figures(key: str, data: dict, workdir: Path) -> dict:
         "steps": data["optimizer_steps"],
         "generation_share": sum(shares) / len(shares) if shares else None,
         "steady_per_s": statistics.median(speeds[len(speeds) // 2 :]) if speeds else None,
-        **{key: data[key] for key in ("compiled_graphs", "graph_breaks", "cudagraph_skips") if key in data},
+        **{key: data[key] for key in COUNTS if key in data},  # with --compile_generation: what it compiled
     }
 
 

@@ -971,7 +971,7 @@ class Checklist:
             if ours in figures:
                 record[f"{ours}_generation_share"] = figures[ours].get("generation_share")
                 record[f"{ours}_steady_per_s"] = figures[ours].get("steady_per_s")
-        for key in ("compiled_graphs", "graph_breaks", "cudagraph_skips"):  # did the decoding compile, whole?
+        for key in ("compiled_graphs", "graph_breaks", "frames_left_eager", "cudagraph_skips"):  # compiled, whole?
             if key in figures.get("ours_compiled", {}):
                 record[f"ours_compiled_{key}"] = figures["ours_compiled"][key]
         if "ours" in figures and "ours_compiled" in figures:

@@ -83,12 +83,12 @@ class StaticDecoding:
         if self.reported:
             return
         self.reported, now = True, compile_counts()
-        graphs, breaks, skips = (now.get(key, 0) - self.before_first.get(key, 0) for key in COUNTS)
-        if graphs != 1 or breaks or skips:
+        graphs, breaks, left_eager, skips = (now.get(key, 0) - self.before_first.get(key, 0) for key in COUNTS)
+        if graphs != 1 or breaks or left_eager or skips:
             logger.warning(
                 f"--compile_generation: the decoding step compiled into {graphs} graph(s), with {breaks} graph "
-                f"break(s) and {skips} CUDA graph(s) skipped: it gains less or nothing (TORCH_LOGS=graph_breaks,"
-                "perf_hints says why)"
+                f"break(s), {left_eager} function(s) left uncompiled and {skips} CUDA graph(s) skipped: it gains "
+                "less or nothing (TORCH_LOGS=graph_breaks,perf_hints says why)"
             )
 
 
@@ -126,7 +126,7 @@ def static_layer_class():
 def compile_config(device_type: str):
     """How `generate` compiles its decoding step: with inductor into CUDA graphs ("reduce-overhead"), one graph per
     batch shape (not dynamic: a CUDA graph has fixed shapes). Graph breaks are allowed (a model whose code breaks the
-    graph decodes in pieces, and `StaticDecoding.compiled` says so). A CPU has no CUDA graphs to gain: there dynamo
+    graph decodes in pieces, and `StaticDecoding.warn_once` says so). A CPU has no CUDA graphs to gain: there dynamo
     traces the same step without compiling it (its "eager" backend), in seconds where inductor's C++ build takes
     minutes, and transformers, which compiles on accelerators only, is told to."""
     from transformers import CompileConfig

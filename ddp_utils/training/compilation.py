@@ -1,35 +1,38 @@
-"""torch.compile: dynamo's settings for --torch_compile, and what it compiled in this process (for metrics.json
-and for --compile_generation's warning)."""
+"""torch.compile: dynamo's settings for --torch_compile, and what it traced in this process (for metrics.json and
+for --compile_generation's warning)."""
 
 from __future__ import annotations
 
-COUNTS = ("compiled_graphs", "graph_breaks", "cudagraph_skips")  # `compile_counts`' keys
+COUNTS = ("compiled_graphs", "graph_breaks", "frames_left_eager", "cudagraph_skips")  # `compile_counts`' keys
 
 
 def configure_compile() -> None:
     """--torch_compile's dynamo settings, set before the model is compiled. No communication.
 
     - Operators whose output's shape depends on the data (`nonzero`) are traced: the LM head runs only where a target
-      is predicted (`logits_to_keep` as a boolean mask), and without this each call broke the graph there, fell back
-      to eager for the whole wrapping function and recompiled for every new shape. A 2-layer Llama's SFT step with
-      LoRA: 3 breaks and 15 recompiles in 3 steps, against none and 1 (CPU, dynamo's eager and aot_eager backends).
-    - More recompiles are allowed than dynamo's 8 per function: the model's call has that many legitimate variants
-      before any new shape (training and evaluation, with and without gradients, LoRA's adapters on and off for the
-      reference; with --compile_generation the decoding step's too). An 8-step DPO run with evaluation used all 8;
-      past the limit dynamo runs each new variant uncompiled, with one warning.
+      is predicted (`logits_to_keep` as a boolean mask), and without this each call broke the graph there, and the
+      graphs after the break were specialised to every new length. A 2-layer Llama's SFT step with LoRA: 3 breaks and
+      15 recompiles in 3 steps, against none and 1 (CPU, dynamo's eager and aot_eager backends). Inductor lowers the
+      mask's indexing to ATen's own kernels, as eager runs them.
+    - More recompiles are allowed than dynamo's 8 per function: the model's call has several legitimate variants
+      (training and evaluation, with and without gradients, LoRA's adapters on and off for the reference), each
+      compiled for its first shape and then for dynamic ones; an 8-step DPO run with evaluation used 7 of the 8, and
+      past the limit dynamo runs each new variant uncompiled, with one warning. Each recompile costs compile time.
     """
     import torch._dynamo
 
     torch._dynamo.config.capture_dynamic_output_shape_ops = True
-    torch._dynamo.config.recompile_limit = 32
+    torch._dynamo.config.recompile_limit = 16
 
 
 def compile_counts() -> dict:
-    """What dynamo and inductor compiled in this process so far: graphs, graph breaks, and CUDA graphs skipped (each
-    skip runs that graph's kernels one by one); {} where nothing was compiled. No communication."""
+    """What dynamo traced (and inductor compiled) in this process so far, {} where nothing was: graphs, graph breaks,
+    frames dynamo gave up on and ran uncompiled (where a break inside a loop lands, not counted as a break), and CUDA
+    graphs skipped (`reduce-overhead` only: each skip runs that graph's kernels one by one). No communication."""
     from torch._dynamo.utils import counters
 
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     if not graphs and not breaks:
         return {}
-    return dict(zip(COUNTS, (graphs, breaks, counters["inductor"]["cudagraph_skips"])))
+    frames = counters["frames"]
+    return dict(zip(COUNTS, (graphs, breaks, frames["total"] - frames["ok"], counters["inductor"]["cudagraph_skips"])))
