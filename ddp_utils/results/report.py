@@ -62,7 +62,7 @@ def write_results(
         **{f"{name}_per_rank": [round(v, 1) for v in per_rank[:, i].tolist()] for i, name in enumerate(memory)},
     }
     if getattr(args, "torch_compile", False) or getattr(args, "compile_generation", False):
-        facts.update(compile_counts())  # the main process's: graphs, graph breaks, CUDA graphs skipped
+        facts.update(compile_counts())  # the main process's: graphs, breaks, functions left uncompiled, CUDA graphs
     metrics = {**scores, **facts, **(extra or {})}
     output_dir, error = args.output_dir, None
     if accelerator.is_main_process:  # fp16: the steps the loss scaler skipped, logged per window (resumes included)
