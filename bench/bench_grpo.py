@@ -124,7 +124,7 @@ def figures(key: str, data: dict, workdir: Path) -> dict:
         "steps": data["optimizer_steps"],
         "generation_share": sum(shares) / len(shares) if shares else None,
         "steady_per_s": statistics.median(speeds[len(speeds) // 2 :]) if speeds else None,
-        **{key: data[key] for key in COUNTS if key in data},  # with --compile_generation: what it compiled
+        **{count: data[count] for count in COUNTS if count in data},  # with --compile_generation: what it compiled
     }
 
 

@@ -971,7 +971,9 @@ class Checklist:
             if ours in figures:
                 record[f"{ours}_generation_share"] = figures[ours].get("generation_share")
                 record[f"{ours}_steady_per_s"] = figures[ours].get("steady_per_s")
-        for key in ("compiled_graphs", "graph_breaks", "frames_left_eager", "cudagraph_skips"):  # compiled, whole?
+        from ddp_utils.training.compilation import COUNTS
+
+        for key in COUNTS:  # did the decoding compile, into one graph?
             if key in figures.get("ours_compiled", {}):
                 record[f"ours_compiled_{key}"] = figures["ours_compiled"][key]
         if "ours" in figures and "ours_compiled" in figures:
