@@ -430,6 +430,65 @@ def test_lora_on_the_last_layers_stops_the_backward_pass_below_them(checkpointin
     assert needs_grad == {0: (False, False), 1: (False, True)}, "layer 0 and its input are out of the backward pass"
 
 
+def test_gradient_checkpointing_with_lora_gives_the_same_gradients_and_compiles_without_a_break(tiny_lm):
+    """--gradient_checkpointing with LoRA on every layer (the default dropout): transformers and peft each hook the
+    embeddings to make their output require a gradient, which only reentrant checkpointing needs. Ours is
+    non-reentrant, and the hooks are removed: the gradients are those without checkpointing, layer 0's input gets
+    none, and dynamo (AOTAutograd, what inductor compiles) traces the checkpointed step without a break, where the
+    hooks' `requires_grad_` broke it at every call."""
+    from accelerate import PartialState
+    from torch._dynamo.utils import counters
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ddp_utils.training.compilation import configure_compile
+
+    PartialState(cpu=True)
+    module = load_script("train_sft")
+
+    def gradients(checkpointing, compiled=False):
+        flag = ["--gradient_checkpointing"] if checkpointing else []
+        args = module.parse_args(["--model_name_or_path", str(tiny_lm), "--lora_r", "4", *flag])
+        torch.manual_seed(0)  # the same adapters' initial weights
+        model = load_causal_lm(args, AutoConfig.from_pretrained(tiny_lm), AutoTokenizer.from_pretrained(tiny_lm))
+        assert not model.get_input_embeddings()._forward_hooks, "no hook makes the embeddings' output require grad"
+        model.train()
+        layer_0_input_needs_grad = []
+        if not compiled:
+            model.get_base_model().model.layers[0].register_forward_pre_hook(
+                lambda mod, inputs: layer_0_input_needs_grad.append(inputs[0].requires_grad)
+            )
+        call = torch.compile(model, backend="aot_eager") if compiled else model
+        grads = []
+        for length in (8, 12):  # a second length: the dynamic-shape graph
+            ids = torch.arange(length).repeat(2, 1) % 40 + 5
+            labels = ids.clone()
+            labels[:, : length // 2] = -100
+            torch.manual_seed(1)  # the same LoRA dropout masks
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+            losses, weights = causal_lm_loss(call, batch)
+            (losses * weights).sum().backward()
+            grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad})
+            model.zero_grad()
+        assert not any(layer_0_input_needs_grad), "nothing below layer 0 is in the backward pass"
+        return grads
+
+    expected = gradients(checkpointing=False)
+    for ours, theirs in zip(gradients(checkpointing=True), expected):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False, recompile_limit=8):  # undone after
+        try:
+            configure_compile()
+            breaks = sum(counters["graph_break"].values())
+            got = gradients(checkpointing=True, compiled=True)
+            assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+        finally:
+            torch._dynamo.reset()
+    for ours, theirs in zip(got, expected):
+        for name in theirs:
+            torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.fast
 def test_packed_sequences_are_masked_apart(tiny_lm):
     """Two examples packed in one row give exactly the token losses they give apart: no

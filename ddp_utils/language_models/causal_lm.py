@@ -225,8 +225,7 @@ def load_causal_lm(args, config, tokenizer):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.lora_last_layers:  # see lora.add_lora
-            model.disable_input_require_grads()
+        model.disable_input_require_grads()  # see lora.add_lora
     if args.lora_r:
         from .lora import add_lora
 
