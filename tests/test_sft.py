@@ -489,6 +489,26 @@ def test_gradient_checkpointing_with_lora_gives_the_same_gradients_and_compiles_
             torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_torch_compile_under_accelerate_launch_compiles_a_new_length_once_and_unbroken(tiny_lm, sft_data, tmp_path):
+    """--torch_compile through `accelerate launch`, LoRA with gradient checkpointing, one epoch of length-grouped
+    batches of several padded lengths. The launcher exports ACCELERATE_DYNAMO_USE_DYNAMIC=False, which Accelerate
+    passed on as torch.compile(dynamic=False): each new length was compiled anew (9 graphs here). Now four: the first
+    length, one dynamic graph for every later length, evaluation (no gradients) and its last batch of one record
+    (dynamo specialises a size of 1); no graph break. Dynamo's eager backend traces what inductor would compile
+    (torch's per-graph backend override), and compiles nothing."""
+    output_dir = tmp_path / "out"
+    args = sft_args(tiny_lm, sft_data, output_dir, "--lora_r", 4, "--gradient_checkpointing", "--torch_compile")
+    args += ["--per_device_train_batch_size", 4, "--num_train_epochs", 1, "--eval_max_new_tokens", 0]
+    env = {"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager", "TORCH_LOGS": "recompiles"}
+    launcher = ["--config_file", str(REPO / "accelerate_configs" / "single_gpu.yaml"), "--cpu", "--num_processes", "1"]
+    result = launch(TRAIN_SFT, *args, launcher_args=launcher, env=env, real_launcher=True, timeout=240)
+    assert result.returncode == 0, result.output[-4000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["optimizer_steps"] == 6
+    assert (metrics["compiled_graphs"], metrics["graph_breaks"]) == (4, 0), result.output[-4000:]
+    assert result.output.count("size mismatch at index 1") == 1, "one recompile for a new length, made dynamic"
+
+
 @pytest.mark.fast
 def test_packed_sequences_are_masked_apart(tiny_lm):
     """Two examples packed in one row give exactly the token losses they give apart: no

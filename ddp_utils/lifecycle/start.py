@@ -23,7 +23,7 @@ from ..core.errors import UsageError
 from ..core.redact import hide_secret_args
 from ..core.sharded import SHARDED_TYPES
 from ..results.output import check_output_dir, prepare_output_dir
-from ..training.compilation import configure_compile
+from ..training.compilation import configure_compile, dynamo_plugin
 from ..training.fsdp import fix_fsdp2_preparation
 from ..training.oom_backoff import OOMBackoff
 from ..training.optimizer import describe_optimizer
@@ -143,6 +143,8 @@ def start_run(args, **accelerator_options) -> Accelerator:
     hide_secret_args(args)  # --hub_token becomes HF_TOKEN; no secret stays in sys.argv
     # What the launcher started (the launch guard checks it against the process group): --global_batch_size needs it.
     world_size = world_size_from_launcher() or 1
+    # the scripts' --torch_compile, else the launch config's dynamo_backend
+    compiler = dynamo_plugin(accelerator_options.pop("dynamo_backend", None))
     args.gradient_accumulation_steps = accumulation_for(args, world_size)
     accelerator = make_accelerator(
         seed=args.seed,
@@ -153,9 +155,10 @@ def start_run(args, **accelerator_options) -> Accelerator:
         project_config=ProjectConfiguration(
             project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, TENSORBOARD_DIR)
         ),
+        dynamo_plugin=compiler,
         **accelerator_options,
     )
-    if accelerator_options.get("dynamo_backend", "no") != "no":  # --torch_compile
+    if compiler.backend.value != "NO":
         configure_compile()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if not accelerator.is_main_process:
