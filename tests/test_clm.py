@@ -5,6 +5,7 @@ offline default, and bad input."""
 import json
 
 import pytest
+from model_families import HYBRIDS, tiny_model
 
 from conftest import FILLER, REPO, WORDS, assert_fails_cleanly, launch, refused_in_process, write_text_corpus
 
@@ -221,11 +222,27 @@ def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, tmp_path):
     assert_fails_cleanly(result, expected, output_dir)
 
 
-def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_in_one_graph(tiny_lm):
+# --torch_compile's families beyond the Llama: sliding-window and full layers, a convolution, a recurrence, ALiBi,
+# GPT-2's Conv1D layers. GPT-2's config alone has dropout (0.1), set to 0 here: a compiled graph draws its dropout
+# masks otherwise than eager, so the two could not be compared.
+COMPILED_FAMILIES = {
+    "gemma3 (sliding window)": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "lfm2 (convolution)": HYBRIDS["lfm2"],
+    "recurrent_gemma": HYBRIDS["recurrent_gemma"],
+    "mpt (ALiBi)": HYBRIDS["mpt (ALiBi)"],
+    "gpt2 (Conv1D)": ("GPT2Config", "GPT2LMHeadModel", dict(
+        n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", *COMPILED_FAMILIES])
+def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(family, tiny_lm):
     """--torch_compile (`configure_compile`): the LM head runs only at targets (a boolean `logits_to_keep`), whose
     `nonzero` broke the graph, and the graphs after the break were specialised to every new length. Now, through
-    AOTAutograd (the forward and backward graphs inductor would compile): no break, and two graphs for batches of
-    three lengths (the first shape's, then a dynamic one); the losses and gradients are eager's."""
+    AOTAutograd (the forward and backward graphs inductor would compile), for every family: no break, nothing left
+    uncompiled, two graphs for batches of three lengths (the first shape's, then a dynamic one; three for the
+    recurrent one), and the losses and gradients are eager's."""
     import torch
     from peft import LoraConfig, get_peft_model
     from torch._dynamo.utils import counters
@@ -249,7 +266,11 @@ def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_in_one_graph(t
             out.append([losses.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad])
         return out
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_lm, dtype=torch.float32)  # with LoRA: its context manager
+    if family == "llama":
+        model = AutoModelForCausalLM.from_pretrained(tiny_lm, dtype=torch.float32)
+    else:
+        model = tiny_model(*COMPILED_FAMILIES[family]).train()
+    # with LoRA: its context manager, and GPT-2's Conv1D layers adapted
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear", lora_dropout=0.0))
     expected = losses_and_grads(model)
     torch._dynamo.reset()
@@ -258,9 +279,11 @@ def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_in_one_graph(t
         try:
             configure_compile()
             breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+            left_eager = counters["frames"]["total"] - counters["frames"]["ok"]
             got = losses_and_grads(torch.compile(model, backend="aot_eager"))
             assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
-            assert counters["stats"]["unique_graphs"] - graphs == 2
+            assert counters["frames"]["total"] - counters["frames"]["ok"] == left_eager
+            assert counters["stats"]["unique_graphs"] - graphs == (3 if family == "recurrent_gemma" else 2)
         finally:
             torch._dynamo.reset()
     for ours, theirs in zip(got, expected):
