@@ -240,16 +240,17 @@ COMPILED_FAMILIES = {
 def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(family, tiny_lm):
     """--torch_compile (`configure_compile`): the LM head runs only at targets (a boolean `logits_to_keep`), whose
     `nonzero` broke the graph, and the graphs after the break were specialised to every new length. Now, through
-    AOTAutograd (the forward and backward graphs inductor would compile), for every family: no break, nothing left
-    uncompiled, two graphs for batches of three lengths (the first shape's, then a dynamic one; three for the
-    recurrent one), and the losses and gradients are eager's."""
+    AOTAutograd (the forward and backward graphs inductor would compile) with the scripts' settings (`dynamo_plugin`),
+    for every family: no break, nothing left uncompiled, two graphs for batches of three lengths (the first length's,
+    then a dynamic one; three for the recurrent one, whose scan specialises on the length), and the losses and
+    gradients are eager's."""
     import torch
     from peft import LoraConfig, get_peft_model
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
     from ddp_utils.language_models.causal_lm import causal_lm_loss
-    from ddp_utils.training.compilation import configure_compile
+    from ddp_utils.training.compilation import configure_compile, dynamo_plugin
 
     def batch(length):
         ids = torch.arange(length).repeat(2, 1) % 40 + 5
@@ -280,7 +281,7 @@ def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(famil
             configure_compile()
             breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
             left_eager = counters["frames"]["total"] - counters["frames"]["ok"]
-            got = losses_and_grads(torch.compile(model, backend="aot_eager"))
+            got = losses_and_grads(torch.compile(model, **dynamo_plugin("aot_eager").to_kwargs()))
             assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
             assert counters["frames"]["total"] - counters["frames"]["ok"] == left_eager
             assert counters["stats"]["unique_graphs"] - graphs == (3 if family == "recurrent_gemma" else 2)

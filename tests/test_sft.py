@@ -440,7 +440,7 @@ def test_gradient_checkpointing_with_lora_gives_the_same_gradients_and_compiles_
     from torch._dynamo.utils import counters
     from transformers import AutoConfig, AutoTokenizer
 
-    from ddp_utils.training.compilation import configure_compile
+    from ddp_utils.training.compilation import configure_compile, dynamo_plugin
 
     PartialState(cpu=True)
     module = load_script("train_sft")
@@ -457,7 +457,7 @@ def test_gradient_checkpointing_with_lora_gives_the_same_gradients_and_compiles_
             model.get_base_model().model.layers[0].register_forward_pre_hook(
                 lambda mod, inputs: layer_0_input_needs_grad.append(inputs[0].requires_grad)
             )
-        call = torch.compile(model, backend="aot_eager") if compiled else model
+        call = torch.compile(model, **dynamo_plugin("aot_eager").to_kwargs()) if compiled else model
         grads = []
         for length in (8, 12):  # a second length: the dynamic-shape graph
             ids = torch.arange(length).repeat(2, 1) % 40 + 5

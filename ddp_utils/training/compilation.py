@@ -7,12 +7,15 @@ COUNTS = ("compiled_graphs", "graph_breaks", "frames_left_eager", "cudagraph_ski
 
 
 def dynamo_plugin(backend: str | None):
-    """Accelerate's plugin for torch.compile with `backend` ("no": none; None: the launch config's), with torch's
-    automatic dynamic shapes: the first shape is compiled static, and a dimension that changes is made dynamic in the
-    one recompile that follows. `accelerate launch` exports ACCELERATE_DYNAMO_USE_DYNAMIC=False unless told
-    --dynamo_use_dynamic, which the plugin passes on as torch.compile(dynamic=False): every new padded length was
-    compiled anew (3 lengths in 3 SFT steps, 3 compilations, on the CPU), and past the recompile limit ran uncompiled.
-    True (dynamic from the first call) is kept. No communication."""
+    """Accelerate's plugin for torch.compile with `backend` (a script's --torch_compile; "no": none; None: the launch
+    config's), with torch's own default for shapes: a call is compiled static, and a size that changes is made
+    dynamic in the one recompile that follows. No communication.
+
+    `accelerate launch` exports ACCELERATE_DYNAMO_USE_DYNAMIC=False unless told --dynamo_use_dynamic, which the plugin
+    passed on as torch.compile(dynamic=False): every new padded length was compiled anew (a 6-step SFT epoch: 9
+    graphs, against 4), and past the recompile limit ran uncompiled. Dynamic from the first call (what
+    --dynamo_use_dynamic asks, kept) compiles fewer graphs where lengths vary, but each costs more to trace: measured
+    on the CPU, no faster in all (bench/README.md)."""
     import os
 
     from accelerate.utils import TorchDynamoPlugin
