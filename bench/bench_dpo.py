@@ -12,9 +12,12 @@ DPO's sigmoid loss with beta 0.1, batch 4 pairs per process, max length 256, 1 e
 
 Contenders, each reference as its trainer offers it without a second model: the model with its
 adapters off at every step (ours; TRL with a PEFT model), and the reference's log-probs computed once
-before training (ours' --precompute_reference; TRL's precompute_ref_log_probs). Reports pairs/s
-(pairs trained per second of the training loop), wall time (launch to exit), peak resident memory
-per process (on a GPU, `--gpu`: peak GPU memory too) and the ratios against TRL's same reference.
+before training (ours' --precompute_reference; TRL's precompute_ref_log_probs). A fifth, ours with
+--torch_compile (adapters off), is for a GPU, where a step of this model is bound by kernel launches; on a
+CPU inductor compiles C++ for minutes (leave it out with --only). Reports pairs/s (pairs trained per second
+of the training loop; the compiled run's with its compilation), wall time (launch to exit), peak resident
+memory per process (on a GPU, `--gpu`: peak GPU memory too) and the ratios against TRL's same reference;
+for ours also the steady pairs/s (the median of the later half of its logged windows, after a compilation).
 """
 
 import argparse
@@ -27,15 +30,19 @@ import psutil
 from baselines.common import demo_raw_datasets
 from bench_sft import demo_model_dir
 from bench_train import HERE, REPO, accelerate_launch, bench_env
-from side_by_side import add_side_by_side_args, peak_gpu_mib, print_side_by_side, run_contenders
+from side_by_side import add_side_by_side_args, ours_log_figures, peak_gpu_mib, print_side_by_side, run_contenders
 
 NAMES = {
     "ours": "scripts/train_dpo.py (ours), adapters off",
     "trl": "TRL DPOTrainer, adapters off",
     "ours_precomputed": "ours, --precompute_reference",
     "trl_precomputed": "TRL DPOTrainer, precompute_ref_log_probs",
+    "ours_compiled": "ours, adapters off, --torch_compile",
 }
-BASELINE = {"ours": "trl", "trl": "trl", "ours_precomputed": "trl_precomputed", "trl_precomputed": "trl_precomputed"}
+BASELINE = {
+    **{"ours": "trl", "trl": "trl", "ours_precomputed": "trl_precomputed", "trl_precomputed": "trl_precomputed"},
+    "ours_compiled": "trl",
+}
 LORA_ALPHA, BETA = 16, 0.1
 
 
@@ -106,16 +113,23 @@ def contenders(args, workdir: Path, model: str, data: dict[str, Path]):
         "trl": trl("trl", "29642"),
         "ours_precomputed": ours("ours_precomputed", "29643", "--precompute_reference"),
         "trl_precomputed": trl("trl_precomputed", "29644", "--precompute_ref_log_probs"),
+        # last: where its compilation overruns a budget, the others have finished
+        "ours_compiled": ours("ours_compiled", "29645", "--torch_compile"),
     }
 
 
-def figures(key: str, data: dict) -> dict:
-    """pairs/s and peak GPU memory from one run's results (ours: metrics.json; TRL: its JSON)."""
-    if key.startswith("ours"):
-        pairs_per_s = data["train_pairs_per_second"]
-    else:
-        pairs_per_s = data["train_pairs"] / data["train_time_s"]
-    return {"per_s": pairs_per_s, "gpu_mib": peak_gpu_mib(data), "steps": data["optimizer_steps"]}
+def figures(key: str, data: dict, workdir: Path) -> dict:
+    """pairs/s and peak GPU memory from one run's results (ours: metrics.json; TRL: its JSON); for ours also the
+    steady pairs/s and, with --torch_compile, what it compiled."""
+    if not key.startswith("ours"):
+        per_s = data["train_pairs"] / data["train_time_s"]
+        return {"per_s": per_s, "gpu_mib": peak_gpu_mib(data), "steps": data["optimizer_steps"]}
+    return {
+        "per_s": data["train_pairs_per_second"],
+        "gpu_mib": peak_gpu_mib(data),
+        "steps": data["optimizer_steps"],
+        **ours_log_figures(workdir / key, data),
+    }
 
 
 def main():
@@ -125,7 +139,7 @@ def main():
     data = write_pairs(workdir, args.train_pairs)
     pairs = sum(1 for _ in open(data["train"]))
     commands = contenders(args, workdir, args.model or demo_model_dir(), data)
-    results = run_contenders(args, commands, NAMES, figures, workdir, bench_env())
+    results = run_contenders(args, commands, NAMES, lambda key, data: figures(key, data, workdir), workdir, bench_env())
     print(
         f"\n{pairs} pairs, {args.epochs} epoch(s), batch {args.batch_size} pairs/process x {args.processes} "
         f"process(es), max length {args.max_length}, LoRA r{args.lora_r}, beta {BETA}, lr {args.lr}, "

@@ -22,7 +22,6 @@ the later half of its logged windows, after a compilation). No vLLM on either si
 import argparse
 import json
 import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,9 +29,7 @@ import psutil
 from baselines.common import demo_raw_datasets
 from bench_sft import demo_model_dir
 from bench_train import HERE, REPO, accelerate_launch, bench_env
-from side_by_side import add_side_by_side_args, peak_gpu_mib, print_side_by_side, run_contenders
-
-from ddp_utils.training.compilation import COUNTS
+from side_by_side import add_side_by_side_args, ours_log_figures, peak_gpu_mib, print_side_by_side, run_contenders
 
 NAMES = {
     "ours": "scripts/train_grpo.py (ours)",
@@ -117,14 +114,12 @@ def figures(key: str, data: dict, workdir: Path) -> dict:
         return {"per_s": per_s, "gpu_mib": peak_gpu_mib(data), "steps": data["optimizer_steps"]}
     log = [json.loads(line) for line in open(workdir / key / "train_log.jsonl")]
     shares = [record["train/generation_share"] for record in log if "train/generation_share" in record]
-    speeds = [record["train/samples_per_second"] for record in log if "train/samples_per_second" in record]
     return {
         "per_s": data["train_prompts_per_second"],
         "gpu_mib": peak_gpu_mib(data),
         "steps": data["optimizer_steps"],
         "generation_share": sum(shares) / len(shares) if shares else None,
-        "steady_per_s": statistics.median(speeds[len(speeds) // 2 :]) if speeds else None,
-        **{count: data[count] for count in COUNTS if count in data},  # with --compile_generation: what it compiled
+        **ours_log_figures(workdir / key, data),  # steady prompts/s; with --compile_generation what it compiled
     }
 
 

@@ -32,6 +32,19 @@ def peak_gpu_mib(data: dict) -> float | None:
     return data.get("peak_gpu_memory_mb") or (max(per_rank) if per_rank else None)
 
 
+def ours_log_figures(run_dir: Path, data: dict) -> dict:
+    """From one of our runs: the steady speed (samples/s, the median of the later half of its logged windows: after
+    a compilation) and what torch.compile compiled, where it did (metrics.json's compile counts)."""
+    from ddp_utils.training.compilation import COUNTS
+
+    log = [json.loads(line) for line in open(run_dir / "train_log.jsonl")]
+    speeds = [record["train/samples_per_second"] for record in log if "train/samples_per_second" in record]
+    return {
+        "steady_per_s": statistics.median(speeds[len(speeds) // 2 :]) if speeds else None,
+        **{count: data[count] for count in COUNTS if count in data},
+    }
+
+
 def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, env: dict) -> dict:
     """Run `commands` (key -> (results file, command)) one at a time; skip those not in --only, and TRL's
     when trl is not installed; add `figures(key, results)` (a dict with "per_s", "gpu_mib", "steps")."""

@@ -65,8 +65,8 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert environment["torch"] and environment["python"] and environment["gpu"] is None  # no CUDA here
     assert isinstance(environment["differs_from_requirements"], list)
     steps = data["steps"]
-    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10"]
-    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10"):
+    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10", "11"]
+    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10", "11"):
         assert steps[step]["status"] == "ok", (step, steps[step])
     for record in steps.values():
         assert record["wall_s"] > 0
@@ -112,6 +112,12 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     # --compile_generation's run: its decoding traced by dynamo into one graph, unbroken (on a GPU: a CUDA graph)
     assert steps["10"]["figures"]["ours_compiled_compiled_graphs"] == 1, steps["10"]["figures"]
     assert steps["10"]["figures"]["ours_compiled_graph_breaks"] == 0
+    # DPO with --torch_compile: traced by dynamo, unbroken, a few graphs (the call's variants), none left uncompiled
+    dpo_compiled = steps["11"]["figures"]
+    assert steps["11"]["runs"]["bench_dpo"]["figures"]["ours_compiled"]["per_s"] > 0
+    assert dpo_compiled["ours_compiled_compiled_graphs"] > 0 and dpo_compiled["ours_compiled_graph_breaks"] == 0
+    assert dpo_compiled["ours_compiled_frames_left_eager"] == 0, dpo_compiled
+    assert any("eager" in note for note in steps["11"]["notes"])
 
     # The failure a CPU must give is caught, recorded with its error line, and expected.
     assert steps["6"]["status"] == "failed" and steps["6"]["expected_in_dry_run"]

@@ -67,6 +67,7 @@ STEPS = {
     "8": "a checkpoint of several GB: the save and the resume, with and without the manifest",
     "9": "train_dpo.py (LoRA) against TRL's DPOTrainer, both references: pairs/s and peak GPU memory",
     "10": "train_grpo.py (LoRA) against TRL's GRPOTrainer, no vLLM: prompts/s, peak GPU memory, generation's share",
+    "11": "train_dpo.py --torch_compile (LoRA, adapters off) beside eager, against TRL's DPOTrainer: pairs/s",
 }
 FP16_SCALER = REPO / "tests" / "launched" / "fp16_scaler.py"  # a script run with torch's GradScaler, first scale set
 FSDP_ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"  # a script run under FSDP2 on CPU processes
@@ -121,6 +122,10 @@ RUN_S = {
     # 135M model a run started in 29 s here, and the pairs' or prompts' preparation took 10 s.
     ("9", "bench_dpo"): (126.0, 90),  # 4 runs: 10 s of preparation and 29 s a run
     ("10", "bench_grpo"): (68.0, 120),  # 2 runs; on the GPU 91 steps of 16 samples of 8 tokens each
+    # 3 runs, step 9's ours and TRL (about 90 s each there) and ours compiled: its 150 steps, and inductor's
+    # compilations of the 30 layers' forward and backward (the first length, the dynamic one) and of the
+    # no-gradient calls (the reference with its adapters off, evaluation), a minute each at a guess
+    ("11", "bench_dpo"): (30.0, 400),
 }
 # Each run's wall seconds on the first GPU session (an H200, 2026-11-26; the LLM's weights drawn at random, the
 # runs as the steps make them): they replace RUN_S's estimates, which were 1.1 to 3 times too short for the LLM.
@@ -156,11 +161,13 @@ CALLS = [
     # Step 10 again: sampling without the run's autocast, and decoding in CUDA graphs, came after session 2.
     {"session": 3, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["10"]},
     {"session": 3, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["3"]},
-    {"session": 4, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["5", "8"]},
-    {"session": 4, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["6", "2b"]},  # 2b: full_gc
+    # DPO with --torch_compile: step 9 found its step launch-bound, 1.31x TRL against a target of 1.5x.
+    {"session": 4, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["11"]},
+    {"session": 5, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["5", "8"]},
+    {"session": 5, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["6", "2b"]},  # 2b: full_gc
     # The demo LLM's own weights: generation accuracy on a GPU (two calls carry them).
-    {"session": 5, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
-    {"session": 5, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["2a", "4"]},
+    {"session": 6, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
+    {"session": 6, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["2a", "4"]},
 ]
 SESSION_S = 900  # a session's device time
 # Which of payload.py's sets a step can run with (any one of them installed); the other steps run the LLM.
@@ -168,7 +175,7 @@ STEP_SETS = {"1": ("step1",), "6": ("step1", "llm", "llm_shape"), "8": ("step1",
 
 
 def needs_llm(step: str) -> bool:
-    """Whether a step runs the LLM that the environment helper prepares (steps 2 to 5, 7, 9 and 10)."""
+    """Whether a step runs the LLM that the environment helper prepares (steps 2 to 5, 7, 9, 10 and 11)."""
     return step not in STEP_SETS
 
 
@@ -201,6 +208,9 @@ class Sizes:
         self.fp16_llm = ["--max_train_samples", "16", "--max_eval_samples", "8"] if dry_run else []
         self.checkpoint_gb, self.checkpoint_repeats = (0.05, 1) if dry_run else (8, 3)
         self.dpo = ["--train_pairs", "4", "--only", "ours"] if dry_run else ["--train_pairs", "600", "--bf16"]
+        # step 11: step 9's ours and TRL again, and ours compiled (the dry run: the compiled run, traced only)
+        gpu_dpo = ["--train_pairs", "600", "--bf16", "--only", "ours", "trl", "ours_compiled"]
+        self.dpo_compiled = ["--train_pairs", "8", "--only", "ours_compiled"] if dry_run else gpu_dpo
         tiny_grpo = ["--train_prompts", "4", "--only", "ours", "ours_compiled", "--num_generations", "2"]
         tiny_grpo += ["--max_completion_length", "4"]
         self.grpo = tiny_grpo if dry_run else ["--train_prompts", "182", "--bf16"]  # the demo's prompts, all of them
@@ -964,25 +974,47 @@ class Checklist:
         rewards, all generating with the policy (no vLLM). The compiled run's prompts/s include its compilation;
         its steady figure (the later half of its logged windows) does not."""
         figures = self.side_by_side("10", "bench_grpo", self.sizes.grpo, "prompts")
+        self.record_compiled_against_trl(figures)
+        for ours in ("ours", "ours_compiled"):
+            if ours in figures:
+                self.step_record["figures"][f"{ours}_generation_share"] = figures[ours].get("generation_share")
+        self.step_record["figures"]["target"] = "ours ≥ 1.5× TRL's prompts/s, without vLLM on either side"
+
+    def step_11(self) -> None:
+        """bench/bench_dpo.py on one GPU, in bf16: step 9's ours (LoRA, the reference as the adapters off) and TRL's
+        DPOTrainer again, and ours with --torch_compile (inductor), whose fewer launches are what step 9 found
+        missing. The compiled run's pairs/s include its compilations; its steady figure does not. The dry run
+        traces the compiled run with dynamo's eager backend."""
+        env = None
+        if self.dry_run:  # as step 3: inductor's C++ build would take minutes on 2 cores
+            env = {"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"}
+            self.note(
+                "dry run: TORCH_COMPILE_OVERRIDE_BACKENDS='>=0:eager': dynamo traces the model, nothing is compiled"
+            )
+        figures = self.side_by_side("11", "bench_dpo", self.sizes.dpo_compiled, "pairs", env=env)
+        self.record_compiled_against_trl(figures)
+        self.step_record["figures"]["target"] = "ours ≥ 1.5× TRL's pairs/s, with less peak memory"
+
+    def record_compiled_against_trl(self, figures: dict) -> None:
+        """Steps 10 and 11: ours and ours compiled × TRL, their steady speeds, compiled ÷ eager (steady), and what
+        the compiled run compiled (did it compile, into how many graphs, unbroken?)."""
+        from ddp_utils.training.compilation import COUNTS
+
         record = self.step_record["figures"]
         for ours in ("ours", "ours_compiled"):
             if ours in figures and "trl" in figures:
                 record[f"{ours}_x_trl"] = figures[ours]["per_s"] / figures["trl"]["per_s"]
             if ours in figures:
-                record[f"{ours}_generation_share"] = figures[ours].get("generation_share")
                 record[f"{ours}_steady_per_s"] = figures[ours].get("steady_per_s")
-        from ddp_utils.training.compilation import COUNTS
-
-        for key in COUNTS:  # did the decoding compile, into one graph?
+        for key in COUNTS:
             if key in figures.get("ours_compiled", {}):
                 record[f"ours_compiled_{key}"] = figures["ours_compiled"][key]
         if "ours" in figures and "ours_compiled" in figures:
             record["compiled_x_eager_steady"] = ratio_of(
                 figures["ours_compiled"].get("steady_per_s"), figures["ours"].get("steady_per_s")
             )
-        self.step_record["figures"]["target"] = "ours ≥ 1.5× TRL's prompts/s, without vLLM on either side"
 
-    def side_by_side(self, step: str, bench: str, sizes: list, unit: str) -> dict:
+    def side_by_side(self, step: str, bench: str, sizes: list, unit: str, env: dict | None = None) -> dict:
         """bench/<bench>.py (ours against TRL) with one process and single_gpu.yaml on the prepared LLM: its
         figures by contender ({} if it failed), and the step's table."""
         work = self.results / f"step{step}"
@@ -990,7 +1022,7 @@ class Checklist:
         out = work / f"{bench}.json"
         command = [sys.executable, BENCH / f"{bench}.py", "--processes", 1, "--config", "single_gpu.yaml"]
         command += ["--workdir", work, "--json", out, "--model", self.llm()["model_dir"], *sizes]
-        run = self.launch(bench, command, out, timeout=None if self.dry_run else 600)
+        run = self.launch(bench, command, out, timeout=None if self.dry_run else 600, env=env)
         if not out.exists():  # removed before the run: what is there, its contenders that finished wrote
             return {}
         run["figures"] = figures = read_json(out)
@@ -1670,7 +1702,7 @@ def parse_steps(text: str) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,10 (2 = 2a,2b), or all")
+    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,11 (2 = 2a,2b), or all")
     p.add_argument("--dry_run", action="store_true", help="a CPU, tiny sizes: checks the checklist, not the GPU")
     p.add_argument("--results", default=None, help="where the JSON, Markdown and logs go (default outputs/gpu_check)")
     p.add_argument("--budget_s", type=float, default=None, help="start no run that would end after this many seconds")
@@ -1761,8 +1793,8 @@ def main() -> int:
 
 # The dry run's two lanes: step 3 reads step 2a's run, so they share a lane; about equal halves on a CPU (measured
 # 2026-11-25, seconds in the two lanes at once: 1 84, 2a 14, 3 28, 8 12 against 2b 13, 4 25, 5 13, 6 12, 7 29, 9 20,
-# 10 18).
-LANES = [("1", "2a", "3", "8"), ("2b", "4", "5", "6", "7", "9", "10")]
+# 10 18; step 11, added 2026-11-26: 25 s alone).
+LANES = [("1", "2a", "3", "8"), ("2b", "4", "5", "6", "7", "9", "10", "11")]
 
 
 def run_lanes(args, steps: list[str]) -> int:
