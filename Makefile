@@ -56,7 +56,7 @@ bench: $(BENCH_STAMP)  ## ours vs a hand loop, the Trainer, TRL's SFT/DPO/GRPO; 
 	$(BIN)/python bench/bench_train.py --epochs 1 --ours_checkpoints --seeds 42 43 --only ours trainer trainer_grouped --workdir bench/runs/one_epoch
 	$(BIN)/python bench/bench_clm.py
 	$(BIN)/python bench/bench_sft.py
-	$(BIN)/python bench/bench_dpo.py --only ours trl ours_precomputed trl_precomputed  # the compiled run is for a GPU
+	$(BIN)/python bench/bench_dpo.py
 	$(BIN)/python bench/bench_grpo.py
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_sampling.py --batches 4
 	$(BIN)/python bench/bench_lm_head.py
@@ -64,7 +64,7 @@ bench: $(BENCH_STAMP)  ## ours vs a hand loop, the Trainer, TRL's SFT/DPO/GRPO; 
 	$(BIN)/python bench/bench_scale.py
 	$(BIN)/python bench/bench_memory.py --steps 10000
 
-# The GPU checklist (bench/gpu_check/README.md): STEPS=1,2a,2b,3,...,10 (2 = 2a,2b; default all), DRY_RUN=1 for
+# The GPU checklist (bench/gpu_check/README.md): STEPS=1,2a,2b,3,...,11 (2 = 2a,2b; default all), DRY_RUN=1 for
 # the CPU dry run CI runs (tiny sizes), BUDGET_S=540 to start no run that would end later. Here it runs with
 # .venv; the GPU machine has no venv, so give its interpreter there: make gpu-check PYTHON=python3 STEPS=1,2a
 STEPS ?= all

@@ -156,6 +156,39 @@ def test_make_gpu_check_runs_the_checklist_with_the_machines_own_python():
     assert "checklist.py --steps all" in dry.stdout and "--dry_run" in dry.stdout
 
 
+@pytest.mark.fast
+def test_the_runner_records_a_compiled_run_with_the_standard_library_alone():
+    """On the GPU machine the checklist runs under a bare `python3`: neither ddp_utils (not on its path) nor the
+    machine's torch is importable in the runner, only in the runs it starts. Steps 10 and 11 record the compiled
+    contender's figures and compile counts there; an import of ddp_utils did so in the dry run only (CI's venv has
+    the package installed) and would have failed both steps on the GPU. `python -S`: no site-packages at all."""
+    code = """
+import sys
+sys.path.insert(0, "bench/gpu_check")
+import checklist
+class Step:
+    step_record = {"figures": {}}
+figures = {"ours": {"per_s": 2.0, "steady_per_s": 2.5}, "trl": {"per_s": 1.0},
+           "ours_compiled": {"per_s": 3.0, "steady_per_s": 5.0, "compiled_graphs": 1, "graph_breaks": 0}}
+checklist.Checklist.record_compiled_against_trl(Step(), figures)
+assert "torch" not in sys.modules and "ddp_utils" not in sys.modules, "the runner imported more than the stdlib"
+print(sorted(Step.step_record["figures"].items()))
+"""
+    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(
+        [
+            ("compiled_x_eager_steady", 2.0),
+            ("ours_compiled_compiled_graphs", 1),
+            ("ours_compiled_graph_breaks", 0),
+            ("ours_compiled_steady_per_s", 5.0),
+            ("ours_compiled_x_trl", 3.0),
+            ("ours_steady_per_s", 2.5),
+            ("ours_x_trl", 2.0),
+        ]
+    )
+
+
 def test_a_step_that_raises_is_recorded_and_the_next_step_runs(tmp_path):
     checklist = load(CHECKLIST)
     args = argparse.Namespace(
