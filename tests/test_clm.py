@@ -222,22 +222,37 @@ def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, tmp_path):
     assert_fails_cleanly(result, expected, output_dir)
 
 
+@pytest.mark.fast
+def test_the_compile_plugin_reads_the_launchers_unasked_false_as_torchs_default(monkeypatch):
+    """`accelerate launch` exports ACCELERATE_DYNAMO_USE_DYNAMIC=False unless told --dynamo_use_dynamic, which made
+    every new padded length a compilation: `dynamo_plugin` leaves torch.compile's default (no `dynamic`), keeps an
+    asked-for True, and builds the launch config's backend where a script names none (train.py, train_image.py)."""
+    from ddp_utils.training.compilation import dynamo_plugin
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")  # what a launch config's dynamo_backend becomes
+    for asked, kwargs in (("False", {}), ("True", {"dynamic": True}), ("on", {"dynamic": True})):
+        monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", asked)
+        assert dynamo_plugin("aot_eager").to_kwargs() == {"backend": "aot_eager", **kwargs}, asked
+        assert dynamo_plugin(None).to_kwargs() == {"backend": "inductor", **kwargs}, asked
+    monkeypatch.delenv("ACCELERATE_DYNAMO_USE_DYNAMIC")
+    assert dynamo_plugin("inductor").to_kwargs() == {"backend": "inductor"}
+    assert dynamo_plugin("no").backend.value == "NO"
+
+
 # --torch_compile's families beyond the Llama: sliding-window and full layers, a convolution, a recurrence, ALiBi,
-# GPT-2's Conv1D layers. GPT-2's config alone has dropout (0.1), set to 0 here: a compiled graph draws its dropout
-# masks otherwise than eager, so the two could not be compared.
+# GPT-2's Conv1D layers and its dropout (0.1 by default: seeded alike, the traced graph draws eager's masks).
 COMPILED_FAMILIES = {
     "gemma3 (sliding window)": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
     "lfm2 (convolution)": HYBRIDS["lfm2"],
     "recurrent_gemma": HYBRIDS["recurrent_gemma"],
     "mpt (ALiBi)": HYBRIDS["mpt (ALiBi)"],
-    "gpt2 (Conv1D)": ("GPT2Config", "GPT2LMHeadModel", dict(
-        n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt2 (Conv1D)": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=2, n_positions=64)),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["llama", *COMPILED_FAMILIES])
-def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(family, tiny_lm):
+def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(family, tiny_lm, monkeypatch):
     """--torch_compile (`configure_compile`): the LM head runs only at targets (a boolean `logits_to_keep`), whose
     `nonzero` broke the graph, and the graphs after the break were specialised to every new length. Now, through
     AOTAutograd (the forward and backward graphs inductor would compile) with the scripts' settings (`dynamo_plugin`),
@@ -262,11 +277,13 @@ def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(famil
         out = []
         for length in (8, 12, 16):
             model.zero_grad()
+            torch.manual_seed(length)  # the same dropout masks, where the model has dropout
             losses, weights = causal_lm_loss(model, batch(length))
             (losses * weights).sum().backward()
             out.append([losses.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad])
         return out
 
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")  # as `accelerate launch` exports it
     if family == "llama":
         model = AutoModelForCausalLM.from_pretrained(tiny_lm, dtype=torch.float32)
     else:

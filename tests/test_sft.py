@@ -430,7 +430,24 @@ def test_lora_on_the_last_layers_stops_the_backward_pass_below_them(checkpointin
     assert needs_grad == {0: (False, False), 1: (False, True)}, "layer 0 and its input are out of the backward pass"
 
 
-def test_gradient_checkpointing_with_lora_gives_the_same_gradients_and_compiles_without_a_break(tiny_lm):
+@pytest.mark.fast
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_embeddings_requires_grad_hook_goes_only_where_every_layer_checkpoints_non_reentrantly(reentrant, tiny_lm):
+    """`drop_input_require_grads`: transformers hooks the embeddings when checkpointing is enabled. A model that
+    checkpoints reentrantly (its own code: the old format, remote code) needs the hook for gradients to reach the
+    layers' adapters, and keeps it; non-reentrant checkpointing, which `load_causal_lm` enables, does not."""
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.language_models.causal_lm import drop_input_require_grads
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert len(model.get_input_embeddings()._forward_hooks) == 1
+    drop_input_require_grads(model)
+    assert len(model.get_input_embeddings()._forward_hooks) == (1 if reentrant else 0)
+
+
+def test_gradient_checkpointing_with_lora_gives_the_same_gradients_and_compiles_without_a_break(tiny_lm, monkeypatch):
     """--gradient_checkpointing with LoRA on every layer (the default dropout): transformers and peft each hook the
     embeddings to make their output require a gradient, which only reentrant checkpointing needs. Ours is
     non-reentrant, and the hooks are removed: the gradients are those without checkpointing, layer 0's input gets
@@ -443,6 +460,7 @@ def test_gradient_checkpointing_with_lora_gives_the_same_gradients_and_compiles_
     from ddp_utils.training.compilation import configure_compile, dynamo_plugin
 
     PartialState(cpu=True)
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")  # as `accelerate launch` exports it
     module = load_script("train_sft")
 
     def gradients(checkpointing, compiled=False):
@@ -479,9 +497,12 @@ def test_gradient_checkpointing_with_lora_gives_the_same_gradients_and_compiles_
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False, recompile_limit=8):  # undone after
         try:
             configure_compile()
-            breaks = sum(counters["graph_break"].values())
+            breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+            left_eager = counters["frames"]["total"] - counters["frames"]["ok"]
             got = gradients(checkpointing=True, compiled=True)
             assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+            assert counters["frames"]["total"] - counters["frames"]["ok"] == left_eager, "a frame left uncompiled"
+            assert counters["stats"]["unique_graphs"] - graphs == 2, "the first length's graph, then a dynamic one"
         finally:
             torch._dynamo.reset()
     for ours, theirs in zip(got, expected):

@@ -80,12 +80,6 @@ def add_lora(model, args):
             f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({reason}); "
             f"its linear layers are {linear_module_names(model)}"
         ) from None
-    if args.gradient_checkpointing:
-        # transformers (in load_causal_lm) and peft each hook the embeddings to make their output require grad,
-        # which only reentrant checkpointing needs; the non-reentrant one used here does not. The hook computes the
-        # gradient of layer 0's input for nothing, runs the backward through every layer under --lora_last_layers,
-        # and breaks --torch_compile's graph at each call (requires_grad_ on an intermediate).
-        model.get_base_model().disable_input_require_grads()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info(
         f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters"

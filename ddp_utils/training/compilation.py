@@ -8,36 +8,37 @@ COUNTS = ("compiled_graphs", "graph_breaks", "frames_left_eager", "cudagraph_ski
 
 def dynamo_plugin(backend: str | None):
     """Accelerate's plugin for torch.compile with `backend` (a script's --torch_compile; "no": none; None: the launch
-    config's), with torch's own default for shapes: a call is compiled static, and a size that changes is made
-    dynamic in the one recompile that follows. No communication.
+    config's, as train.py and train_image.py take it), with torch.compile's own default for shapes: a call is
+    compiled static, and a size that changes is made dynamic in the one recompile that follows. No communication.
 
-    `accelerate launch` exports ACCELERATE_DYNAMO_USE_DYNAMIC=False unless told --dynamo_use_dynamic, which the plugin
-    passed on as torch.compile(dynamic=False): every new padded length was compiled anew (a 6-step SFT epoch: 9
-    graphs, against 4), and past the recompile limit ran uncompiled. Dynamic from the first call (what
-    --dynamo_use_dynamic asks, kept) compiles fewer graphs where lengths vary, but each costs more to trace: measured
-    on the CPU, no faster in all (bench/README.md)."""
-    import os
-
+    `accelerate launch` exports ACCELERATE_DYNAMO_USE_DYNAMIC=False unless told --dynamo_use_dynamic, and the plugin
+    passed that on as torch.compile(dynamic=False): every new padded length was compiled anew (a 6-step SFT epoch: 9
+    graphs, against 4), and past the recompile limit ran uncompiled. So False, which the launcher writes whether or
+    not anyone asked, is read as the default; static shapes cannot be asked for here. True (dynamic from the first
+    call) is kept: fewer graphs where lengths vary, each costlier to trace (on the CPU no faster in all; on a GPU the
+    GPU check's steps 3 and 11 measure the default, bench/README.md)."""
     from accelerate.utils import TorchDynamoPlugin
 
     plugin = TorchDynamoPlugin(backend=backend)
-    if os.environ.get("ACCELERATE_DYNAMO_USE_DYNAMIC", "").lower() not in ("1", "true", "yes"):
-        plugin.dynamic = None  # torch.compile's own default, as transformers' Trainer compiles
+    if not plugin.dynamic:  # read from the launcher's variable as Accelerate reads it
+        plugin.dynamic = None
     return plugin
 
 
 def configure_compile() -> None:
-    """--torch_compile's dynamo settings, set before the model is compiled. No communication.
+    """Dynamo's settings for a compiled model (--torch_compile, or the launch config's compilation), set before it is
+    compiled. No communication.
 
     - Operators whose output's shape depends on the data (`nonzero`) are traced: the LM head runs only where a target
       is predicted (`logits_to_keep` as a boolean mask), and without this each call broke the graph there, and the
       graphs after the break were specialised to every new length. A 2-layer Llama's SFT step with LoRA: 3 breaks and
       15 recompiles in 3 steps, against none and 1 (CPU, dynamo's eager and aot_eager backends). Inductor lowers the
       mask's indexing to ATen's own kernels, as eager runs them.
-    - More recompiles are allowed than dynamo's 8 per function: the model's call has several legitimate variants
-      (training and evaluation, with and without gradients, LoRA's adapters on and off for the reference), each
-      compiled for its first shape and then for dynamic ones; an 8-step DPO run with evaluation used 7 of the 8, and
-      past the limit dynamo runs each new variant uncompiled, with one warning. Each recompile costs compile time.
+    - More recompiles are allowed than dynamo's 8 per function: the model's call has several legitimate variants,
+      each compiled for its first length and then dynamic. DPO's: the policy and the reference (adapters off, no
+      gradients), each static then dynamic, and evaluation with the adapters on and off, 6 graphs (5 recompiles) in
+      the GPU check's dry run; an evaluation batch of one record is one more (dynamo specialises a size of 1). Past
+      the limit dynamo runs each new variant uncompiled, with one warning. Each recompile costs compile time.
     """
     import torch._dynamo
 
