@@ -30,7 +30,14 @@ import psutil
 from baselines.common import demo_raw_datasets
 from bench_sft import demo_model_dir
 from bench_train import HERE, REPO, accelerate_launch, bench_env
-from side_by_side import add_side_by_side_args, ours_log_figures, peak_gpu_mib, print_side_by_side, run_contenders
+from side_by_side import (
+    add_side_by_side_args,
+    ours_log_figures,
+    peak_gpu_mib,
+    print_side_by_side,
+    run_contenders,
+    train_log,
+)
 
 NAMES = {
     "ours": "scripts/train_dpo.py (ours), adapters off",
@@ -128,7 +135,7 @@ def figures(key: str, data: dict, workdir: Path) -> dict:
         "per_s": data["train_pairs_per_second"],
         "gpu_mib": peak_gpu_mib(data),
         "steps": data["optimizer_steps"],
-        **ours_log_figures(workdir / key, data),
+        **ours_log_figures(train_log(workdir / key), data),
     }
 
 

@@ -29,7 +29,14 @@ import psutil
 from baselines.common import demo_raw_datasets
 from bench_sft import demo_model_dir
 from bench_train import HERE, REPO, accelerate_launch, bench_env
-from side_by_side import add_side_by_side_args, ours_log_figures, peak_gpu_mib, print_side_by_side, run_contenders
+from side_by_side import (
+    add_side_by_side_args,
+    ours_log_figures,
+    peak_gpu_mib,
+    print_side_by_side,
+    run_contenders,
+    train_log,
+)
 
 NAMES = {
     "ours": "scripts/train_grpo.py (ours)",
@@ -112,14 +119,14 @@ def figures(key: str, data: dict, workdir: Path) -> dict:
     if key == "trl":
         per_s = data["train_prompts"] / data["train_time_s"]
         return {"per_s": per_s, "gpu_mib": peak_gpu_mib(data), "steps": data["optimizer_steps"]}
-    log = [json.loads(line) for line in open(workdir / key / "train_log.jsonl")]
+    log = train_log(workdir / key)
     shares = [record["train/generation_share"] for record in log if "train/generation_share" in record]
     return {
         "per_s": data["train_prompts_per_second"],
         "gpu_mib": peak_gpu_mib(data),
         "steps": data["optimizer_steps"],
         "generation_share": sum(shares) / len(shares) if shares else None,
-        **ours_log_figures(workdir / key, data),  # steady prompts/s; with --compile_generation what it compiled
+        **ours_log_figures(log, data),  # steady prompts/s; with --compile_generation what it compiled
     }
 
 

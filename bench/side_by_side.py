@@ -32,12 +32,16 @@ def peak_gpu_mib(data: dict) -> float | None:
     return data.get("peak_gpu_memory_mb") or (max(per_rank) if per_rank else None)
 
 
-def ours_log_figures(run_dir: Path, data: dict) -> dict:
-    """From one of our runs: the steady speed (samples/s, the median of the later half of its logged windows: after
-    a compilation) and what torch.compile compiled, where it did (metrics.json's compile counts)."""
+def train_log(run_dir: Path) -> list[dict]:
+    """One of our runs' train_log.jsonl: a record per logged window."""
+    return [json.loads(line) for line in open(run_dir / "train_log.jsonl")]
+
+
+def ours_log_figures(log: list[dict], data: dict) -> dict:
+    """From one of our runs (its `train_log` and metrics.json): the steady speed (samples/s, the median of the later
+    half of its logged windows: after a compilation) and what torch.compile compiled, where it did."""
     from ddp_utils.training.compilation import COUNTS
 
-    log = [json.loads(line) for line in open(run_dir / "train_log.jsonl")]
     speeds = [record["train/samples_per_second"] for record in log if "train/samples_per_second" in record]
     return {
         "steady_per_s": statistics.median(speeds[len(speeds) // 2 :]) if speeds else None,

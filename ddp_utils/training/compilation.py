@@ -1,5 +1,5 @@
-"""torch.compile: dynamo's settings for --torch_compile, and what it traced in this process (for metrics.json and
-for --compile_generation's warning)."""
+"""torch.compile: Accelerate's plugin and dynamo's settings for a compiled model (--torch_compile), and what it
+traced in this process (for metrics.json and for --compile_generation's warning)."""
 
 from __future__ import annotations
 
