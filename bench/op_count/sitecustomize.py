@@ -20,21 +20,28 @@ if os.environ.get("OPS_PER_STEP_DIR"):
     class _OperatorCount(TorchDispatchMode):
         ops = 0
 
+        by_name = {}  # the operators of the step under way, by name: which ones a step spends
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not func.is_view:
                 _OperatorCount.ops += 1
+                name = str(func.overloadpacket)
+                _OperatorCount.by_name[name] = _OperatorCount.by_name.get(name, 0) + 1
             return func(*args, **(kwargs or {}))
 
     _ends = []  # the operators counted when each optimizer step ended
+    _steps_by_name = []  # each step's operators by name, most first
     _out = Path(os.environ["OPS_PER_STEP_DIR"]) / f"ops-{os.getpid()}.json"
 
     def _step_ended(optimizer, args, kwargs):
         if _ends and _ends[-1] == _OperatorCount.ops:  # one entry per step, whatever the number of optimizers
             return
         _ends.append(_OperatorCount.ops)
+        _steps_by_name.append(dict(sorted(_OperatorCount.by_name.items(), key=lambda kv: -kv[1])))
+        _OperatorCount.by_name = {}
         # Written at every step: the scripts end with os._exit, which skips atexit.
         _out.parent.mkdir(parents=True, exist_ok=True)
-        _out.write_text(json.dumps({"step_ends": _ends}))
+        _out.write_text(json.dumps({"step_ends": _ends, "by_name": _steps_by_name}))
 
     register_optimizer_step_post_hook(_step_ended)
     _OperatorCount().__enter__()  # for the whole process, this thread (autograd's CPU work runs on it too)
