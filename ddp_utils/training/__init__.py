@@ -2,6 +2,7 @@
 
 - pretrained.py    load_model_config, fetch_weights: a model from the Hub or a local directory
 - fsdp.py          load_pretrained (under FSDP only rank 0 reads the weights), fixes to Accelerate's FSDP2 preparation
+- zero3_loading.py under DeepSpeed ZeRO-3, a checkpoint whose head has another shape loaded whole
 - optimizer.py     make_adamw, make_lr_scheduler, train_in_fp32
 - step_plan.py     StepPlan: steps, epochs, progress; dropout seeded per micro-batch
 - exact_loss.py    count_step, global_mean_loss: the step's loss over all its examples on all ranks

@@ -33,6 +33,9 @@ import os
 from accelerate.logging import get_logger
 from accelerate.state import PartialState
 
+from .pretrained import keep_used_weight_conversions
+from .zero3_loading import loading_context
+
 logger = get_logger(__name__)
 
 
@@ -126,10 +129,13 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
     and receive the weights while Accelerate shards the model in `prepare`. Each rank then holds
     one copy's worth of CPU memory in all, not one copy each. Elsewhere, every rank loads it; so
     does every rank of a model with persistent buffers (BatchNorm's statistics), which Accelerate
-    1.15 cannot send (see `fix_fsdp2_preparation`)."""
+    1.15 cannot send (see `fix_fsdp2_preparation`). Under DeepSpeed ZeRO-3 a checkpoint with a head of
+    another shape is loaded whole (`zero3_loading.loading_context`), and the model keeps only the key
+    renamings its loading applied (`keep_used_weight_conversions`), for `save_pretrained`."""
     state = PartialState()
-    if not ram_efficient_loading() or state.num_processes == 1:
-        return model_class.from_pretrained(model_name_or_path, **kwargs)
+    if not ram_efficient_loading() or state.num_processes == 1:  # DDP, DeepSpeed (ZeRO-3: inside zero.Init)
+        with loading_context(model_class, model_name_or_path, kwargs):  # ZeRO-3 with a head of another shape
+            return keep_used_weight_conversions(model_class.from_pretrained(model_name_or_path, **kwargs))
     from accelerate import init_empty_weights
     from accelerate.utils import broadcast_object_list
 

@@ -74,13 +74,18 @@ def weight_decay_groups(model, weight_decay: float) -> list[dict]:
     Chosen by name, as `transformers.Trainer` does, not by shape: under DeepSpeed ZeRO-3 every
     parameter is a flat, empty 1-D tensor by the time the optimizer is built, and a shape rule would
     put all of them in the no-decay group.
+
+    An empty group is left out (LoRA's adapters all take decay): DeepSpeed ZeRO-3 drops it from the
+    optimizer it builds, and the learning-rate schedule, built on the groups given, then failed at
+    its first step ("zip() argument 2 is longer than argument 1").
     """
     no_decay = set(no_decay_parameter_names(model))
     parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    return [
+    groups = [
         {"params": [p for name, p in parameters if name not in no_decay], "weight_decay": weight_decay},
         {"params": [p for name, p in parameters if name in no_decay], "weight_decay": 0.0},
     ]
+    return [group for group in groups if group["params"]]
 
 
 # transformers.Trainer's name patterns for parameters without weight decay (on the lower-cased name).

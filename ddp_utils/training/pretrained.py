@@ -33,6 +33,21 @@ def fetch_weights(model_name_or_path: str) -> list[str]:
     return []  # no weights file by these names: from_pretrained will say what it misses
 
 
+def keep_used_weight_conversions(model):
+    """Keep only the weight renamings and conversions that loading `model` applied, so that
+    `save_pretrained` reverts only those, and return `model`. Any rank may call it; no communication.
+
+    transformers 5 renames some checkpoint keys while loading, and reverts the renamings it applied when
+    saving. Under DeepSpeed ZeRO-3 (transformers 5.23's `_load_state_dict_into_zero3_model`) it kept every
+    renaming it knows, its legacy ones included, as applied: a BERT fine-tuned there was saved with
+    `LayerNorm.gamma` and `LayerNorm.beta` for `weight` and `bias`, names that transformers reads back and
+    other readers of the file do not. Elsewhere transformers keeps only those applied: this changes nothing."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [c for c in conversions if getattr(c, "was_used", lambda: True)()]
+    return model
+
+
 def load_model_config(model_name_or_path: str, trust_remote_code: bool = False, **overrides):
     """`AutoConfig.from_pretrained(model_name_or_path, **overrides)`, or a `UsageError` that names
     the model when it is neither a local directory nor a reachable Hub model, or when it holds

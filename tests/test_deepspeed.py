@@ -1,0 +1,209 @@
+"""DeepSpeed ZeRO as accelerate_configs/deepspeed_zero*.yaml ask for it, on 2 CPU processes over gloo, every
+script unchanged (tests/launched/deepspeed_on_cpu.py: Accelerate's own DeepSpeed path and DeepSpeed's engine
+on its CPU accelerator, turned on where Accelerate would not turn it on itself; docs/design.md says what that
+changes). What users rely on:
+
+- ZeRO-2 trains the same model as DDP, dropout on (measured 0.0 apart), and resumes bit for bit;
+- ZeRO-3 builds the model sharded (`zero.Init`), trains the same model as DDP, resumes bit for bit, and saves
+  it under the checkpoint's own names, reloadable; with optimizer offload, DeepSpeedCPUAdam trains it;
+- LoRA under ZeRO-3 (DPO, its pair mask and its reference with the adapters off; GRPO, its sampling
+  with `synced_gpus`) trains what DDP trains;
+- a checkpoint whose head has another shape (ImageNet's classes) loads under ZeRO-3 and trains as under DDP;
+- fp16's loss scaler (DeepSpeed's own) skips the steps that overflow, and the run counts them and goes on.
+
+The runs compare in fp32 (`--mixed_precision no`), except the fp16 one and one bf16 run, the configs' default."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import CPU_CONFIG, REPO, dpo_args, launch, make_tiny_causal_lm, make_tiny_model, train_args
+
+pytest.importorskip("deepspeed", reason="make installs DeepSpeed (requirements-deepspeed.txt)")
+
+CONFIGS = REPO / "accelerate_configs"
+ON_CPU = REPO / "tests" / "launched" / "deepspeed_on_cpu.py"
+ATOL = 1e-6  # ZeRO-2 against DDP: the same sums (measured 0.0)
+ATOL_ZERO3 = 1e-5  # ZeRO-3 reduce-scatters gradients in its own buckets: the sums in another order (measured 1.1e-6)
+
+
+def zero(script, *args, config="deepspeed_zero2.yaml", precision="no", env=None):
+    """`accelerate launch --config_file accelerate_configs/<config>` of scripts/<script>.py on 2 CPU processes."""
+    launcher = ["--config_file", CONFIGS / config, "--num_processes", 2, "--mixed_precision", precision]
+    return launch(ON_CPU, script, *args, launcher_args=[str(a) for a in launcher], env=env)
+
+
+def ddp(script, *args):
+    launcher = ["--config_file", CPU_CONFIG, "--num_processes", 2]
+    return launch(REPO / "scripts" / f"{script}.py", *args, launcher_args=[str(a) for a in launcher])
+
+
+def ok(result):
+    assert result.returncode == 0, result.output[-4000:]
+    return result
+
+
+def assert_close(output_dir, reference_dir, atol, name="model.safetensors"):
+    ours, reference = load_file(str(output_dir / name)), load_file(str(reference_dir / name))
+    assert sorted(ours) == sorted(reference)  # the checkpoint's names, as DDP saves them
+    worst = max(float(np.abs(ours[key].astype(np.float64) - reference[key]).max()) for key in reference)
+    assert worst <= atol, f"{output_dir.name} is {worst:.2e} from {reference_dir.name} (tolerance {atol})"
+
+
+def assert_identical(output_dir, reference_dir):
+    ours, reference = (load_file(str(directory / "model.safetensors")) for directory in (output_dir, reference_dir))
+    different = [key for key in reference if not np.array_equal(ours[key], reference[key])]
+    assert different == [], f"not bit for bit the uninterrupted run: {different[:5]}"
+
+
+def metrics(output_dir) -> dict:
+    return json.loads((output_dir / "metrics.json").read_text())
+
+
+# --- scripts/train.py: a tiny BERT with dropout 0.1, 60 examples, a global batch of 8 -------------
+
+
+@pytest.fixture(scope="module")
+def dropout_bert(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("bert-dropout"), dropout=0.1)
+
+
+def classifier(model, data, output_dir, *extra):
+    return train_args(
+        model, data, output_dir, "--max_train_steps", 6, "--seed", 7, "--report_to", "none",
+        "--per_device_train_batch_size", 4, "--checkpointing_steps", 3, *extra,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ddp_classifier(dropout_bert, tiny_data, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("ddp") / "run"
+    ok(ddp("train", *classifier(dropout_bert, tiny_data, output_dir)))
+    return output_dir
+
+
+@pytest.mark.parametrize(
+    "config, atol, optimizer",
+    [
+        ("deepspeed_zero2.yaml", ATOL, "DeepSpeedZeroOptimizer > AdamW (fused)"),
+        ("deepspeed_zero3.yaml", ATOL_ZERO3, "DeepSpeedZeroOptimizer_Stage3 > AdamW (fused)"),
+    ],
+)
+def test_zero_trains_what_ddp_trains_with_dropout_and_resumes_bit_for_bit(
+    config, atol, optimizer, dropout_bert, tiny_data, ddp_classifier, tmp_path
+):
+    """Before the fix, ZeRO-3 saved BERT's LayerNorms as `gamma` and `beta` (transformers 5.23 kept its legacy
+    renamings as applied when it built the model sharded, and reverted them when saving)."""
+    run = ok(zero("train", *classifier(dropout_bert, tiny_data, tmp_path / "run"), config=config))
+    assert f"optimizer: {optimizer}" in run.output
+    assert (metrics(tmp_path / "run")["distributed_type"], metrics(tmp_path / "run")["world_size"]) == ("DEEPSPEED", 2)
+    assert_close(tmp_path / "run", ddp_classifier, atol)
+    resume = ["--resume_from_checkpoint", tmp_path / "run" / "checkpoint-3"]
+    ok(zero("train", *classifier(dropout_bert, tiny_data, tmp_path / "resumed", *resume), config=config))
+    assert_identical(tmp_path / "resumed", tmp_path / "run")
+
+    from transformers import AutoModelForSequenceClassification
+
+    _, loading = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run", output_loading_info=True)
+    assert not (loading["missing_keys"] or loading["unexpected_keys"] or loading["mismatched_keys"])
+
+
+def test_zero3_with_offload_trains_with_deepspeeds_cpu_adam(dropout_bert, tiny_data, ddp_classifier, tmp_path):
+    """Accelerate swaps the scripts' AdamW for DeepSpeedCPUAdam (a C++ extension DeepSpeed builds on first use)."""
+    args = classifier(dropout_bert, tiny_data, tmp_path / "run")
+    run = ok(zero("train", *args, config="deepspeed_zero3_offload.yaml"))
+    assert "optimizer: DeepSpeedZeroOptimizer_Stage3 > DeepSpeedCPUAdam" in run.output
+    assert_close(tmp_path / "run", ddp_classifier, atol=ATOL_ZERO3)  # another Adam's arithmetic (measured 4.0e-6)
+
+
+def test_fp16_overflows_are_skipped_counted_and_the_run_goes_on(dropout_bert, tiny_data, tmp_path):
+    """DeepSpeed's loss scaler from 2**30: it skips a step at each overflow, lowering the scale from the second
+    (its hysteresis), until the scaled gradients fit fp16; this model's fit from 2**16 (DeepSpeed's first scale,
+    0 skipped), so 1 + 14 steps are skipped. The run's guard counts DeepSpeed's skips as skips, not as faults."""
+    args = classifier(dropout_bert, tiny_data, tmp_path / "run", "--max_train_steps", 24, "--checkpointing_steps", "no")
+    ok(zero("train", *args, precision="fp16", env={"FP16_INIT_SCALE_POWER": "30"}))
+    result = metrics(tmp_path / "run")
+    assert (result["mixed_precision"], result["optimizer_steps"]) == ("fp16", 24)
+    assert result["optimizer_steps_skipped"] == 15
+    logged = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert sum(record.get("train/skipped_steps", 0) for record in logged) == 15
+    assert np.isfinite(result["eval_loss"])
+
+
+# --- LoRA under ZeRO-3: DPO and GRPO on the tiny Llama ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tmp_path_factory):
+    return make_tiny_causal_lm(tmp_path_factory.mktemp("llama"), chat_template=True)
+
+
+def test_dpo_with_lora_under_zero3_trains_what_ddp_trains(chat_llama, pairs, tmp_path):
+    """Before the fix, every LoRA run under ZeRO-3 failed at its first learning-rate step ("zip() argument 2 is
+    longer than argument 1"): the optimizer's second group (no decay) was empty, and ZeRO-3 drops empty groups."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    steps = ["--max_train_steps", 4, "--per_device_train_batch_size", 2, "--lora_r", 8]
+    run = ok(zero("train_dpo", *dpo_args(chat_llama, pairs, tmp_path / "run", *steps), config="deepspeed_zero3.yaml"))
+    ok(ddp("train_dpo", *dpo_args(chat_llama, pairs, tmp_path / "ddp", *steps)))
+    assert "LoRA r=8: 8,704 trainable of 50,592 parameters" in run.output  # the partitioned weights counted whole
+    assert_close(tmp_path / "run", tmp_path / "ddp", ATOL_ZERO3, name="adapter_model.safetensors")  # measured 1.1e-6
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat_llama), tmp_path / "run")
+
+
+def test_grpo_with_lora_under_zero3_samples_and_trains_what_ddp_trains(chat_llama, tmp_path):
+    """Sampling under ZeRO-3 passes `synced_gpus`: every rank takes part in each decoding step until all are done."""
+    from test_grpo import grpo_args, write_prompts
+
+    data = write_prompts(tmp_path)
+    steps = ["--max_train_steps", 3, "--per_device_train_batch_size", 2]
+    ok(zero("train_grpo", *grpo_args(chat_llama, data, tmp_path / "run", *steps), config="deepspeed_zero3.yaml"))
+    ok(ddp("train_grpo", *grpo_args(chat_llama, data, tmp_path / "ddp", *steps)))
+    assert_close(tmp_path / "run", tmp_path / "ddp", ATOL_ZERO3, name="adapter_model.safetensors")  # measured 1.3e-8
+
+
+# --- scripts/train_image.py: a ResNet whose checkpoint has a head for 2 classes, trained on 3 ------------------
+
+
+def test_a_head_of_another_shape_loads_under_zero3_and_trains_what_ddp_trains(tmp_path):
+    """Before the fix, transformers 5.23 failed inside `from_pretrained` under ZeRO-3 ("size mismatch for
+    classifier.1.weight" on one rank, "Fan in and fan out can not be computed" on the other): it builds the model
+    sharded and ignores `ignore_mismatched_sizes` there, and `zero3_init_flag: false` does not avoid it."""
+    from test_image import image_args, make_tiny_resnet, write_image_folder
+
+    model = make_tiny_resnet(tmp_path / "resnet")  # saved with transformers' default of 2 labels
+    images = {
+        "train": write_image_folder(tmp_path / "train", {"dark": 8, "bright": 8, "striped": 8}, seed=1),
+        "validation": write_image_folder(tmp_path / "validation", {"dark": 3, "bright": 3, "striped": 3}, seed=2),
+    }
+    extra = ["--num_train_epochs", 1, "--per_device_train_batch_size", 4]
+    run = ok(zero("train_image", *image_args(model, images, tmp_path / "run", *extra), config="deepspeed_zero3.yaml"))
+    ok(ddp("train_image", *image_args(model, images, tmp_path / "ddp", *extra)))
+    assert run.output.count("classifier.1.bias, classifier.1.weight have other shapes than this model's") == 1
+    assert_close(tmp_path / "run", tmp_path / "ddp", ATOL_ZERO3)  # measured 1.2e-7
+
+
+# --- the configs' default: bf16 ---------------------------------------------------------------------------------
+
+
+def test_lora_sft_in_bf16_under_zero3_saves_an_adapter_that_reloads(chat_llama, sft_data, tmp_path):
+    """DeepSpeed's bf16: the engine casts the model to bf16 and keeps fp32 master weights in its optimizer."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from conftest import sft_args
+
+    args = sft_args(chat_llama, sft_data, tmp_path / "run", "--max_train_steps", 4, "--report_to", "none",
+                    "--per_device_train_batch_size", 2, "--lora_r", 8)  # fmt: skip
+    ok(zero("train_sft", *args, config="deepspeed_zero3.yaml", precision="bf16"))
+    result = metrics(tmp_path / "run")
+    assert (result["distributed_type"], result["mixed_precision"]) == ("DEEPSPEED", "bf16")
+    assert np.isfinite(result["eval_loss"])
+    adapter = load_file(str(tmp_path / "run" / "adapter_model.safetensors"))
+    assert {str(value.dtype) for value in adapter.values()} == {"float32"}  # the fp32 master weights, saved
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat_llama), tmp_path / "run")
+    assert os.path.exists(tmp_path / "run" / "predictions.jsonl")  # generation under ZeRO-3 answered the prompts
