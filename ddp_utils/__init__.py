@@ -37,7 +37,6 @@ What the scripts call, one job a line, in the order a script uses it:
   make_adamw, make_lr_scheduler     the optimizer and its schedule (training/optimizer.py)
   train_in_fp32, describe_optimizer fp32 master weights under mixed precision; the log's line (same)
   load_config_and_tokenizer, load_causal_lm   a causal LM, LoRA, GGUF (language_models/causal_lm.py)
-  check_merge_lora                  --merge_lora checked before training (language_models/lora.py)
   StepPlan                          steps, epochs and progress (training/step_plan.py)
   start_training                    output directory (prepare_output_dir), Checkpointer with resume, TrainingLog,
                                     OOMBackoff (lifecycle/start.py)
@@ -61,7 +60,7 @@ from .data.dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader
 from .data.evaluation import check_metric_for_best_model, gather_for_eval, load_metric
 from .data.raw_data import check_splits, named_splits, preparation_processes, read_data_files
 from .language_models.causal_lm import load_causal_lm, load_config_and_tokenizer
-from .language_models.lora import check_merge_lora, save_with_merged
+from .language_models.lora import save_with_merged
 from .lifecycle.args import (
     add_causal_lm_args,
     add_training_args,
@@ -93,7 +92,6 @@ __all__ = [
     "add_training_args",
     "check_causal_lm_args",
     "check_data_args",
-    "check_merge_lora",
     "check_metric_for_best_model",
     "check_positive",
     "check_splits",

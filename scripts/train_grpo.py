@@ -168,7 +168,6 @@ def prepare_data(args):
 def main():
     args = parse_args()
     accelerator = ddp_utils.start_run(args, dynamo_backend="inductor" if args.torch_compile else "no")
-    ddp_utils.check_merge_lora(accelerator, args)  # a sharded model cannot be merged on one rank
 
     tokenized, tokenizer, config, raw = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
     model = ddp_utils.load_causal_lm(args, config, tokenizer)  # every rank at once (a collective under ZeRO-3)

@@ -7,7 +7,7 @@ changes). What users rely on:
 - ZeRO-3 builds the model sharded (`zero.Init`), trains the same model as DDP, resumes bit for bit, and saves
   it under the checkpoint's own names, reloadable; with optimizer offload, DeepSpeedCPUAdam trains it;
 - LoRA under ZeRO-3 (DPO, its pair mask and its reference with the adapters off; GRPO, its sampling
-  with `synced_gpus`) trains what DDP trains;
+  with `synced_gpus`) trains what DDP trains, and `--merge_lora` saves what DDP saves;
 - a checkpoint whose head has another shape (ImageNet's classes) loads under ZeRO-3 and trains as under DDP;
 - fp16's loss scaler (DeepSpeed's own) skips the steps that overflow, and the run counts them and goes on.
 
@@ -20,7 +20,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import CPU_CONFIG, REPO, dpo_args, launch, make_tiny_causal_lm, make_tiny_model, train_args
+from conftest import (
+    CPU_CONFIG,
+    REPO,
+    assert_error_is_last,
+    dpo_args,
+    launch,
+    make_tiny_causal_lm,
+    make_tiny_model,
+    train_args,
+)
 
 pytest.importorskip("deepspeed", reason="make installs DeepSpeed (requirements-deepspeed.txt)")
 
@@ -30,10 +39,10 @@ ATOL = 1e-6  # ZeRO-2 against DDP: the same sums (measured 0.0)
 ATOL_ZERO3 = 1e-5  # ZeRO-3 reduce-scatters gradients in its own buckets: the sums in another order (measured 1.1e-6)
 
 
-def zero(script, *args, config="deepspeed_zero2.yaml", precision="no", env=None):
-    """`accelerate launch --config_file accelerate_configs/<config>` of scripts/<script>.py on 2 CPU processes."""
-    launcher = ["--config_file", CONFIGS / config, "--num_processes", 2, "--mixed_precision", precision]
-    return launch(ON_CPU, script, *args, launcher_args=[str(a) for a in launcher], env=env)
+def zero(script, *args, config="deepspeed_zero2.yaml", precision="no", env=None, num_processes=2, **launching):
+    """`accelerate launch --config_file accelerate_configs/<config>` of scripts/<script>.py on CPU processes."""
+    launcher = ["--config_file", CONFIGS / config, "--num_processes", num_processes, "--mixed_precision", precision]
+    return launch(ON_CPU, script, *args, launcher_args=[str(a) for a in launcher], env=env, **launching)
 
 
 def ddp(script, *args):
@@ -111,6 +120,21 @@ def test_zero_trains_what_ddp_trains_with_dropout_and_resumes_bit_for_bit(
     assert not (loading["missing_keys"] or loading["unexpected_keys"] or loading["mismatched_keys"])
 
 
+def test_a_zero_checkpoint_resumed_on_another_number_of_processes_is_refused_in_one_line(
+    dropout_bert, tiny_data, tmp_path
+):
+    """DeepSpeed loads a ZeRO checkpoint only on as many processes as saved it; its own error came from inside
+    the load, and the checkpoint was then reported as damaged (tested before against a stand-in checkpoint)."""
+    ok(zero("train", *classifier(dropout_bert, tiny_data, tmp_path / "run", "--max_train_steps", 3)))
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    resume = ["--resume_from_checkpoint", checkpoint, "--per_device_train_batch_size", 8]
+    result = zero("train", *classifier(dropout_bert, tiny_data, tmp_path / "one", *resume), num_processes=1,
+                  real_launcher=True)  # fmt: skip
+    assert result.returncode != 0 and result.seconds < 60
+    expected = f"checkpoint {str(checkpoint)!r} was saved under DeepSpeed ZeRO by 2 processes, and this run has 1"
+    assert_error_is_last(result, expected)
+
+
 def test_zero3_with_offload_trains_with_deepspeeds_cpu_adam(dropout_bert, tiny_data, ddp_classifier, tmp_path):
     """Accelerate swaps the scripts' AdamW for DeepSpeedCPUAdam (a C++ extension DeepSpeed builds on first use)."""
     args = classifier(dropout_bert, tiny_data, tmp_path / "run")
@@ -141,18 +165,21 @@ def chat_llama(tmp_path_factory):
     return make_tiny_causal_lm(tmp_path_factory.mktemp("llama"), chat_template=True)
 
 
-def test_dpo_with_lora_under_zero3_trains_what_ddp_trains(chat_llama, pairs, tmp_path):
+def test_dpo_with_lora_under_zero3_trains_and_merges_what_ddp_does(chat_llama, pairs, tmp_path):
     """Before the fix, every LoRA run under ZeRO-3 failed at its first learning-rate step ("zip() argument 2 is
-    longer than argument 1"): the optimizer's second group (no decay) was empty, and ZeRO-3 drops empty groups."""
+    longer than argument 1"): the optimizer's second group (no decay) was empty, and ZeRO-3 drops empty groups.
+    --merge_lora was refused under DeepSpeed; the merged copy is now built whole, outside ZeRO-3's shards."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    steps = ["--max_train_steps", 4, "--per_device_train_batch_size", 2, "--lora_r", 8]
+    steps = ["--max_train_steps", 4, "--per_device_train_batch_size", 2, "--lora_r", 8, "--merge_lora"]
     run = ok(zero("train_dpo", *dpo_args(chat_llama, pairs, tmp_path / "run", *steps), config="deepspeed_zero3.yaml"))
     ok(ddp("train_dpo", *dpo_args(chat_llama, pairs, tmp_path / "ddp", *steps)))
     assert "LoRA r=8: 8,704 trainable of 50,592 parameters" in run.output  # the partitioned weights counted whole
     assert_close(tmp_path / "run", tmp_path / "ddp", ATOL_ZERO3, name="adapter_model.safetensors")  # measured 1.1e-6
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat_llama), tmp_path / "run")
+    assert_close(tmp_path / "run" / "merged", tmp_path / "ddp" / "merged", ATOL_ZERO3)  # measured 1.4e-7
+    AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "merged")
 
 
 def test_grpo_with_lora_under_zero3_samples_and_trains_what_ddp_trains(chat_llama, tmp_path):

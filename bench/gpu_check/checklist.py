@@ -37,6 +37,7 @@ of work that needs torch (this file with --helper), so a broken import breaks on
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -72,6 +73,7 @@ STEPS = {
 }
 FP16_SCALER = REPO / "tests" / "launched" / "fp16_scaler.py"  # a script run with torch's GradScaler, first scale set
 FSDP_ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"  # a script run under FSDP2 on CPU processes
+DEEPSPEED_ON_CPU = REPO / "tests" / "launched" / "deepspeed_on_cpu.py"  # the same under DeepSpeed ZeRO
 # Dense bf16 peaks (no sparsity) that MFU divides by, by GPU name. H100 SXM (HBM3) and H200: 989 TFLOP/s.
 PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
 # The LLM cases of step 2: (step, our options, TRL's best settings for the same case).
@@ -112,8 +114,8 @@ RUN_S = {
     ("3", "eager"): (9.0, 10),  # only when step 2a's lora run is not there (a machine started afresh)
     ("3", "compiled"): (18.9, 180),  # inductor: 30 layers, forward and backward, in pieces, and a recompile
     ("4", "train"): (12.4, 40),  # with the reload helper; 20 steps, 2 sharded checkpoints, 64 prompts
-    ("5", "zero2"): (10.6, 60),  # with a reload; DeepSpeed's start, 20 steps, 64 prompts, the save
-    ("5", "zero3"): (10.6, 60),  # not in the dry run: zero2's
+    ("5", "zero2"): (10.7, 60),  # with a reload; DeepSpeed's start, 20 steps, 64 prompts, the save
+    ("5", "zero3"): (9.4, 60),  # both through tests/launched/deepspeed_on_cpu.py since 2026-11-26
     ("6", "plain"): (11.3, 15),  # 10 epochs of 1,437 digits; the dry run runs it as step 7's image run
     ("6", "sync_batchnorm"): (11.3, 15),  # the dry run stops at the CPU's refusal: taken as plain's
     ("7", "image"): (11.3, 15),
@@ -399,14 +401,19 @@ class Checklist:
     def accelerate(self, config: str, script: str, *args, processes: int = 1) -> tuple[list, str]:
         """`accelerate launch` with a repository config. In the dry run, fsdp.yaml runs through
         tests/launched/fsdp_on_cpu.py (Accelerate's own FSDP2 path on CPU processes, as the test suite
-        runs it), and a DeepSpeed config, which needs CUDA, becomes cpu_2proc.yaml; the step records which."""
+        runs it), and a DeepSpeed config through tests/launched/deepspeed_on_cpu.py (Accelerate's DeepSpeed path
+        and DeepSpeed's engine on CPU processes), or where deepspeed is not installed, cpu_2proc.yaml; the step
+        records which."""
         used, target = config, [REPO / "scripts" / script]
         if self.dry_run and config.startswith("fsdp"):
             target = [FSDP_ON_CPU, REPO / "scripts" / script]
             self.note(f"dry run: accelerate_configs/{config} through tests/launched/fsdp_on_cpu.py (FSDP2 on CPU)")
+        elif self.dry_run and config.startswith("deepspeed") and importlib.util.find_spec("deepspeed"):
+            target = [DEEPSPEED_ON_CPU, REPO / "scripts" / script]
+            self.note(f"dry run: accelerate_configs/{config} through tests/launched/deepspeed_on_cpu.py (on CPU)")
         elif self.dry_run and config.startswith("deepspeed"):
             used = "cpu_2proc.yaml"
-            self.note(f"dry run: accelerate_configs/{config} replaced by cpu_2proc.yaml (it runs on GPUs only)")
+            self.note(f"dry run: accelerate_configs/{config} replaced by cpu_2proc.yaml (deepspeed is not installed)")
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / used]
         command += ["--num_processes", processes, "--main_process_port", free_port(), *target, *args]
         return command, used
@@ -818,14 +825,14 @@ class Checklist:
             if not self.dry_run:
                 raise Skip(reason)
             self.note(f"on the GPU machine this step would be skipped: {reason}")
-        rows = []
+        rows, on_cpu_2proc = [], self.dry_run and not importlib.util.find_spec("deepspeed")
         for stage in (2, 3):
             name = f"zero{stage}"
-            if self.dry_run and stage == 3:
+            if on_cpu_2proc and stage == 3:
                 self.step_record["runs"][name] = {
                     "name": name,
                     "status": "skipped",
-                    "reason": "dry run: on a CPU both stages run the same cpu_2proc.yaml command",
+                    "reason": "dry run: without deepspeed both stages run the same cpu_2proc.yaml command",
                 }
                 continue
             steps = ["--max_train_steps", s.sharded_steps]
@@ -838,7 +845,7 @@ class Checklist:
             figures = sft_figures(
                 read_json(work / name / "metrics.json"), self.llm()["facts"], self.peak(), "ours", "full"
             )
-            if self.dry_run:  # the same helper as step 4's, on a CPU run that is no ZeRO run
+            if on_cpu_2proc:  # the same helper as step 4's, on a CPU run that is no ZeRO run
                 figures["reload"] = {"summary": "not checked in the dry run"}
             else:
                 figures["reload"] = self.helper("reload", work / name)[name]

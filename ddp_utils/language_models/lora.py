@@ -6,6 +6,7 @@ FSDP a CPU copy is merged on the main process)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -15,6 +16,7 @@ from ..checkpoints.write_failure import agree_on_write
 from ..core.errors import UsageError
 from ..core.sharded import is_sharded
 from ..results.output import save_model, saved_dtype, write_pretrained
+from ..training.zero3_loading import built_whole, zero3_enabled
 
 logger = get_logger(__name__)
 
@@ -86,22 +88,13 @@ def add_lora(model, args):
     return model
 
 
-def check_merge_lora(accelerator, args) -> None:
-    """Refuse --merge_lora under DeepSpeed, where the merge has never run. Every rank calls it before
-    any work; no communication."""
-    if getattr(args, "merge_lora", False) and accelerator.distributed_type.value == "DEEPSPEED":
-        raise UsageError(
-            "--merge_lora has never run under DeepSpeed; train without it, then merge: "
-            "PeftModel.from_pretrained(base_model, output_dir).merge_and_unload().save_pretrained(...)"
-        )
-
-
 def save_with_merged(accelerator, model, args, tokenizer) -> None:
     """All ranks call this (`save_model` is a collective under FSDP and DeepSpeed): save the model
     to --output_dir, with LoRA as its adapter; with --merge_lora also the adapter merged into the
     base weights in `merged/`, a full model that loads with AutoModelForCausalLM alone, without
     peft. Unsharded, the merge changes the model in place: it computes the same afterwards, without
-    LoRA layers. Under FSDP the main process merges a CPU copy built from the gathered weights."""
+    LoRA layers. Under FSDP and DeepSpeed the main process merges a CPU copy built from the gathered
+    weights (under ZeRO-3 with `zero3_save_16bit_model: true`, as our config has it)."""
     save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)
     if not args.merge_lora:
         return
@@ -133,7 +126,8 @@ def merged_copy(peft_model, state_dict: dict):
     from peft import get_peft_model
 
     base = peft_model.get_base_model()
-    with init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies)
+    whole = built_whole() if zero3_enabled() else contextlib.nullcontext()  # not built in ZeRO-3's shards
+    with whole, init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies)
         copy = get_peft_model(type(base)._from_config(base.config), peft_model.peft_config["default"])
     copy.load_state_dict(state_dict, strict=True, assign=True)
     copy.get_base_model().tie_weights()  # assign=True unties shared weights; the config says which are tied
