@@ -451,8 +451,8 @@ def test_a_deepspeed_checkpoint_of_another_number_of_processes_is_refused_with_i
     """DeepSpeed ZeRO loads its optimizer partitions only on as many processes as saved them; its
     exception, from inside the load, used to be reported as a damaged checkpoint. Now the checkpoint
     is refused before anything is loaded, naming the cause and the layouts that resume it.
-    (DeepSpeed is not installed here: the checkpoint is laid out as it writes one under Accelerate,
-    and the Accelerator is a stand-in.)"""
+    (A unit test: the checkpoint is laid out as DeepSpeed writes one under Accelerate, and the Accelerator
+    is a stand-in; tests/test_deepspeed.py refuses one that ZeRO-2 wrote.)"""
     from types import SimpleNamespace
 
     from accelerate import PartialState
@@ -509,3 +509,39 @@ def test_a_deepspeed_checkpoint_of_another_number_of_processes_is_refused_with_i
     ddp.mkdir()
     (ddp / "optimizer.bin").write_bytes(b"x")
     assert deepspeed_processes_problem(str(ddp), state, 1) is None, "no ZeRO partitions: not DeepSpeed's"
+
+
+@pytest.mark.fast
+def test_a_checkpoint_with_an_empty_optimizer_group_from_an_earlier_version_is_not_called_damaged(tmp_path):
+    """LoRA's optimizer had an empty no-decay group until ZeRO-3 was found to drop it (its schedule then failed);
+    such a checkpoint no longer loads into the one-group optimizer, and it is not damaged: the refusal says so."""
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    from ddp_utils.checkpoints.checkpoint_load import load_checkpoint
+    from ddp_utils.core.errors import UsageError
+    from ddp_utils.training.optimizer import make_adamw
+
+    PartialState(cpu=True)  # the checks log through Accelerate's logger
+    checkpoint = tmp_path / "checkpoint-8"
+    checkpoint.mkdir()
+    state = {"model": "abc", "step": 8, "world_size": 1, "per_device_train_batch_size": 4}
+    state.update(gradient_accumulation_steps=1, global_batch=4)
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    adapters = torch.nn.Linear(4, 4, bias=False)  # LoRA's trainable weights all take decay: one group now
+    before = torch.optim.AdamW([{"params": list(adapters.parameters())}, {"params": []}])  # as it was saved
+
+    def load_state(path):  # what Accelerate's load_state does with the optimizer's saved state
+        make_adamw(adapters, 1e-3, 0.01).load_state_dict(before.state_dict())
+
+    accelerator = SimpleNamespace(
+        distributed_type=DistributedType.NO, num_processes=1, process_index=0, is_main_process=True,
+        load_state=load_state,
+    )  # fmt: skip
+    with pytest.raises(UsageError) as refused:
+        load_checkpoint(accelerator, str(checkpoint), {"model": "abc", "global_batch": 4})
+    assert "(the checkpoint is not damaged)" in str(refused.value)
+    assert "is damaged and could not be loaded" not in str(refused.value)

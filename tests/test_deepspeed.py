@@ -35,8 +35,8 @@ pytest.importorskip("deepspeed", reason="make installs DeepSpeed (requirements-d
 
 CONFIGS = REPO / "accelerate_configs"
 ON_CPU = REPO / "tests" / "launched" / "deepspeed_on_cpu.py"
-ATOL = 1e-6  # ZeRO-2 against DDP: the same sums (measured 0.0)
-ATOL_ZERO3 = 1e-5  # ZeRO-3 reduce-scatters gradients in its own buckets: the sums in another order (measured 1.1e-6)
+# The tolerances against DDP are about 10x what was measured: ZeRO-3 reduce-scatters gradients in buckets of its own,
+# the same sums in another order; ZeRO-2 reduces them as DDP does (measured 0.0, asserted exactly).
 
 
 def zero(script, *args, config="deepspeed_zero2.yaml", precision="no", env=None, num_processes=2, **launching):
@@ -97,8 +97,8 @@ def ddp_classifier(dropout_bert, tiny_data, tmp_path_factory):
 @pytest.mark.parametrize(
     "config, atol, optimizer",
     [
-        ("deepspeed_zero2.yaml", ATOL, "DeepSpeedZeroOptimizer > AdamW (fused)"),
-        ("deepspeed_zero3.yaml", ATOL_ZERO3, "DeepSpeedZeroOptimizer_Stage3 > AdamW (fused)"),
+        ("deepspeed_zero2.yaml", 0.0, "DeepSpeedZeroOptimizer > AdamW (fused)"),  # measured 0.0
+        ("deepspeed_zero3.yaml", 1e-5, "DeepSpeedZeroOptimizer_Stage3 > AdamW (fused)"),  # measured 1.1e-6
     ],
 )
 def test_zero_trains_what_ddp_trains_with_dropout_and_resumes_bit_for_bit(
@@ -140,7 +140,7 @@ def test_zero3_with_offload_trains_with_deepspeeds_cpu_adam(dropout_bert, tiny_d
     args = classifier(dropout_bert, tiny_data, tmp_path / "run")
     run = ok(zero("train", *args, config="deepspeed_zero3_offload.yaml"))
     assert "optimizer: DeepSpeedZeroOptimizer_Stage3 > DeepSpeedCPUAdam" in run.output
-    assert_close(tmp_path / "run", ddp_classifier, atol=ATOL_ZERO3)  # another Adam's arithmetic (measured 4.0e-6)
+    assert_close(tmp_path / "run", ddp_classifier, atol=4e-5)  # another Adam's arithmetic (measured 4.0e-6)
 
 
 def test_fp16_overflows_are_skipped_counted_and_the_run_goes_on(dropout_bert, tiny_data, tmp_path):
@@ -176,9 +176,9 @@ def test_dpo_with_lora_under_zero3_trains_and_merges_what_ddp_does(chat_llama, p
     run = ok(zero("train_dpo", *dpo_args(chat_llama, pairs, tmp_path / "run", *steps), config="deepspeed_zero3.yaml"))
     ok(ddp("train_dpo", *dpo_args(chat_llama, pairs, tmp_path / "ddp", *steps)))
     assert "LoRA r=8: 8,704 trainable of 50,592 parameters" in run.output  # the partitioned weights counted whole
-    assert_close(tmp_path / "run", tmp_path / "ddp", ATOL_ZERO3, name="adapter_model.safetensors")  # measured 1.1e-6
+    assert_close(tmp_path / "run", tmp_path / "ddp", 1e-5, name="adapter_model.safetensors")  # measured 1.1e-6
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat_llama), tmp_path / "run")
-    assert_close(tmp_path / "run" / "merged", tmp_path / "ddp" / "merged", ATOL_ZERO3)  # measured 1.4e-7
+    assert_close(tmp_path / "run" / "merged", tmp_path / "ddp" / "merged", 1e-6)  # measured 1.4e-7
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "merged")
 
 
@@ -190,7 +190,9 @@ def test_grpo_with_lora_under_zero3_samples_and_trains_what_ddp_trains(chat_llam
     steps = ["--max_train_steps", 3, "--per_device_train_batch_size", 2]
     ok(zero("train_grpo", *grpo_args(chat_llama, data, tmp_path / "run", *steps), config="deepspeed_zero3.yaml"))
     ok(ddp("train_grpo", *grpo_args(chat_llama, data, tmp_path / "ddp", *steps)))
-    assert_close(tmp_path / "run", tmp_path / "ddp", ATOL_ZERO3, name="adapter_model.safetensors")  # measured 1.3e-8
+    assert_close(tmp_path / "run", tmp_path / "ddp", 1e-7, name="adapter_model.safetensors")  # measured 1.3e-8
+    adapter = load_file(str(tmp_path / "run" / "adapter_model.safetensors"))
+    assert max(float(np.abs(value).max()) for key, value in adapter.items() if "lora_B" in key) > 1e-3  # it trained
 
 
 # --- scripts/train_image.py: a ResNet whose checkpoint has a head for 2 classes, trained on 3 ------------------
@@ -211,14 +213,15 @@ def test_a_head_of_another_shape_loads_under_zero3_and_trains_what_ddp_trains(tm
     run = ok(zero("train_image", *image_args(model, images, tmp_path / "run", *extra), config="deepspeed_zero3.yaml"))
     ok(ddp("train_image", *image_args(model, images, tmp_path / "ddp", *extra)))
     assert run.output.count("classifier.1.bias, classifier.1.weight have other shapes than this model's") == 1
-    assert_close(tmp_path / "run", tmp_path / "ddp", ATOL_ZERO3)  # measured 1.2e-7
+    assert_close(tmp_path / "run", tmp_path / "ddp", 1e-6)  # measured 1.2e-7
 
 
 # --- the configs' default: bf16 ---------------------------------------------------------------------------------
 
 
 def test_lora_sft_in_bf16_under_zero3_saves_an_adapter_that_reloads(chat_llama, sft_data, tmp_path):
-    """DeepSpeed's bf16: the engine casts the model to bf16 and keeps fp32 master weights in its optimizer."""
+    """DeepSpeed's bf16: the engine computes with a bf16 copy of the model, and keeps fp32 master weights in its
+    optimizer; the save gathers the bf16 copy."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -231,6 +234,6 @@ def test_lora_sft_in_bf16_under_zero3_saves_an_adapter_that_reloads(chat_llama, 
     assert (result["distributed_type"], result["mixed_precision"]) == ("DEEPSPEED", "bf16")
     assert np.isfinite(result["eval_loss"])
     adapter = load_file(str(tmp_path / "run" / "adapter_model.safetensors"))
-    assert {str(value.dtype) for value in adapter.values()} == {"float32"}  # the fp32 master weights, saved
+    assert {str(value.dtype) for value in adapter.values()} == {"float32"}  # the adapter's dtype; bf16's values
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat_llama), tmp_path / "run")
     assert os.path.exists(tmp_path / "run" / "predictions.jsonl")  # generation under ZeRO-3 answered the prompts

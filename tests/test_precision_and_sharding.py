@@ -376,7 +376,7 @@ def test_the_packing_check_does_not_run_a_forward_pass_on_partitioned_weights(ti
 def test_partitioned_low_precision_weights_are_refused_unless_deepspeed_keeps_fp32_masters(tiny_lm):
     """ZeRO-3 partitions the weights before `train_in_fp32` sees them, so it cannot cast them; with
     bf16/fp16 mixed precision DeepSpeed keeps fp32 master weights itself, otherwise the run would
-    train bf16 weights and is refused. (A stand-in for the Accelerator: DeepSpeed is not installed.)"""
+    train bf16 weights and is refused. (A stand-in for the Accelerator: a unit test of the rule.)"""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM

@@ -290,5 +290,11 @@ def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict
     except Exception as exc:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         problem = f"checkpoint {path!r} is damaged and could not be loaded ({reason})"
+        if "different number of parameter groups" in str(exc):  # torch's optimizer, on a sound checkpoint
+            problem = (
+                f"checkpoint {path!r} holds an optimizer with another number of parameter groups than this run's: "
+                "it was saved by an earlier version of these scripts, which kept an empty weight-decay group for "
+                "LoRA (the checkpoint is not damaged); resume it with the scripts that saved it, or start afresh"
+            )
     refuse_together(accelerator, problem)
     return state

@@ -8,6 +8,12 @@ import os
 
 from ..core.errors import UsageError
 
+# A checkpoint's weights, as from_pretrained looks for them: one file, or an index of shards; safetensors first.
+WEIGHT_FILES = (
+    ("model.safetensors", "model.safetensors.index.json"),
+    ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+)
+
 
 def fetch_weights(model_name_or_path: str) -> list[str]:
     """Put a Hub model's weights in the local Hub cache, as `from_pretrained` looks for them
@@ -20,10 +26,7 @@ def fetch_weights(model_name_or_path: str) -> list[str]:
         return []
     from transformers.utils.hub import cached_file, get_checkpoint_shard_files
 
-    for single, index in (
-        ("model.safetensors", "model.safetensors.index.json"),
-        ("pytorch_model.bin", "pytorch_model.bin.index.json"),
-    ):
+    for single, index in WEIGHT_FILES:
         path = cached_file(model_name_or_path, single, _raise_exceptions_for_missing_entries=False)
         if path:
             return [path]
