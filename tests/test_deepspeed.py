@@ -3,7 +3,8 @@ script unchanged (tests/launched/deepspeed_on_cpu.py: Accelerate's own DeepSpeed
 on its CPU accelerator, turned on where Accelerate would not turn it on itself; docs/design.md says what that
 changes). What users rely on:
 
-- ZeRO-2 trains the same model as DDP, dropout on (measured 0.0 apart), and resumes bit for bit;
+- ZeRO-2 trains the same model as DDP, dropout on (measured 0.0 apart), and as 1 process with accumulation,
+  and resumes bit for bit;
 - ZeRO-3 builds the model sharded (`zero.Init`), trains the same model as DDP, resumes bit for bit, and saves
   it under the checkpoint's own names, reloadable; with optimizer offload, DeepSpeedCPUAdam trains it;
 - LoRA under ZeRO-3 (DPO, its pair mask and its reference with the adapters off; GRPO, its sampling
@@ -29,6 +30,7 @@ from conftest import (
     make_tiny_causal_lm,
     make_tiny_model,
     train_args,
+    write_text_corpus,
 )
 
 pytest.importorskip("deepspeed", reason="make installs DeepSpeed (requirements-deepspeed.txt)")
@@ -120,6 +122,24 @@ def test_zero_trains_what_ddp_trains_with_dropout_and_resumes_bit_for_bit(
     assert not (loading["missing_keys"] or loading["unexpected_keys"] or loading["mismatched_keys"])
 
 
+def test_one_process_with_accumulation_trains_what_two_processes_train(
+    dropout_bert, tiny_data, ddp_classifier, tmp_path
+):
+    """The same global batch of 8 as 1 process x 4 x 2 micro-batches: DeepSpeed accumulates inside its engine (its
+    config's gradient_accumulation_steps, which must equal the script's), the dropout masks drawn per micro-batch."""
+    config = (
+        (CONFIGS / "deepspeed_zero2.yaml")
+        .read_text()
+        .replace("gradient_accumulation_steps: 1 ", "gradient_accumulation_steps: 2 ")
+    )
+    assert "gradient_accumulation_steps: 2 " in config
+    (tmp_path / "zero2_accumulating.yaml").write_text(config)
+    args = classifier(dropout_bert, tiny_data, tmp_path / "run", "--gradient_accumulation_steps", 2)
+    ok(zero("train", *args, config=tmp_path / "zero2_accumulating.yaml", num_processes=1))
+    assert metrics(tmp_path / "run")["world_size"] == 1
+    assert_close(tmp_path / "run", ddp_classifier, 3e-6)  # measured 2.4e-7
+
+
 def test_a_zero_checkpoint_resumed_on_another_number_of_processes_is_refused_in_one_line(
     dropout_bert, tiny_data, tmp_path
 ):
@@ -193,6 +213,34 @@ def test_grpo_with_lora_under_zero3_samples_and_trains_what_ddp_trains(chat_llam
     assert_close(tmp_path / "run", tmp_path / "ddp", 1e-7, name="adapter_model.safetensors")  # measured 1.3e-8
     adapter = load_file(str(tmp_path / "run" / "adapter_model.safetensors"))
     assert max(float(np.abs(value).max()) for key, value in adapter.items() if "lora_B" in key) > 1e-3  # it trained
+
+
+def compiled_clm(chat_llama, tmp_path, config):
+    """3 steps of train_clm.py with LoRA and --torch_compile under `config`, dynamo's eager backend (nothing is
+    compiled; the graphs and breaks are dynamo's, as inductor would get them): its output and its metrics."""
+    corpus = write_text_corpus(tmp_path / "train.txt")
+    args = [
+        "--model_name_or_path", chat_llama, "--train_file", corpus, "--validation_file", corpus, "--block_size", 16,
+        "--max_train_steps", 3, "--per_device_train_batch_size", 2, "--lora_r", 8, "--torch_compile",
+        "--output_dir", tmp_path / "run", "--report_to", "none",
+    ]  # fmt: skip
+    run = ok(zero("train_clm", *args, config=config, env={"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"}))
+    return run.output, metrics(tmp_path / "run")
+
+
+def test_torch_compile_under_zero2_traces_the_step_unbroken(chat_llama, tmp_path):
+    """Accelerate compiles through DeepSpeed's engine.compile: under ZeRO-2 dynamo traces the LoRA step whole."""
+    output, counted = compiled_clm(chat_llama, tmp_path, "deepspeed_zero2.yaml")
+    assert (counted["compiled_graphs"], counted["graph_breaks"]) == (2, 0)
+    assert "--torch_compile under DeepSpeed ZeRO-3" not in output
+
+
+def test_torch_compile_under_zero3_is_warned_of_at_the_start(chat_llama, tmp_path):
+    """ZeRO-3's parameter gathering breaks the graph at every layer (measured: 56 breaks, 75 graphs in these 3 steps,
+    past dynamo's recompile limit): a warning says so when the run starts, once."""
+    output, counted = compiled_clm(chat_llama, tmp_path, "deepspeed_zero3.yaml")
+    assert counted["graph_breaks"] > 10
+    assert output.count("--torch_compile under DeepSpeed ZeRO-3: its gathering") == 1
 
 
 # --- scripts/train_image.py: a ResNet whose checkpoint has a head for 2 classes, trained on 3 ------------------

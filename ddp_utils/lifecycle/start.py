@@ -23,7 +23,7 @@ from ..core.errors import UsageError
 from ..core.redact import hide_secret_args
 from ..core.sharded import SHARDED_TYPES
 from ..results.output import check_output_dir, prepare_output_dir
-from ..training.compilation import configure_compile, dynamo_plugin
+from ..training.compilation import configure_compile, dynamo_plugin, sharded_compile_warning
 from ..training.fsdp import fix_fsdp2_preparation
 from ..training.oom_backoff import OOMBackoff
 from ..training.optimizer import describe_optimizer
@@ -169,6 +169,8 @@ def start_run(args, **accelerator_options) -> Accelerator:
         f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, device {accelerator.device}"
     )
     logger.info(describe_global_batch(args, accelerator.num_processes))
+    if compiler.backend.value != "NO" and sharded_compile_warning(accelerator):
+        logger.warning(sharded_compile_warning(accelerator))
     transformers.set_seed(args.seed)
     check_output_dir(args.output_dir, args.overwrite_output_dir, resuming=bool(args.resume_from_checkpoint))
     clear_preempted_marker(accelerator, args.output_dir)  # it describes an earlier attempt
