@@ -2,7 +2,7 @@
 layers only, so the backward pass stops below them), with errors that name the fix; every rank
 calls `add_lora` on its own model, before `accelerator.prepare`. At the end, `save_with_merged`
 saves the adapter and, with --merge_lora, the merged model (a collective, like `save_model`; under
-FSDP a CPU copy is merged on the main process)."""
+FSDP and DeepSpeed a CPU copy is merged on the main process)."""
 
 from __future__ import annotations
 

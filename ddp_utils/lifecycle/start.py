@@ -169,8 +169,9 @@ def start_run(args, **accelerator_options) -> Accelerator:
         f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}, device {accelerator.device}"
     )
     logger.info(describe_global_batch(args, accelerator.num_processes))
-    if compiler.backend.value != "NO" and sharded_compile_warning(accelerator):
-        logger.warning(sharded_compile_warning(accelerator))
+    compile_warning = sharded_compile_warning(accelerator) if compiler.backend.value != "NO" else None
+    if compile_warning:
+        logger.warning(compile_warning)
     transformers.set_seed(args.seed)
     check_output_dir(args.output_dir, args.overwrite_output_dir, resuming=bool(args.resume_from_checkpoint))
     clear_preempted_marker(accelerator, args.output_dir)  # it describes an earlier attempt

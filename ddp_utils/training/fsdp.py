@@ -121,8 +121,8 @@ def ram_efficient_loading() -> bool:
 
 
 def load_pretrained(model_class, model_name_or_path: str, **kwargs):
-    """All ranks call this (under FSDP's RAM-efficient loading it broadcasts once): the model of
-    `model_class.from_pretrained(model_name_or_path, **kwargs)`.
+    """All ranks call this (it broadcasts once under FSDP's RAM-efficient loading, and under ZeRO-3 when
+    `ignore_mismatched_sizes` is asked): the model of `model_class.from_pretrained(model_name_or_path, **kwargs)`.
 
     Under `fsdp_cpu_ram_efficient_loading`, only the main process reads the weights: the other
     ranks build the model from the main process's config with empty (meta) weights in its dtypes,
