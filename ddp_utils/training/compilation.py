@@ -16,12 +16,21 @@ def dynamo_plugin(backend: str | None):
     graphs, against 4), and past the recompile limit ran uncompiled. So False, which the launcher writes whether or
     not anyone asked, is read as the default; static shapes cannot be asked for here. True (dynamic from the first
     call) is kept: fewer graphs where lengths vary, each costlier to trace (on the CPU no faster in all; on a GPU the
-    GPU check's steps 3 and 11 measure the default, bench/README.md)."""
+    GPU check's steps 3 and 11 measure the default, bench/README.md).
+
+    Under FSDP the model is compiled by regions, each repeated layer on its own (Accelerate's
+    `compile_regions_fsdp2`, before `fully_shard`): compiled whole, FSDP2's hooks at each layer broke the graph (the
+    tests' 2-layer Llama with LoRA, 3 CLM steps on 2 CPU processes: 10 breaks, 11 graphs, 8 frames left uncompiled;
+    by regions none, 7 graphs, none). Elsewhere the whole model is one graph (DDP and ZeRO-2: 2 graphs, no break)."""
+    import os
+
     from accelerate.utils import TorchDynamoPlugin
 
     plugin = TorchDynamoPlugin(backend=backend)
     if not plugin.dynamic:  # read from the launcher's variable as Accelerate reads it
         plugin.dynamic = None
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        plugin.use_regional_compilation = True
     return plugin
 
 
@@ -52,8 +61,9 @@ def sharded_compile_warning(accelerator) -> str | None:
     ZeRO-3 gathers each layer's parameters in hooks around its forward and backward, and Accelerate compiles the
     model through DeepSpeed's `engine.compile`, whose dynamo cannot trace through them. Measured on 2 CPU processes
     (tests/launched/deepspeed_on_cpu.py, dynamo's eager backend, the tests' 2-layer Llama with LoRA, 3 CLM steps):
-    ZeRO-3 75 graphs, 56 breaks and the recompile limit reached; ZeRO-2 2 graphs, none; FSDP2 11 graphs, 10 breaks.
-    On a GPU each graph is an inductor compilation, and a model of 30 layers breaks more."""
+    ZeRO-3 75 graphs, 56 breaks and the recompile limit reached, whole or by regions (its hooks are on every module
+    that holds parameters); ZeRO-2 2 graphs, none; FSDP2 by regions 7 graphs, none. On a GPU each graph is an inductor
+    compilation, and a model of 30 layers breaks more."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3:
         return None
@@ -61,7 +71,7 @@ def sharded_compile_warning(accelerator) -> str | None:
         "--torch_compile under DeepSpeed ZeRO-3: its gathering of each layer's parameters breaks the compiled graph "
         "at every layer (2 CPU processes, a 2-layer model: 56 breaks and 75 graphs in 3 steps, against none and 2 "
         "under ZeRO-2), so compiling takes long and, past dynamo's recompile limit, runs uncompiled; compile under "
-        "deepspeed_zero2.yaml, or train uncompiled"
+        "deepspeed_zero2.yaml or fsdp.yaml, or train uncompiled"
     )
 
 
