@@ -232,7 +232,7 @@ def test_torch_compile_under_zero2_traces_the_step_unbroken(chat_llama, tmp_path
     """Accelerate compiles through DeepSpeed's engine.compile: under ZeRO-2 dynamo traces the LoRA step whole."""
     output, counted = compiled_clm(chat_llama, tmp_path, "deepspeed_zero2.yaml")
     assert (counted["compiled_graphs"], counted["graph_breaks"]) == (2, 0)
-    assert "--torch_compile under DeepSpeed ZeRO-3" not in output
+    assert "torch.compile under DeepSpeed ZeRO-3" not in output
 
 
 def test_torch_compile_under_zero3_is_warned_of_at_the_start(chat_llama, tmp_path):
@@ -240,7 +240,7 @@ def test_torch_compile_under_zero3_is_warned_of_at_the_start(chat_llama, tmp_pat
     past dynamo's recompile limit): a warning says so when the run starts, once."""
     output, counted = compiled_clm(chat_llama, tmp_path, "deepspeed_zero3.yaml")
     assert counted["graph_breaks"] > 10
-    assert output.count("--torch_compile under DeepSpeed ZeRO-3: its gathering") == 1
+    assert output.count("torch.compile under DeepSpeed ZeRO-3: its gathering") == 1
 
 
 # --- scripts/train_image.py: a ResNet whose checkpoint has a head for 2 classes, trained on 3 ------------------

@@ -333,6 +333,31 @@ def test_torch_compile_under_fsdp_compiles_each_layer_unbroken_and_trains_what_e
     assert_close(tmp_path / "compiled", tmp_path / "eager", name="adapter_model.safetensors")
 
 
+def test_a_model_compiled_layer_by_layer_generates_eagerly_and_stays_compiled(tmp_path, sft_data):
+    """Each layer's cache update reads its own `layer_idx`, which dynamo specialises: generating through layers
+    compiled one by one made each layer a variant, and a 20-layer Llama reached dynamo's recompile limit (16) in the
+    zero-shot evaluation, its layer then running uncompiled in training too (frames_left_eager 1). Generation now
+    runs eagerly there (`generation_context`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    small = make_tiny_causal_lm(tmp_path / "small", chat_template=True)
+    config = AutoConfig.from_pretrained(small)
+    config.num_hidden_layers = 20  # more layers than dynamo's recompile limit (configure_compile: 16)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "deep")
+    AutoTokenizer.from_pretrained(small).save_pretrained(tmp_path / "deep")
+    steps = ["--max_train_steps", 3, "--per_device_train_batch_size", 2, "--lora_r", 8, "--torch_compile",
+             "--eval_max_new_tokens", 4, "--report_to", "none"]  # fmt: skip
+    run = ok(
+        fsdp("train_sft", *sft_args(tmp_path / "deep", sft_data, tmp_path / "run", *steps),
+             env={"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"})
+    )  # fmt: skip
+    counted = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert (counted["graph_breaks"], counted["frames_left_eager"]) == (0, 0)
+    assert "recompile_limit" not in run.output
+    assert (tmp_path / "run" / "predictions_zero_shot.jsonl").exists()  # the zero-shot evaluation generated
+
+
 # --- scripts/train_image.py: a ResNet (BatchNorm: every rank reads it) ---------------------------
 
 

@@ -19,6 +19,7 @@ from ..core.files import write_jsonl
 from ..core.sharded import is_sharded
 from ..data.classification import ConfusionMatrix
 from ..data.evaluation import check_metric_for_best_model, gather_for_eval
+from ..training.compilation import generation_context
 
 logger = get_logger(__name__)
 
@@ -199,7 +200,8 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
             "answer_ids": F.pad(new, (0, max_new_tokens - new.shape[1]), value=tokenizer.pad_token_id),
         }
 
-    results = gather_for_eval(accelerator, model, dataloader, answer)
+    with generation_context(accelerator):  # eager where the model is compiled layer by layer (FSDP)
+        results = gather_for_eval(accelerator, model, dataloader, answer)
     order = np.argsort(results["index"], kind="stable")
     if not np.array_equal(results["index"][order], np.arange(len(order))):
         raise RuntimeError(f"generation answered {len(order)} prompts, not each of {len(dataloader.dataset)} once")
@@ -351,7 +353,7 @@ def show_sample(accelerator: Accelerator, model, tokenizer, prompt: str, max_new
         [bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=accelerator.device
     )
     generator = accelerator.unwrap_model(model).eval()
-    with torch.no_grad(), accelerator.autocast():
+    with torch.no_grad(), accelerator.autocast(), generation_context(accelerator):
         output = generator.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),

@@ -9,6 +9,7 @@ same prompts, whatever else shares their batch; transformers' sampling draws fro
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import time
@@ -21,6 +22,7 @@ from ..core.errors import UsageError
 from ..core.ranks import fail_together
 from ..core.sharded import is_sharded
 from ..data.dataloaders import SAMPLE_WEIGHT
+from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
 from .chat import check_tool_turns, refused_by_template, render
 from .generation import only_this_config, sampling_precision, stop_token_ids
@@ -152,7 +154,7 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     generation steps them together)."""
     from transformers import DynamicCache, GenerationConfig
 
-    generator = accelerator.unwrap_model(model, keep_torch_compile=False)  # generate skips a compiled wrapper
+    generator = accelerator.unwrap_model(model, keep_torch_compile=False)  # past a compiled wrapper; by regions: below
     group = args.num_generations
     stops = stop_token_ids(tokenizer, generator.generation_config)
     config = GenerationConfig(
@@ -169,7 +171,9 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     was_training = generator.training
     generator.eval()
     try:  # one precision context for the whole call: autocast casts trainable weights once in it (its cache)
-        with torch.no_grad(), sampling_precision(accelerator, generator):
+        # Eager where the model is compiled layer by layer (FSDP); --compile_generation's step compiles its own.
+        stance = generation_context(accelerator) if decoding is None else contextlib.nullcontext()
+        with torch.no_grad(), sampling_precision(accelerator, generator), stance:
             cache = DynamicCache(config=generator.config)
             logits = generator(  # the prompts once: their cache and their last token's logits
                 input_ids=prompts,

@@ -23,7 +23,12 @@ from ..core.errors import UsageError
 from ..core.redact import hide_secret_args
 from ..core.sharded import SHARDED_TYPES
 from ..results.output import check_output_dir, prepare_output_dir
-from ..training.compilation import configure_compile, dynamo_plugin, sharded_compile_warning
+from ..training.compilation import (
+    compile_by_regions_under_fsdp2,
+    configure_compile,
+    dynamo_plugin,
+    sharded_compile_warning,
+)
 from ..training.fsdp import fix_fsdp2_preparation
 from ..training.oom_backoff import OOMBackoff
 from ..training.optimizer import describe_optimizer
@@ -160,6 +165,7 @@ def start_run(args, **accelerator_options) -> Accelerator:
     )
     if compiler.backend.value != "NO":
         configure_compile()
+        compile_by_regions_under_fsdp2(accelerator)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if not accelerator.is_main_process:
         for library in (datasets.utils.logging, transformers.utils.logging):

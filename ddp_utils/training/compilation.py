@@ -16,22 +16,25 @@ def dynamo_plugin(backend: str | None):
     graphs, against 4), and past the recompile limit ran uncompiled. So False, which the launcher writes whether or
     not anyone asked, is read as the default; static shapes cannot be asked for here. True (dynamic from the first
     call) is kept: fewer graphs where lengths vary, each costlier to trace (on the CPU no faster in all; on a GPU the
-    GPU check's steps 3 and 11 measure the default, bench/README.md).
-
-    Under FSDP the model is compiled by regions, each repeated layer on its own (Accelerate's
-    `compile_regions_fsdp2`, before `fully_shard`): compiled whole, FSDP2's hooks at each layer broke the graph (the
-    tests' 2-layer Llama with LoRA, 3 CLM steps on 2 CPU processes: 10 breaks, 11 graphs, 8 frames left uncompiled;
-    by regions none, 7 graphs, none). Elsewhere the whole model is one graph (DDP and ZeRO-2: 2 graphs, no break)."""
-    import os
-
+    GPU check's steps 3 and 11 measure the default, bench/README.md)."""
     from accelerate.utils import TorchDynamoPlugin
 
     plugin = TorchDynamoPlugin(backend=backend)
     if not plugin.dynamic:  # read from the launcher's variable as Accelerate reads it
         plugin.dynamic = None
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
-        plugin.use_regional_compilation = True
     return plugin
+
+
+def compile_by_regions_under_fsdp2(accelerator) -> None:
+    """Under FSDP2, have `accelerator.prepare` compile the model by regions, each repeated layer on its own, before
+    `fully_shard` (Accelerate's `compile_regions_fsdp2`, in place: FSDP2's hooks stay outside the graphs and run).
+    Compiled whole, FSDP2's hooks at every layer broke the graph: the tests' 2-layer Llama with LoRA, 3 CLM steps on
+    2 CPU processes, 10 breaks, 11 graphs and 8 frames left uncompiled; by regions none, 7 graphs, none. Elsewhere
+    the model stays one graph (DDP and ZeRO-2: 2 graphs, no break), whatever the launch config says. Accelerate's
+    regional path also sets dynamo's `capture_scalar_outputs`. Call it after building the Accelerator, before
+    `prepare`; no communication."""
+    if accelerator.is_fsdp2:
+        accelerator.state.dynamo_plugin.use_regional_compilation = True
 
 
 def configure_compile() -> None:
@@ -55,6 +58,24 @@ def configure_compile() -> None:
     torch._dynamo.config.recompile_limit = 16
 
 
+def generation_context(accelerator):
+    """The context to generate in: eager where the model is compiled by regions (under FSDP2,
+    `compile_by_regions_under_fsdp2`), as it is; otherwise none. No communication.
+
+    Each layer's cache update reads its own `layer_idx`, which dynamo specialises, so while generating every layer
+    was a variant of the one compiled layer: on 2 CPU processes under FSDP a 20-layer Llama reached dynamo's
+    recompile limit in the zero-shot evaluation, and from then on its layer ran uncompiled, in training too. A model
+    compiled whole is one frame, its layers inlined, and generates compiled (DDP, ZeRO-2)."""
+    import contextlib
+
+    plugin = accelerator.state.dynamo_plugin
+    if plugin.backend.value != "NO" and plugin.use_regional_compilation:
+        import torch
+
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
 def sharded_compile_warning(accelerator) -> str | None:
     """The warning for a compiled model under DeepSpeed ZeRO-3, None elsewhere. No communication.
 
@@ -68,7 +89,7 @@ def sharded_compile_warning(accelerator) -> str | None:
     if plugin is None or plugin.zero_stage != 3:
         return None
     return (
-        "--torch_compile under DeepSpeed ZeRO-3: its gathering of each layer's parameters breaks the compiled graph "
+        "torch.compile under DeepSpeed ZeRO-3: its gathering of each layer's parameters breaks the compiled graph "
         "at every layer (2 CPU processes, a 2-layer model: 56 breaks and 75 graphs in 3 steps, against none and 2 "
         "under ZeRO-2), so compiling takes long and, past dynamo's recompile limit, runs uncompiled; compile under "
         "deepspeed_zero2.yaml or fsdp.yaml, or train uncompiled"
