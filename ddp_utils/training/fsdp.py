@@ -33,7 +33,7 @@ import os
 from accelerate.logging import get_logger
 from accelerate.state import PartialState
 
-from .pretrained import keep_used_weight_conversions
+from .pretrained import build_from_config, keep_used_weight_conversions
 from .zero3_loading import loading_context
 
 logger = get_logger(__name__)
@@ -158,14 +158,8 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
 
         config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code"))
     config = type(config).from_dict(main[0]["config"])  # as the main process's loading left it (a new head's labels)
-    building = {key: kwargs[key] for key in ("attn_implementation", "dtype", "torch_dtype") if key in kwargs}
-    if hasattr(model_class, "from_config"):  # an Auto class
-        build = model_class.from_config
-        building["trust_remote_code"] = kwargs.get("trust_remote_code", False)
-    else:  # a model class itself
-        build = model_class._from_config
     with init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies, ...)
-        model = build(config, **building)
+        model = build_from_config(model_class, config, kwargs)
     dtypes = main[0]["dtypes"]
     for name, value in model.state_dict(keep_vars=True).items():
         if name in dtypes and value.dtype != dtypes[name]:

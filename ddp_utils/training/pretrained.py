@@ -51,6 +51,16 @@ def keep_used_weight_conversions(model):
     return model
 
 
+def build_from_config(model_class, config, kwargs: dict):
+    """`model_class` built from `config` alone, with the building options of `from_pretrained`'s `kwargs`
+    (attention implementation, dtype, trust_remote_code): an Auto class through `from_config`, a model class
+    through `_from_config`. Weights are drawn afresh (inside `init_empty_weights`, left empty). No communication."""
+    building = {key: kwargs[key] for key in ("attn_implementation", "dtype", "torch_dtype") if key in kwargs}
+    if hasattr(model_class, "from_config"):  # an Auto class
+        return model_class.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False), **building)
+    return model_class._from_config(config, **building)  # a model class itself
+
+
 def load_model_config(model_name_or_path: str, trust_remote_code: bool = False, **overrides):
     """`AutoConfig.from_pretrained(model_name_or_path, **overrides)`, or a `UsageError` that names
     the model when it is neither a local directory nor a reachable Hub model, or when it holds

@@ -22,7 +22,7 @@ import zipfile
 from accelerate.logging import get_logger
 
 from ..core.ranks import from_main_process
-from .pretrained import WEIGHT_FILES, fetch_weights
+from .pretrained import WEIGHT_FILES, build_from_config, fetch_weights
 
 logger = get_logger(__name__)
 
@@ -93,10 +93,7 @@ def mismatched_weights(model_class, model_name_or_path: str, kwargs: dict) -> li
     if not files or config is None:
         return []
     with built_whole(), init_empty_weights():
-        if hasattr(model_class, "from_config"):  # an Auto class
-            model = model_class.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
-        else:
-            model = model_class._from_config(config)
+        model = build_from_config(model_class, config, kwargs)
     wanted = {name: tuple(value.shape) for name, value in model.state_dict().items()}
     saved = checkpoint_shapes(files)
     return sorted(name for name in saved.keys() & wanted.keys() if saved[name] != wanted[name])
