@@ -5,7 +5,8 @@ What it promises every script, and where each promise is kept:
   verdict, a failure included (core/ranks.py, core/files.py, checkpoints/write_failure.py);
 - gathered metrics: evaluation gathers each example exactly once over the ranks (data/evaluation.py);
 - the exact loss: a step's loss is the mean over all its examples on all ranks (training/exact_loss.py);
-- the saved model: the unwrapped model's full state dict, gathered under FSDP, reloadable (results/output.py);
+- the saved model: the unwrapped model's full state dict, gathered under FSDP and DeepSpeed (from its fp32
+  masters), reloadable (results/output.py);
 - checkpoints: atomic, verified, resumed on any layout (checkpoints/);
 - bad input and faults: one line on every rank, never a hang (core/errors.py, lifecycle/process_exit.py).
 Each function's docstring says which ranks call it; one that takes part in a collective starts with

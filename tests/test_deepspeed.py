@@ -267,21 +267,40 @@ def test_a_head_of_another_shape_loads_under_zero3_and_trains_what_ddp_trains(tm
 # --- the configs' default: bf16 ---------------------------------------------------------------------------------
 
 
-def test_lora_sft_in_bf16_under_zero3_saves_an_adapter_that_reloads(chat_llama, sft_data, tmp_path):
+@pytest.mark.parametrize(
+    "config, lora",
+    [("deepspeed_zero3.yaml", True), ("deepspeed_zero2.yaml", True), ("deepspeed_zero3.yaml", False)],
+    ids=["zero3-lora", "zero2-lora", "zero3-full"],
+)
+def test_sft_in_bf16_saves_deepspeeds_fp32_weights_and_the_model_reloads(config, lora, chat_llama, sft_data, tmp_path):
     """DeepSpeed's bf16: the engine computes with a bf16 copy of the model, and keeps fp32 master weights in its
-    optimizer; the save gathers the bf16 copy."""
+    optimizer. Before the fix the save gathered the bf16 copy: ZeRO-2 saved LoRA's adapter in bf16, and a full model
+    saved in fp32 held bf16's values (3.9e-3 from the masters after 4 steps). Now the saved weights are the masters
+    exactly, as DeepSpeed's own zero_to_fp32 reads them from the checkpoint of the same step. (ZeRO-3 leaves the
+    adapters that peft adds after `zero.Init` in fp32: they were right before.)"""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from peft import PeftModel
+    from safetensors.torch import load_file as load_tensors
     from transformers import AutoModelForCausalLM
 
     from conftest import sft_args
 
+    extra = ["--lora_r", 8] if lora else ["--save_dtype", "float32"]  # the tiny model's config says float32 anyway
     args = sft_args(chat_llama, sft_data, tmp_path / "run", "--max_train_steps", 4, "--report_to", "none",
-                    "--per_device_train_batch_size", 2, "--lora_r", 8)  # fmt: skip
-    ok(zero("train_sft", *args, config="deepspeed_zero3.yaml", precision="bf16"))
+                    "--per_device_train_batch_size", 2, "--checkpointing_steps", 4, *extra)  # fmt: skip
+    ok(zero("train_sft", *args, config=config, precision="bf16"))
     result = metrics(tmp_path / "run")
     assert (result["distributed_type"], result["mixed_precision"]) == ("DEEPSPEED", "bf16")
     assert np.isfinite(result["eval_loss"])
-    adapter = load_file(str(tmp_path / "run" / "adapter_model.safetensors"))
-    assert {str(value.dtype) for value in adapter.values()} == {"float32"}  # the adapter's dtype; bf16's values
-    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat_llama), tmp_path / "run")
-    assert os.path.exists(tmp_path / "run" / "predictions.jsonl")  # generation under ZeRO-3 answered the prompts
+    saved = load_tensors(str(tmp_path / "run" / ("adapter_model.safetensors" if lora else "model.safetensors")))
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "run" / "checkpoint-4"), tag="pytorch_model")
+    masters = {key.removeprefix("base_model.model.").replace(".default.", "."): value for key, value in masters.items()}
+    assert {str(value.dtype) for value in saved.values()} == {"torch.float32"}
+    for key, value in saved.items():
+        assert torch.equal(value, masters[key.removeprefix("base_model.model.")]), key
+    if lora:
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat_llama), tmp_path / "run")
+    else:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "run")
+    assert os.path.exists(tmp_path / "run" / "predictions.jsonl")  # generation under DeepSpeed answered the prompts

@@ -15,7 +15,7 @@ from accelerate.logging import get_logger
 from ..checkpoints.write_failure import agree_on_write
 from ..core.errors import UsageError
 from ..core.sharded import is_sharded
-from ..results.output import save_model, saved_dtype, write_pretrained
+from ..results.output import gathered_state_dict, save_model, saved_dtype, write_pretrained
 from ..training.zero3_loading import built_whole, zero3_enabled
 
 logger = get_logger(__name__)
@@ -103,7 +103,7 @@ def save_with_merged(accelerator, model, args, tokenizer) -> None:
         merged = accelerator.unwrap_model(model).merge_and_unload()
         save_model(accelerator, merged, merged_dir, tokenizer, dtype=args.save_dtype)
         return
-    state_dict = accelerator.get_state_dict(model)  # all ranks: the whole model, gathered on the main process
+    state_dict = gathered_state_dict(accelerator, model)  # all ranks: the whole model, on the main process
     error = None
     if accelerator.is_main_process:
         try:

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 
+import torch
 from accelerate import Accelerator
 
 from ..checkpoints.write_failure import agree_on_write
@@ -58,7 +59,7 @@ def save_model(accelerator: Accelerator, model, output_dir: str, *processors, dt
     CPU on the main process only. Only the main process writes.
     """
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = gathered_state_dict(accelerator, model)
     error = None
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
@@ -69,12 +70,38 @@ def save_model(accelerator: Accelerator, model, output_dir: str, *processors, dt
     agree_on_write(accelerator, error, f"the model to {output_dir!r}", output_dir)  # instead of the last barrier
 
 
+def gathered_state_dict(accelerator: Accelerator, model) -> dict:
+    """All ranks call this: the whole model's state dict on the main process (Accelerate's `get_state_dict`; a
+    collective under FSDP and DeepSpeed), where DeepSpeed trained in bf16 or fp16 with the trained weights taken
+    from its fp32 master copy.
+
+    DeepSpeed computes with a 16-bit copy of the model and keeps the fp32 weights in its optimizer; Accelerate
+    gathers the 16-bit copy. A LoRA adapter, saved as trained, was then bf16's rounding of the weights that DDP and
+    FSDP save (their parameters stay fp32 under autocast), and a full model saved in fp32 held bf16's values. Each
+    trainable 16-bit parameter's fp32 weights are assembled by DeepSpeed (`safe_get_full_fp32_param`: an all-reduce
+    under ZeRO-2 and ZeRO-3), one at a time, in the same order on every rank; frozen ones stay as gathered."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.distributed_type.value != "DEEPSPEED":
+        return state_dict
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    keys = {key.replace("_orig_mod.", ""): key for key in state_dict or ()}  # as compiled; ZeRO-3's other ranks: None
+    masters = {}  # by parameter: a tied weight has several names and one master
+    for name, param in accelerator.unwrap_model(model).named_parameters(remove_duplicate=False):
+        if not param.requires_grad or param.dtype == torch.float32:
+            continue  # the same on every rank: whether to join this parameter's collective
+        if id(param) not in masters:
+            master = safe_get_full_fp32_param(param)  # a new tensor, on every rank
+            masters[id(param)] = master.detach().cpu() if master is not None and accelerator.is_main_process else None
+        if masters[id(param)] is not None:
+            state_dict[keys.get(name, name)] = masters[id(param)]
+    return state_dict
+
+
 def saved_dtype(model, dtype: str = "auto"):
     """The torch dtype to save `model` in (None: as it is): `dtype`, or for "auto" the dtype of the
     checkpoint it was loaded from, as its config records it (`train_in_fp32` leaves the config
     alone). A LoRA adapter is saved as trained under "auto"."""
-    import torch
-
     if dtype != "auto":
         return getattr(torch, dtype)
     if hasattr(model, "peft_config"):
