@@ -82,6 +82,49 @@ def test_a_full_disk_names_the_newest_complete_checkpoint(what, tiny_model, tiny
 
 
 @pytest.mark.fast
+def test_a_fault_that_is_not_the_disks_is_named_so_with_its_traceback_and_no_disk_advice(tmp_path, capsys):
+    """A merge or a save that fails for another reason than the disk (a bug, a model that cannot be merged) was
+    reported with the free space and "Free space there": the user went looking at a disk that was fine, and the
+    traceback was lost. It is now named as no disk fault, its traceback printed by the rank that met it."""
+    from types import SimpleNamespace
+
+    from ddp_utils.checkpoints.write_failure import agree_on_write
+    from ddp_utils.core.errors import RunFailed
+
+    one_process = SimpleNamespace(num_processes=1)
+
+    def reported(error):
+        try:
+            raise error
+        except Exception as raised:
+            with pytest.raises(RunFailed) as failed:
+                agree_on_write(one_process, raised, "the merged model to 'out/merged'", str(tmp_path))
+        return str(failed.value), capsys.readouterr().err
+
+    line, printed = reported(ValueError("size mismatch for lm_head.weight\nits shape in the checkpoint"))
+    assert line.startswith(
+        "could not write the merged model to 'out/merged': ValueError: size mismatch for lm_head.weight (not a disk "
+        "fault: the traceback above shows where it arose); no complete checkpoint was saved yet. Fix the cause"
+    )
+    assert "GiB free" not in line and "Free space" not in line
+    assert "Traceback" in printed and "size mismatch" in printed
+    disk_faults = [
+        OSError(28, "No space left on device"),
+        RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4288 vs 4176"),  # torch's writer
+        RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"),
+        RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })'),
+    ]
+    for fault in disk_faults:
+        line, printed = reported(fault)
+        assert "Free space there" in line and "not a disk fault" not in line, line
+        assert printed == "", "a disk fault is one line"
+    chained = RuntimeError("saving failed")
+    chained.__cause__ = OSError(122, "Disk quota exceeded")  # the OS error found in the chain
+    line, _ = reported(chained)
+    assert "[Errno 122] Disk quota exceeded" in line and "Free space there" in line
+
+
+@pytest.mark.fast
 def test_the_non_finite_watch_names_the_first_bad_step_on_any_rank(tmp_path):
     from types import SimpleNamespace
 
