@@ -61,6 +61,7 @@ bench: $(BENCH_STAMP)  ## ours vs a hand loop, the Trainer, TRL's SFT/DPO/GRPO; 
 	OMP_NUM_THREADS=1 $(BIN)/python bench/bench_sampling.py --batches 4
 	$(BIN)/python bench/bench_lm_head.py
 	$(LAUNCH) bench/bench_checkpoint.py
+	$(LAUNCH) bench/bench_lora_checkpoint.py
 	$(BIN)/python bench/bench_scale.py
 	$(BIN)/python bench/bench_memory.py --steps 10000
 

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 
 from conftest import (
     REPO,
+    assert_error_is_last,
     assert_fails_cleanly,
     launch,
     launch_env,
@@ -508,6 +509,49 @@ def test_gradient_checkpointing_with_lora_gives_the_same_gradients_and_compiles_
     for ours, theirs in zip(got, expected):
         for name in theirs:
             torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_lora_checkpoint_holds_the_adapter_resumes_bit_for_bit_and_refuses_another_base(tiny_lm, sft_data, tmp_path):
+    """A LoRA run's checkpoint held every weight, the frozen base included (16 GB a checkpoint for an 8B model in
+    bf16); it now holds the trained ones, and the base is read again from --model_name_or_path. A run resumed from
+    it equals the uninterrupted one to the bit (LoRA's dropout on), and a resume on another base of the same shapes
+    is refused on every rank in one line, before any step, instead of training the adapter on it."""
+    import shutil
+
+    from safetensors.torch import load_file as load_tensors
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = ["--max_train_steps", 4, "--checkpointing_steps", 2, "--per_device_train_batch_size", 2, "--lora_r", 4,
+             "--eval_max_new_tokens", 0, "--report_to", "none"]  # fmt: skip
+    whole = tmp_path / "whole"
+    assert launch(TRAIN_SFT, *sft_args(tiny_lm, sft_data, whole, *steps)).returncode == 0
+    saved = load_tensors(str(whole / "checkpoint-2" / "model.safetensors"))
+    trained = {name for name, _ in AutoModelForCausalLM.from_pretrained(tiny_lm).named_parameters()}
+    assert saved and all(".lora_A." in key or ".lora_B." in key for key in saved), sorted(saved)[:4]
+    assert len(saved) == 4 * 7, "each layer's 7 linear layers, A and B"  # none of the base's
+    assert not trained & {key.removeprefix("base_model.model.") for key in saved}
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
+    run = launch(TRAIN_SFT, *sft_args(tiny_lm, sft_data, resumed, *steps, "--resume_from_checkpoint", "latest"))
+    assert run.returncode == 0 and "resumed from" in run.output, run.output[-3000:]
+    ours, theirs = (load_file(str(d / "adapter_model.safetensors")) for d in (resumed, whole))
+    assert [key for key in theirs if not np.array_equal(ours[key], theirs[key])] == [], "not bit for bit"
+
+    other = tmp_path / "other-base"  # the same shapes and names, other values (a base against its instruct model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(1.01)
+    model.save_pretrained(other)
+    AutoTokenizer.from_pretrained(tiny_lm).save_pretrained(other)
+    refused = tmp_path / "refused"
+    shutil.copytree(whole / "checkpoint-2", refused / "checkpoint-2")
+    run = launch(TRAIN_SFT, *sft_args(other, sft_data, refused, *steps, "--resume_from_checkpoint", "latest"),
+                 real_launcher=True)  # fmt: skip
+    expected = "was trained on other frozen weights than this run's model has (another base model, revision or dtype)"
+    assert run.returncode != 0 and all(f"[rank {rank}] error: checkpoint" in run.output for rank in (0, 1))
+    assert_error_is_last(run, expected)
+    assert not (refused / "checkpoint-4").exists()
 
 
 def test_torch_compile_under_accelerate_launch_compiles_a_new_length_once_and_unbroken(tiny_lm, sft_data, tmp_path):

@@ -4,7 +4,8 @@ from one, exactly on the same layout and on any other with the same global batch
 
 The work is done by `checkpoint_save` (atomic saves with a manifest), `checkpoint_load` (which
 checkpoint, whether it fits, loading it), `manifest` (sizes and checksums, checked on every rank
-in parallel) and `preemption` (SIGTERM and SIGUSR1).
+in parallel), `preemption` (SIGTERM and SIGUSR1) and `frozen_weights` (a LoRA run's checkpoints
+without its frozen base).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..core.errors import UsageError
 from ..core.ranks import from_main_process
 from .checkpoint_load import LAYOUT, describe_layout, find_resume_checkpoint, load_checkpoint
 from .checkpoint_save import checkpoint_bytes, save_checkpoint, set_aside_later_checkpoints, warn_if_the_disk_is_small
+from .frozen_weights import FROZEN_DIGEST, checkpoint_trainable_weights_only
 from .preemption import PreemptionHandler
 
 logger = get_logger(__name__)
@@ -60,8 +62,12 @@ class Checkpointer:
             "per_device_train_batch_size": args.per_device_train_batch_size,
             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
         }
-        # What a checkpoint must match to resume this run, saved with its progress and layout.
+        # What a checkpoint must match to resume this run, saved with its progress and layout; with frozen weights
+        # (LoRA) under DDP, also those weights, which its checkpoints leave out.
         self.identity = {"model": model_fingerprint(model), "global_batch": math.prod(self.layout.values())}
+        frozen = checkpoint_trainable_weights_only(accelerator, model)
+        if frozen is not None:
+            self.identity[FROZEN_DIGEST] = frozen
         self.has_batchnorm = any(
             isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules()
         )
@@ -74,7 +80,8 @@ class Checkpointer:
         self.best: dict | None = None
         self._after_evaluation = False  # a checkpoint due at an epoch's last step, saved after its evaluation
         if accelerator.is_main_process and self.every != "no":
-            warn_if_the_disk_is_small(self.output_dir, checkpoint_bytes(model), self.total_limit)
+            one_checkpoint = checkpoint_bytes(model, with_frozen=frozen is None)
+            warn_if_the_disk_is_small(self.output_dir, one_checkpoint, self.total_limit)
 
     def resume(self, plan) -> None:
         """All ranks call this once, after `accelerator.prepare` and `prepare_output_dir`: resume

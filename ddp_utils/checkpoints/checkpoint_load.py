@@ -22,6 +22,7 @@ from accelerate.utils import DistributedType, gather_object
 
 from ..core.errors import UsageError
 from ..core.ranks import from_main_process, refuse_together
+from .frozen_weights import FROZEN_DIGEST
 from .manifest import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -209,10 +210,17 @@ def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dic
             "resume from another checkpoint-<step> directory, or use --resume_from_checkpoint latest"
         ) from None
     state["global_batch"] = global_batch(state)
+    if FROZEN_DIGEST in expected and state.get(FROZEN_DIGEST, expected[FROZEN_DIGEST]) != expected[FROZEN_DIGEST]:
+        raise UsageError(
+            f"checkpoint {path!r} was trained on other frozen weights than this run's model has (another base "
+            "model, revision or dtype): a checkpoint holds only the trained weights, such as LoRA's, and the frozen "
+            "ones are read from --model_name_or_path; resume with the --model_name_or_path (and dtype) it was "
+            "trained on"
+        )
     mismatched = {
         key: (state.get(key), value)
         for key, value in expected.items()
-        if key != "global_batch" and state.get(key) != value
+        if key not in ("global_batch", FROZEN_DIGEST) and state.get(key) != value
     }
     if mismatched:
         details = ", ".join(

@@ -160,14 +160,15 @@ def save_checkpoint(
     return final
 
 
-def checkpoint_bytes(model) -> int:
-    """About what one checkpoint of `model` takes on disk: every weight as stored, and AdamW's two
-    fp32 moments per trainable weight (the sampler, scheduler and RNG states are small). Under
-    DeepSpeed ZeRO-3 a weight's full size is its `ds_numel`."""
+def checkpoint_bytes(model, with_frozen: bool = True) -> int:
+    """About what one checkpoint of `model` takes on disk: every weight as stored (the trained ones only
+    without `with_frozen`: `frozen_weights.py`), and AdamW's two fp32 moments per trainable weight (the
+    sampler, scheduler and RNG states are small). Under DeepSpeed ZeRO-3 a weight's full size is its
+    `ds_numel`."""
     weights = trainable = 0
     for p in model.parameters():
         numel = getattr(p, "ds_numel", p.numel())
-        weights += numel * p.element_size()
+        weights += numel * p.element_size() if with_frozen or p.requires_grad else 0
         trainable += numel if p.requires_grad else 0
     return weights + 2 * 4 * trainable
 
