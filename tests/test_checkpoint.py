@@ -545,3 +545,47 @@ def test_a_checkpoint_with_an_empty_optimizer_group_from_an_earlier_version_is_n
         load_checkpoint(accelerator, str(checkpoint), {"model": "abc", "global_batch": 4})
     assert "(the checkpoint is not damaged)" in str(refused.value)
     assert "is damaged and could not be loaded" not in str(refused.value)
+
+
+@pytest.mark.fast
+def test_a_checkpoint_without_the_frozen_weights_saves_tied_ones_once_and_loads_over_the_frozen(tmp_path):
+    """The hooks of `frozen_weights.py` through Accelerate's own save and load, on one process: a model whose
+    embedding and head are tied and trained, with a frozen layer between. The file holds the trained weights (the
+    tied one under one name: safetensors refuses shared tensors, and Accelerate drops the second name only from an
+    OrderedDict) and no frozen one; loaded into a fresh copy, it restores the trained weights over the frozen
+    ones already there, and a file that lacks a trained weight is refused."""
+    import torch
+    from accelerate import Accelerator
+    from safetensors.torch import load_file as load_tensors
+    from safetensors.torch import save_file
+
+    from ddp_utils.checkpoints.frozen_weights import checkpoint_trainable_weights_only
+
+    def tied_model():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 10))
+        model[2].weight = model[0].weight  # tied, as an LM's input and output embeddings
+        model[1].requires_grad_(False)  # the frozen base
+        return model
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(tied_model())
+    assert checkpoint_trainable_weights_only(accelerator, model) is not None
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # "trained"
+        model[2].bias.add_(1.0)
+    accelerator.save_state(str(tmp_path / "saved"))
+    saved = load_tensors(str(tmp_path / "saved" / "model.safetensors"))
+    assert sorted(saved) in (["0.weight", "2.bias"], ["2.bias", "2.weight"]), sorted(saved)
+    trained = {key: value.clone() for key, value in model.state_dict().items()}
+
+    accelerator._models.clear()
+    fresh = accelerator.prepare(tied_model())
+    accelerator.load_state(str(tmp_path / "saved"))
+    assert all(torch.equal(fresh.state_dict()[key], trained[key]) for key in trained)
+    assert fresh[2].weight is fresh[0].weight, "still tied"
+
+    del saved["2.bias"]
+    save_file(saved, str(tmp_path / "saved" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.safetensors does not fit this model: it lacks \['2.bias'\]"):
+        accelerator.load_state(str(tmp_path / "saved"))

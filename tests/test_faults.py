@@ -113,6 +113,8 @@ def test_a_fault_that_is_not_the_disks_is_named_so_with_its_traceback_and_no_dis
         RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4288 vs 4176"),  # torch's writer
         RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"),
         RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })'),
+        RuntimeError("File /ckpt/optimizer.bin cannot be opened."),
+        RuntimeError("[enforce fail at inline_container.cc:859] . open file failed with strerror: Permission denied"),
     ]
     for fault in disk_faults:
         line, printed = reported(fault)

@@ -22,7 +22,7 @@ from accelerate.utils import DistributedType, gather_object
 
 from ..core.errors import UsageError
 from ..core.ranks import from_main_process, refuse_together
-from .frozen_weights import FROZEN_DIGEST
+from .frozen_weights import FROZEN_DIGEST, state_kwargs
 from .manifest import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -210,13 +210,6 @@ def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dic
             "resume from another checkpoint-<step> directory, or use --resume_from_checkpoint latest"
         ) from None
     state["global_batch"] = global_batch(state)
-    if FROZEN_DIGEST in expected and state.get(FROZEN_DIGEST, expected[FROZEN_DIGEST]) != expected[FROZEN_DIGEST]:
-        raise UsageError(
-            f"checkpoint {path!r} was trained on other frozen weights than this run's model has (another base "
-            "model, revision or dtype): a checkpoint holds only the trained weights, such as LoRA's, and the frozen "
-            "ones are read from --model_name_or_path; resume with the --model_name_or_path (and dtype) it was "
-            "trained on"
-        )
     mismatched = {
         key: (state.get(key), value)
         for key, value in expected.items()
@@ -228,6 +221,13 @@ def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dic
         )
         raise UsageError(
             f"checkpoint {path!r} is from a different run ({details}); resume with the settings it was saved with"
+        )
+    if FROZEN_DIGEST in expected and state.get(FROZEN_DIGEST, expected[FROZEN_DIGEST]) != expected[FROZEN_DIGEST]:
+        raise UsageError(
+            f"checkpoint {path!r} was trained on other frozen weights than this run's model has (another base "
+            "model or dtype): a checkpoint holds only the trained weights, such as LoRA's, and the frozen "
+            "ones are read from --model_name_or_path; resume with the --model_name_or_path (and dtype) it was "
+            "trained on"
         )
     if "global_batch" in expected and state["global_batch"] != expected["global_batch"]:
         if state["global_batch"] is None:
@@ -294,7 +294,7 @@ def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict
     state = from_main_process(accelerator, read_and_check, path, expected, accelerator.num_processes)
     problem = None
     try:
-        accelerator.load_state(path)
+        accelerator.load_state(path, **state_kwargs(accelerator, expected, loading=True))
     except Exception as exc:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         problem = f"checkpoint {path!r} is damaged and could not be loaded ({reason})"

@@ -28,7 +28,10 @@ def agree_on_write(accelerator: Accelerator, error: BaseException | None, what: 
     fail_together(accelerator, None if error is None else write_failure(error, what, output_dir))
 
 
-WRITERS_WORDS = ("iostream error", "unexpected pos", "write failed", "ioerror", "no space", "quota", "too large")
+# Writers that name the OS's fault in words only: torch's ("iostream error", "unexpected pos", "file write failed",
+# "open file failed with strerror: Permission denied"), safetensors' ("IoError(Os { code: 28, ... })").
+WRITERS_WORDS = ("iostream error", "unexpected pos", "write failed", "open file failed", "cannot be opened", "strerror",
+                 "ioerror", "no space", "quota", "too large", "permission denied", "read-only file system")  # fmt: skip
 
 
 def is_write_fault(error: BaseException) -> bool:
