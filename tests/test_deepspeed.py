@@ -268,16 +268,24 @@ def test_a_head_of_another_shape_loads_under_zero3_and_trains_what_ddp_trains(tm
 
 
 @pytest.mark.parametrize(
-    "config, lora",
-    [("deepspeed_zero3.yaml", True), ("deepspeed_zero2.yaml", True), ("deepspeed_zero3.yaml", False)],
-    ids=["zero3-lora", "zero2-lora", "zero3-full"],
+    "config, lora, saved_as",
+    [
+        ("deepspeed_zero3.yaml", True, "float32"),  # an adapter is saved as trained: fp32
+        ("deepspeed_zero2.yaml", True, "float32"),
+        ("deepspeed_zero3.yaml", False, "float32"),
+        ("deepspeed_zero2.yaml", False, "bfloat16"),  # DeepSpeed's bf16 weights: its masters rounded, not gathered
+    ],
+    ids=["zero3-lora", "zero2-lora", "zero3-full", "zero2-full-saved-in-bf16"],
 )
-def test_sft_in_bf16_saves_deepspeeds_fp32_weights_and_the_model_reloads(config, lora, chat_llama, sft_data, tmp_path):
+def test_sft_in_bf16_saves_deepspeeds_fp32_weights_and_the_model_reloads(
+    config, lora, saved_as, chat_llama, sft_data, tmp_path
+):
     """DeepSpeed's bf16: the engine computes with a bf16 copy of the model, and keeps fp32 master weights in its
     optimizer. Before the fix the save gathered the bf16 copy: ZeRO-2 saved LoRA's adapter in bf16, and a full model
     saved in fp32 held bf16's values (3.9e-3 from the masters after 4 steps). Now the saved weights are the masters
     exactly, as DeepSpeed's own zero_to_fp32 reads them from the checkpoint of the same step. (ZeRO-3 leaves the
-    adapters that peft adds after `zero.Init` in fp32: they were right before.)"""
+    adapters that peft adds after `zero.Init` in fp32: they were right before.) A model saved in bf16 is DeepSpeed's
+    bf16 copy, gathered without the masters (their CPU memory): the masters rounded, the same values."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from peft import PeftModel
@@ -286,7 +294,7 @@ def test_sft_in_bf16_saves_deepspeeds_fp32_weights_and_the_model_reloads(config,
 
     from conftest import sft_args
 
-    extra = ["--lora_r", 8] if lora else ["--save_dtype", "float32"]  # the tiny model's config says float32 anyway
+    extra = ["--lora_r", 8] if lora else ["--save_dtype", saved_as]  # the tiny model's config says float32
     args = sft_args(chat_llama, sft_data, tmp_path / "run", "--max_train_steps", 4, "--report_to", "none",
                     "--per_device_train_batch_size", 2, "--checkpointing_steps", 4, *extra)  # fmt: skip
     ok(zero("train_sft", *args, config=config, precision="bf16"))
@@ -296,9 +304,9 @@ def test_sft_in_bf16_saves_deepspeeds_fp32_weights_and_the_model_reloads(config,
     saved = load_tensors(str(tmp_path / "run" / ("adapter_model.safetensors" if lora else "model.safetensors")))
     masters = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "run" / "checkpoint-4"), tag="pytorch_model")
     masters = {key.removeprefix("base_model.model.").replace(".default.", "."): value for key, value in masters.items()}
-    assert {str(value.dtype) for value in saved.values()} == {"torch.float32"}
+    assert {str(value.dtype) for value in saved.values()} == {f"torch.{saved_as}"}
     for key, value in saved.items():
-        assert torch.equal(value, masters[key.removeprefix("base_model.model.")]), key
+        assert torch.equal(value, masters[key.removeprefix("base_model.model.")].to(value.dtype)), key
     if lora:
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(chat_llama), tmp_path / "run")
     else:

@@ -59,21 +59,24 @@ def save_model(accelerator: Accelerator, model, output_dir: str, *processors, dt
     CPU on the main process only. Only the main process writes.
     """
     accelerator.wait_for_everyone()
-    state_dict = gathered_state_dict(accelerator, model)
+    saved = saved_dtype(accelerator.unwrap_model(model), dtype)  # the same on every rank
+    state_dict = gathered_state_dict(accelerator, model, saved)
     error = None
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         try:
-            write_pretrained(unwrapped, state_dict, output_dir, *processors, dtype=saved_dtype(unwrapped, dtype))
+            write_pretrained(unwrapped, state_dict, output_dir, *processors, dtype=saved)
         except Exception as exc:  # reported on every rank by agree_on_write
             error = exc
     agree_on_write(accelerator, error, f"the model to {output_dir!r}", output_dir)  # instead of the last barrier
 
 
-def gathered_state_dict(accelerator: Accelerator, model) -> dict:
+def gathered_state_dict(accelerator: Accelerator, model, saved_as=None) -> dict:
     """All ranks call this: the whole model's state dict on the main process (Accelerate's `get_state_dict`; a
     collective under FSDP and DeepSpeed), where DeepSpeed trained in bf16 or fp16 with the trained weights taken
-    from its fp32 master copy.
+    from its fp32 master copy, unless they are to be saved in the dtype they have (`saved_as`, None: as they are):
+    DeepSpeed's 16-bit weights are its masters rounded to that dtype, the same values, and the masters would cost
+    the main process twice the model's 16-bit size in CPU memory (for a full 70B model, 280 GB).
 
     DeepSpeed computes with a 16-bit copy of the model and keeps the fp32 weights in its optimizer; Accelerate
     gathers the 16-bit copy. A LoRA adapter, saved as trained, was then bf16's rounding of the weights that DDP and
@@ -88,7 +91,7 @@ def gathered_state_dict(accelerator: Accelerator, model) -> dict:
     keys = {key.replace("_orig_mod.", ""): key for key in state_dict or ()}  # as compiled; ZeRO-3's other ranks: None
     masters = {}  # by parameter: a tied weight has several names and one master
     for name, param in accelerator.unwrap_model(model).named_parameters(remove_duplicate=False):
-        if not param.requires_grad or param.dtype == torch.float32:
+        if not param.requires_grad or param.dtype in (torch.float32, saved_as):
             continue  # the same on every rank: whether to join this parameter's collective
         if id(param) not in masters:
             master = safe_get_full_fp32_param(param)  # a new tensor, on every rank
