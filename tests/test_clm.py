@@ -123,6 +123,80 @@ def test_lora_saves_the_adapter_and_a_merged_model_with_the_same_logits(tiny_lm,
     assert not torch.allclose(merged, base, atol=1e-3), "the adapter learned something"
 
 
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_lora_on_every_family_trains_on_two_processes_and_resumes_bit_for_bit(family, tiny_lm, tmp_path):
+    """LoRA on every linear layer (the default), 2 processes, a checkpoint at step 2 of 4: each checkpoint holds the
+    adapters only, and a run resumed from it equals the uninterrupted one to the bit. Jamba's Mamba layers use
+    dt_proj's weight directly (`self.dt_proj.weight @ ...`): its adapters never ran, and DDP stopped at the second
+    step waiting for their gradients; the default now leaves such layers out (`linears_used_by_weight`), as it does
+    out_proj for Bamba and GraniteMoeHybrid, whose layers call it on a CPU but hand its weight to the fused
+    kernels on a GPU."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
+    config_class, model_class, extra = HYBRIDS[family]
+    model = tiny_model(config_class, model_class, {**extra, "vocab_size": len(tokenizer)})
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    corpus = write_text_corpus(tmp_path / "train.txt")
+    steps = ["--max_train_steps", 4, "--per_device_train_batch_size", 2, "--lora_r", 4]
+    args = text_args(tmp_path / "model", corpus, tmp_path / "run", *steps)
+    args[args.index("--checkpointing_steps") + 1] = 2
+    run = launch(TRAIN_CLM, *args)
+    assert run.returncode == 0, run.output[-3000:]
+    saved = load_file(str(tmp_path / "run" / "checkpoint-2" / "model.safetensors"))
+    assert saved and all(".lora_A." in key or ".lora_B." in key for key in saved), sorted(saved)[:3]
+    assert ("dt_proj" in run.output) == (family == "jamba")  # "LoRA leaves out ['dt_proj']: ..."
+    shutil.copytree(tmp_path / "run" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    args[args.index("--output_dir") + 1] = tmp_path / "resumed"
+    assert launch(TRAIN_CLM, *args, "--resume_from_checkpoint", "latest").returncode == 0
+    ours, theirs = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("resumed", "run"))
+    assert [key for key in theirs if not np.array_equal(ours[key], theirs[key])] == [], "not bit for bit"
+
+
+@pytest.mark.fast
+def test_lora_leaves_out_the_linear_layers_whose_weight_the_model_uses_directly(tiny_lm):
+    """Mamba's mixers hand dt_proj's, x_proj's and out_proj's weights to their scan (on a GPU, to fused kernels)
+    instead of calling the layers, so peft's adapter, which wraps the call, never runs: the default targets leave
+    them out, naming them; naming one is refused in one line. Attention-only models keep every linear layer."""
+    from types import SimpleNamespace
+
+    import transformers
+    from accelerate import PartialState
+
+    from ddp_utils import UsageError
+    from ddp_utils.language_models.lora import add_lora, linears_used_by_weight
+
+    PartialState(cpu=True)  # add_lora logs through Accelerate
+    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(num_hidden_layers=2, hidden_size=32, vocab_size=64))
+    jamba = tiny_model(*HYBRIDS["jamba"])
+    used_directly = {name.rsplit(".", 1)[-1] for name in linears_used_by_weight(mamba)}
+    assert used_directly == {"dt_proj", "out_proj", "x_proj"}
+    assert sorted(linears_used_by_weight(jamba)) == ["model.layers.0.mamba.dt_proj"]
+    assert linears_used_by_weight(tiny_model(*HYBRIDS["qwen3 (attention only)"])) == {}
+
+    def lora_args(targets="all-linear", last_layers=0):
+        return SimpleNamespace(
+            lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=targets, lora_last_layers=last_layers
+        )
+
+    adapted = add_lora(mamba, lora_args())
+    wrapped = {name.rsplit(".", 1)[-1] for name, module in adapted.named_modules() if hasattr(module, "lora_A")}
+    assert wrapped == {"in_proj"}
+    adapted = add_lora(jamba, lora_args())
+    wrapped = {name.rsplit(".", 1)[-1] for name, module in adapted.named_modules() if hasattr(module, "lora_A")}
+    assert "dt_proj" not in wrapped and {"in_proj", "x_proj", "out_proj", "q_proj", "gate_proj"} <= wrapped
+    adapted = add_lora(tiny_model(*HYBRIDS["jamba"]), lora_args(last_layers=1))  # the attention layer only
+    wrapped = {name for name, module in adapted.named_modules() if hasattr(module, "lora_A")}
+    assert wrapped and all(".layers.1." in name for name in wrapped), sorted(wrapped)
+    with pytest.raises(UsageError, match=r"^--lora_target_modules names dt_proj, whose weight JambaMambaMixer uses"):
+        add_lora(tiny_model(*HYBRIDS["jamba"]), lora_args("q_proj,dt_proj"))
+
+
 def test_every_token_trained_exactly_once_per_epoch_across_ranks(tiny_lm, tmp_path):
     corpus = write_text_corpus(tmp_path / "corpus.txt")
     out = tmp_path / "tokens.json"

@@ -7,7 +7,10 @@ FSDP and DeepSpeed a CPU copy is merged on the main process)."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
+import re
 
 import torch
 from accelerate.logging import get_logger
@@ -33,17 +36,55 @@ def check_lora_args(args) -> None:
         )
 
 
-def linear_module_names(model, exclude=None) -> list[str]:
-    """The names (last part) of the model's linear layers, GPT-2's Conv1D included, except `exclude`."""
+def linear_modules(model) -> dict:
+    """{full name: module} of the model's linear layers, GPT-2's Conv1D included."""
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
 
-    return sorted(
-        {
-            name.rsplit(".", 1)[-1]
-            for name, module in model.named_modules()
-            if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not exclude
-        }
-    )
+    return {name: module for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))}
+
+
+def linear_module_names(model, exclude=None) -> list[str]:
+    """The names (last part) of the model's linear layers, GPT-2's Conv1D included, except `exclude`."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in linear_modules(model).items() if module is not exclude})
+
+
+# A linear layer's weight passed as an operand (an argument, a matmul's side) by the code of the module that holds
+# it, instead of calling the layer: Mamba's mixers (`self.dt_proj.weight @ ...`, and on a GPU their fused kernels
+# take x_proj's and out_proj's weights). A dtype or shape read, or an isinstance test, is not a use.
+WEIGHT_USED_DIRECTLY = re.compile(r"(?<!isinstance\()self\.(\w+)\.weight(?=\s*(?:[,)\]@]|$))", re.MULTILINE)
+
+
+@functools.cache
+def _names_whose_weight_is_used_directly(module_class) -> frozenset[str]:
+    """The attribute names `WEIGHT_USED_DIRECTLY` finds in the code of `module_class` and its bases (torch's own
+    modules aside)."""
+    names = set()
+    for cls in module_class.__mro__:
+        if cls.__module__.startswith("torch.") or cls is object:
+            continue
+        try:
+            names.update(WEIGHT_USED_DIRECTLY.findall(inspect.getsource(cls)))
+        except (OSError, TypeError):  # defined where its source cannot be read
+            pass
+    return frozenset(names)
+
+
+def linears_used_by_weight(model) -> dict[str, str]:
+    """{full name: the class that uses it} for the linear layers whose weight the module holding them uses
+    directly, without calling them (`WEIGHT_USED_DIRECTLY`): peft's adapter wraps the call, so an adapter there
+    never runs and never trains, and under DDP the run stopped at its second step, waiting for its gradient
+    (Jamba's dt_proj). No communication."""
+    linears, found = linear_modules(model), {}
+    for parent_name, parent in model.named_modules():
+        for name in _names_whose_weight_is_used_directly(type(parent)):
+            full = f"{parent_name}.{name}".lstrip(".")
+            if full in linears:
+                found[full] = type(parent).__name__
+    return found
+
+
+def _last_two(name: str) -> str:
+    return ".".join(name.split(".")[-2:])  # "model.layers.0.mamba.dt_proj" -> "mamba.dt_proj"
 
 
 def add_lora(model, args):
@@ -57,7 +98,21 @@ def add_lora(model, args):
     targets = args.lora_target_modules
     if targets != "all-linear":
         targets = [m.strip() for m in targets.split(",")]
+    output, linears = model.get_output_embeddings(), linear_modules(model)  # the output layer is never adapted
+    bypassed = {name: user for name, user in linears_used_by_weight(model).items() if linears[name] is not output}
+    named = [name for name in bypassed if isinstance(targets, list) and name.rsplit(".", 1)[-1] in targets]
+    if named:
+        raise UsageError(
+            f"--lora_target_modules names {named[0].rsplit('.', 1)[-1]}, whose weight {bypassed[named[0]]} uses "
+            "directly instead of calling the layer: an adapter there would never train; leave it out"
+        )
     layers = model.config.num_hidden_layers
+    if targets == "all-linear" and bypassed:  # every other linear layer, by its name and its parent's in the layer
+        # (peft applies --lora_last_layers only to names it matches at the end of a module's path, not full paths)
+        left = {_last_two(name) for name in bypassed}
+        targets = sorted({_last_two(n) for n, module in linears.items() if module is not output} - left)
+        left_out = sorted({name.rsplit(".", 1)[-1] for name in bypassed})
+        logger.info(f"LoRA leaves out {left_out}: the model uses their weights directly, an adapter would never train")
     if args.lora_last_layers and targets == "all-linear":  # peft takes layer numbers only with named modules
         targets = linear_module_names(model, exclude=model.get_output_embeddings())
     if args.lora_last_layers > layers:
