@@ -13,12 +13,11 @@ median save and load times and their ratios.
 import argparse
 import os
 import shutil
-import statistics
 import tempfile
-import time
 
 import torch
 from accelerate.utils import broadcast_object_list
+from bench_checkpoint import timed  # bench/ is the script's directory
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -29,17 +28,6 @@ from ddp_utils.checkpoints.frozen_weights import checkpoint_trainable_weights_on
 from ddp_utils.data.demo import demo_llm_gguf
 from ddp_utils.language_models.gguf import dequantized_gguf
 from ddp_utils.lifecycle.start import make_accelerator
-
-
-def timed(accelerator, work, repeats):
-    seconds = []
-    for _ in range(repeats):
-        accelerator.wait_for_everyone()
-        start = time.perf_counter()
-        work()
-        accelerator.wait_for_everyone()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
 
 
 def size_mib(directory):

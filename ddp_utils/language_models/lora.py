@@ -48,30 +48,38 @@ def linear_module_names(model, exclude=None) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, module in linear_modules(model).items() if module is not exclude})
 
 
-# A linear layer's weight passed as an operand (an argument, a matmul's side) by the code of the module that holds
-# it, instead of calling the layer: Mamba's mixers (`self.dt_proj.weight @ ...`, and on a GPU their fused kernels
-# take x_proj's and out_proj's weights). A dtype or shape read, or an isinstance test, is not a use.
-WEIGHT_USED_DIRECTLY = re.compile(r"(?<!isinstance\()self\.(\w+)\.weight(?=\s*(?:[,)\]@]|$))", re.MULTILINE)
+# A linear layer's weight read by the code of the module that holds it, instead of calling the layer: Mamba's
+# mixers (`self.dt_proj.weight @ ...`; on a GPU their fused kernels take x_proj's and out_proj's weights),
+# LongCat-Flash's router (`F.linear(x, self.classifier.weight.type(...))`). Not a use: a read of what describes the
+# weight (its dtype, device, shape...), an assignment to it, an initialisation, an isinstance or getattr test, and
+# a slice (Bloom's, only with `slow_but_exact`, would leave its attention's output out of every Bloom's LoRA).
+WEIGHT_READ = re.compile(r"self\.(\w+)\.weight\b(?!\s*=[^=])(?!\s*\[)(?:\.(\w+))?")
+DESCRIBES = {"dtype", "device", "shape", "size", "ndim", "dim", "numel", "nelement", "element_size", "data",
+             "requires_grad", "is_meta", "_is_hf_initialized"}  # fmt: skip
+NOT_A_USE = re.compile(r"^\s*(?:(?:torch\.)?(?:nn\.)?init\.\w+\(|.*\b(?:isinstance|getattr|hasattr)\(self\.)")
 
 
 @functools.cache
 def _names_whose_weight_is_used_directly(module_class) -> frozenset[str]:
-    """The attribute names `WEIGHT_USED_DIRECTLY` finds in the code of `module_class` and its bases (torch's own
-    modules aside)."""
+    """The attribute names whose weight the code of `module_class` and its bases (torch's own modules aside) reads
+    (`WEIGHT_READ`, less what is `NOT_A_USE`)."""
     names = set()
     for cls in module_class.__mro__:
         if cls.__module__.startswith("torch.") or cls is object:
             continue
         try:
-            names.update(WEIGHT_USED_DIRECTLY.findall(inspect.getsource(cls)))
+            lines = inspect.getsource(cls).splitlines()
         except (OSError, TypeError):  # defined where its source cannot be read
-            pass
+            continue
+        for line in lines:
+            if not NOT_A_USE.match(line):
+                names.update(name for name, attribute in WEIGHT_READ.findall(line) if attribute not in DESCRIBES)
     return frozenset(names)
 
 
 def linears_used_by_weight(model) -> dict[str, str]:
     """{full name: the class that uses it} for the linear layers whose weight the module holding them uses
-    directly, without calling them (`WEIGHT_USED_DIRECTLY`): peft's adapter wraps the call, so an adapter there
+    directly, without calling them (`WEIGHT_READ`): peft's adapter wraps the call, so an adapter there
     never runs and never trains, and under DDP the run stopped at its second step, waiting for its gradient
     (Jamba's dt_proj). No communication."""
     linears, found = linear_modules(model), {}
@@ -100,11 +108,13 @@ def add_lora(model, args):
         targets = [m.strip() for m in targets.split(",")]
     output, linears = model.get_output_embeddings(), linear_modules(model)  # the output layer is never adapted
     bypassed = {name: user for name, user in linears_used_by_weight(model).items() if linears[name] is not output}
-    named = [name for name in bypassed if isinstance(targets, list) and name.rsplit(".", 1)[-1] in targets]
+    # Named as peft matches: the full path, or its end after a dot (dt_proj, mamba.dt_proj, ...).
+    named = [] if targets == "all-linear" else [(t, n) for t in targets for n in bypassed if f".{n}".endswith(f".{t}")]
     if named:
+        target, name = named[0]
         raise UsageError(
-            f"--lora_target_modules names {named[0].rsplit('.', 1)[-1]}, whose weight {bypassed[named[0]]} uses "
-            "directly instead of calling the layer: an adapter there would never train; leave it out"
+            f"--lora_target_modules names {target}, whose weight {bypassed[name]} uses directly instead of calling "
+            f"the layer ({name}): an adapter there would never train; leave it out"
         )
     layers = model.config.num_hidden_layers
     if targets == "all-linear" and bypassed:  # every other linear layer, by its name and its parent's in the layer

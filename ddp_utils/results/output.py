@@ -10,6 +10,7 @@ import tempfile
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
 from ..checkpoints.write_failure import agree_on_write
 from ..core.errors import UsageError
@@ -59,7 +60,9 @@ def save_model(accelerator: Accelerator, model, output_dir: str, *processors, dt
     CPU on the main process only. Only the main process writes.
     """
     accelerator.wait_for_everyone()
-    saved = saved_dtype(accelerator.unwrap_model(model), dtype)  # the same on every rank
+    saved = saved_dtype(accelerator.unwrap_model(model), dtype)
+    if accelerator.distributed_type.value == "DEEPSPEED":  # the main process's: it decides which masters to gather,
+        saved = broadcast_object_list([saved])[0]  # and save_pretrained rewrites the config's dtype there only
     state_dict = gathered_state_dict(accelerator, model, saved)
     error = None
     if accelerator.is_main_process:
@@ -72,11 +75,12 @@ def save_model(accelerator: Accelerator, model, output_dir: str, *processors, dt
 
 
 def gathered_state_dict(accelerator: Accelerator, model, saved_as=None) -> dict:
-    """All ranks call this: the whole model's state dict on the main process (Accelerate's `get_state_dict`; a
-    collective under FSDP and DeepSpeed), where DeepSpeed trained in bf16 or fp16 with the trained weights taken
-    from its fp32 master copy, unless they are to be saved in the dtype they have (`saved_as`, None: as they are):
-    DeepSpeed's 16-bit weights are its masters rounded to that dtype, the same values, and the masters would cost
-    the main process twice the model's 16-bit size in CPU memory (for a full 70B model, 280 GB).
+    """All ranks call this, with the same `saved_as`: the whole model's state dict on the main process
+    (Accelerate's `get_state_dict`; a collective under FSDP and DeepSpeed), where DeepSpeed trained in bf16 or fp16
+    with the trained weights taken from its fp32 master copy, unless they are to be saved in the dtype they have
+    (`saved_as`, None: as they are): DeepSpeed's 16-bit weights are its masters rounded to that dtype, the same
+    values, and the masters would cost the main process twice the model's 16-bit size in CPU memory (for a full
+    70B model, 280 GB).
 
     DeepSpeed computes with a 16-bit copy of the model and keeps the fp32 weights in its optimizer; Accelerate
     gathers the 16-bit copy. A LoRA adapter, saved as trained, was then bf16's rounding of the weights that DDP and
