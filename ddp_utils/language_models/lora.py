@@ -61,11 +61,13 @@ NOT_A_USE = re.compile(r"^\s*(?:(?:torch\.)?(?:nn\.)?init\.\w+\(|.*\b(?:isinstan
 
 @functools.cache
 def _names_whose_weight_is_used_directly(module_class) -> frozenset[str]:
-    """The attribute names whose weight the code of `module_class` and its bases (torch's own modules aside) reads
-    (`WEIGHT_READ`, less what is `NOT_A_USE`)."""
+    """The attribute names whose weight the code of `module_class` and its bases reads (`WEIGHT_READ`, less what
+    is `NOT_A_USE`): a model's own code, its remote code included, not torch's or transformers' shared classes
+    (PreTrainedModel, GenerationMixin: a second's reading, and no layer of theirs)."""
     names = set()
     for cls in module_class.__mro__:
-        if cls.__module__.startswith("torch.") or cls is object:
+        shared = cls.__module__.startswith(("torch.", "transformers.")) and ".models." not in cls.__module__
+        if shared or cls is object:
             continue
         try:
             lines = inspect.getsource(cls).splitlines()
@@ -124,7 +126,7 @@ def add_lora(model, args):
         left_out = sorted({name.rsplit(".", 1)[-1] for name in bypassed})
         logger.info(f"LoRA leaves out {left_out}: the model uses their weights directly, an adapter would never train")
     if args.lora_last_layers and targets == "all-linear":  # peft takes layer numbers only with named modules
-        targets = linear_module_names(model, exclude=model.get_output_embeddings())
+        targets = linear_module_names(model, exclude=output)
     if args.lora_last_layers > layers:
         raise UsageError(
             f"--lora_last_layers {args.lora_last_layers} is more than this model's {layers} layers; "
