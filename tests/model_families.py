@@ -27,3 +27,63 @@ def tiny_model(config_class, model_class, extra):
                  intermediate_size=64, vocab_size=64)  # fmt: skip
     torch.manual_seed(0)
     return getattr(transformers, model_class)(getattr(transformers, config_class)(**{**sizes, **extra})).eval()
+
+
+# Checkpoints that also read images, as their Hub repos hold them (tiny): Gemma 3 from 4B (transformers loads it whole
+# as a causal LM), Mistral Small 3.x (an image-and-text model only), Llama 4 (a text-only causal LM too, which drops
+# the vision tower; its checkpoint names the whole model). Each with its vision tower, its projector and an LM of 2
+# layers (hidden 32); Gemma 3's ties its LM head to the input embeddings, as every Gemma does.
+_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16, max_position_embeddings=64)  # fmt: skip
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+               patch_size=14)  # fmt: skip
+
+
+def tiny_multimodal(family: str, vocab_size: int):
+    """A tiny whole model of `family` ("gemma3", "mistral3", "llama4"), seeded, its special image tokens the last
+    ids of the vocabulary."""
+    import transformers
+
+    v = vocab_size
+    torch.manual_seed(0)
+    if family == "gemma3":
+        config = transformers.Gemma3Config(
+            text_config={**_TEXT, "vocab_size": v, "sliding_window": 8}, vision_config=_VISION,
+            mm_tokens_per_image=4, image_token_index=v - 1, boi_token_index=v - 2, eoi_token_index=v - 3,
+        )  # fmt: skip
+        return transformers.Gemma3ForConditionalGeneration(config)
+    if family == "mistral3":
+        config = transformers.Mistral3Config(
+            text_config={**_TEXT, "model_type": "mistral", "vocab_size": v, "tie_word_embeddings": False},
+            vision_config={**_VISION, "head_dim": 16}, image_token_index=v - 1,
+        )  # fmt: skip
+        return transformers.Mistral3ForConditionalGeneration(config)
+    vision = dict(_VISION, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    text = {**_TEXT, "vocab_size": v, "num_local_experts": 2, "intermediate_size_mlp": 64}  # a MoE layer each
+    config = transformers.Llama4Config(text_config=text, vision_config=vision, image_token_index=v - 1)
+    return transformers.Llama4ForConditionalGeneration(config)
+
+
+def save_multimodal(family: str, tokenizer_dir, directory):
+    """`tiny_multimodal(family)` saved in `directory` with the tokenizer of `tokenizer_dir`; Gemma 3's with its
+    processor too (Gemma3Processor: an image processor for 28-pixel images, and the tokenizer with Gemma's image
+    tokens), as Gemma 3's repos hold one."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tiny_multimodal(family, len(tokenizer)).save_pretrained(directory)
+    if family != "gemma3":
+        tokenizer.save_pretrained(directory)
+        return directory
+    with_image_tokens = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+        unk_token=tokenizer.unk_token, model_max_length=tokenizer.model_max_length,
+        extra_special_tokens={"boi_token": tokenizer.eos_token, "eoi_token": tokenizer.eos_token,
+                              "image_token": tokenizer.unk_token},
+    )  # fmt: skip
+    with_image_tokens.chat_template = tokenizer.chat_template
+    images = transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    processor = transformers.Gemma3Processor(image_processor=images, tokenizer=with_image_tokens, image_seq_length=4)
+    processor.save_pretrained(directory)
+    return directory

@@ -870,7 +870,22 @@ def sft_with_empty_record(d, sft_data):
     return ["--train_file", d / "bad.jsonl"]
 
 
+def pad_token_added_to_the_tokenizer_only(d):
+    """The tiny Llama with a pad token added to its tokenizer and not to its embeddings (a common slip)."""
+    from transformers import AutoTokenizer
+
+    model = make_tiny_causal_lm(d / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    tokenizer.save_pretrained(model)
+    return ["--model_name_or_path", model]
+
+
 BAD_INPUT = {
+    "pad_token_past_the_embeddings": (
+        lambda d, s: pad_token_added_to_the_tokenizer_only(d),
+        "gives its pad token the id 332, past the model's 332 embeddings: give the model's own tokenizer, or resize",
+    ),
     "missing_response_field": (lambda d, s: sft_without_response(d), "has no column 'completion'"),
     "empty_record": (sft_with_empty_record, "1 train records have an empty or missing 'completion' (first: record 5)"),
     "block_size_above_context": (

@@ -12,6 +12,7 @@
 - group_scoring.py    a group's completions scored in one pass: one row per prompt, or a row per completion
 - static_decoding.py  GRPO's --compile_generation: a static KV cache kept across steps, the decoding step compiled
 - lora.py             LoRA set-up, --lora_last_layers, the model saved with merged/
+- multimodal.py       a model that also reads images, trained on text: what text never runs, frozen; its processor
 - gguf.py             GGUF checkpoints dequantized once into a cache
 
 Knows nothing of a script's start or options parsing: imports core, data, checkpoints, training and results.

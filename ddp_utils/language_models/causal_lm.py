@@ -25,7 +25,8 @@ from ..data.dataloaders import SAMPLE_WEIGHT
 from ..data.evaluation import gather_for_eval
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import load_pretrained
-from ..training.pretrained import fetch_weights, load_model_config
+from ..training.pretrained import causal_lm_class, fetch_weights, load_model_config
+from .multimodal import freeze_parts_text_never_runs, text_config
 
 logger = get_logger(__name__)
 
@@ -172,7 +173,7 @@ def load_config_and_tokenizer(args):
     tokenizer.chat_template_kwargs = getattr(
         args, "chat_template_kwargs", None
     )  # every render of the run (chat.render)
-    context = getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length
+    context = getattr(text_config(config), "max_position_embeddings", None) or tokenizer.model_max_length
     block_size = args.block_size or min(context, 1024)
     if block_size > context:
         raise UsageError(f"--block_size {block_size} is above this model's context of {context} tokens; lower it")
@@ -207,12 +208,22 @@ def load_tokenizer(model_name_or_path: str, trust_remote_code: bool = False):
 def load_causal_lm(args, config, tokenizer):
     """All ranks call this, at the same time: under DeepSpeed ZeRO-3 building a model is a collective, and
     under FSDP only the main process reads the weights (`load_pretrained`). The model, with gradient
-    checkpointing and LoRA (`lora.add_lora`) if asked."""
-    from transformers import AutoModelForCausalLM
-
+    checkpointing and LoRA (`lora.add_lora`) if asked; what text never runs in a model that also reads images is
+    frozen (`multimodal`)."""
     model = load_pretrained(  # under FSDP, only rank 0 reads the weights
-        AutoModelForCausalLM, args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
+        causal_lm_class(config), args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
     )
+    freeze_parts_text_never_runs(model)
+    rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    past = {kind: getattr(tokenizer, f"{kind}_token_id") for kind in ("pad", "bos", "eos")}
+    past = {kind: token_id for kind, token_id in past.items() if rows is not None and (token_id or 0) >= rows}
+    if past:  # an id past the table: an IndexError at the first step, on a GPU a device-side assert
+        kind, token_id = next(iter(past.items()))
+        raise UsageError(
+            f"the tokenizer of {args.model_name_or_path!r} gives its {kind} token the id {token_id}, past the "
+            f"model's {rows} embeddings: give the model's own tokenizer, or resize the embeddings "
+            "(model.resize_token_embeddings) and save the model with the tokens added"
+        )
     model.config.pad_token_id = tokenizer.pad_token_id
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise UsageError(

@@ -20,6 +20,7 @@ from ..core.errors import UsageError
 from ..core.sharded import is_sharded
 from ..results.output import gathered_state_dict, save_model, saved_dtype, write_pretrained
 from ..training.zero3_loading import built_whole, zero3_enabled
+from .multimodal import image_processors, parts_text_never_runs, text_config
 
 logger = get_logger(__name__)
 
@@ -93,6 +94,32 @@ def linears_used_by_weight(model) -> dict[str, str]:
     return found
 
 
+@functools.cache
+def _returns_several(linear_class) -> bool:
+    """Whether the forward of `linear_class`, a subclass of torch's Linear, returns several values."""
+    import ast
+    import textwrap
+
+    for cls in linear_class.__mro__:
+        if cls is torch.nn.Linear:
+            return False
+        if "forward" in cls.__dict__:
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+            except (OSError, TypeError, SyntaxError):  # defined where its source cannot be read
+                return False
+            return any(isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) for node in ast.walk(tree))
+    return False
+
+
+def linears_returning_several(model) -> dict[str, str]:
+    """{full name: its class} for the linear layers whose own forward returns several values: Llama 4's and
+    PhiMoE's routers (their scores and choices). peft's adapter adds its output to the layer's, and failed there
+    ("'tuple' object has no attribute 'dtype'"). No communication."""
+    linears = linear_modules(model)
+    return {name: type(module).__name__ for name, module in linears.items() if _returns_several(type(module))}
+
+
 def _last_two(name: str) -> str:
     return ".".join(name.split(".")[-2:])  # "model.layers.0.mamba.dt_proj" -> "mamba.dt_proj"
 
@@ -109,22 +136,26 @@ def add_lora(model, args):
     if targets != "all-linear":
         targets = [m.strip() for m in targets.split(",")]
     output, linears = model.get_output_embeddings(), linear_modules(model)  # the output layer is never adapted
-    bypassed = {name: user for name, user in linears_used_by_weight(model).items() if linears[name] is not output}
+    bypassed = {  # {full name: why no adapter can train there}
+        **{name: f"whose weight {user} uses directly instead of calling the layer"
+           for name, user in linears_used_by_weight(model).items() if linears[name] is not output},
+        **{name: f"a {kind} whose output is several values, to which an adapter cannot add its own"
+           for name, kind in linears_returning_several(model).items()},
+    }  # fmt: skip
     # Named as peft matches: the full path, or its end after a dot (dt_proj, mamba.dt_proj, ...).
     named = [] if targets == "all-linear" else [(t, n) for t in targets for n in bypassed if f".{n}".endswith(f".{t}")]
     if named:
         target, name = named[0]
         raise UsageError(
-            f"--lora_target_modules names {target}, whose weight {bypassed[name]} uses directly instead of calling "
-            f"the layer ({name}): an adapter there would never train; leave it out"
+            f"--lora_target_modules names {target}, {bypassed[name]} ({name}): no adapter can train there; leave it out"
         )
-    layers = model.config.num_hidden_layers
+    layers = text_config(model.config).num_hidden_layers
     if targets == "all-linear" and bypassed:  # every other linear layer, by its name and its parent's in the layer
         # (peft applies --lora_last_layers only to names it matches at the end of a module's path, not full paths)
         left = {_last_two(name) for name in bypassed}
         targets = sorted({_last_two(n) for n, module in linears.items() if module is not output} - left)
-        left_out = sorted({name.rsplit(".", 1)[-1] for name in bypassed})
-        logger.info(f"LoRA leaves out {left_out}: the model uses their weights directly, an adapter would never train")
+        for name, reason in sorted({(name.rsplit(".", 1)[-1], why) for name, why in bypassed.items()}):
+            logger.info(f"LoRA leaves out {name}, {reason}: no adapter can train there")
     if args.lora_last_layers and targets == "all-linear":  # peft takes layer numbers only with named modules
         targets = linear_module_names(model, exclude=output)
     if args.lora_last_layers > layers:
@@ -133,6 +164,7 @@ def add_lora(model, args):
             f"give at most {layers}"
         )
     last_layers = list(range(layers - args.lora_last_layers, layers)) if args.lora_last_layers else None
+    untouched = parts_text_never_runs(model)  # a vision tower: its adapters would never train
     lora = LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
@@ -140,6 +172,7 @@ def add_lora(model, args):
         target_modules=targets,
         task_type="CAUSAL_LM",
         layers_to_transform=last_layers,
+        exclude_modules="|".join(re.escape(name) + r"(\..*)?" for name in untouched) or None,  # peft: fullmatch
     )
     try:
         model = get_peft_model(model, lora)
@@ -158,17 +191,21 @@ def add_lora(model, args):
 def save_with_merged(accelerator, model, args, tokenizer) -> None:
     """All ranks call this (`save_model` is a collective under FSDP and DeepSpeed): save the model
     to --output_dir, with LoRA as its adapter; with --merge_lora also the adapter merged into the
-    base weights in `merged/`, a full model that loads with AutoModelForCausalLM alone, without
-    peft. Unsharded, the merge changes the model in place: it computes the same afterwards, without
-    LoRA layers. Under FSDP and DeepSpeed the main process merges a CPU copy built from the gathered
-    weights (under ZeRO-3 with `zero3_save_16bit_model: true`, as our config has it)."""
-    save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)
+    base weights in `merged/`, a full model that loads as the checkpoint did, without peft. A model
+    that also reads images is saved with the checkpoint's image processor. Unsharded, the merge
+    changes the model in place: it computes the same afterwards, without LoRA layers. Under FSDP and
+    DeepSpeed the main process merges a CPU copy built from the gathered weights (under ZeRO-3 with
+    `zero3_save_16bit_model: true`, as our config has it)."""
+    # A model that also reads images is saved with its image processor; only the main process writes.
+    images = image_processors(accelerator.unwrap_model(model), args) if accelerator.is_main_process else ()
+    processors = (*images, tokenizer)
+    save_model(accelerator, model, args.output_dir, *processors, dtype=args.save_dtype)
     if not args.merge_lora:
         return
     merged_dir = os.path.join(args.output_dir, "merged")
     if not is_sharded(accelerator):
         merged = accelerator.unwrap_model(model).merge_and_unload()
-        save_model(accelerator, merged, merged_dir, tokenizer, dtype=args.save_dtype)
+        save_model(accelerator, merged, merged_dir, *processors, dtype=args.save_dtype)
         return
     state_dict = gathered_state_dict(accelerator, model)  # all ranks: the whole model, on the main process
     error = None
@@ -176,7 +213,7 @@ def save_with_merged(accelerator, model, args, tokenizer) -> None:
         try:
             merged = merged_copy(accelerator.unwrap_model(model), state_dict)
             write_pretrained(
-                merged, merged.state_dict(), merged_dir, tokenizer, dtype=saved_dtype(merged, args.save_dtype)
+                merged, merged.state_dict(), merged_dir, *processors, dtype=saved_dtype(merged, args.save_dtype)
             )
         except Exception as exc:  # reported on every rank by agree_on_write
             error = exc

@@ -17,6 +17,7 @@ _TASKS = {
     "ForSequenceClassification": "text-classification",
     "ForImageClassification": "image-classification",
     "ForCausalLM": "text-generation",
+    "ForConditionalGeneration": "image-text-to-text",  # a model that also reads images, trained on text (Gemma 3)
 }
 _HYPER_PARAMETERS = (
     "learning_rate",
@@ -166,7 +167,7 @@ def write_model_card(args, metrics: dict) -> str:
         "## How to load it",
         "",
         "```python",
-        *_how_to_load(task, adapter, repo),
+        *_how_to_load(task, adapter, repo, _base_auto_class(args) if adapter else None, base),
         "```",
         "",
         "Curves, throughput and memory: `report/README.md`. Every option of the run: `training_args.json`.",
@@ -179,7 +180,27 @@ def write_model_card(args, metrics: dict) -> str:
     return path
 
 
-def _how_to_load(task: str | None, adapter: bool, repo: str) -> list[str]:
+def _base_auto_class(args) -> str:
+    """The transformers Auto class that loads the run's base model whole (`causal_lm_class`)."""
+    from ..training.pretrained import causal_lm_class, load_model_config
+
+    source = getattr(args, "source_model", None) or args.model_name_or_path
+    try:
+        return causal_lm_class(load_model_config(source, getattr(args, "trust_remote_code", False))).__name__
+    except Exception:  # a card is written after a finished run: it names the usual class rather than fail
+        return "AutoModelForCausalLM"
+
+
+def _how_to_load(task: str | None, adapter: bool, repo: str, base_class: str | None, base: str | None) -> list[str]:
+    if adapter and base and base_class not in (None, "AutoModelForCausalLM"):  # peft's Auto class: causal LMs only
+        return [
+            "from peft import PeftModel",
+            f"from transformers import {base_class}, AutoTokenizer",
+            "",
+            f'base = {base_class}.from_pretrained("{base}")',
+            f'model = PeftModel.from_pretrained(base, "{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        ]
     if adapter:
         return [
             "from peft import AutoPeftModelForCausalLM",

@@ -86,3 +86,21 @@ def load_model_config(model_name_or_path: str, trust_remote_code: bool = False, 
             f"--model_name_or_path {path!r} is neither a local model directory nor a reachable Hub model ({reason}); "
             "give a directory with config.json or a Hub model id"
         ) from exc
+
+
+def causal_lm_class(config):
+    """The Auto class that loads `config`'s model whole, with its LM head: of AutoModelForCausalLM and
+    AutoModelForImageTextToText, the one that maps `config` to the class its checkpoint names (Gemma 3 and 4: causal
+    LM; Llama 4 and Qwen 3.5, also mapped to a text-only causal LM that would drop their vision tower: image-and-
+    text), else the one that maps it at all (Mistral 3, Qwen-VL: image-and-text only), else AutoModelForCausalLM
+    (remote code; or its error, which names the model type)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    autos = (AutoModelForCausalLM, AutoModelForImageTextToText)
+    remote = getattr(config, "auto_map", None) or {}
+    named = (getattr(config, "architectures", None) or [None])[0]
+    mapped = {auto: auto._model_mapping[type(config)] for auto in autos if type(config) in auto._model_mapping}
+    for auto in autos:
+        if auto.__name__ in remote or getattr(mapped.get(auto), "__name__", None) == named:
+            return auto
+    return next(iter(mapped), AutoModelForCausalLM)

@@ -1,0 +1,95 @@
+"""A checkpoint that also reads images or audio, fine-tuned on text: Gemma 3 (4B and up), Gemma 3n and Gemma 4,
+which transformers loads whole as causal LMs, and the models it loads only as image-and-text ones (Mistral Small
+3.x, Qwen2.5-VL, Qwen3-VL, ...). Text never runs their vision or audio towers and projectors: they stay as loaded,
+frozen, with no LoRA adapter, and are saved with the rest and the image processor, so the result still reads
+images. Which Auto class loads such a checkpoint whole: `training.pretrained.causal_lm_class`.
+
+Before, Gemma 3's 4B checkpoint stopped at `add_lora` (its config has no `num_hidden_layers` at the top), LoRA's
+`all-linear` put adapters on the vision tower, which never trained and under DDP stopped the run at its second
+step, waiting for their gradients, and Mistral 3 and Qwen-VL checkpoints were refused with a list of 200 classes."""
+
+from __future__ import annotations
+
+import torch
+from accelerate.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def text_config(config):
+    """The configuration of the language model inside `config`'s (its `text_config`), or `config` itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _text_parameters(model) -> set[int]:
+    """The ids of the parameters that text runs: the decoder's, the input embeddings' and the LM head's."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    parts = (decoder or model, model.get_input_embeddings(), model.get_output_embeddings())
+    return {id(p) for part in parts if part is not None for p in part.parameters()}
+
+
+def reads_images_or_audio(config) -> bool:
+    """Whether `config` describes a model with a vision or audio tower (a `vision_config` or `audio_config`)."""
+    return any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config"))
+
+
+def parts_text_never_runs(model) -> list[str]:
+    """The names of the largest modules and parameters of a model that also reads images or audio that text never
+    runs (its vision and audio towers, their projectors): none of their parameters is the decoder's, the input
+    embeddings' or the LM head's. Empty for a text-only model (BERT's LM head has a transform of its own, which
+    text runs). No communication."""
+    if not reads_images_or_audio(getattr(model, "config", None)):
+        return []
+    text, parts = _text_parameters(model), []
+
+    def visit(prefix: str, module) -> None:
+        for name, p in module.named_parameters(prefix=prefix.rstrip("."), recurse=False):
+            if id(p) not in text:
+                parts.append(name)
+        for name, child in module.named_children():
+            held = [id(p) for p in child.parameters()]
+            if held and not any(p in text for p in held):
+                parts.append(prefix + name)
+            elif any(p not in text for p in held):  # some of both: look inside
+                visit(f"{prefix}{name}.", child)
+
+    visit("", model)
+    return parts
+
+
+def freeze_parts_text_never_runs(model) -> list[str]:
+    """Freeze what text never runs in `model` (`parts_text_never_runs`), logged by name: under DDP a parameter
+    that takes no gradient stopped the run at its second step, and the optimizer would hold a state for each.
+    Returns the parts' names. Every rank calls it on its own model; no communication."""
+    parts = parts_text_never_runs(model)
+    if not parts:
+        return parts
+    frozen = 0
+    for name in parts:
+        held = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_submodule(name)
+        for p in [held] if isinstance(held, torch.nn.Parameter) else held.parameters():
+            p.requires_grad_(False)
+            frozen += getattr(p, "ds_numel", p.numel())  # ZeRO-3: partitioned
+    logger.info(
+        f"{type(model).__name__} also reads images or audio: text never runs {parts}, kept as loaded and frozen "
+        f"({frozen:,} parameters) and saved with the model"
+    )
+    return parts
+
+
+def image_processors(model, args) -> tuple:
+    """(the processor that prepares images for the checkpoint the run started from,) to save beside the model
+    so that it still reads images, where `model` also reads them and the checkpoint has one (AutoProcessor);
+    else (). Saved before the tokenizer, which then overwrites the tokenizer's files with the run's own (its pad
+    token). The main process calls it; no communication."""
+    if not parts_text_never_runs(model):
+        return ()
+    from transformers import AutoProcessor, PreTrainedTokenizerBase
+
+    source = getattr(args, "source_model", None) or args.model_name_or_path
+    try:
+        processor = AutoProcessor.from_pretrained(source, trust_remote_code=getattr(args, "trust_remote_code", False))
+    except Exception as exc:  # a checkpoint with no processor; the model is saved all the same
+        logger.warning(f"no image processor saved with the model ({str(exc).splitlines()[0][:160]})")
+        return ()
+    return () if isinstance(processor, PreTrainedTokenizerBase) else (processor,)
