@@ -21,6 +21,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from model_families import save_multimodal
 from safetensors.numpy import load_file
 
 from conftest import (
@@ -292,6 +293,20 @@ def test_full_sft_and_raw_text_under_fsdp_train_what_ddp_trains(llama, sft_data,
     ours, theirs = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("clm-fsdp", "clm-ddp"))
     assert ours["eval_perplexity"] == pytest.approx(theirs["eval_perplexity"], rel=1e-5)
     assert "sample generation skipped: with sharded weights" in sharded.output
+
+
+def test_gemma3_whole_with_its_tied_lm_head_trains_under_fsdp_what_ddp_trains(llama, sft_data, tmp_path):
+    """Gemma 3's whole model (4B and up: a vision tower beside the language model, its LM head tied to the input
+    embeddings, as in every Gemma, Llama 3.2 1B and 3B, Qwen2.5 up to 3B, SmolLM2) failed twice in `prepare`:
+    Accelerate wraps each class of `_no_split_modules`, and Gemma 3's names SiglipTextEmbeddings, of a text tower
+    it does not hold ("Could not find the transformer layer class"); then, on the rank that builds the model empty,
+    the LM head had a weight of its own ("FSDP2 mapping failed (missing: ['lm_head.weight'])"). The saved model has
+    DDP's names: the tied weight once, not gathered twice."""
+    model = save_multimodal("gemma3", llama, tmp_path / "gemma3")
+    ok(fsdp("train_sft", *sft_args(model, sft_data, tmp_path / "fsdp", *SFT_STEPS, *TWO_BY_TWO)))
+    ok(ddp("train_sft", *sft_args(model, sft_data, tmp_path / "ddp", *SFT_STEPS, *TWO_BY_TWO)))
+    assert_close(tmp_path / "fsdp", tmp_path / "ddp")
+    assert "lm_head.weight" not in weights(tmp_path / "fsdp")
 
 
 def test_dpo_under_fsdp_trains_what_ddp_trains_and_runs_in_the_configs_bf16(llama, pairs, tmp_path):

@@ -142,6 +142,11 @@ def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtyp
     # A torch.compile'd model's state dict names every weight "_orig_mod.<name>"; saved as is,
     # from_pretrained would find none of them and silently start from random weights.
     state_dict = {key.replace("_orig_mod.", ""): value for key, value in state_dict.items()}
+    # A weight shared by two layers (an LM head tied to the input embeddings) is saved once, under its first name, as
+    # from the model itself: gathered from FSDP's shards it came as two tensors, and both were written.
+    second_names = {name.replace("_orig_mod.", "") for name, _ in model.named_parameters(remove_duplicate=False)}
+    second_names -= {name.replace("_orig_mod.", "") for name, _ in model.named_parameters()}
+    state_dict = {key: value for key, value in state_dict.items() if key not in second_names}
     if dtype is not None:
         state_dict = {key: value.to(dtype) if value.is_floating_point() else value for key, value in state_dict.items()}
     os.makedirs(output_dir, exist_ok=True)

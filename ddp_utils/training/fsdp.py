@@ -14,13 +14,18 @@ loading made true. Measured with Accelerate 1.15, transformers 5.23 and torch 2.
   (KeyError in torch's `get_optimizer_state_dict`) while rank 0 waited in it. Each meta parameter
   now gets an address of its own (`_distinct_addresses`). Upstream: huggingface/accelerate#3930.
 - Accelerate asks the model for its input embeddings; a ResNet raises NotImplementedError instead.
+- Per-layer wrapping failed ("Could not find the transformer layer class") where `_no_split_modules` names a
+  class the model does not hold: Gemma 3's whole model (4B and up) names SiglipTextEmbeddings, of a SigLIP text
+  tower it lacks. Only the classes it holds are wrapped.
 - `fsdp_cpu_ram_efficient_loading` (our config's default) promises that only rank 0 reads the
   weights; transformers 5 reads them on every rank and leaves only the missing ones on the meta
   device (huggingface/transformers#43749). `load_pretrained` builds the model empty on the other
   ranks; Accelerate's preparation then sends them rank 0's weights. Not for a model with persistent
   buffers (BatchNorm's statistics): Accelerate's sending fails on them ("'Tensor' object has no
   attribute 'device_mesh'", huggingface/accelerate#3898), so every rank reads such a model, and the
-  option is turned off for it.
+  option is turned off for it. Built empty, a model whose LM head shares the input embeddings' weight (Gemma,
+  Llama 3.2 1B and 3B, Qwen2.5 up to 3B, SmolLM2) had them apart on those ranks, and Accelerate's preparation
+  failed there ("FSDP2 mapping failed (missing: ['lm_head.weight'])"); they are tied again.
 
 `make_accelerator` calls `fix_fsdp2_preparation` once; the scripts load their model with `load_pretrained`.
 """
@@ -64,7 +69,9 @@ def fix_fsdp2_preparation(accelerator) -> None:
             )
             plugin.cpu_ram_efficient_loading = False
         names = plugin.transformer_cls_names_to_wrap
-        names = list(names if names is not None else getattr(model, "_no_split_modules", None) or [])
+        if names is None:  # the model's own list, which may name classes it does not hold
+            names = sorted(set(getattr(model, "_no_split_modules", None) or []) & classes_in(model))
+            plugin.transformer_cls_names_to_wrap = names
         holders = classes_holding_input_embeddings(model)
         if names and holders & set(names):
             logger.info(
@@ -75,6 +82,11 @@ def fix_fsdp2_preparation(accelerator) -> None:
         set_policy(model)
 
     plugin.set_auto_wrap_policy = set_auto_wrap_policy
+
+
+def classes_in(model) -> set[str]:
+    """The class names of `model`'s modules."""
+    return {type(module).__name__ for module in model.modules()}
 
 
 def classes_holding_input_embeddings(model) -> set[str]:
@@ -160,6 +172,7 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
     config = type(config).from_dict(main[0]["config"])  # as the main process's loading left it (a new head's labels)
     with init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies, ...)
         model = build_from_config(model_class, config, kwargs)
+    model.tie_weights()  # init_empty_weights gave the LM head a meta weight of its own: tied again, as on rank 0
     dtypes = main[0]["dtypes"]
     for name, value in model.state_dict(keep_vars=True).items():
         if name in dtypes and value.dtype != dtypes[name]:
