@@ -30,9 +30,9 @@ def tiny_model(config_class, model_class, extra):
 
 
 # Checkpoints that also read images, as their Hub repos hold them (tiny): Gemma 3 from 4B (transformers loads it whole
-# as a causal LM), Mistral Small 3.x (an image-and-text model only), Llama 4 (a text-only causal LM too, which drops
-# the vision tower; its checkpoint names the whole model). Each with its vision tower, its projector and an LM of 2
-# layers (hidden 32); Gemma 3's ties its LM head to the input embeddings, as every Gemma does.
+# as a causal LM), Mistral Small 3.x (an image-and-text model only), Llama 4 and Qwen 3.5 (a text-only causal LM too,
+# which drops the vision tower; their checkpoints name the whole model). Each with its vision tower, its projector
+# and an LM of 2 layers (hidden 32); Gemma 3's ties its LM head to the input embeddings, as every Gemma does.
 _TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              head_dim=16, max_position_embeddings=64)  # fmt: skip
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -40,8 +40,8 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_at
 
 
 def tiny_multimodal(family: str, vocab_size: int):
-    """A tiny whole model of `family` ("gemma3", "mistral3", "llama4"), seeded, its special image tokens the last
-    ids of the vocabulary."""
+    """A tiny whole model of `family` ("gemma3", "mistral3", "llama4", "qwen3_5"), seeded, its special image tokens
+    the last ids of the vocabulary."""
     import transformers
 
     v = vocab_size
@@ -58,6 +58,16 @@ def tiny_multimodal(family: str, vocab_size: int):
             vision_config={**_VISION, "head_dim": 16}, image_token_index=v - 1,
         )  # fmt: skip
         return transformers.Mistral3ForConditionalGeneration(config)
+    if family == "qwen3_5":  # Gated DeltaNet and attention layers, multimodal RoPE
+        text = {**_TEXT, "vocab_size": v, "layer_types": ["linear_attention", "full_attention"],
+                "linear_num_value_heads": 2, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                "linear_value_head_dim": 8}  # fmt: skip
+        vision = dict(depth=1, hidden_size=32, out_hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14)
+        config = transformers.Qwen3_5Config(
+            text_config=text, vision_config=vision, image_token_id=v - 1, video_token_id=v - 2,
+            vision_start_token_id=v - 3, vision_end_token_id=v - 4,
+        )  # fmt: skip
+        return transformers.Qwen3_5ForConditionalGeneration(config)
     vision = dict(_VISION, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
     text = {**_TEXT, "vocab_size": v, "num_local_experts": 2, "intermediate_size_mlp": 64}  # a MoE layer each
     config = transformers.Llama4Config(text_config=text, vision_config=vision, image_token_index=v - 1)
@@ -72,7 +82,8 @@ def save_multimodal(family: str, tokenizer_dir, directory):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tiny_multimodal(family, len(tokenizer)).save_pretrained(directory)
+    # Qwen 3.5's tokenizer class adds its own end-of-text token, read from this directory: room for it
+    tiny_multimodal(family, len(tokenizer) + (8 if family == "qwen3_5" else 0)).save_pretrained(directory)
     if family != "gemma3":
         tokenizer.save_pretrained(directory)
         return directory

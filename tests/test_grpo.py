@@ -400,6 +400,32 @@ def test_what_compiled_decoding_cannot_run_is_refused_before_training_in_one_lin
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("family", ["bamba", "jamba", "lfm2", "recurrent_gemma", "qwen3 (attention only)"])
+def test_a_prompts_cache_repeated_for_its_samples_continues_as_the_repeated_prompts_would(family):
+    """GRPO fills the cache with each prompt once and repeats its rows for the prompt's samples (`repeat_rows`). On
+    every family with state-space, convolution or recurrent layers transformers' `batch_repeat_interleave` failed
+    ("'LinearAttentionLayer' object has no attribute ..."), and GRPO stopped at its first sampling; RecurrentGemma
+    keeps its states in its layers, which started again from zeros for the repeated rows (0.08 apart). The repeated
+    cache must continue as a cache filled with the prompts repeated does: the same next-token logits."""
+    from transformers import DynamicCache
+
+    from ddp_utils.language_models.generation import repeat_rows
+
+    model = tiny_model(*HYBRIDS[family])
+    prompts, group = torch.tensor([[1, 5, 9, 3, 7], [1, 7, 2, 8, 4]]), 3
+    step = torch.tensor([[4], [6], [10]]).repeat(2, 1)  # each sample's own next token
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prompts, past_key_values=cache, use_cache=True)
+        repeat_rows(model, cache, len(prompts), group)
+        continued = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1]
+        filled = DynamicCache(config=model.config)
+        model(input_ids=prompts.repeat_interleave(group, dim=0), past_key_values=filled, use_cache=True)
+        expected = model(input_ids=step, past_key_values=filled, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(continued, expected, atol=1e-6, rtol=0)  # measured: 1.8e-7 at most
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "reward, expected",
     [

@@ -156,3 +156,22 @@ def test_mistral3_loads_as_an_image_and_text_model_and_its_card_loads_the_adapte
         exec(code, namespace)
     assert type(namespace["model"].get_base_model()).__name__ == "Mistral3ForConditionalGeneration"
     assert json.loads((output_dir / "adapter_config.json").read_text())["exclude_modules"]
+
+
+def test_grpo_samples_and_trains_qwen3_5_whole(tmp_path):
+    """Qwen 3.5 (Gated DeltaNet layers beside attention, multimodal RoPE; its checkpoint names the whole model): GRPO
+    stopped at its first sampling twice over, on its linear-attention cache, whose rows `batch_repeat_interleave`
+    cannot repeat, and then on the RoPE offsets its last `generate` kept, of the zero-shot evaluation's rows."""
+    from test_grpo import grpo_args, write_prompts
+
+    tokenizer = make_tiny_causal_lm(tmp_path / "llama", chat_template=True)
+    qwen = save_multimodal("qwen3_5", tokenizer, tmp_path / "qwen3_5")
+    output_dir = tmp_path / "grpo"
+    run = launch(
+        REPO / "scripts" / "train_grpo.py",
+        *grpo_args(qwen, write_prompts(tmp_path), output_dir, "--max_train_steps", 2),
+    )
+    assert run.returncode == 0, run.output[-3000:]
+    assert "text never runs ['model.visual']" in run.output
+    adapter = load_file(str(output_dir / "adapter_model.safetensors"))
+    assert adapter and all(".language_model." in key for key in adapter), sorted(adapter)[:3]

@@ -25,7 +25,7 @@ from ..data.dataloaders import SAMPLE_WEIGHT
 from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
 from .chat import check_tool_turns, refused_by_template, render
-from .generation import only_this_config, sampling_precision, stop_token_ids
+from .generation import forget_rope_deltas, only_this_config, repeat_rows, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
 from .pair_scoring import ONE_ROW
 from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
@@ -183,8 +183,9 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
+            forget_rope_deltas(generator)  # Qwen-VL's, from the last `generate`
             if decoding is None:
-                cache.batch_repeat_interleave(group)
+                repeat_rows(generator, cache, len(prompts), group)
             else:  # each prompt's rows repeated into the static cache that the compiled step reads
                 cache = decoding.filled_from(cache, group)
                 config.compile_config = decoding.compile_config
