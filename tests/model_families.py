@@ -40,8 +40,8 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_at
 
 
 def tiny_multimodal(family: str, vocab_size: int):
-    """A tiny whole model of `family` ("gemma3", "mistral3", "llama4", "qwen3_5"), seeded, its special image tokens
-    the last ids of the vocabulary."""
+    """A tiny whole model of `family` ("gemma3", "mistral3", "llama4", "qwen3_5", "mllama"), seeded, its special
+    image tokens the last ids of the vocabulary."""
     import transformers
 
     v = vocab_size
@@ -68,6 +68,13 @@ def tiny_multimodal(family: str, vocab_size: int):
             vision_start_token_id=v - 3, vision_end_token_id=v - 4,
         )  # fmt: skip
         return transformers.Qwen3_5ForConditionalGeneration(config)
+    if family == "mllama":  # Llama 3.2 Vision: a cross-attention layer among the decoder's, run only beside an image
+        text = {**_TEXT, "vocab_size": v, "num_hidden_layers": 3, "cross_attention_layers": [1], "bos_token_id": 1,
+                "eos_token_id": 2, "pad_token_id": 0}  # fmt: skip
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_global_layers=1, attention_heads=2,
+                      image_size=28, patch_size=14, vision_output_dim=32, intermediate_layers_indices=[0])  # fmt: skip
+        config = transformers.MllamaConfig(text_config=text, vision_config=vision, image_token_index=v - 1)
+        return transformers.MllamaForConditionalGeneration(config)
     vision = dict(_VISION, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
     text = {**_TEXT, "vocab_size": v, "num_local_experts": 2, "intermediate_size_mlp": 64}  # a MoE layer each
     config = transformers.Llama4Config(text_config=text, vision_config=vision, image_token_index=v - 1)

@@ -108,6 +108,37 @@ def test_save_model_of_a_compiled_model_reloads_its_trained_weights(tiny_lm, tmp
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("family", ["gemma3 (head registered last)", "xlm-roberta (head registered first)"])
+def test_a_tied_weight_gathered_as_two_tensors_is_written_once_under_the_name_transformers_keeps(family, tmp_path):
+    """FSDP gathers a tied LM head and the input embeddings as two tensors: both were written. Written under the
+    name met first instead, XLM-R's file held only its head, and the model reloaded with random word embeddings."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+
+    from ddp_utils.results.output import write_pretrained
+
+    torch.manual_seed(0)
+    if family.startswith("gemma3"):
+        config = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+        model, auto = transformers.Gemma3ForCausalLM(config), transformers.AutoModelForCausalLM
+    else:
+        config = transformers.XLMRobertaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, is_decoder=True)  # fmt: skip
+        model, auto = transformers.XLMRobertaForCausalLM(config), transformers.AutoModelForCausalLM
+    embeddings = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is embeddings
+    gathered = {name: value.clone() for name, value in model.state_dict().items()}  # as FSDP gathers: apart
+    write_pretrained(model, gathered, str(tmp_path / "gathered"))
+    model.save_pretrained(tmp_path / "itself")  # what DDP writes: the model's own state dict, its tied weights shared
+    saved, expected = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("gathered", "itself"))
+    assert sorted(saved) == sorted(expected) and len(saved) < len(gathered)
+    reloaded = auto.from_pretrained(tmp_path / "gathered")
+    assert torch.equal(reloaded.get_input_embeddings().weight, embeddings.detach())
+
+
+@pytest.mark.fast
 def test_step_aligned_sampler_spreads_the_last_step_over_ranks_and_micro_batches():
     from ddp_utils.data.dataloaders import StepAlignedSampler
 

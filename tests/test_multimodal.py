@@ -50,9 +50,12 @@ def test_what_text_never_runs_is_frozen_left_without_adapters_and_the_class_load
         "gemma3": ["model.vision_tower", "model.multi_modal_projector"],
         "mistral3": ["model.vision_tower", "model.multi_modal_projector"],
         "llama4": ["vision_model", "multi_modal_projector"],
+        "qwen3_5": ["model.visual"],
+        "mllama": ["model.vision_model", "model.multi_modal_projector", "model.language_model.layers.1"],
     }
     loads_with = {"gemma3": "AutoModelForCausalLM", "mistral3": "AutoModelForImageTextToText",
-                  "llama4": "AutoModelForImageTextToText"}  # fmt: skip
+                  "llama4": "AutoModelForImageTextToText", "qwen3_5": "AutoModelForImageTextToText",
+                  "mllama": "AutoModelForImageTextToText"}  # fmt: skip
     for family, parts in untouched.items():
         model = tiny_multimodal(family, 64)
         assert freeze_parts_text_never_runs(model) == parts
@@ -69,7 +72,18 @@ def test_what_text_never_runs_is_frozen_left_without_adapters_and_the_class_load
                       tiny_model("RobertaConfig", "RobertaForCausalLM", roberta)):  # fmt: skip
         assert freeze_parts_text_never_runs(text_only) == [] and all(p.requires_grad for p in text_only.parameters())
 
-    # Llama 4's router returns its scores and choices: no adapter there, and naming it is refused in one line.
+    # Text runs every weight left to train: each takes a gradient from text alone (under DDP, one that does not
+    # stopped the run at its second step; Mllama's cross-attention layer did).
+    for family in untouched:
+        model = tiny_multimodal(family, 64)
+        freeze_parts_text_never_runs(model)
+        model(input_ids=torch.tensor([[1, 5, 9, 3]]), labels=torch.tensor([[1, 5, 9, 3]])).loss.backward()
+        idle = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        assert idle == [], (family, idle[:3])
+
+    # Llama 4's and PhiMoE's routers return their scores and choices: no adapter there, and naming one is refused.
+    phimoe = tiny_model("PhimoeConfig", "PhimoeForCausalLM", dict(num_local_experts=2, num_experts_per_tok=2))
+    assert adapted(add_lora(phimoe, lora_args())) and not [n for n in adapted(phimoe) if n.endswith("router")]
     llama4 = add_lora(tiny_multimodal("llama4", 64), lora_args())
     assert not [name for name in adapted(llama4) if name.endswith("router")]
     llama4(input_ids=torch.tensor([[1, 5, 9, 3]]), labels=torch.tensor([[1, 5, 9, 3]])).loss.backward()

@@ -884,7 +884,7 @@ def pad_token_added_to_the_tokenizer_only(d):
 BAD_INPUT = {
     "pad_token_past_the_embeddings": (
         lambda d, s: pad_token_added_to_the_tokenizer_only(d),
-        "gives its pad token the id 332, past the model's 332 embeddings: give the model's own tokenizer, or resize",
+        "the tokenizer gives its pad token the id 332, past the model's 332 embeddings: resize them to the tokenizer",
     ),
     "missing_response_field": (lambda d, s: sft_without_response(d), "has no column 'completion'"),
     "empty_record": (sft_with_empty_record, "1 train records have an empty or missing 'completion' (first: record 5)"),

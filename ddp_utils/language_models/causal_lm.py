@@ -168,15 +168,24 @@ def load_config_and_tokenizer(args):
 
         args.model_name_or_path = dequantized_gguf(args.model_name_or_path, args.gguf_file, args.gguf_cache_dir)
     config = load_model_config(args.model_name_or_path, args.trust_remote_code)
-    fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     tokenizer.chat_template_kwargs = getattr(
         args, "chat_template_kwargs", None
     )  # every render of the run (chat.render)
     context = getattr(text_config(config), "max_position_embeddings", None) or tokenizer.model_max_length
+    rows = getattr(text_config(config), "vocab_size", None)  # the embeddings' rows; checked before any weight is read
+    past = [(kind, getattr(tokenizer, f"{kind}_token_id")) for kind in ("pad", "bos", "eos")]
+    past = [(kind, token_id) for kind, token_id in past if rows and token_id is not None and token_id >= rows]
+    if past:  # an IndexError at the first step, on a GPU a device-side assert
+        kind, token_id = past[0]
+        raise UsageError(
+            f"the tokenizer gives its {kind} token the id {token_id}, past the model's {rows} embeddings: resize "
+            "them to the tokenizer (model.resize_token_embeddings(len(tokenizer))) and save the model with it"
+        )
     block_size = args.block_size or min(context, 1024)
     if block_size > context:
         raise UsageError(f"--block_size {block_size} is above this model's context of {context} tokens; lower it")
+    fetch_weights(args.model_name_or_path)  # one download, after the checks; the ranks then build the model from it
     return config, tokenizer, block_size
 
 
@@ -214,16 +223,6 @@ def load_causal_lm(args, config, tokenizer):
         causal_lm_class(config), args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
     )
     freeze_parts_text_never_runs(model)
-    rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
-    past = {kind: getattr(tokenizer, f"{kind}_token_id") for kind in ("pad", "bos", "eos")}
-    past = {kind: token_id for kind, token_id in past.items() if rows is not None and (token_id or 0) >= rows}
-    if past:  # an id past the table: an IndexError at the first step, on a GPU a device-side assert
-        kind, token_id = next(iter(past.items()))
-        raise UsageError(
-            f"the tokenizer of {args.model_name_or_path!r} gives its {kind} token the id {token_id}, past the "
-            f"model's {rows} embeddings: give the model's own tokenizer, or resize the embeddings "
-            "(model.resize_token_embeddings) and save the model with the tokens added"
-        )
     model.config.pad_token_id = tokenizer.pad_token_id
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise UsageError(

@@ -20,6 +20,7 @@ from ..core.sharded import is_sharded
 from ..data.classification import ConfusionMatrix
 from ..data.evaluation import check_metric_for_best_model, gather_for_eval
 from ..training.compilation import generation_context
+from .multimodal import text_config
 
 logger = get_logger(__name__)
 
@@ -34,7 +35,7 @@ def shared_prefix_length(prompts: list[list[int]], config) -> int:
     an instruction), at most all but the last token of the shortest prompt; 0 for a model whose
     attention is windowed or chunked (`config`: the model's), where the padding that
     `LeftPaddingCollator` puts after the prefix would use up the window. No communication."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     if (
         getattr(text, "sliding_window", None)
         or getattr(text, "attention_chunk_size", None)

@@ -44,9 +44,12 @@ def linear_modules(model) -> dict:
     return {name: module for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))}
 
 
-def linear_module_names(model, exclude=None) -> list[str]:
-    """The names (last part) of the model's linear layers, GPT-2's Conv1D included, except `exclude`."""
-    return sorted({name.rsplit(".", 1)[-1] for name, module in linear_modules(model).items() if module is not exclude})
+def linear_module_names(model, outside=(), exclude=None) -> list[str]:
+    """The names (last part) of the model's linear layers, GPT-2's Conv1D included, except `exclude` and those in
+    the modules named in `outside`."""
+    linears = {name: module for name, module in linear_modules(model).items() if module is not exclude}
+    kept = [name for name in linears if not any(name == part or name.startswith(f"{part}.") for part in outside)]
+    return sorted({name.rsplit(".", 1)[-1] for name in kept})
 
 
 # A linear layer's weight read by the code of the module that holds it, instead of calling the layer: Mamba's
@@ -180,7 +183,7 @@ def add_lora(model, args):
         reason = str(exc).splitlines()[0][:160]
         raise UsageError(
             f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({reason}); "
-            f"its linear layers are {linear_module_names(model)}"
+            f"its linear layers are {linear_module_names(model, untouched)}"
         ) from None
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3: partitioned
     trainable = sum(size for size, requires_grad in sizes if requires_grad)

@@ -1,8 +1,9 @@
-"""A checkpoint that also reads images or audio, fine-tuned on text: Gemma 3 (4B and up), Gemma 3n and Gemma 4,
-which transformers loads whole as causal LMs, and the models it loads only as image-and-text ones (Mistral Small
-3.x, Qwen2.5-VL, Qwen3-VL, ...). Text never runs their vision or audio towers and projectors: they stay as loaded,
-frozen, with no LoRA adapter, and are saved with the rest and the image processor, so the result still reads
-images. Which Auto class loads such a checkpoint whole: `training.pretrained.causal_lm_class`.
+"""A checkpoint that also reads images or audio, fine-tuned on text: Gemma 3 (4B and up) and Gemma 4, which
+transformers loads whole as causal LMs, and the models it loads whole only as image-and-text ones (Llama 4, Llama
+3.2 Vision, Qwen 3.5, Mistral Small 3.x, Qwen2.5-VL, ...). Text never runs their vision or audio towers and
+projectors: they stay as loaded, frozen, with no LoRA adapter, and are saved with the rest and the image processor,
+so the result still reads images. Which Auto class loads such a checkpoint whole:
+`training.pretrained.causal_lm_class`.
 
 Before, Gemma 3's 4B checkpoint stopped at `add_lora` (its config has no `num_hidden_layers` at the top), LoRA's
 `all-linear` put adapters on the vision tower, which never trained and under DDP stopped the run at its second
@@ -28,6 +29,11 @@ def _text_parameters(model) -> set[int]:
     return {id(p) for part in parts if part is not None for p in part.parameters()}
 
 
+# Decoder layers that text never runs, inside the decoder: Llama 3.2 Vision's (Mllama) cross-attention layers, and
+# IDEFICS's gated ones, attend to the image and are skipped without one.
+IMAGE_ONLY_LAYERS = frozenset({"MllamaCrossAttentionDecoderLayer", "IdeficsGatedCrossAttentionLayer"})
+
+
 def reads_images_or_audio(config) -> bool:
     """Whether `config` describes a model with a vision or audio tower (a `vision_config` or `audio_config`)."""
     return any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config"))
@@ -35,9 +41,9 @@ def reads_images_or_audio(config) -> bool:
 
 def parts_text_never_runs(model) -> list[str]:
     """The names of the largest modules and parameters of a model that also reads images or audio that text never
-    runs (its vision and audio towers, their projectors): none of their parameters is the decoder's, the input
-    embeddings' or the LM head's. Empty for a text-only model (BERT's LM head has a transform of its own, which
-    text runs). No communication."""
+    runs: its vision and audio towers and their projectors (none of their parameters is the decoder's, the input
+    embeddings' or the LM head's), and the decoder layers that only an image runs (`IMAGE_ONLY_LAYERS`). Empty for a
+    model whose config names no vision or audio tower. No communication."""
     if not reads_images_or_audio(getattr(model, "config", None)):
         return []
     text, parts = _text_parameters(model), []
@@ -54,6 +60,9 @@ def parts_text_never_runs(model) -> list[str]:
                 visit(f"{prefix}{name}.", child)
 
     visit("", model)
+    for name, module in model.named_modules():  # Mllama's: run only beside an image
+        if type(module).__name__ in IMAGE_ONLY_LAYERS and not any(name.startswith(f"{part}.") for part in parts):
+            parts.append(name)
     return parts
 
 

@@ -26,6 +26,7 @@ from accelerate.logging import get_logger
 
 from ..core.ranks import from_main_process
 from .causal_lm import IGNORE_INDEX
+from .multimodal import text_config
 
 logger = get_logger(__name__)
 
@@ -75,8 +76,7 @@ def attention_of(model) -> str:
 
 
 def _text_config(model):
-    config = getattr(model, "module", model).config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text_config(getattr(model, "module", model).config)  # under DDP or DeepSpeed
 
 
 def masks_for(model, mask: torch.Tensor, positions: torch.Tensor):

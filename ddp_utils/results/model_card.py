@@ -60,7 +60,12 @@ def saved_task(output_dir: str) -> tuple[str | None, bool]:
             architecture = (json.load(handle).get("architectures") or [""])[0]
     except (OSError, ValueError):
         return None, False
-    return next((task for suffix, task in _TASKS.items() if architecture.endswith(suffix)), None), False
+    task = next((task for suffix, task in _TASKS.items() if architecture.endswith(suffix)), None)
+    if task == "image-text-to-text" and not any(
+        os.path.isfile(os.path.join(output_dir, name)) for name in ("processor_config.json", "preprocessor_config.json")
+    ):  # its pipeline needs the image processor, which the checkpoint did not have
+        task = "text-generation"
+    return task, False
 
 
 def _is_hub_id(name: str | None) -> bool:

@@ -142,13 +142,17 @@ def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtyp
     # A torch.compile'd model's state dict names every weight "_orig_mod.<name>"; saved as is,
     # from_pretrained would find none of them and silently start from random weights.
     state_dict = {key.replace("_orig_mod.", ""): value for key, value in state_dict.items()}
-    # A weight shared by two layers (an LM head tied to the input embeddings) is saved once, under its first name, as
-    # from the model itself: gathered from FSDP's shards it came as two tensors, and both were written.
-    second_names = {name.replace("_orig_mod.", "") for name, _ in model.named_parameters(remove_duplicate=False)}
-    second_names -= {name.replace("_orig_mod.", "") for name, _ in model.named_parameters()}
-    state_dict = {key: value for key, value in state_dict.items() if key not in second_names}
     if dtype is not None:
         state_dict = {key: value.to(dtype) if value.is_floating_point() else value for key, value in state_dict.items()}
+    # The names of a weight that layers share (an LM head tied to the input embeddings) hold one tensor, as in the
+    # model's own state dict, so that `save_pretrained` writes it once, under the name it keeps (for XLM-R the
+    # embeddings', registered second): gathered from FSDP's shards they were two tensors, and both were written.
+    first_names = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        name = name.replace("_orig_mod.", "")
+        first = first_names.setdefault(id(parameter), name)
+        if name != first and name in state_dict and first in state_dict:
+            state_dict[name] = state_dict[first]
     os.makedirs(output_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)
     try:

@@ -25,7 +25,7 @@ loading made true. Measured with Accelerate 1.15, transformers 5.23 and torch 2.
   attribute 'device_mesh'", huggingface/accelerate#3898), so every rank reads such a model, and the
   option is turned off for it. Built empty, a model whose LM head shares the input embeddings' weight (Gemma,
   Llama 3.2 1B and 3B, Qwen2.5 up to 3B, SmolLM2) had them apart on those ranks, and Accelerate's preparation
-  failed there ("FSDP2 mapping failed (missing: ['lm_head.weight'])"); they are tied again.
+  failed there ("FSDP2 mapping failed (missing: ['lm_head.weight'])"); they share as on rank 0 (`share_as`).
 
 `make_accelerator` calls `fix_fsdp2_preparation` once; the scripts load their model with `load_pretrained`.
 """
@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
 from accelerate.logging import get_logger
 from accelerate.state import PartialState
 
@@ -156,8 +157,9 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
         model = model_class.from_pretrained(model_name_or_path, **kwargs)
         dtypes = {name: value.dtype for name, value in model.state_dict().items()}
         main = [
-            {"dtypes": dtypes, "config": model.config.to_dict(), "every_rank_reads": bool(persistent_buffers(model))}
-        ]
+            {"dtypes": dtypes, "config": model.config.to_dict(), "every_rank_reads": bool(persistent_buffers(model)),
+             "shared": shared_weights(model)}
+        ]  # fmt: skip
     broadcast_object_list(main, from_process=0)  # the broadcast of the weights needs the same dtypes everywhere
     if state.is_main_process:
         return model
@@ -172,12 +174,36 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
     config = type(config).from_dict(main[0]["config"])  # as the main process's loading left it (a new head's labels)
     with init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies, ...)
         model = build_from_config(model_class, config, kwargs)
-    model.tie_weights()  # init_empty_weights gave the LM head a meta weight of its own: tied again, as on rank 0
+    share_as(model, main[0]["shared"])  # init_empty_weights gave a tied LM head a meta weight of its own
     dtypes = main[0]["dtypes"]
     for name, value in model.state_dict(keep_vars=True).items():
         if name in dtypes and value.dtype != dtypes[name]:
             value.data = value.data.to(dtypes[name])
     return model
+
+
+def shared_weights(model) -> dict[str, str]:
+    """{name: the first name of the same parameter} for each parameter that layers share (a tied LM head)."""
+    first, shared = {}, {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(parameter), name) != name:
+            shared[name] = first[id(parameter)]
+    return shared
+
+
+def share_as(model, shared: dict[str, str]) -> None:
+    """Make `model`'s parameters shared as `shared` (`shared_weights` of the main process's model) says, and no
+    others: there, transformers ties the LM head to the input embeddings unless the checkpoint holds a head of its
+    own, and the ranks must hold the same parameters for Accelerate to map and send them. No communication."""
+    here = shared_weights(model)
+    for name in [name for name in here if name not in shared] + list(shared):
+        owner, _, attribute = name.rpartition(".")
+        if name in shared:
+            weight = model.get_parameter(shared[name])
+        else:  # shared here, not there: a weight of its own
+            held = model.get_parameter(name)
+            weight = torch.nn.Parameter(torch.empty_like(held), requires_grad=held.requires_grad)
+        setattr(model.get_submodule(owner), attribute, weight)
 
 
 def persistent_buffers(model) -> list[str]:
