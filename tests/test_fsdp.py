@@ -21,7 +21,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from model_families import save_multimodal
+from model_families import HYBRIDS, save_multimodal, tiny_model
 from safetensors.numpy import load_file
 
 from conftest import (
@@ -307,6 +307,23 @@ def test_gemma3_whole_with_its_tied_lm_head_trains_under_fsdp_what_ddp_trains(ll
     ok(ddp("train_sft", *sft_args(model, sft_data, tmp_path / "ddp", *SFT_STEPS, *TWO_BY_TWO)))
     assert_close(tmp_path / "fsdp", tmp_path / "ddp")
     assert "lm_head.weight" not in weights(tmp_path / "fsdp")
+
+
+def test_grpo_on_a_hybrid_under_fsdp_samples_and_trains_what_ddp_trains(llama, tmp_path):
+    """GRPO with LoRA on Bamba (Mamba-2 layers beside attention), its zero-shot evaluation the first pass: before,
+    `generate` entered the model below FSDP2's root, whose own weights (the final norm) stayed sharded ("aten.mul.Tensor
+    got mixed torch.Tensor and DTensor"); Llama ran only because its set-up had run a pass through the root first."""
+    from test_grpo import grpo_args, write_prompts
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    config_class, model_class, extra = HYBRIDS["bamba"]
+    tiny_model(config_class, model_class, {**extra, "vocab_size": len(tokenizer)}).save_pretrained(tmp_path / "bamba")
+    tokenizer.save_pretrained(tmp_path / "bamba")
+    prompts = write_prompts(tmp_path)
+    ok(fsdp("train_grpo", *grpo_args(tmp_path / "bamba", prompts, tmp_path / "fsdp", "--max_train_steps", 2)))
+    ok(ddp("train_grpo", *grpo_args(tmp_path / "bamba", prompts, tmp_path / "ddp", "--max_train_steps", 2)))
+    assert_close(tmp_path / "fsdp", tmp_path / "ddp", name="adapter_model.safetensors")  # measured 0.0
 
 
 def test_dpo_under_fsdp_trains_what_ddp_trains_and_runs_in_the_configs_bf16(llama, pairs, tmp_path):

@@ -20,6 +20,7 @@ from ..core.sharded import is_sharded
 from ..data.classification import ConfusionMatrix
 from ..data.evaluation import check_metric_for_best_model, gather_for_eval
 from ..training.compilation import generation_context
+from ..training.fsdp import root_ready_for_generation
 from .multimodal import text_config
 
 logger = get_logger(__name__)
@@ -193,6 +194,7 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
     call and their cache copied into each batch's, so the prompt pass skips them (on the demo, 13
     of about 120 prompt tokens)."""
     generator = accelerator.unwrap_model(model)
+    root_ready_for_generation(generator)  # under FSDP2, an all-gather
     config = greedy_config(max_new_tokens, stop_token_ids(tokenizer, generator.generation_config), tokenizer)
     synced = accelerator.num_processes > 1 and is_sharded(accelerator)
 

@@ -24,6 +24,7 @@ from ..core.sharded import is_sharded
 from ..data.dataloaders import SAMPLE_WEIGHT
 from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
+from ..training.fsdp import root_ready_for_generation
 from .chat import check_tool_turns, refused_by_template, render
 from .generation import forget_rope_deltas, only_this_config, repeat_rows, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
@@ -155,6 +156,7 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     from transformers import DynamicCache, GenerationConfig
 
     generator = accelerator.unwrap_model(model, keep_torch_compile=False)  # past a compiled wrapper; by regions: below
+    root_ready_for_generation(generator)  # under FSDP2, an all-gather
     group = args.num_generations
     stops = stop_token_ids(tokenizer, generator.generation_config)
     config = GenerationConfig(

@@ -85,6 +85,20 @@ def fix_fsdp2_preparation(accelerator) -> None:
     plugin.set_auto_wrap_policy = set_auto_wrap_policy
 
 
+def root_ready_for_generation(model) -> None:
+    """All ranks call this (an all-gather under FSDP2), before `generate` on `model`; elsewhere it does nothing.
+    `generate` enters the model below FSDP2's root (peft's and transformers' `generate` call the inner model), so
+    the root's own parameters (a final norm) were never gathered: where nothing had run through the root before
+    (a Bamba, Jamba or Qwen 3.5 run whose first pass is the zero-shot generation), generation failed ("aten.mul.Tensor
+    got mixed torch.Tensor and DTensor"). The root is initialised as FSDP2's root and its parameters gathered; its
+    next forward pass finds them so, as FSDP2 leaves a root's after its forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()  # as the root's first forward pass would (torch 2.13, pinned)
+        model.unshard()
+
+
 def classes_in(model) -> set[str]:
     """The class names of `model`'s modules."""
     return {type(module).__name__ for module in model.modules()}
