@@ -312,7 +312,7 @@ def test_gemma3_whole_with_its_tied_lm_head_trains_under_fsdp_what_ddp_trains(ll
 def test_grpo_on_a_hybrid_under_fsdp_samples_and_trains_what_ddp_trains(llama, tmp_path):
     """GRPO with LoRA on Bamba (Mamba-2 layers beside attention), its zero-shot evaluation the first pass: before,
     `generate` entered the model below FSDP2's root, whose own weights (the final norm) stayed sharded ("aten.mul.Tensor
-    got mixed torch.Tensor and DTensor"); Llama ran only because its set-up had run a pass through the root first."""
+    got mixed torch.Tensor and DTensor")."""
     from test_grpo import grpo_args, write_prompts
     from transformers import AutoTokenizer
 
