@@ -215,6 +215,30 @@ def test_grpo_with_lora_under_zero3_samples_and_trains_what_ddp_trains(chat_llam
     assert max(float(np.abs(value).max()) for key, value in adapter.items() if "lora_B" in key) > 1e-3  # it trained
 
 
+def test_grpo_on_a_mamba_hybrid_under_zero3_samples_and_trains_what_ddp_trains(chat_llama, tmp_path):
+    """Bamba's mixer reads its conv1d's weight without calling the layer (in generation; on a GPU its kernels read
+    more), so ZeRO-3 never gathered it: GRPO stopped in its first generation ("Dimension out of range"). The mixer is
+    now gathered whole when it runs (DeepSpeed's leaf modules, `weight_reads.gather_whole_under_zero3`)."""
+    from model_families import HYBRIDS, tiny_model
+    from test_grpo import grpo_args, write_prompts
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    config_class, model_class, extra = HYBRIDS["bamba"]
+    tiny_model(config_class, model_class, {**extra, "vocab_size": len(tokenizer)}).save_pretrained(tmp_path / "bamba")
+    tokenizer.save_pretrained(tmp_path / "bamba")
+    data, steps = write_prompts(tmp_path), ["--max_train_steps", 2]
+    run = ok(
+        zero(
+            "train_grpo", *grpo_args(tmp_path / "bamba", data, tmp_path / "run", *steps), config="deepspeed_zero3.yaml"
+        )
+    )
+    assert "ZeRO-3 gathers each of ['BambaMixer'] whole" in run.output
+    ok(ddp("train_grpo", *grpo_args(tmp_path / "bamba", data, tmp_path / "ddp", *steps)))
+    assert (tmp_path / "run" / "predictions.jsonl").read_text() == (tmp_path / "ddp" / "predictions.jsonl").read_text()
+    assert_close(tmp_path / "run", tmp_path / "ddp", 2e-3, name="adapter_model.safetensors")  # measured 1.7e-4
+
+
 def compiled_clm(chat_llama, tmp_path, config):
     """3 steps of train_clm.py with LoRA and --torch_compile under `config`, dynamo's eager backend (nothing is
     compiled; the graphs and breaks are dynamo's, as inductor would get them): its output and its metrics."""

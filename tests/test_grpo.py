@@ -409,7 +409,7 @@ def test_a_prompts_cache_repeated_for_its_samples_continues_as_the_repeated_prom
     cache must continue as a cache filled with the prompts repeated does: the same next-token logits."""
     from transformers import DynamicCache
 
-    from ddp_utils.language_models.generation import repeat_rows
+    from ddp_utils.language_models.cache_rows import repeat_rows
 
     model = tiny_model(*HYBRIDS[family])
     prompts, group = torch.tensor([[1, 5, 9, 3, 7], [1, 7, 2, 8, 4]]), 3

@@ -21,6 +21,7 @@ from ..data.classification import ConfusionMatrix
 from ..data.evaluation import check_metric_for_best_model, gather_for_eval
 from ..training.compilation import generation_context
 from ..training.fsdp import root_ready_for_generation
+from .cache_rows import forget_rope_deltas, repeat_rows
 from .multimodal import text_config
 
 logger = get_logger(__name__)
@@ -149,37 +150,6 @@ def in_weights_dtype(model):
         yield
     finally:
         model.forward = patched
-
-
-# What RecurrentGemma keeps in its layers instead of the cache (its convolution's and RG-LRU's states, one row per
-# sequence); with another number of rows its layers silently start again from zeros.
-STATES_IN_LAYERS = ("conv1d_state", "recurrent_states")
-
-
-def repeat_rows(model, cache, rows: int, repeats: int) -> None:
-    """Repeat each of the `rows` rows of `cache` `repeats` times, in place: a prompt's cache for each of its samples,
-    or a shared prefix's for each prompt. Through the beam-search reordering every layer kind has, the conv and
-    recurrent states of linear-attention and state-space layers included: `batch_repeat_interleave` has none for
-    them (transformers 5.23: "'LinearAttentionLayer' object has no attribute 'batch_repeat_interleave'", in GRPO's
-    sampling of every hybrid: Qwen 3.5, LFM2, Jamba, Bamba, Granite 4, ...). The states that `model`'s layers keep
-    themselves (`STATES_IN_LAYERS`) are repeated too. No communication."""
-    cache.reorder_cache(torch.arange(rows).repeat_interleave(repeats))
-    for module in model.modules():
-        for name in STATES_IN_LAYERS:
-            state = getattr(module, name, None)
-            if isinstance(state, torch.Tensor) and state.shape[0] == rows:
-                setattr(module, name, state.repeat_interleave(repeats, dim=0))
-
-
-def forget_rope_deltas(model) -> None:
-    """Drop the rope offsets that Qwen-VL-style models (Qwen2-VL to Qwen 3.5, GLM-4V) keep from their last `generate`
-    call, one row per sequence, and reuse when a call starts from a filled cache: GRPO's sampling, its cache filled
-    by the prompts' pass, took the zero-shot evaluation's offsets (another number of rows) and failed ("The size of
-    tensor a (32) must match the size of tensor b (2)"). For text they are zeros, computed again for this call. No
-    communication."""
-    for module in model.modules():
-        if getattr(module, "rope_deltas", None) is not None:
-            module.rope_deltas = None
 
 
 def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max_new_tokens: int) -> list[str]:

@@ -25,8 +25,9 @@ from ..data.dataloaders import SAMPLE_WEIGHT
 from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import root_ready_for_generation
+from .cache_rows import forget_rope_deltas, repeat_rows
 from .chat import check_tool_turns, refused_by_template, render
-from .generation import forget_rope_deltas, only_this_config, repeat_rows, sampling_precision, stop_token_ids
+from .generation import only_this_config, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
 from .pair_scoring import ONE_ROW
 from .turns import NEEDS_TEMPLATE, clean_turn, record_tools

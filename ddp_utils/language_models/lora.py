@@ -21,6 +21,7 @@ from ..core.sharded import is_sharded
 from ..results.output import gathered_state_dict, save_model, saved_dtype, write_pretrained
 from ..training.zero3_loading import built_whole, zero3_enabled
 from .multimodal import image_processors, parts_text_never_runs, text_config
+from .weight_reads import weights_read_directly
 
 logger = get_logger(__name__)
 
@@ -52,45 +53,14 @@ def linear_module_names(model, outside=(), exclude=None) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name in kept})
 
 
-# A linear layer's weight read by the code of the module that holds it, instead of calling the layer: Mamba's
-# mixers (`self.dt_proj.weight @ ...`; on a GPU their fused kernels take x_proj's and out_proj's weights),
-# LongCat-Flash's router (`F.linear(x, self.classifier.weight.type(...))`). Not a use: a read of what describes the
-# weight (its dtype, device, shape...), an assignment to it, an initialisation, an isinstance or getattr test, and
-# a slice (Bloom's, only with `slow_but_exact`, would leave its attention's output out of every Bloom's LoRA).
-WEIGHT_READ = re.compile(r"self\.(\w+)\.weight\b(?!\s*=[^=])(?!\s*\[)(?:\.(\w+))?")
-DESCRIBES = {"dtype", "device", "shape", "size", "ndim", "dim", "numel", "nelement", "element_size", "data",
-             "requires_grad", "is_meta", "_is_hf_initialized"}  # fmt: skip
-NOT_A_USE = re.compile(r"^\s*(?:(?:torch\.)?(?:nn\.)?init\.\w+\(|.*\b(?:isinstance|getattr|hasattr)\(self\.)")
-
-
-@functools.cache
-def _names_whose_weight_is_used_directly(module_class) -> frozenset[str]:
-    """The attribute names whose weight the code of `module_class` and its bases reads (`WEIGHT_READ`, less what
-    is `NOT_A_USE`): a model's own code, its remote code included, not torch's or transformers' shared classes
-    (PreTrainedModel, GenerationMixin: a second's reading, and no layer of theirs)."""
-    names = set()
-    for cls in module_class.__mro__:
-        shared = cls.__module__.startswith(("torch.", "transformers.")) and ".models." not in cls.__module__
-        if shared or cls is object:
-            continue
-        try:
-            lines = inspect.getsource(cls).splitlines()
-        except (OSError, TypeError):  # defined where its source cannot be read
-            continue
-        for line in lines:
-            if not NOT_A_USE.match(line):
-                names.update(name for name, attribute in WEIGHT_READ.findall(line) if attribute not in DESCRIBES)
-    return frozenset(names)
-
-
 def linears_used_by_weight(model) -> dict[str, str]:
     """{full name: the class that uses it} for the linear layers whose weight the module holding them uses
-    directly, without calling them (`WEIGHT_READ`): peft's adapter wraps the call, so an adapter there
+    directly, without calling them (`weight_reads.WEIGHT_READ`): peft's adapter wraps the call, so an adapter there
     never runs and never trains, and under DDP the run stopped at its second step, waiting for its gradient
     (Jamba's dt_proj). No communication."""
     linears, found = linear_modules(model), {}
     for parent_name, parent in model.named_modules():
-        for name in _names_whose_weight_is_used_directly(type(parent)):
+        for name in weights_read_directly(type(parent)):
             full = f"{parent_name}.{name}".lstrip(".")
             if full in linears:
                 found[full] = type(parent).__name__

@@ -1,0 +1,77 @@
+"""Modules whose code reads a layer's weight directly instead of calling the layer: Mamba's mixers
+(`self.dt_proj.weight @ ...`; on a GPU their fused kernels take the weights of x_proj, out_proj and conv1d), the
+Gated DeltaNet of Qwen 3.5 and Qwen3-Next and Bamba's mixer in generation (`self.conv1d.weight.squeeze(1)`),
+LongCat-Flash's router. Two things break there: peft's adapter, which wraps the layer's call, never runs (`lora`
+leaves such layers out), and DeepSpeed ZeRO-3, which gathers a layer's weight when the layer is called, hands the
+code an empty partition (`gather_whole_under_zero3`)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+
+from accelerate.logging import get_logger
+
+logger = get_logger(__name__)
+
+# A linear layer's weight read by the code of the module that holds it, instead of calling the layer: Mamba's
+# mixers (`self.dt_proj.weight @ ...`; on a GPU their fused kernels take x_proj's and out_proj's weights),
+# LongCat-Flash's router (`F.linear(x, self.classifier.weight.type(...))`). Not a use: a read of what describes the
+# weight (its dtype, device, shape...), an assignment to it, an initialisation, an isinstance or getattr test, and
+# a slice (Bloom's, only with `slow_but_exact`, would leave its attention's output out of every Bloom's LoRA).
+WEIGHT_READ = re.compile(r"self\.(\w+)\.weight\b(?!\s*=[^=])(?!\s*\[)(?:\.(\w+))?")
+DESCRIBES = {"dtype", "device", "shape", "size", "ndim", "dim", "numel", "nelement", "element_size", "data",
+             "requires_grad", "is_meta", "_is_hf_initialized"}  # fmt: skip
+NOT_A_USE = re.compile(r"^\s*(?:(?:torch\.)?(?:nn\.)?init\.\w+\(|.*\b(?:isinstance|getattr|hasattr)\(self\.)")
+
+
+@functools.cache
+def weights_read_directly(module_class) -> frozenset[str]:
+    """The attribute names whose weight the code of `module_class` and its bases reads (`WEIGHT_READ`, less what
+    is `NOT_A_USE`): a model's own code, its remote code included, not torch's or transformers' shared classes
+    (PreTrainedModel, GenerationMixin: a second's reading, and no layer of theirs)."""
+    names = set()
+    for cls in module_class.__mro__:
+        shared = cls.__module__.startswith(("torch.", "transformers.")) and ".models." not in cls.__module__
+        if shared or cls is object:
+            continue
+        try:
+            lines = inspect.getsource(cls).splitlines()
+        except (OSError, TypeError):  # defined where its source cannot be read
+            continue
+        for line in lines:
+            if not NOT_A_USE.match(line):
+                names.update(name for name, attribute in WEIGHT_READ.findall(line) if attribute not in DESCRIBES)
+    return frozenset(names)
+
+
+def modules_reading_weights(model) -> dict[str, list[str]]:
+    """{class name: the attributes it reads the weight of} for the classes of `model`'s modules whose code reads the
+    weight of one of their own layers directly (`weights_read_directly`). No communication."""
+    found = {}
+    for module in model.modules():
+        held = {name for name, child in module.named_children() if getattr(child, "weight", None) is not None}
+        read = sorted(held & weights_read_directly(type(module)))
+        if read:
+            found[type(module).__name__] = read
+    return found
+
+
+def gather_whole_under_zero3(model) -> list[str]:
+    """Under DeepSpeed ZeRO-3, have each module whose code reads its layers' weights directly gathered whole, its
+    layers' weights with it, when it runs (DeepSpeed's leaf modules); elsewhere nothing. ZeRO-3 gathers a weight
+    when its layer is called: read without the call, it was this rank's partition, and GRPO on Bamba or Qwen 3.5
+    stopped in its first generation ("Dimension out of range"), as training would on a GPU, whose Mamba kernels
+    take the weights. Returns the classes' names. Call it on every rank, before `accelerator.prepare`; no
+    communication."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    classes = modules_reading_weights(model)
+    if not classes or not is_deepspeed_zero3_enabled():
+        return []
+    from deepspeed.utils import set_z3_leaf_modules
+
+    set_z3_leaf_modules(model, sorted(classes))
+    logger.info(f"ZeRO-3 gathers each of {sorted(classes)} whole when it runs: its code reads its layers' weights")
+    return sorted(classes)
