@@ -15,6 +15,7 @@ from accelerate.utils import broadcast_object_list
 from ..checkpoints.write_failure import agree_on_write
 from ..core.errors import UsageError
 from ..core.ranks import from_main_process
+from ..training.pretrained import shared_weights
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool = False) -> None:
@@ -147,11 +148,9 @@ def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtyp
     # The names of a weight that layers share (an LM head tied to the input embeddings) hold one tensor, as in the
     # model's own state dict, so that `save_pretrained` writes it once, under the name it keeps (for XLM-R the
     # embeddings', registered second): gathered from FSDP's shards they were two tensors, and both were written.
-    first_names = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        name = name.replace("_orig_mod.", "")
-        first = first_names.setdefault(id(parameter), name)
-        if name != first and name in state_dict and first in state_dict:
+    for name, first in shared_weights(model).items():
+        name, first = name.replace("_orig_mod.", ""), first.replace("_orig_mod.", "")
+        if name in state_dict and first in state_dict:
             state_dict[name] = state_dict[first]
     os.makedirs(output_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)

@@ -39,7 +39,7 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.state import PartialState
 
-from .pretrained import build_from_config, keep_used_weight_conversions
+from .pretrained import build_from_config, keep_used_weight_conversions, shared_weights
 from .zero3_loading import loading_context
 
 logger = get_logger(__name__)
@@ -194,15 +194,6 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
         if name in dtypes and value.dtype != dtypes[name]:
             value.data = value.data.to(dtypes[name])
     return model
-
-
-def shared_weights(model) -> dict[str, str]:
-    """{name: the first name of the same parameter} for each parameter that layers share (a tied LM head)."""
-    first, shared = {}, {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if first.setdefault(id(parameter), name) != name:
-            shared[name] = first[id(parameter)]
-    return shared
 
 
 def share_as(model, shared: dict[str, str]) -> None:

@@ -104,3 +104,12 @@ def causal_lm_class(config):
         if auto.__name__ in remote or getattr(mapped.get(auto), "__name__", None) == named:
             return auto
     return next(iter(mapped), AutoModelForCausalLM)
+
+
+def shared_weights(model) -> dict[str, str]:
+    """{name: the first name of the same parameter} for each parameter that layers share (a tied LM head)."""
+    first, shared = {}, {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(parameter), name) != name:
+            shared[name] = first[id(parameter)]
+    return shared
