@@ -15,9 +15,9 @@ from accelerate.logging import get_logger
 
 logger = get_logger(__name__)
 
-# A linear layer's weight read by the code of the module that holds it, instead of calling the layer: Mamba's
-# mixers (`self.dt_proj.weight @ ...`; on a GPU their fused kernels take x_proj's and out_proj's weights),
-# LongCat-Flash's router (`F.linear(x, self.classifier.weight.type(...))`). Not a use: a read of what describes the
+# A layer's weight read by the code of the module that holds it, instead of calling the layer: Mamba's mixers
+# (`self.dt_proj.weight @ ...`, `self.conv1d.weight.squeeze(1)`), LongCat-Flash's router
+# (`F.linear(x, self.classifier.weight.type(...))`). Not a use: a read of what describes the
 # weight (its dtype, device, shape...), an assignment to it, an initialisation, an isinstance or getattr test, and
 # a slice (Bloom's, only with `slow_but_exact`, would leave its attention's output out of every Bloom's LoRA).
 WEIGHT_READ = re.compile(r"self\.(\w+)\.weight\b(?!\s*=[^=])(?!\s*\[)(?:\.(\w+))?")
