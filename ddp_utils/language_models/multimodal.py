@@ -11,7 +11,6 @@ step, waiting for their gradients, and Mistral 3 and Qwen-VL checkpoints were re
 
 from __future__ import annotations
 
-import torch
 from accelerate.logging import get_logger
 
 logger = get_logger(__name__)
@@ -73,10 +72,10 @@ def freeze_parts_text_never_runs(model) -> list[str]:
     parts = parts_text_never_runs(model)
     if not parts:
         return parts
-    frozen = 0
+    frozen, parameters = 0, dict(model.named_parameters())
     for name in parts:
-        held = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_submodule(name)
-        for p in [held] if isinstance(held, torch.nn.Parameter) else held.parameters():
+        held = [parameters[name]] if name in parameters else model.get_submodule(name).parameters()
+        for p in held:
             p.requires_grad_(False)
             frozen += getattr(p, "ds_numel", p.numel())  # ZeRO-3: partitioned
     logger.info(
