@@ -4,6 +4,8 @@ on the demo LLM (SmolLM2-135M-Instruct, fp32 as the demo trains it) with LoRA r1
 AdamW state, 2 processes.
 
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml bench/bench_lora_checkpoint.py [--repeats 3]
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 2 --mixed_precision no \
+        tests/launched/fsdp_on_cpu.py bench/bench_lora_checkpoint.py   # FSDP2 on CPU processes (the tests' harness)
 
 Saves with `save_checkpoint` (staging, manifest, fsync, rename) and loads with `load_checkpoint`, first as
 Accelerate does by itself, then with `checkpoint_trainable_weights_only`'s hooks, in one run: the size, the
@@ -24,7 +26,7 @@ from transformers import AutoModelForCausalLM
 import ddp_utils
 from ddp_utils.checkpoints.checkpoint_load import load_checkpoint
 from ddp_utils.checkpoints.checkpoint_save import save_checkpoint
-from ddp_utils.checkpoints.frozen_weights import checkpoint_trainable_weights_only
+from ddp_utils.checkpoints.frozen_weights import FROZEN_DIGEST, checkpoint_trainable_weights_only
 from ddp_utils.data.demo import demo_llm_gguf
 from ddp_utils.language_models.gguf import dequantized_gguf
 from ddp_utils.lifecycle.start import make_accelerator
@@ -54,16 +56,17 @@ def main():
     rows = {}
     state = {"step": 1, "epoch": 0, "step_in_epoch": 1}
     for name in ("whole (before)", "trained weights only (now)"):
+        identity = {}  # as the Checkpointer has it: the frozen weights' digest, saved and matched
         if name.startswith("trained"):
-            checkpoint_trainable_weights_only(accelerator, accelerator.unwrap_model(model))
+            identity[FROZEN_DIGEST] = checkpoint_trainable_weights_only(accelerator, accelerator.unwrap_model(model))
         directory = os.path.join(workdir[0], name.split()[0])
         checkpoint = os.path.join(directory, "checkpoint-1")
 
-        def save(directory=directory):
-            save_checkpoint(accelerator, directory, state, total_limit=1)
+        def save(directory=directory, identity=identity):
+            save_checkpoint(accelerator, directory, {**state, **identity}, total_limit=1)
 
-        def load(checkpoint=checkpoint):
-            load_checkpoint(accelerator, checkpoint, {})
+        def load(checkpoint=checkpoint, identity=identity):
+            load_checkpoint(accelerator, checkpoint, identity)
 
         save_s, load_s = timed(accelerator, save, args.repeats), timed(accelerator, load, args.repeats)
         rows[name] = (size_mib(checkpoint), save_s, load_s)
@@ -73,7 +76,8 @@ def main():
         total = sum(p.numel() for p in model.parameters())
         print(
             f"\nSmolLM2-135M-Instruct (fp32) + LoRA r16 all-linear ({trainable:,} of {total:,} weights trained) + "
-            f"AdamW, {accelerator.num_processes} processes, {accelerator.device}, median of {args.repeats}\n"
+            f"AdamW, {accelerator.num_processes} processes, {accelerator.distributed_type.value}, "
+            f"{accelerator.device}, median of {args.repeats}\n"
         )
         print("| checkpoint | size | save | load |\n|---|---:|---:|---:|")
         for name, (size, save_s, load_s) in rows.items():

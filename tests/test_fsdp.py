@@ -45,9 +45,9 @@ HOOKS = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])}
 ATOL = 1e-6  # FSDP against DDP: the same sums, reduced in another order (measured: 0.0 here)
 
 
-def fsdp(script, *args, num_processes=2, precision="no", env=None):
+def fsdp(script, *args, num_processes=2, precision="no", env=None, config=FSDP_CONFIG):
     """`accelerate launch --config_file accelerate_configs/fsdp.yaml` of scripts/<script>.py on CPU."""
-    launcher = ["--config_file", FSDP_CONFIG, "--num_processes", num_processes, "--mixed_precision", precision]
+    launcher = ["--config_file", config, "--num_processes", num_processes, "--mixed_precision", precision]
     return launch(ON_CPU, script, *args, launcher_args=[str(a) for a in launcher], env=env)
 
 
@@ -274,6 +274,74 @@ def test_sft_with_lora_under_fsdp_trains_as_one_process_and_saves_what_reloads(l
 
 TWO_BY_TWO = ["--per_device_train_batch_size", 2]
 ONE_BY_TWO_BY_TWO = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]
+
+
+def test_the_frozen_weights_digest_of_uneven_shards_is_the_digest_of_the_whole_model(tmp_path):
+    """The digest that a resume matches the frozen base against is sampled from every rank's shard under FSDP and
+    put together: on 3 processes, whose blocks of rows are unequal and one of them empty, it equals the digest of
+    the same model whole on one process."""
+    ok(launch(ON_CPU.parent / "frozen_digest_on_shards.py", tmp_path, num_processes=3))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+    assert len(ranks) == 3 and all(rank["sharded"] == rank["whole"] == ranks[0]["whole"] for rank in ranks)
+    assert sorted(rank["shards"]["3.weight"][0] for rank in ranks) == [0, 1, 1], "a rank holds none of a weight"
+
+
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_a_lora_checkpoint_under_fsdp_holds_the_adapter_and_resumes_bit_for_bit_on_any_layout(
+    state_dict_type, llama, sft_data, tmp_path
+):
+    """Each rank wrote its shard of every weight into each LoRA checkpoint, the frozen base included (for a 70B
+    model in fsdp.yaml's fp32 shards, 280 GB a checkpoint). Now the trained weights only, as under DDP and
+    DeepSpeed, with fsdp.yaml's sharded checkpoints and with whole ones: a run killed while it saved resumes bit
+    for bit (LoRA's dropout on); its checkpoint resumes on 1 process (the frozen weights' digest, sampled from
+    every rank's shards, the same on any layout); a resume on another base of the same shapes is refused on every
+    rank in one line."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(FSDP_CONFIG.read_text().replace("SHARDED_STATE_DICT", state_dict_type))
+    steps = ["--lora_r", 4, "--max_train_steps", 4, "--checkpointing_steps", 2, "--eval_max_new_tokens", 0,
+             "--report_to", "none"]  # fmt: skip
+    whole = tmp_path / "whole"
+    ok(fsdp("train_sft", *sft_args(llama, sft_data, whole, *steps, *TWO_BY_TWO), config=config))
+    if state_dict_type == "FULL_STATE_DICT":  # gathered to rank 0, which writes it
+        names = sorted(torch.load(whole / "checkpoint-2" / "pytorch_model_fsdp.bin"))
+    else:
+        names = sorted(
+            FileSystemReader(str(whole / "checkpoint-2" / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata
+        )
+    assert names and all(".lora_A." in name or ".lora_B." in name for name in names), names[:4]
+    assert len(names) == 4 * 7, "each layer's 7 linear layers, A and B; none of the base's"
+
+    killed = tmp_path / "killed"
+    args = sft_args(llama, sft_data, killed, *steps, *TWO_BY_TWO)
+    crashed = fsdp("train_sft", *args, env={**HOOKS, "CRASH_ON_WRITE": ".tmp-checkpoint-4/"}, config=config)
+    assert crashed.returncode != 0 and not (killed / "checkpoint-4").exists()
+    ok(fsdp("train_sft", *args, "--resume_from_checkpoint", "latest", config=config))
+    ours, theirs = (weights(run, "adapter_model.safetensors") for run in (killed, whole))
+    assert [key for key in theirs if not np.array_equal(ours[key], theirs[key])] == [], "not bit for bit"
+
+    one = tmp_path / "one"
+    shutil.copytree(whole / "checkpoint-2", one / "checkpoint-2")
+    args = sft_args(llama, sft_data, one, *steps, *ONE_BY_TWO_BY_TWO, "--resume_from_checkpoint", "latest")
+    resumed = ok(fsdp("train_sft", *args, num_processes=1, config=config))
+    assert "resumed elastically from 2 processes x 2 x 1 onto 1 process x 2 x 2" in resumed.output
+    assert_close(one, whole, name="adapter_model.safetensors")
+
+    other = tmp_path / "other-base"  # the same shapes and names, other values (a base against its instruct model)
+    model = AutoModelForCausalLM.from_pretrained(llama)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(1.01)
+    model.save_pretrained(other)
+    AutoTokenizer.from_pretrained(llama).save_pretrained(other)
+    refused = tmp_path / "refused"
+    shutil.copytree(whole / "checkpoint-2", refused / "checkpoint-2")
+    args = sft_args(other, sft_data, refused, *steps, *TWO_BY_TWO, "--resume_from_checkpoint", "latest")
+    run = fsdp("train_sft", *args, config=config)
+    expected = "was trained on other frozen weights than this run's model has (another base model or dtype)"
+    assert run.returncode != 0 and all(f"[rank {rank}] error: checkpoint" in run.output for rank in (0, 1))
+    assert expected in run.output and not (refused / "checkpoint-4").exists()
 
 
 def test_full_sft_and_raw_text_under_fsdp_train_what_ddp_trains(llama, sft_data, tmp_path):

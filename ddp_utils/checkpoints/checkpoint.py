@@ -63,7 +63,7 @@ class Checkpointer:
             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
         }
         # What a checkpoint must match to resume this run, saved with its progress and layout; with frozen weights
-        # (LoRA), except under FSDP, also those weights, which its checkpoints leave out.
+        # (LoRA), also those weights, which its checkpoints leave out (all ranks: under FSDP a gather).
         self.identity = {"model": model_fingerprint(model), "global_batch": math.prod(self.layout.values())}
         frozen = checkpoint_trainable_weights_only(accelerator, model)
         if frozen is not None:

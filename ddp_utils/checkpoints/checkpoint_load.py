@@ -22,7 +22,7 @@ from accelerate.utils import DistributedType, gather_object
 
 from ..core.errors import UsageError
 from ..core.ranks import from_main_process, refuse_together
-from .frozen_weights import FROZEN_DIGEST, state_kwargs
+from .frozen_weights import FROZEN_DIGEST, leaving_out_frozen
 from .manifest import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -294,7 +294,8 @@ def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict
     state = from_main_process(accelerator, read_and_check, path, expected, accelerator.num_processes)
     problem = None
     try:
-        accelerator.load_state(path, **state_kwargs(accelerator, expected, loading=True))
+        with leaving_out_frozen(accelerator, expected, loading=True) as kwargs:
+            accelerator.load_state(path, **kwargs)
     except Exception as exc:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         problem = f"checkpoint {path!r} is damaged and could not be loaded ({reason})"

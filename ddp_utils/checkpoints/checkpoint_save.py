@@ -25,7 +25,7 @@ from accelerate.utils import gather_object
 
 from ..core.errors import RunFailed
 from ..core.files import existing_parent, write_json
-from .frozen_weights import state_kwargs
+from .frozen_weights import leaving_out_frozen
 from .manifest import (
     CHECKPOINT_NAME,
     STATE_FILE,
@@ -146,8 +146,8 @@ def save_checkpoint(
 
     try:
         agree_on_write(accelerator, write(make_staging) if accelerator.is_main_process else None, what, output_dir)
-        leaving_out_frozen = state_kwargs(accelerator, state, loading=False)  # DeepSpeed's LoRA: the base left out
-        error = write(lambda: accelerator.save_state(staging, **leaving_out_frozen))  # each rank: its RNG states too
+        with leaving_out_frozen(accelerator, state, loading=False) as kwargs:  # LoRA: the base left out
+            error = write(lambda: accelerator.save_state(staging, **kwargs))  # each rank: its RNG states too
         if error is None and accelerator.is_main_process:
             error = write(lambda: write_json(accelerator, os.path.join(staging, STATE_FILE), state))
         agree_on_write(accelerator, error, what, output_dir)  # every rank's files are written

@@ -42,4 +42,5 @@ script = sys.argv[1]
 if not script.endswith(".py"):
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", f"{script}.py")
 sys.argv = [script, *sys.argv[2:]]
+sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` has it: its own directory first
 runpy.run_path(script, run_name="__main__")
