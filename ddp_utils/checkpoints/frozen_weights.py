@@ -33,15 +33,15 @@ def frozen_parameter_names(model) -> set[str]:
 
 
 def frozen_digest(model) -> str | None:
-    """A digest of the frozen parameters: their names, dtypes and shapes, and SAMPLED evenly spaced values of
-    each. Another base model (a base against its instruct version, a fine-tune of it) or another dtype differs
-    in nearly every value; the same one read again gives the same digest, on any device. A sample, not every
-    value: an edit of a few rows (a revision that fixes some token embeddings) can pass unseen. None when
-    nothing is frozen. Reads about 300,000 values for an 8B model.
+    """All ranks call this (under FSDP a gather): a digest of the frozen parameters, their names, dtypes and shapes,
+    and SAMPLED evenly spaced values of each. Another base model (a base against its instruct version, a fine-tune
+    of it) or another dtype differs in nearly every value; the same one read again gives the same digest, on any
+    device. A sample, not every value: an edit of a few rows (a revision that fixes some token embeddings) can pass
+    unseen. None when nothing is frozen. Reads about 300,000 values for an 8B model.
 
-    Under FSDP all ranks call this (one gather): each rank holds a shard of each weight and reads the sampled
-    values that fall in it, so the digest is the same on any number of processes, and the same as one process's.
-    Elsewhere no communication; under ZeRO-3, of this rank's partitions."""
+    Under FSDP each rank holds a shard of each weight and reads the sampled values that fall in it, put together
+    with the other ranks' (one gather), so the digest is the same on any number of processes, and the same as one
+    process's. Elsewhere no communication; under ZeRO-3, of this rank's partitions."""
     frozen = sorted(
         ((name.replace("_orig_mod.", "").removeprefix("module."), p)
          for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad),
@@ -99,14 +99,14 @@ def _put_together(parts):
 
 
 def checkpoint_trainable_weights_only(accelerator, model) -> str | None:
-    """Have `accelerator.save_state` leave `model`'s frozen parameters out of each checkpoint and
+    """All ranks call this, once, after `prepare` (under FSDP a gather, in `frozen_digest`): have
+    `accelerator.save_state` leave `model`'s frozen parameters out of each checkpoint and
     `accelerator.load_state` load what it holds over the frozen weights already loaded, when some parameters
     are frozen (LoRA, --lora_last_layers): under DDP and on one process through Accelerate's hooks, under
     DeepSpeed and FSDP through `leaving_out_frozen` (and under FSDP hooks on `model`). Returns the frozen
     weights' digest, to be saved with each checkpoint and matched on resume (under ZeRO-3, of the main process's
     partitions: DeepSpeed resumes on as many processes only); None where checkpoints stay whole (nothing frozen,
-    or FSDP1). All ranks call this, once, after `prepare` (under FSDP a gather, in
-    `frozen_digest`)."""
+    or FSDP1)."""
     if (
         accelerator.distributed_type == DistributedType.FSDP
         and getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2
