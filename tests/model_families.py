@@ -40,8 +40,8 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_at
 
 
 def tiny_multimodal(family: str, vocab_size: int):
-    """A tiny whole model of `family` ("gemma3", "mistral3", "llama4", "qwen3_5", "mllama"), seeded, its special
-    image tokens the last ids of the vocabulary."""
+    """A tiny whole model of `family` ("gemma3", "mistral3", "llama4", "qwen3_5", "mllama", "phi4_multimodal"),
+    seeded, its special image tokens the last ids of the vocabulary."""
     import transformers
 
     v = vocab_size
@@ -75,6 +75,16 @@ def tiny_multimodal(family: str, vocab_size: int):
                       image_size=28, patch_size=14, vision_output_dim=32, intermediate_layers_indices=[0])  # fmt: skip
         config = transformers.MllamaConfig(text_config=text, vision_config=vision, image_token_index=v - 1)
         return transformers.MllamaForConditionalGeneration(config)
+    if family == "phi4_multimodal":  # its vision and audio towers inside the decoder, beside its embeddings
+        text = {key: value for key, value in _TEXT.items() if key != "head_dim"}
+        vision = dict(_VISION, crop_size=28, image_token_id=v - 1)
+        audio = dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2, ext_pw_out_channel=32,
+                     depthwise_separable_out_channel=32, nemo_conv_channels=32, audio_token_id=v - 2)  # fmt: skip
+        config = transformers.Phi4MultimodalConfig(
+            **text, vocab_size=v, bos_token_id=1, eos_token_id=2, pad_token_id=0, original_max_position_embeddings=64,
+            vision_config=vision, audio_config=audio,
+        )  # fmt: skip
+        return transformers.Phi4MultimodalForCausalLM(config)
     vision = dict(_VISION, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
     text = {**_TEXT, "vocab_size": v, "num_local_experts": 2, "intermediate_size_mlp": 64}  # a MoE layer each
     config = transformers.Llama4Config(text_config=text, vision_config=vision, image_token_index=v - 1)

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 from conftest import REPO, launch, make_tiny_causal_lm, sft_args
 
 TRAIN_SFT = REPO / "scripts" / "train_sft.py"
-VISION = ("vision_tower.", "vision_model.", "multi_modal_projector.")
+VISION = ("vision_tower.", "vision_model.", "multi_modal_projector.", "embed_tokens_extend.")
 
 
 def lora_args(targets="all-linear", last_layers=0):
@@ -52,10 +52,11 @@ def test_what_text_never_runs_is_frozen_left_without_adapters_and_the_class_load
         "llama4": ["vision_model", "multi_modal_projector"],
         "qwen3_5": ["model.visual"],
         "mllama": ["model.vision_model", "model.multi_modal_projector", "model.language_model.layers.1"],
+        "phi4_multimodal": ["model.embed_tokens_extend"],  # inside the decoder: nothing was frozen
     }
     loads_with = {"gemma3": "AutoModelForCausalLM", "mistral3": "AutoModelForImageTextToText",
                   "llama4": "AutoModelForImageTextToText", "qwen3_5": "AutoModelForImageTextToText",
-                  "mllama": "AutoModelForImageTextToText"}  # fmt: skip
+                  "mllama": "AutoModelForImageTextToText", "phi4_multimodal": "AutoModelForCausalLM"}  # fmt: skip
     for family, parts in untouched.items():
         model = tiny_multimodal(family, 64)
         assert freeze_parts_text_never_runs(model) == parts
@@ -64,7 +65,7 @@ def test_what_text_never_runs_is_frozen_left_without_adapters_and_the_class_load
         model.save_pretrained(tmp_path / family)  # its config now names the whole model, as a Hub checkpoint's does
         config = transformers.AutoConfig.from_pretrained(tmp_path / family)
         assert causal_lm_class(config).__name__ == loads_with[family], family
-        for targets in ("all-linear", "q_proj,v_proj"):
+        for targets in ("all-linear", "qkv_proj" if family == "phi4_multimodal" else "q_proj,v_proj"):  # Phi's fused
             names = adapted(add_lora(tiny_multimodal(family, 64), lora_args(targets)))
             assert names and not [name for name in names if any(part in name for part in VISION)], (family, targets)
     roberta = dict(is_decoder=True, max_position_embeddings=64)  # its LM head has a transform of its own: text runs it

@@ -1,8 +1,8 @@
-"""A checkpoint that also reads images or audio, fine-tuned on text: Gemma 3 (4B and up) and Gemma 4, which
-transformers loads whole as causal LMs, and the models it loads whole only as image-and-text ones (Llama 4, Llama
-3.2 Vision, Qwen 3.5, Mistral Small 3.x, Qwen2.5-VL, ...). Text never runs their vision or audio towers and
-projectors: they stay as loaded, frozen, with no LoRA adapter, and are saved with the rest and the image processor,
-so the result still reads images. Which Auto class loads such a checkpoint whole:
+"""A checkpoint that also reads images or audio, fine-tuned on text: Gemma 3 (4B and up), Gemma 4 and
+Phi-4-multimodal, which transformers loads whole as causal LMs, and the models it loads whole only as image-and-text
+ones (Llama 4, Llama 3.2 Vision, Qwen 3.5, Mistral Small 3.x, Qwen2.5-VL, ...). Text never runs their vision or audio
+towers and projectors: they stay as loaded, frozen, with no LoRA adapter, and are saved with the rest and the image
+processor, so the result still reads images. Which Auto class loads such a checkpoint whole:
 `training.pretrained.causal_lm_class`.
 
 Before, Gemma 3's 4B checkpoint stopped at `add_lora` (its config has no `num_hidden_layers` at the top), LoRA's
@@ -22,10 +22,29 @@ def text_config(config):
 
 
 def _text_parameters(model) -> set[int]:
-    """The ids of the parameters that text runs: the decoder's, the input embeddings' and the LM head's."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    parts = (decoder or model, model.get_input_embeddings(), model.get_output_embeddings())
-    return {id(p) for part in parts if part is not None for p in part.parameters()}
+    """The ids of the parameters that text runs: the decoder's, the input embeddings' and the LM head's, except
+    the towers inside the decoder (`_towers_inside_the_decoder`)."""
+    decoder = (model.get_decoder() if hasattr(model, "get_decoder") else model) or model
+    parts = (decoder, model.get_input_embeddings(), model.get_output_embeddings())
+    text = {id(p) for part in parts if part is not None for p in part.parameters()}
+    return text - _towers_inside_the_decoder(decoder, model.config)
+
+
+def _towers_inside_the_decoder(decoder, config) -> set[int]:
+    """The ids of the parameters of the decoder's children that hold a vision or audio tower (a module built from
+    `config`'s vision or audio config) and neither the input embeddings nor a decoder layer: Phi-4-multimodal's
+    `embed_tokens_extend`, its towers and their projections, which run only beside an image or a sound."""
+    towers = {id(c) for c in (getattr(config, "vision_config", None), getattr(config, "audio_config", None)) if c}
+    embeddings = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else None
+    text = {
+        id(p) for part in (embeddings, getattr(decoder, "layers", None)) if part is not None for p in part.parameters()
+    }
+    found = set()
+    for child in decoder.children():
+        held = {id(p) for p in child.parameters()}
+        if not held & text and any(id(getattr(module, "config", None)) in towers for module in child.modules()):
+            found |= held
+    return found
 
 
 # Decoder layers that text never runs, inside the decoder: Llama 3.2 Vision's (Mllama) cross-attention layers, and
