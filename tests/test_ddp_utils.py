@@ -534,3 +534,30 @@ def test_a_manifest_finds_a_file_cut_short_changed_or_missing_and_each_rank_hash
     assert checkpoint_problem(str(checkpoint)) is None and "stray.bin" in (checkpoint / "manifest.json").read_text()
     (checkpoint / "manifest.json").write_text('{"files": {"optimizer.bin": {"bytes": 4096, "xxh3_12": "0"}}}')
     assert checkpoint_problem(str(checkpoint)) == "its manifest.json cannot be read (KeyError)"
+
+
+@pytest.mark.fast
+def test_the_model_card_loads_with_the_models_own_code_and_tags_an_adapter_that_reads_images(tmp_path):
+    """A run that needed --trust_remote_code saves a model whose loading needs it too: the card's code passes it
+    (without it a user's copy of the card's code failed). An adapter saved with its base's image processor (Gemma 3
+    from 4B) is tagged as an image-and-text model, as the merged model is; without one, as text generation."""
+    from types import SimpleNamespace
+
+    from ddp_utils.results.model_card import write_model_card
+
+    output_dir = tmp_path / "adapter"
+    output_dir.mkdir()
+    (output_dir / "adapter_config.json").write_text("{}")
+    args = SimpleNamespace(output_dir=str(output_dir), model_name_or_path=str(tmp_path / "base"), hub_model_id=None,
+                           language=None, trust_remote_code=True, lora_r=4)  # fmt: skip
+    write_model_card(args, {})
+    card = (output_dir / "README.md").read_text()
+    assert "pipeline_tag: text-generation" in card
+    assert 'AutoPeftModelForCausalLM.from_pretrained("adapter", trust_remote_code=True)' in card
+    assert 'AutoTokenizer.from_pretrained("adapter", trust_remote_code=True)' in card
+
+    (output_dir / "processor_config.json").write_text("{}")
+    args.trust_remote_code = False
+    write_model_card(args, {})
+    card = (output_dir / "README.md").read_text()
+    assert "pipeline_tag: image-text-to-text" in card and "trust_remote_code" not in card

@@ -52,18 +52,21 @@ _HYPER_PARAMETERS = (
 
 
 def saved_task(output_dir: str) -> tuple[str | None, bool]:
-    """(the pipeline task of the model saved in `output_dir`, whether it is a LoRA adapter)."""
+    """(the pipeline task of the model saved in `output_dir`, whether it is a LoRA adapter). A model that also
+    reads images (an adapter of one included) is an image-and-text one where its image processor was saved with
+    it: its pipeline needs it, and the checkpoint may not have had one."""
+    reads_images = any(
+        os.path.isfile(os.path.join(output_dir, name)) for name in ("processor_config.json", "preprocessor_config.json")
+    )
     if os.path.isfile(os.path.join(output_dir, "adapter_config.json")):
-        return "text-generation", True
+        return "image-text-to-text" if reads_images else "text-generation", True
     try:
         with open(os.path.join(output_dir, "config.json")) as handle:
             architecture = (json.load(handle).get("architectures") or [""])[0]
     except (OSError, ValueError):
         return None, False
     task = next((task for suffix, task in _TASKS.items() if architecture.endswith(suffix)), None)
-    if task == "image-text-to-text" and not any(
-        os.path.isfile(os.path.join(output_dir, name)) for name in ("processor_config.json", "preprocessor_config.json")
-    ):  # its pipeline needs the image processor, which the checkpoint did not have
+    if task == "image-text-to-text" and not reads_images:
         task = "text-generation"
     return task, False
 
@@ -104,6 +107,7 @@ def write_model_card(args, metrics: dict) -> str:
         tags=["ddp-finetune", *(["lora"] if adapter else []), *([task] if task else [])],
     )
     repo = hub_repo_id(args)
+    remote_code = bool(getattr(args, "trust_remote_code", False))  # the run needed it: so does loading the model
     options = loggable_args(args)
     hyper = [f"| `{name}` | {options[name]} |" for name in _HYPER_PARAMETERS if options.get(name) not in (None, False)]
     scores = [
@@ -172,7 +176,7 @@ def write_model_card(args, metrics: dict) -> str:
         "## How to load it",
         "",
         "```python",
-        *_how_to_load(task, adapter, repo, _base_auto_class(args) if adapter else None, base),
+        *_how_to_load(task, adapter, repo, _base_auto_class(args) if adapter else None, base, remote_code),
         "```",
         "",
         "Curves, throughput and memory: `report/README.md`. Every option of the run: `training_args.json`.",
@@ -196,28 +200,33 @@ def _base_auto_class(args) -> str:
         return "AutoModelForCausalLM"
 
 
-def _how_to_load(task: str | None, adapter: bool, repo: str, base_class: str | None, base: str | None) -> list[str]:
+def _how_to_load(
+    task: str | None, adapter: bool, repo: str, base_class: str | None, base: str | None, remote_code: bool
+) -> list[str]:
+    """The card's code that loads the saved model: a pipeline, or the base and the adapter; with the model's own
+    code where the run needed it (--trust_remote_code)."""
+    remote = ", trust_remote_code=True" if remote_code else ""
     if adapter and base and base_class not in (None, "AutoModelForCausalLM"):  # peft's Auto class: causal LMs only
         return [
             "from peft import PeftModel",
             f"from transformers import {base_class}, AutoTokenizer",
             "",
-            f'base = {base_class}.from_pretrained("{base}")',
+            f'base = {base_class}.from_pretrained("{base}"{remote})',
             f'model = PeftModel.from_pretrained(base, "{repo}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}"{remote})',
         ]
     if adapter:
         return [
             "from peft import AutoPeftModelForCausalLM",
             "from transformers import AutoTokenizer",
             "",
-            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}")  # the base model, then this adapter',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{repo}"{remote})  # the base model, then this adapter',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}"{remote})',
         ]
     return [
         "from transformers import pipeline",
         "",
-        f'model = pipeline("{task or "text-classification"}", model="{repo}")',
+        f'model = pipeline("{task or "text-classification"}", model="{repo}"{remote})',
     ]
 
 
