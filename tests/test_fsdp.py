@@ -369,12 +369,28 @@ def test_gemma3_whole_with_its_tied_lm_head_trains_under_fsdp_what_ddp_trains(ll
     Accelerate wraps each class of `_no_split_modules`, and Gemma 3's names SiglipTextEmbeddings, of a text tower
     it does not hold ("Could not find the transformer layer class"); then, on the rank that builds the model empty,
     the LM head had a weight of its own ("FSDP2 mapping failed (missing: ['lm_head.weight'])"). The saved model has
-    DDP's names: the tied weight once, not gathered twice."""
+    DDP's names: the tied weight once, not gathered twice. Its checkpoints leave out the frozen vision tower, and a
+    run resumed from one ends bit for bit where the uninterrupted one did."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     model = save_multimodal("gemma3", llama, tmp_path / "gemma3")
-    ok(fsdp("train_sft", *sft_args(model, sft_data, tmp_path / "fsdp", *SFT_STEPS, *TWO_BY_TWO)))
+    every_2 = [*SFT_STEPS, *TWO_BY_TWO, "--checkpointing_steps", 2]
+    ok(fsdp("train_sft", *sft_args(model, sft_data, tmp_path / "fsdp", *every_2)))
     ok(ddp("train_sft", *sft_args(model, sft_data, tmp_path / "ddp", *SFT_STEPS, *TWO_BY_TWO)))
     assert_close(tmp_path / "fsdp", tmp_path / "ddp")
     assert "lm_head.weight" not in weights(tmp_path / "fsdp")
+
+    checkpoint = tmp_path / "fsdp" / "checkpoint-2"
+    saved = FileSystemReader(str(checkpoint / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata
+    assert saved and not [name for name in saved if ".vision_tower." in name or ".multi_modal_projector." in name]
+    shutil.copytree(checkpoint, tmp_path / "resumed" / "checkpoint-2")
+    ok(
+        fsdp(
+            "train_sft",
+            *sft_args(model, sft_data, tmp_path / "resumed", *every_2, "--resume_from_checkpoint", "latest"),
+        )
+    )
+    assert_identical(tmp_path / "resumed", tmp_path / "fsdp")
 
 
 def test_grpo_on_a_hybrid_under_fsdp_samples_and_trains_what_ddp_trains(llama, tmp_path):
