@@ -181,7 +181,7 @@ def test_lora_leaves_out_the_linear_layers_whose_weight_the_model_uses_directly(
 
     def lora_args(targets="all-linear", last_layers=0):
         return SimpleNamespace(
-            lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=targets, lora_last_layers=last_layers
+            lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=targets, lora_last_layers=last_layers, seed=0
         )
 
     adapted = add_lora(mamba, lora_args())

@@ -27,7 +27,7 @@ VISION = ("vision_tower.", "vision_model.", "multi_modal_projector.", "embed_tok
 
 def lora_args(targets="all-linear", last_layers=0):
     return SimpleNamespace(
-        lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=targets, lora_last_layers=last_layers
+        lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=targets, lora_last_layers=last_layers, seed=0
     )
 
 

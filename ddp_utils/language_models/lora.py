@@ -147,6 +147,10 @@ def add_lora(model, args):
         layers_to_transform=last_layers,
         exclude_modules="|".join(re.escape(name) + r"(\..*)?" for name in untouched) or None,  # peft: fullmatch
     )
+    # The adapters' initial weights come from the run's seed, whatever loading drew: building Gemma 3's whole model
+    # draws random numbers inside ZeRO-3's zero.Init, and on FSDP's ranks that build it empty, which DDP's loading
+    # does not (lora_A 0.35 apart from DDP's). Where loading draws none (DDP, Llama), the state is this one already.
+    torch.manual_seed(args.seed)
     try:
         model = get_peft_model(model, lora)
     except ValueError as exc:
