@@ -539,8 +539,9 @@ def test_a_manifest_finds_a_file_cut_short_changed_or_missing_and_each_rank_hash
 @pytest.mark.fast
 def test_the_model_card_loads_with_the_models_own_code_and_tags_an_adapter_that_reads_images(tmp_path):
     """A run that needed --trust_remote_code saves a model whose loading needs it too: the card's code passes it
-    (without it a user's copy of the card's code failed). An adapter saved with its base's image processor (Gemma 3
-    from 4B) is tagged as an image-and-text model, as the merged model is; without one, as text generation."""
+    (without it a user's copy of the card's code failed). An adapter of an image-and-text model saved with its
+    base's image processor (Gemma 3 from 4B) is tagged as one, as the merged model is; without the processor, or
+    of a causal LM that reads images only through adapters of its own (Phi-4-multimodal), as text generation."""
     from types import SimpleNamespace
 
     from ddp_utils.results.model_card import write_model_card
@@ -558,6 +559,12 @@ def test_the_model_card_loads_with_the_models_own_code_and_tags_an_adapter_that_
 
     (output_dir / "processor_config.json").write_text("{}")
     args.trust_remote_code = False
-    write_model_card(args, {})
-    card = (output_dir / "README.md").read_text()
-    assert "pipeline_tag: image-text-to-text" in card and "trust_remote_code" not in card
+    for architecture, task in (("Gemma3ForConditionalGeneration", "image-text-to-text"),
+                               ("Phi4MultimodalForCausalLM", "text-generation")):  # fmt: skip
+        (tmp_path / "base").mkdir(exist_ok=True)
+        (tmp_path / "base" / "config.json").write_text(
+            json.dumps({"model_type": "gemma3", "architectures": [architecture]})
+        )
+        write_model_card(args, {})
+        card = (output_dir / "README.md").read_text()
+        assert f"pipeline_tag: {task}" in card and "trust_remote_code" not in card, architecture

@@ -518,7 +518,7 @@ def test_with_dropout_off_the_adapters_off_reference_is_the_policy_before_traini
     model = AutoModelForCausalLM.from_pretrained(dropout_lm)
     args = Namespace(
         lora_r=4, lora_alpha=8, lora_dropout=0.05, lora_target_modules="all-linear", lora_last_layers=0,
-        gradient_checkpointing=False,
+        gradient_checkpointing=False, seed=0,
     )  # fmt: skip
     model = add_lora(model, args)
     if disable:

@@ -249,11 +249,12 @@ SFT_STEPS = ["--max_train_steps", 4, "--report_to", "none"]
 
 def test_sft_with_lora_under_fsdp_trains_as_one_process_and_saves_what_reloads(llama, sft_data, tmp_path):
     """LoRA with its default dropout (0.05), generation during evaluation, the adapter and
-    --merge_lora's full model (merged from the gathered weights on rank 0; it was refused)."""
+    --merge_lora's full model (merged from the gathered weights on rank 0; it was refused), saved after checkpoints
+    that leave the frozen base out: the merged model holds it."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, pipeline
 
-    lora = ["--lora_r", 4, "--merge_lora", *SFT_STEPS]
+    lora = ["--lora_r", 4, "--merge_lora", *SFT_STEPS, "--checkpointing_steps", 2]  # the saves after a checkpoint's
     sharded = ok(fsdp("train_sft", *sft_args(llama, sft_data, tmp_path / "fsdp", *lora, *TWO_BY_TWO)))
     ok(ddp("train_sft", *sft_args(llama, sft_data, tmp_path / "one", *lora, *ONE_BY_TWO_BY_TWO), num_processes=1))
     assert "2 process(es), FSDP" in sharded.output
@@ -291,7 +292,7 @@ def test_a_lora_checkpoint_under_fsdp_holds_the_adapter_and_resumes_bit_for_bit_
     state_dict_type, llama, sft_data, tmp_path
 ):
     """Each rank wrote its shard of every weight into each LoRA checkpoint, the frozen base included (for a 70B
-    model in fsdp.yaml's fp32 shards, 280 GB a checkpoint). Now the trained weights only, as under DDP and
+    base in bf16, 140 GB a checkpoint). Now the trained weights only, as under DDP and
     DeepSpeed, with fsdp.yaml's sharded checkpoints and with whole ones: a run killed while it saved resumes bit
     for bit (LoRA's dropout on); its checkpoint resumes on 1 process (the frozen weights' digest, sampled from
     every rank's shards, the same on any layout); a resume on another base of the same shapes is refused on every

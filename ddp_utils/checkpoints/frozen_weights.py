@@ -9,12 +9,11 @@ Under DDP and on one process, Accelerate's save and load hooks leave them out of
 DeepSpeed, DeepSpeed's own `exclude_frozen_parameters`; under FSDP2, hooks on the model's own `state_dict` and
 `load_state_dict`, active only while a checkpoint is written or read (Accelerate passes FSDP no option to leave
 weights out from `save_state`, and the final save needs every weight). FSDP's checkpoints were written whole
-before: for a 70B base in fp32 shards, 280 GB at every checkpoint. A checkpoint saved whole still loads."""
+before: for a 70B base in bf16, 140 GB at every checkpoint. A checkpoint saved whole still loads."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import os
 
@@ -23,8 +22,10 @@ from accelerate.utils.constants import MODEL_NAME, SAFE_MODEL_NAME
 
 FROZEN_DIGEST = "frozen_weights"  # the key of the digest in a checkpoint's trainer state
 SAMPLED = 1024  # values read from each frozen tensor for the digest: evenly spaced, the first included
-# True while a checkpoint is written or read (`leaving_out_frozen`): the FSDP hooks act only then
-_IN_A_CHECKPOINT = contextvars.ContextVar("in_a_checkpoint", default=False)
+# True while a checkpoint is written or read (`leaving_out_frozen`): the FSDP hooks act only then. A module's flag,
+# not a context variable, which a thread started inside would not see: a state dict built in a worker thread would
+# then hold the base again, and its load fail on the missing frozen weights.
+_in_a_checkpoint = False
 
 
 def frozen_parameter_names(model) -> set[str]:
@@ -136,11 +137,12 @@ def leaving_out_frozen(accelerator, run_state: dict, loading: bool):
     kwargs = {}
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         kwargs = {"load_module_strict": False} if loading else {"exclude_frozen_parameters": True}
-    token = _IN_A_CHECKPOINT.set(True)
+    global _in_a_checkpoint
+    before, _in_a_checkpoint = _in_a_checkpoint, True
     try:
         yield kwargs
     finally:
-        _IN_A_CHECKPOINT.reset(token)
+        _in_a_checkpoint = before
 
 
 def _leave_out_of_state_dicts_in_a_checkpoint(model) -> None:
@@ -152,12 +154,12 @@ def _leave_out_of_state_dicts_in_a_checkpoint(model) -> None:
     frozen = frozen_parameter_names(model)
 
     def leave_out(module, state_dict, prefix, local_metadata):
-        if _IN_A_CHECKPOINT.get():
+        if _in_a_checkpoint:
             for name in frozen:
                 state_dict.pop(prefix + name, None)
 
     def not_missing(module, incompatible_keys):
-        if _IN_A_CHECKPOINT.get():
+        if _in_a_checkpoint:
             incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys if key not in frozen]
 
     model.register_state_dict_post_hook(leave_out)

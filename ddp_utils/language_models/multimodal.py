@@ -33,7 +33,8 @@ def _text_parameters(model) -> set[int]:
 def _towers_inside_the_decoder(decoder, config) -> set[int]:
     """The ids of the parameters of the decoder's children that hold a vision or audio tower (a module built from
     `config`'s vision or audio config) and neither the input embeddings nor a decoder layer: Phi-4-multimodal's
-    `embed_tokens_extend`, its towers and their projections, which run only beside an image or a sound."""
+    `embed_tokens_extend`, its towers and their projections, which run only beside an image or a sound (it reads
+    them through LoRA adapters of its repository, too, which a fine-tune's output does not hold)."""
     towers = {id(c) for c in (getattr(config, "vision_config", None), getattr(config, "audio_config", None)) if c}
     embeddings = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else None
     text = {

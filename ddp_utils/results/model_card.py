@@ -51,24 +51,26 @@ _HYPER_PARAMETERS = (
 )
 
 
-def saved_task(output_dir: str) -> tuple[str | None, bool]:
-    """(the pipeline task of the model saved in `output_dir`, whether it is a LoRA adapter). A model that also
-    reads images (an adapter of one included) is an image-and-text one where its image processor was saved with
-    it: its pipeline needs it, and the checkpoint may not have had one."""
+def saved_task(output_dir: str, base_architecture: str | None = None) -> tuple[str | None, bool]:
+    """(the pipeline task of the model saved in `output_dir`, whether it is a LoRA adapter): from its config's
+    architecture, or for an adapter its base's (`base_architecture`; text generation if unknown). A model that
+    also reads images is an image-and-text one where its image processor was saved with it: its pipeline needs
+    it, and the checkpoint may not have had one."""
+    adapter = os.path.isfile(os.path.join(output_dir, "adapter_config.json"))
+    architecture = base_architecture or ""
+    if not adapter:
+        try:
+            with open(os.path.join(output_dir, "config.json")) as handle:
+                architecture = (json.load(handle).get("architectures") or [""])[0]
+        except (OSError, ValueError):
+            return None, False
+    task = next((task for suffix, task in _TASKS.items() if architecture.endswith(suffix)), None)
     reads_images = any(
         os.path.isfile(os.path.join(output_dir, name)) for name in ("processor_config.json", "preprocessor_config.json")
     )
-    if os.path.isfile(os.path.join(output_dir, "adapter_config.json")):
-        return "image-text-to-text" if reads_images else "text-generation", True
-    try:
-        with open(os.path.join(output_dir, "config.json")) as handle:
-            architecture = (json.load(handle).get("architectures") or [""])[0]
-    except (OSError, ValueError):
-        return None, False
-    task = next((task for suffix, task in _TASKS.items() if architecture.endswith(suffix)), None)
-    if task == "image-text-to-text" and not reads_images:
+    if (task == "image-text-to-text" and not reads_images) or (adapter and task is None):
         task = "text-generation"
-    return task, False
+    return task, adapter
 
 
 def _is_hub_id(name: str | None) -> bool:
@@ -95,7 +97,9 @@ def write_model_card(args, metrics: dict) -> str:
     from huggingface_hub import ModelCard, ModelCardData
 
     output_dir = args.output_dir
-    task, adapter = saved_task(output_dir)
+    is_adapter = os.path.isfile(os.path.join(output_dir, "adapter_config.json"))
+    base_config = _base_config(args) if is_adapter else None  # what loads an adapter's base, and what it is
+    task, adapter = saved_task(output_dir, (getattr(base_config, "architectures", None) or [None])[0])
     hub_id, base = base_model(args)
     dataset = getattr(args, "dataset_name", None)
     data = ModelCardData(
@@ -176,7 +180,7 @@ def write_model_card(args, metrics: dict) -> str:
         "## How to load it",
         "",
         "```python",
-        *_how_to_load(task, adapter, repo, _base_auto_class(args) if adapter else None, base, remote_code),
+        *_how_to_load(task, adapter, repo, _base_auto_class(base_config) if adapter else None, base, remote_code),
         "```",
         "",
         "Curves, throughput and memory: `report/README.md`. Every option of the run: `training_args.json`.",
@@ -189,13 +193,23 @@ def write_model_card(args, metrics: dict) -> str:
     return path
 
 
-def _base_auto_class(args) -> str:
-    """The transformers Auto class that loads the run's base model whole (`causal_lm_class`)."""
-    from ..training.pretrained import causal_lm_class, load_model_config
+def _base_config(args):
+    """The configuration of the run's base model, or None where it cannot be read (a model built from a config)."""
+    from ..training.pretrained import load_model_config
 
     source = getattr(args, "source_model", None) or args.model_name_or_path
     try:
-        return causal_lm_class(load_model_config(source, getattr(args, "trust_remote_code", False))).__name__
+        return load_model_config(source, getattr(args, "trust_remote_code", False)) if source else None
+    except Exception:  # a card is written after a finished run: it says less rather than fail
+        return None
+
+
+def _base_auto_class(base_config) -> str:
+    """The transformers Auto class that loads the run's base model whole (`causal_lm_class`)."""
+    from ..training.pretrained import causal_lm_class
+
+    try:
+        return causal_lm_class(base_config).__name__ if base_config is not None else "AutoModelForCausalLM"
     except Exception:  # a card is written after a finished run: it names the usual class rather than fail
         return "AutoModelForCausalLM"
 
