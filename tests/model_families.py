@@ -19,6 +19,22 @@ HYBRIDS = {
 }  # fmt: skip
 
 
+# An MoE as transformers 5 keeps it: its experts fused into 3-D parameters (Mixtral, Qwen3-MoE, DeepSeek V3, ...).
+FUSED_MOE = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                           moe_intermediate_size=32))  # fmt: skip
+
+
+def save_with_tokenizer(family: tuple, tokenizer_dir, directory):
+    """`tiny_model(*family)` sized to the tokenizer of `tokenizer_dir`, saved with it in `directory`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config_class, model_class, extra = family
+    tiny_model(config_class, model_class, {**extra, "vocab_size": len(tokenizer)}).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def tiny_model(config_class, model_class, extra):
     """A 2-layer model of `config_class` (hidden 32, vocabulary 64 unless `extra` says), in eval mode, seeded."""
     import transformers

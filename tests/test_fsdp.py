@@ -394,6 +394,19 @@ def test_gemma3_whole_with_its_tied_lm_head_trains_under_fsdp_what_ddp_trains(ll
     assert_identical(tmp_path / "resumed", tmp_path / "fsdp")
 
 
+def test_lora_on_an_moe_with_fused_experts_under_fsdp_trains_what_ddp_trains(llama, sft_data, tmp_path):
+    """peft adapts transformers 5's fused experts (Qwen3-MoE's 3-D parameters) through torch's parametrizations,
+    which FSDP2 shards as DTensors: the adapters on the experts and the router train as under DDP."""
+    from model_families import FUSED_MOE, save_with_tokenizer
+
+    moe = save_with_tokenizer(FUSED_MOE, llama, tmp_path / "qwen3-moe")
+    lora = ["--lora_r", 4, *SFT_STEPS, *TWO_BY_TWO]
+    ok(fsdp("train_sft", *sft_args(moe, sft_data, tmp_path / "fsdp", *lora)))
+    ok(ddp("train_sft", *sft_args(moe, sft_data, tmp_path / "ddp", *lora)))
+    assert_close(tmp_path / "fsdp", tmp_path / "ddp", name="adapter_model.safetensors")  # measured 0.0
+    assert [key for key in weights(tmp_path / "fsdp", "adapter_model.safetensors") if ".mlp.experts." in key]
+
+
 def test_grpo_on_a_hybrid_under_fsdp_samples_and_trains_what_ddp_trains(llama, tmp_path):
     """GRPO with LoRA on Bamba (Mamba-2 layers beside attention), its zero-shot evaluation the first pass: before,
     `generate` entered the model below FSDP2's root, whose own weights (the final norm) stayed sharded ("aten.mul.Tensor

@@ -554,6 +554,52 @@ def test_a_lora_checkpoint_holds_the_adapter_resumes_bit_for_bit_and_refuses_ano
     assert not (refused / "checkpoint-4").exists()
 
 
+def test_lora_on_an_moe_with_fused_experts_trains_with_the_defaults_resumes_and_merges(tiny_lm, sft_data, tmp_path):
+    """transformers 5 keeps an MoE's experts as 3-D parameters (Mixtral, Qwen3-MoE, DeepSeek V3, ...), which peft
+    adapts as parameters, without dropout: LoRA with the default --lora_dropout stopped at `add_lora` on every such
+    model ("lora.ParamWrapper does not work with lora_dropout != 0"). Now the default drops to 0 there, said in one
+    warning; a dropout given is refused in one line that names both ways out. The run resumes bit for bit, and the
+    merged model computes what the base with the adapter does."""
+    import shutil
+
+    from model_families import FUSED_MOE, save_with_tokenizer
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    moe = save_with_tokenizer(FUSED_MOE, tiny_lm, tmp_path / "qwen3-moe")
+    steps = ["--max_train_steps", 4, "--checkpointing_steps", 2, "--per_device_train_batch_size", 2, "--lora_r", 4,
+             "--merge_lora", "--report_to", "none"]  # fmt: skip
+    whole = tmp_path / "whole"
+    run = launch(TRAIN_SFT, *sft_args(moe, sft_data, whole, *steps))
+    assert run.returncode == 0, run.output[-3000:]
+    assert (
+        "LoRA without dropout (its default, 0.05, elsewhere): peft adapts Qwen3MoeForCausalLM's MoE weights"
+        in run.output
+    )
+    adapter = load_file(str(whole / "adapter_model.safetensors"))
+    assert [key for key in adapter if ".mlp.experts." in key], "the experts are adapted"
+    assert json.loads((whole / "training_args.json").read_text())["lora_dropout"] == 0.0
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
+    run = launch(TRAIN_SFT, *sft_args(moe, sft_data, resumed, *steps, "--resume_from_checkpoint", "latest"))
+    assert run.returncode == 0 and "resumed from" in run.output, run.output[-3000:]
+    ours = load_file(str(resumed / "adapter_model.safetensors"))
+    assert [key for key in adapter if not np.array_equal(ours[key], adapter[key])] == [], "not bit for bit"
+
+    ids = torch.tensor([[1, 27, 18, 40, 41, 42]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(whole / "merged").eval()(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe), whole).eval()
+        torch.testing.assert_close(merged, adapted(input_ids=ids).logits, atol=1e-5, rtol=0)  # measured 8.9e-8
+
+    refused = launch(TRAIN_SFT, *sft_args(moe, sft_data, tmp_path / "refused", *steps, "--lora_dropout", 0.1),
+                     real_launcher=True)  # fmt: skip
+    assert refused.returncode != 0
+    assert_error_is_last(refused, "--lora_dropout 0.1: peft adapts Qwen3MoeForCausalLM's MoE weights")
+    assert "give --lora_dropout 0, or leave the experts out with --lora_target_modules" in refused.output
+
+
 def test_torch_compile_under_accelerate_launch_compiles_a_new_length_once_and_unbroken(tiny_lm, sft_data, tmp_path):
     """--torch_compile through `accelerate launch`, LoRA with gradient checkpointing, one epoch of length-grouped
     batches of several padded lengths. The launcher exports ACCELERATE_DYNAMO_USE_DYNAMIC=False, which Accelerate

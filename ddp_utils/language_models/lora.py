@@ -93,6 +93,27 @@ def linears_returning_several(model) -> dict[str, str]:
     return {name: type(module).__name__ for name, module in linears.items() if _returns_several(type(module))}
 
 
+LORA_DROPOUT = 0.05  # --lora_dropout when not given, on models whose adapters can take dropout
+
+
+def moe_weights_adapted(lora, model) -> list[str]:
+    """The MoE weights that peft adapts as parameters with the LoRA config `lora`: transformers 5 keeps an MoE's
+    experts (Mixtral's, Qwen3-MoE's, DeepSeek V3's, ...) as 3-D parameters, and peft maps the linear layers of the
+    experts and router that transformers 4 had onto them (`target_parameters`), which take no dropout
+    ("lora.ParamWrapper does not work with lora_dropout != 0"). Read from peft's own mapping, on a copy of `lora`.
+    No communication."""
+    import copy
+
+    from peft.utils.transformers_weight_conversion import (
+        convert_peft_config_for_transformers,
+        get_model_conversion_mapping,
+    )
+
+    probe = copy.deepcopy(lora)
+    convert_peft_config_for_transformers(probe, model=model, conversions=get_model_conversion_mapping(model))
+    return sorted(getattr(probe, "target_parameters", None) or [])
+
+
 def _last_two(name: str) -> str:
     return ".".join(name.split(".")[-2:])  # "model.layers.0.mamba.dt_proj" -> "mamba.dt_proj"
 
@@ -141,12 +162,28 @@ def add_lora(model, args):
     lora = LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
+        lora_dropout=LORA_DROPOUT if args.lora_dropout is None else args.lora_dropout,
         target_modules=targets,
         task_type="CAUSAL_LM",
         layers_to_transform=last_layers,
         exclude_modules="|".join(re.escape(name) + r"(\..*)?" for name in untouched) or None,  # peft: fullmatch
     )
+    names = linear_module_names(model, untouched)  # before peft, which changes the model in place when it fails
+    experts = moe_weights_adapted(lora, model) if lora.lora_dropout else []
+    if experts and args.lora_dropout is not None:
+        raise UsageError(
+            f"--lora_dropout {args.lora_dropout}: peft adapts {type(model).__name__}'s MoE weights "
+            f"({', '.join(experts)}) as parameters, which take no dropout; give --lora_dropout 0, or leave the experts "
+            f"out with --lora_target_modules naming others of {names}"
+        )
+    if experts:
+        logger.warning(
+            f"LoRA without dropout (its default, {LORA_DROPOUT}, elsewhere): peft adapts {type(model).__name__}'s MoE "
+            f"weights ({', '.join(experts)}) as parameters, which take no dropout; --lora_target_modules "
+            f"naming others of {names} leaves the experts out and keeps dropout"
+        )
+        lora.lora_dropout = 0.0
+    args.lora_dropout = lora.lora_dropout  # what the adapters have, for training_args.json and the model card
     # The adapters' initial weights come from the run's seed, whatever loading drew: building Gemma 3's whole model
     # draws random numbers inside ZeRO-3's zero.Init, and on FSDP's ranks that build it empty, which DDP's loading
     # does not (lora_A 0.35 apart from DDP's). Where loading draws none (DDP, Llama), the state is this one already.
@@ -157,7 +194,7 @@ def add_lora(model, args):
         reason = str(exc).splitlines()[0][:160]
         raise UsageError(
             f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({reason}); "
-            f"its linear layers are {linear_module_names(model, untouched)}"
+            f"its linear layers are {names}"
         ) from None
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3: partitioned
     trainable = sum(size for size, requires_grad in sizes if requires_grad)

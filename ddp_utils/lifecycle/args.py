@@ -280,7 +280,9 @@ def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lora_alpha", type=float, default=16, help="LoRA scaling numerator (the update is scaled by alpha / r)"
     )
-    p.add_argument("--lora_dropout", type=float, default=0.05, help="dropout on the LoRA input")
+    p.add_argument(
+        "--lora_dropout", type=float, help="dropout on the LoRA input (default 0.05; 0 on fused MoE experts)"
+    )
     p.add_argument(
         "--lora_target_modules", default="all-linear", help="comma-separated module names to adapt, or 'all-linear'"
     )
