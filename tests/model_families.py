@@ -19,6 +19,11 @@ HYBRIDS = {
 }  # fmt: skip
 
 
+# MiniMax: lightning (linear) attention beside full attention, in a cache class of its own that refuses any other.
+MINIMAX = ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
+    head_dim=16, num_local_experts=2, num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
+    block_size=8))  # fmt: skip
+
 # An MoE as transformers 5 keeps it: its experts fused into 3-D parameters (Mixtral, Qwen3-MoE, DeepSeek V3, ...).
 FUSED_MOE = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                            moe_intermediate_size=32))  # fmt: skip

@@ -400,27 +400,30 @@ def test_what_compiled_decoding_cannot_run_is_refused_before_training_in_one_lin
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("family", ["bamba", "jamba", "lfm2", "recurrent_gemma", "qwen3 (attention only)"])
+@pytest.mark.parametrize("family", ["bamba", "jamba", "lfm2", "recurrent_gemma", "minimax", "qwen3 (attention only)"])
 def test_a_prompts_cache_repeated_for_its_samples_continues_as_the_repeated_prompts_would(family):
     """GRPO fills the cache with each prompt once and repeats its rows for the prompt's samples (`repeat_rows`). On
     every family with state-space, convolution or recurrent layers transformers' `batch_repeat_interleave` failed
     ("'LinearAttentionLayer' object has no attribute ..."), and GRPO stopped at its first sampling; RecurrentGemma
-    keeps its states in its layers, which started again from zeros for the repeated rows (0.08 apart). The repeated
-    cache must continue as a cache filled with the prompts repeated does: the same next-token logits."""
-    from transformers import DynamicCache
+    keeps its states in its layers, which started again from zeros for the repeated rows (0.08 apart); MiniMax keeps
+    its lightning attention's beside its cache's layers, in a cache class of its own, and refused the one GRPO built.
+    The repeated cache must continue as a cache filled with the prompts repeated does: the same next-token logits."""
+    from model_families import MINIMAX
 
-    from ddp_utils.language_models.cache_rows import repeat_rows
+    from ddp_utils.language_models.cache_rows import cache_of, empty_cache, repeat_rows
 
-    model = tiny_model(*HYBRIDS[family])
+    model = tiny_model(*(MINIMAX if family == "minimax" else HYBRIDS[family]))
     prompts, group = torch.tensor([[1, 5, 9, 3, 7], [1, 7, 2, 8, 4]]), 3
     step = torch.tensor([[4], [6], [10]]).repeat(2, 1)  # each sample's own next token
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=prompts, past_key_values=cache, use_cache=True)
+        cache = empty_cache(model)  # as GRPO fills it
+        cache = cache_of(model(input_ids=prompts, past_key_values=cache, use_cache=True), cache)
         repeat_rows(model, cache, len(prompts), group)
         continued = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1]
-        filled = DynamicCache(config=model.config)
-        model(input_ids=prompts.repeat_interleave(group, dim=0), past_key_values=filled, use_cache=True)
+        filled = empty_cache(model)
+        filled = cache_of(
+            model(input_ids=prompts.repeat_interleave(group, dim=0), past_key_values=filled, use_cache=True), filled
+        )
         expected = model(input_ids=step, past_key_values=filled, use_cache=True).logits[:, -1]
     torch.testing.assert_close(continued, expected, atol=1e-6, rtol=0)  # measured: 1.8e-7 at most
 
@@ -599,16 +602,21 @@ def test_options_that_cannot_train_are_refused_with_the_fix(chat_lm, prompts, tm
 
 
 @pytest.mark.fast
-def test_sampling_at_a_tiny_temperature_is_plain_greedy_generation_without_the_shared_cache(chat_lm):
+@pytest.mark.parametrize("family", ["llama", "minimax"])
+def test_sampling_at_a_tiny_temperature_is_plain_greedy_generation_without_the_shared_cache(family, chat_lm, tmp_path):
     """The prompt's cache computed once and copied to its samples, and the positions of left-padded prompts,
-    give what transformers' own greedy generation gives on the whole prompts."""
+    give what transformers' own greedy generation gives on the whole prompts. MiniMax keeps a cache class of its
+    own, which refused the one GRPO built, and which counts no token where its first layer is a linear one: its
+    samples are drawn by reading the prompts again."""
     from accelerate import Accelerator
+    from model_families import MINIMAX, save_with_tokenizer
     from transformers import AutoModelForCausalLM
 
     from ddp_utils.language_models.causal_lm import load_tokenizer
 
     accelerator, tokenizer = Accelerator(cpu=True), load_tokenizer(str(chat_lm))
-    model = AutoModelForCausalLM.from_pretrained(chat_lm).eval()
+    path = chat_lm if family == "llama" else save_with_tokenizer(MINIMAX, chat_lm, tmp_path / family)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
     texts = ["the movie was good", "a film is not bad really quite", "okay"]
     batch = PromptCollator(tokenizer.pad_token_id)(
         [{"input_ids": tokenizer(t)["input_ids"], "index": i} for i, t in enumerate(texts)]

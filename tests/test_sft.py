@@ -294,6 +294,21 @@ def test_the_prompts_shared_prefix_computed_once_gives_the_same_answers_as_left_
     assert prompt_passes[0] == [18, 14, 10]
     assert prompt_passes[7] == [7] + [width - 7 for width in prompt_passes[0]]
 
+    # MiniMax's own cache class counts no token where its first layer is a linear one, so `generate` took a copied
+    # prefix for an empty cache: such a prefix is read again, and the answers stay those of left padding.
+    from model_families import MINIMAX, tiny_model
+
+    config_class, model_class, extra = MINIMAX
+    minimax = tiny_model(config_class, model_class, {**extra, "vocab_size": len(tokenizer)})
+    for shared in (0, 7):
+        loader = accelerator.prepare(
+            torch.utils.data.DataLoader(
+                prompts, batch_size=4, collate_fn=LeftPaddingCollator(tokenizer.pad_token_id, shared)
+            )
+        )
+        answers[shared] = generate_answers(accelerator, minimax, loader, tokenizer, max_new_tokens=6)
+    assert answers[7] == answers[0]
+
 
 @pytest.mark.fast
 def test_the_shared_prefix_leaves_every_prompt_a_token_and_is_off_for_sliding_windows():

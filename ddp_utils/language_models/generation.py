@@ -21,7 +21,7 @@ from ..data.classification import ConfusionMatrix
 from ..data.evaluation import check_metric_for_best_model, gather_for_eval
 from ..training.compilation import generation_context
 from ..training.fsdp import root_ready_for_generation
-from .cache_rows import forget_rope_deltas, repeat_rows
+from .cache_rows import cache_of, empty_cache, forget_rope_deltas, repeat_rows
 from .multimodal import text_config
 
 logger = get_logger(__name__)
@@ -178,19 +178,19 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
         cache = None
         if shared_prefix:
             if prefix is None:
-                from transformers import DynamicCache
-
-                prefix, prefix_ids = DynamicCache(config=generator.config), batch["input_ids"][:1, :shared_prefix]
+                prefix, prefix_ids = empty_cache(generator), batch["input_ids"][:1, :shared_prefix]
                 with torch.no_grad(), accelerator.autocast():
-                    generator(input_ids=prefix_ids, past_key_values=prefix, use_cache=True, logits_to_keep=1)
+                    filled = generator(input_ids=prefix_ids, past_key_values=prefix, use_cache=True, logits_to_keep=1)
+                prefix = cache_of(filled, prefix)
             if not torch.equal(batch["input_ids"][:, :shared_prefix], prefix_ids.expand(len(batch["input_ids"]), -1)):
                 raise RuntimeError(
                     f"LeftPaddingCollator(shared_prefix={shared_prefix}), but these prompts do not all start "
                     f"with the same {shared_prefix} tokens: take it from shared_prefix_length over all the prompts"
                 )
-            cache = copy.deepcopy(prefix)
-            repeat_rows(generator, cache, 1, len(batch["input_ids"]))
-            forget_rope_deltas(generator)
+            if prefix.get_seq_length() == shared_prefix:  # MiniMax's counts no token (its first layer is a linear
+                cache = copy.deepcopy(prefix)  # one's), which `generate` would take for empty: it reads them again
+                repeat_rows(generator, cache, 1, len(batch["input_ids"]))
+                forget_rope_deltas(generator)
         with accelerator.autocast(), only_this_config(generator):  # the run's precision; no field of the model's
             output = generator.generate(
                 input_ids=batch["input_ids"],

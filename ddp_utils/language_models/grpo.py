@@ -25,7 +25,7 @@ from ..data.dataloaders import SAMPLE_WEIGHT
 from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import root_ready_for_generation
-from .cache_rows import forget_rope_deltas, repeat_rows
+from .cache_rows import cache_of, empty_cache, forget_rope_deltas, repeat_rows
 from .chat import check_tool_turns, refused_by_template, render
 from .generation import only_this_config, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
@@ -154,7 +154,7 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     completion ids, the completion mask (up to and with the stop token), whether each was cut at the maximum, and
     the prompt's index and sample weight, each repeated per sample. All ranks call this (with sharded weights
     generation steps them together)."""
-    from transformers import DynamicCache, GenerationConfig
+    from transformers import GenerationConfig
 
     generator = accelerator.unwrap_model(model, keep_torch_compile=False)  # past a compiled wrapper; by regions: below
     root_ready_for_generation(generator)  # under FSDP2, an all-gather
@@ -177,21 +177,24 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
         # Eager where the model is compiled layer by layer (FSDP); --compile_generation's step compiles its own.
         stance = generation_context(accelerator) if decoding is None else contextlib.nullcontext()
         with torch.no_grad(), sampling_precision(accelerator, generator), stance:
-            cache = DynamicCache(config=generator.config)
-            logits = generator(  # the prompts once: their cache and their last token's logits
+            cache = empty_cache(generator)
+            filled = generator(  # the prompts once: their cache and their last token's logits
                 input_ids=prompts,
                 attention_mask=mask,
                 position_ids=positions,
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
-            ).logits[:, -1]
+            )
+            cache, logits = cache_of(filled, cache), filled.logits[:, -1]
             forget_rope_deltas(generator)  # Qwen-VL's, from the last `generate`
-            if decoding is None:
-                repeat_rows(generator, cache, len(prompts), group)
-            else:  # each prompt's rows repeated into the static cache that the compiled step reads
+            if decoding is not None:  # each prompt's rows repeated into the static cache that the compiled step reads
                 cache = decoding.filled_from(cache, group)
                 config.compile_config = decoding.compile_config
+            elif cache.get_seq_length() == prompts.shape[1]:
+                repeat_rows(generator, cache, len(prompts), group)
+            else:  # MiniMax's counts its first layer's tokens, a linear one's: `generate` would take it for empty
+                cache = None  # and reads the prompts again
             # Each sample's first token drawn here, from its prompt's logits, so that `generate` starts after it: one
             # forward pass fewer than letting it compute the prompt's last token again (on a GPU launches cost).
             first = sampling(None, logits.repeat_interleave(group, dim=0)).argmax(dim=-1, keepdim=True)
