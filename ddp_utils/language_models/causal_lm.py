@@ -27,7 +27,6 @@ from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import load_pretrained
 from ..training.pretrained import causal_lm_class, fetch_weights, load_model_config
 from .multimodal import freeze_parts_text_never_runs, text_config
-from .weight_reads import gather_whole_under_zero3
 
 logger = get_logger(__name__)
 
@@ -243,7 +242,6 @@ def load_causal_lm(args, config, tokenizer):
         model = add_lora(model, args)
         if args.gradient_checkpointing:
             drop_input_require_grads(model.get_base_model())  # peft hooks the embeddings again
-    gather_whole_under_zero3(model)  # a Mamba mixer reads its layers' weights without calling them
     return model
 
 

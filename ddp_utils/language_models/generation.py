@@ -23,6 +23,7 @@ from ..training.compilation import generation_context
 from ..training.fsdp import root_ready_for_generation
 from .cache_rows import cache_of, empty_cache, forget_rope_deltas, repeat_rows
 from .multimodal import text_config
+from .weight_reads import weights_read_whole
 
 logger = get_logger(__name__)
 
@@ -205,7 +206,8 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
             "answer_ids": F.pad(new, (0, max_new_tokens - new.shape[1]), value=tokenizer.pad_token_id),
         }
 
-    with generation_context(accelerator):  # eager where the model is compiled layer by layer (FSDP)
+    # Eager where the model is compiled layer by layer (FSDP); under ZeRO-3 the weights Mamba's mixers read gathered.
+    with generation_context(accelerator), weights_read_whole(generator):
         results = gather_for_eval(accelerator, model, dataloader, answer)
     order = np.argsort(results["index"], kind="stable")
     if not np.array_equal(results["index"][order], np.arange(len(order))):

@@ -31,6 +31,7 @@ from .generation import only_this_config, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
 from .pair_scoring import ONE_ROW
 from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
+from .weight_reads import weights_read_whole
 
 LOSS_TYPES = ("token", "sequence")  # DAPO's and TRL's default: a mean over tokens; the original GRPO's: over answers
 LOSS_WEIGHT = "loss_weight"  # per rollout row: its completion tokens (token loss), or 1 (sequence loss); 0 for fillers
@@ -176,7 +177,7 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     try:  # one precision context for the whole call: autocast casts trainable weights once in it (its cache)
         # Eager where the model is compiled layer by layer (FSDP); --compile_generation's step compiles its own.
         stance = generation_context(accelerator) if decoding is None else contextlib.nullcontext()
-        with torch.no_grad(), sampling_precision(accelerator, generator), stance:
+        with torch.no_grad(), sampling_precision(accelerator, generator), stance, weights_read_whole(generator):
             cache = empty_cache(generator)
             filled = generator(  # the prompts once: their cache and their last token's logits
                 input_ids=prompts,

@@ -3,10 +3,11 @@
 Gated DeltaNet of Qwen 3.5 and Qwen3-Next and Bamba's mixer in generation (`self.conv1d.weight.squeeze(1)`),
 LongCat-Flash's router. Two things break there: peft's adapter, which wraps the layer's call, never runs (`lora`
 leaves such layers out), and DeepSpeed ZeRO-3, which gathers a layer's weight when the layer is called, hands the
-code an empty partition (`gather_whole_under_zero3`)."""
+code an empty partition (`weights_read_whole`, around generation)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
@@ -58,20 +59,37 @@ def modules_reading_weights(model) -> dict[str, list[str]]:
     return found
 
 
-def gather_whole_under_zero3(model) -> list[str]:
-    """Under DeepSpeed ZeRO-3, have each module whose code reads its layers' weights directly gathered whole, its
-    layers' weights with it, when it runs (DeepSpeed's leaf modules); elsewhere nothing. ZeRO-3 gathers a weight
-    when its layer is called: read without the call, it was this rank's partition, and GRPO on Bamba or Qwen 3.5
-    stopped in its first generation ("Dimension out of range"), as training would on a GPU, whose Mamba kernels
-    take the weights. Returns the classes' names. Call it on every rank, before `accelerator.prepare`; no
-    communication."""
+@contextlib.contextmanager
+def weights_read_whole(model):
+    """All ranks call this, around generation (each module's gather is a collective, which every rank reaches in
+    step: `synced_gpus`): under DeepSpeed ZeRO-3, each module whose code reads its layers' weights directly
+    (`modules_reading_weights`) is gathered whole while it runs, one at a time; elsewhere nothing. ZeRO-3 gathers a
+    weight when its layer is called: read without the call, it was this rank's partition, and GRPO on Bamba, Qwen 3.5,
+    Qwen3-Next, Falcon-H1 or Zamba2 stopped in its first generation ("Dimension out of range"). Only while
+    generating: DeepSpeed's leaf modules, which gathered such modules whole for training too, broke its backward
+    pass ("The size of tensor a (0) must match the size of tensor b (4)": SFT of each of them under ZeRO-3)."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    classes = modules_reading_weights(model)
-    if not classes or not is_deepspeed_zero3_enabled():
-        return []
-    from deepspeed.utils import set_z3_leaf_modules
+    reads = modules_reading_weights(model) if is_deepspeed_zero3_enabled() else {}
+    if not reads:
+        yield
+        return
+    import deepspeed
 
-    set_z3_leaf_modules(model, sorted(classes))
-    logger.info(f"ZeRO-3 gathers each of {sorted(classes)} whole when it runs: its code reads its layers' weights")
-    return sorted(classes)
+    handles, gathering = [], {}
+
+    def gather(module, args):  # all of it: its code reads biases and norms' weights too (Qwen3-Next's, conv1d's)
+        gathering[module] = deepspeed.zero.GatheredParameters(list(module.parameters()))
+        gathering[module].__enter__()
+
+    def release(module, args, output):
+        gathering.pop(module).__exit__(None, None, None)
+
+    for module in model.modules():
+        if type(module).__name__ in reads:
+            handles += [module.register_forward_pre_hook(gather), module.register_forward_hook(release)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
