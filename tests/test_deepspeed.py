@@ -230,6 +230,23 @@ def test_grpo_with_lora_under_zero3_samples_and_trains_what_ddp_trains(chat_llam
     assert max(float(np.abs(value).max()) for key, value in adapter.items() if "lora_B" in key) > 1e-3  # it trained
 
 
+def test_grpo_on_minimax_under_zero3_samples_and_trains_what_ddp_trains(chat_llama, tmp_path):
+    """MiniMax: lightning attention beside full attention, and an MoE whose experts and router peft adapts as
+    parameters. peft's wrapper calls neither its adapter's layers nor leaves the adapted parameter in its layer while
+    it runs, so ZeRO-3 gathered none of them: generation read empty partitions ("size mismatch, got input (16),
+    mat (16x32), vec (0)"), as on Qwen3-Next. They are now gathered when the wrapper runs
+    (`lora.fetch_adapted_parameters_under_zero3`)."""
+    from model_families import MINIMAX, save_with_tokenizer
+    from test_grpo import grpo_args, write_prompts
+
+    minimax = save_with_tokenizer(MINIMAX, chat_llama, tmp_path / "minimax")
+    data, steps = write_prompts(tmp_path), ["--max_train_steps", 2]
+    ok(zero("train_grpo", *grpo_args(minimax, data, tmp_path / "run", *steps), config="deepspeed_zero3.yaml"))
+    ok(ddp("train_grpo", *grpo_args(minimax, data, tmp_path / "ddp", *steps)))
+    assert (tmp_path / "run" / "predictions.jsonl").read_text() == (tmp_path / "ddp" / "predictions.jsonl").read_text()
+    assert_close(tmp_path / "run", tmp_path / "ddp", 1e-5, name="adapter_model.safetensors")  # measured 0.0
+
+
 def test_grpo_on_a_mamba_hybrid_under_zero3_samples_and_trains_what_ddp_trains(chat_llama, tmp_path):
     """Bamba's mixer reads its conv1d's weight and bias without calling the layer (in generation; on a GPU its
     kernels read more), so ZeRO-3 never gathered them: GRPO stopped in its first generation ("Dimension out of

@@ -114,6 +114,26 @@ def moe_weights_adapted(lora, model) -> list[str]:
     return sorted(getattr(probe, "target_parameters", None) or [])
 
 
+def fetch_adapted_parameters_under_zero3(model) -> None:
+    """Under DeepSpeed ZeRO-3, have the parameters of each peft wrapper that adapts a parameter (an MoE's experts and
+    router: `moe_weights_adapted`) gathered when the wrapper runs, its adapter's and the adapted one; elsewhere
+    nothing. ZeRO-3 gathers a layer's own parameters when the layer is called, and the wrapper calls neither its
+    adapter's layers (it reads their weights) nor leaves the adapted parameter in its layer (it moves it into a
+    parametrization while the layer runs): the routers and experts of Qwen3-Next and MiniMax read empty partitions
+    in generation ("size mismatch, got input (16), mat (16x32), vec (0)"). Every rank calls it on its own model,
+    after building it; no communication."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    for module in model.modules():
+        if getattr(module, "parameter_name", None) and hasattr(module, "get_base_layer"):  # peft's ParamWrapper
+            for parameter in module.parameters():
+                register_external_parameter(module, parameter)
+
+
 def _last_two(name: str) -> str:
     return ".".join(name.split(".")[-2:])  # "model.layers.0.mamba.dt_proj" -> "mamba.dt_proj"
 
@@ -196,6 +216,7 @@ def add_lora(model, args):
             f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({reason}); "
             f"its linear layers are {names}"
         ) from None
+    fetch_adapted_parameters_under_zero3(model)
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3: partitioned
     trainable = sum(size for size, requires_grad in sizes if requires_grad)
     logger.info(f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(size for size, _ in sizes):,} parameters")
