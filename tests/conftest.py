@@ -185,6 +185,20 @@ CHAT_TEMPLATE = (
 )
 
 
+def save_another_base(model_dir: Path, directory: Path) -> Path:
+    """The causal LM of `model_dir` with one weight scaled by 1.01, saved with its tokenizer in `directory`: the same
+    shapes and names, other values (a base against its instruct model), for a resume on another base."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(1.01)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(directory)
+    return directory
+
+
 def make_tiny_causal_lm(directory: Path, chat_template: bool = False) -> Path:
     """A 2-layer Llama (hidden 32, context 64) with a whitespace word-level tokenizer that has BOS
     and EOS but no pad token (as Llama's own), built from a config: no Hub."""

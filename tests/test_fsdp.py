@@ -32,6 +32,7 @@ from conftest import (
     launch,
     make_tiny_causal_lm,
     make_tiny_model,
+    save_another_base,
     sft_args,
     train_args,
     write_text_corpus,
@@ -298,7 +299,6 @@ def test_a_lora_checkpoint_under_fsdp_holds_the_adapter_and_resumes_bit_for_bit_
     every rank's shards, the same on any layout); a resume on another base of the same shapes is refused on every
     rank in one line."""
     from torch.distributed.checkpoint import FileSystemReader
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = tmp_path / "fsdp.yaml"
     config.write_text(FSDP_CONFIG.read_text().replace("SHARDED_STATE_DICT", state_dict_type))
@@ -330,12 +330,7 @@ def test_a_lora_checkpoint_under_fsdp_holds_the_adapter_and_resumes_bit_for_bit_
     assert "resumed elastically from 2 processes x 2 x 1 onto 1 process x 2 x 2" in resumed.output
     assert_close(one, whole, name="adapter_model.safetensors")
 
-    other = tmp_path / "other-base"  # the same shapes and names, other values (a base against its instruct model)
-    model = AutoModelForCausalLM.from_pretrained(llama)
-    with torch.no_grad():
-        model.model.layers[1].mlp.up_proj.weight.mul_(1.01)
-    model.save_pretrained(other)
-    AutoTokenizer.from_pretrained(llama).save_pretrained(other)
+    other = save_another_base(llama, tmp_path / "other-base")
     refused = tmp_path / "refused"
     shutil.copytree(whole / "checkpoint-2", refused / "checkpoint-2")
     args = sft_args(other, sft_data, refused, *steps, *TWO_BY_TWO, "--resume_from_checkpoint", "latest")

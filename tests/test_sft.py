@@ -24,6 +24,7 @@ from conftest import (
     make_tiny_causal_lm,
     make_tiny_gguf,
     refused_in_process,
+    save_another_base,
     sft_args,
 )
 from ddp_utils import UsageError
@@ -534,7 +535,7 @@ def test_a_lora_checkpoint_holds_the_adapter_resumes_bit_for_bit_and_refuses_ano
     import shutil
 
     from safetensors.torch import load_file as load_tensors
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     steps = ["--max_train_steps", 4, "--checkpointing_steps", 2, "--per_device_train_batch_size", 2, "--lora_r", 4,
              "--eval_max_new_tokens", 0, "--report_to", "none"]  # fmt: skip
@@ -553,12 +554,7 @@ def test_a_lora_checkpoint_holds_the_adapter_resumes_bit_for_bit_and_refuses_ano
     ours, theirs = (load_file(str(d / "adapter_model.safetensors")) for d in (resumed, whole))
     assert [key for key in theirs if not np.array_equal(ours[key], theirs[key])] == [], "not bit for bit"
 
-    other = tmp_path / "other-base"  # the same shapes and names, other values (a base against its instruct model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
-    with torch.no_grad():
-        model.model.layers[1].mlp.up_proj.weight.mul_(1.01)
-    model.save_pretrained(other)
-    AutoTokenizer.from_pretrained(tiny_lm).save_pretrained(other)
+    other = save_another_base(tiny_lm, tmp_path / "other-base")
     refused = tmp_path / "refused"
     shutil.copytree(whole / "checkpoint-2", refused / "checkpoint-2")
     run = launch(TRAIN_SFT, *sft_args(other, sft_data, refused, *steps, "--resume_from_checkpoint", "latest"),

@@ -8,13 +8,13 @@
 - pair_scoring.py     both sides of a pair in one forward pass, and the probe that refuses where it is not exact
 - dpo.py              the DPO, IPO and SimPO losses; the reference without a second model; preference evaluation
 - generation.py       answers by greedy generation, scored; the shared prompt prefix computed once
-- cache_rows.py       a filled cache repeated for more rows (GRPO's samples), recurrent states and RoPE offsets too
+- cache_rows.py       a first pass's cache, of the model's own class; repeated for more rows (GRPO's samples)
 - grpo.py             GRPO: completions sampled by (seed, step, prompt), rewards, advantages, the clipped loss
 - group_scoring.py    a group's completions scored in one pass: one row per prompt, or a row per completion
 - static_decoding.py  GRPO's --compile_generation: a static KV cache kept across steps, the decoding step compiled
-- lora.py             LoRA set-up, --lora_last_layers, the model saved with merged/
+- lora.py             LoRA set-up, --lora_last_layers, an MoE's fused experts, the model saved with merged/
 - multimodal.py       a model that also reads images, trained on text: what text never runs, frozen; its processor
-- weight_reads.py     modules that read their layers' weights without calling them: no adapter; whole under ZeRO-3
+- weight_reads.py     modules that read their layers' weights without calling them: no adapter; gathered to generate
 - gguf.py             GGUF checkpoints dequantized once into a cache
 
 Knows nothing of a script's start or options parsing: imports core, data, checkpoints, training and results.

@@ -12,10 +12,6 @@ import functools
 import inspect
 import re
 
-from accelerate.logging import get_logger
-
-logger = get_logger(__name__)
-
 # A layer's weight read by the code of the module that holds it, instead of calling the layer: Mamba's mixers
 # (`self.dt_proj.weight @ ...`, `self.conv1d.weight.squeeze(1)`), LongCat-Flash's router
 # (`F.linear(x, self.classifier.weight.type(...))`). Not a use: a read of what describes the
