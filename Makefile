@@ -17,7 +17,7 @@ LAUNCH := $(BIN)/accelerate launch --config_file $(CONFIG)
 # 1.5x and generation faster at the same accuracy (bench/README.md). Elsewhere bf16 would be emulated: fp32.
 LLM_PRECISION ?= $(shell grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null && echo bf16 || echo no)
 
-.PHONY: train train-sft train-dpo train-grpo train-clm train-image test test-fast lint format bench gpu-check gpu-payload install clean
+.PHONY: train train-sft train-dpo train-grpo train-clm train-image test test-fast test-families lint format bench gpu-check gpu-payload install clean
 
 train: $(STAMP)  ## install if needed, then fine-tune the demo classifier on 2 CPU processes
 	$(LAUNCH) scripts/train.py $(TRAIN_ARGS)
@@ -42,6 +42,9 @@ test: $(STAMP)  ## the whole test suite (CPU, real 2-process launches, tiny mode
 
 test-fast: $(STAMP)  ## the quick tier for the edit loop: unit tests and the launches of the core promise (< 2 min)
 	$(BIN)/python -m pytest tests -m fast -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+test-families: $(STAMP)  ## every script on 19 more tiny model families, under DDP, FSDP and ZeRO-3 (about 12 min)
+	FAMILY_SWEEP=1 $(BIN)/python -m pytest tests/test_families.py -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## ruff: lint and format check (what CI runs before the tests)
 	$(BIN)/ruff check .

@@ -29,6 +29,42 @@ FUSED_MOE = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_expe
                                                            moe_intermediate_size=32))  # fmt: skip
 
 
+# The text families users bring beyond those above (`make test-families`, tests/test_families.py), 2 layers, hidden 32.
+TEXT_FAMILIES = {
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                                          layer_types=["sliding_attention", "full_attention"],
+                                                          sliding_window=8)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, n_group=1, topk_group=1)),
+    "qwen3_moe": FUSED_MOE,
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=128)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        head_dim=16, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
+        mamba_chunk_size=8)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=8)),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16)),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(head_dim=16, sliding_window=8)),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(head_dim=16)),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(head_dim=16)),
+    "minimax": MINIMAX,
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8)),
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", dict(
+        mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, layers_block_type=["mamba", "hybrid"], num_mem_blocks=1,
+        use_mem_rope=False)),
+}  # fmt: skip
+
+
 def save_with_tokenizer(family: tuple, tokenizer_dir, directory):
     """`tiny_model(*family)` sized to the tokenizer of `tokenizer_dir`, saved with it in `directory`."""
     from transformers import AutoTokenizer
