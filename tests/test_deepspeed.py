@@ -235,7 +235,7 @@ def test_grpo_on_minimax_under_zero3_samples_and_trains_what_ddp_trains(chat_lla
     parameters. peft's wrapper calls neither its adapter's layers nor leaves the adapted parameter in its layer while
     it runs, so ZeRO-3 gathered none of them: generation read empty partitions ("size mismatch, got input (16),
     mat (16x32), vec (0)"), as on Qwen3-Next. They are now gathered when the wrapper runs
-    (`lora.fetch_adapted_parameters_under_zero3`)."""
+    (`weight_reads.fetch_adapted_parameters_under_zero3`)."""
     from model_families import MINIMAX, save_with_tokenizer
     from test_grpo import grpo_args, write_prompts
 

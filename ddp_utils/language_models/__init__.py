@@ -14,7 +14,7 @@
 - static_decoding.py  GRPO's --compile_generation: a static KV cache kept across steps, the decoding step compiled
 - lora.py             LoRA set-up, --lora_last_layers, an MoE's fused experts, the model saved with merged/
 - multimodal.py       a model that also reads images, trained on text: what text never runs, frozen; its processor
-- weight_reads.py     modules that read their layers' weights without calling them: no adapter; gathered to generate
+- weight_reads.py     code that reads layers' weights without calling them: no adapter; ZeRO-3 gathers them (peft's too)
 - gguf.py             GGUF checkpoints dequantized once into a cache
 
 Knows nothing of a script's start or options parsing: imports core, data, checkpoints, training and results.

@@ -21,7 +21,7 @@ from ..core.sharded import is_sharded
 from ..results.output import gathered_state_dict, save_model, saved_dtype, write_pretrained
 from ..training.zero3_loading import built_whole, zero3_enabled
 from .multimodal import image_processors, parts_text_never_runs, text_config
-from .weight_reads import weights_read_directly
+from .weight_reads import fetch_adapted_parameters_under_zero3, weights_read_directly
 
 logger = get_logger(__name__)
 
@@ -112,26 +112,6 @@ def moe_weights_adapted(lora, model) -> list[str]:
     probe = copy.deepcopy(lora)
     convert_peft_config_for_transformers(probe, model=model, conversions=get_model_conversion_mapping(model))
     return sorted(getattr(probe, "target_parameters", None) or [])
-
-
-def fetch_adapted_parameters_under_zero3(model) -> None:
-    """Under DeepSpeed ZeRO-3, have the parameters of each peft wrapper that adapts a parameter (an MoE's experts and
-    router: `moe_weights_adapted`) gathered when the wrapper runs, its adapter's and the adapted one; elsewhere
-    nothing. ZeRO-3 gathers a layer's own parameters when the layer is called, and the wrapper calls neither its
-    adapter's layers (it reads their weights) nor leaves the adapted parameter in its layer (it moves it into a
-    parametrization while the layer runs): the routers and experts of Qwen3-Next and MiniMax read empty partitions
-    in generation ("size mismatch, got input (16), mat (16x32), vec (0)"). Every rank calls it on its own model,
-    after building it; no communication."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    if not is_deepspeed_zero3_enabled():
-        return
-    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-
-    for module in model.modules():
-        if getattr(module, "parameter_name", None) and hasattr(module, "get_base_layer"):  # peft's ParamWrapper
-            for parameter in module.parameters():
-                register_external_parameter(module, parameter)
 
 
 def _last_two(name: str) -> str:

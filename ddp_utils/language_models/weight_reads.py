@@ -3,7 +3,8 @@
 Gated DeltaNet of Qwen 3.5 and Qwen3-Next and Bamba's mixer in generation (`self.conv1d.weight.squeeze(1)`),
 LongCat-Flash's router. Two things break there: peft's adapter, which wraps the layer's call, never runs (`lora`
 leaves such layers out), and DeepSpeed ZeRO-3, which gathers a layer's weight when the layer is called, hands the
-code an empty partition (`weights_read_whole`, around generation)."""
+code an empty partition (`weights_read_whole`, around generation). peft's own wrapper around an adapted parameter (an
+MoE's experts) reads its adapter's weights the same way (`fetch_adapted_parameters_under_zero3`)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,23 @@ def weights_read_whole(model):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def fetch_adapted_parameters_under_zero3(model) -> None:
+    """Under DeepSpeed ZeRO-3, have the parameters of each peft wrapper that adapts a parameter (an MoE's experts and
+    router: `moe_weights_adapted`) gathered when the wrapper runs, its adapter's and the adapted one; elsewhere
+    nothing. ZeRO-3 gathers a layer's own parameters when the layer is called, and the wrapper calls neither its
+    adapter's layers (it reads their weights) nor leaves the adapted parameter in its layer (it moves it into a
+    parametrization while the layer runs): the routers and experts of Qwen3-Next and MiniMax read empty partitions
+    in generation ("size mismatch, got input (16), mat (16x32), vec (0)"). Every rank calls it on its own model,
+    after building it; no communication."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    for module in model.modules():
+        if getattr(module, "parameter_name", None) and hasattr(module, "get_base_layer"):  # peft's ParamWrapper
+            for parameter in module.parameters():
+                register_external_parameter(module, parameter)
