@@ -14,6 +14,7 @@ from safetensors.numpy import load_file
 
 from conftest import AUDIT_HOOK_DIR, REPO, assert_error_is_last, launch, refused_in_process, sft_args, train_args
 from ddp_utils import UsageError
+from ddp_utils.lifecycle.args import SCHEDULES
 
 TRAIN = REPO / "scripts" / "train.py"
 TRAIN_SFT = REPO / "scripts" / "train_sft.py"
@@ -583,6 +584,51 @@ def test_bad_schedule_or_eval_options_are_refused_naming_them(tmp_path):
     with pytest.raises(UsageError, match="--checkpointing_steps 10 is not a multiple of --eval_steps 4"):
         parse("--eval_steps", "4", "--checkpointing_steps", "10")
     assert parse("--eval_steps", "5", "--checkpointing_steps", "10").eval_steps == 5
+    with pytest.raises(UsageError, match="--lr_scheduler_kwargs takes a JSON object"):
+        parse("--lr_scheduler_kwargs", "min_lr_rate=0.1")
+    with pytest.raises(UsageError, match="--lr_scheduler_type cosine does not take --lr_scheduler_kwargs .*min_lr"):
+        parse("--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}')
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_offered_runs_with_its_defaults(schedule, tmp_path):
+    """Each --lr_scheduler_type that --help lists builds and runs with no --lr_scheduler_kwargs: transformers'
+    cosine_with_min_lr and warmup_stable_decay raised before the first step, wanting settings no option gave."""
+    import argparse
+
+    import torch
+
+    import ddp_utils
+
+    parser = argparse.ArgumentParser()
+    ddp_utils.add_training_args(parser)
+    argv = ["--output_dir", str(tmp_path), "--report_to", "none", "--lr_scheduler_type", schedule]
+    args = parser.parse_args([*argv, "--warmup_steps", "2"])
+    ddp_utils.check_training_args(args)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = ddp_utils.make_lr_scheduler(optimizer, args, max_train_steps=20)
+    rates = []
+    for _ in range(20):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    if schedule != "constant":  # transformers' constant ignores the warm-up, as --help says
+        assert rates[:3] == [0.0, 0.5, 1.0], rates
+    if schedule == "cosine_with_min_lr":
+        assert min(rates[2:]) >= 0.1 and rates[-1] == pytest.approx(0.1, abs=0.01), "a floor of a tenth of the peak"
+    if schedule == "warmup_stable_decay":
+        assert rates[2:18] == [1.0] * 16 and rates[19] < 1.0, "stable, then the last tenth of the steps decays"
+    given = {"cosine_with_min_lr": '{"min_lr_rate": 0.5}', "warmup_stable_decay": '{"num_decay_steps": 10}'}
+    if schedule in given:
+        args = parser.parse_args([*argv, "--warmup_steps", "2", "--lr_scheduler_kwargs", given[schedule]])
+        ddp_utils.check_training_args(args)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = ddp_utils.make_lr_scheduler(optimizer, args, max_train_steps=20)
+        for _ in range(19):
+            optimizer.step()
+            scheduler.step()
+        assert scheduler.get_last_lr()[0] == pytest.approx(0.5 if schedule == "cosine_with_min_lr" else 0.024, abs=0.01)
 
 
 def test_every_script_writes_a_model_card_the_hub_reads(tiny_model, tiny_data, tmp_path):

@@ -12,7 +12,8 @@ import json
 from ..core.errors import UsageError
 from ..training.training_log import parse_report_to
 
-# transformers.get_scheduler's schedules that need no more than the step count (reduce_lr_on_plateau needs a metric).
+# transformers.get_scheduler's schedules that run on the step count, where `optimizer.schedule_settings` fills what two
+# of them need more (reduce_lr_on_plateau needs a metric). `constant` is transformers': it ignores the warm-up.
 SCHEDULES = (
     "linear",
     "cosine",
@@ -61,6 +62,11 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
         "--lr_scheduler_type",
         default="linear",
         help=f"learning-rate schedule after the warm-up: {', '.join(SCHEDULES)}",
+    )
+    p.add_argument(
+        "--lr_scheduler_kwargs",
+        default="{}",
+        help="JSON of the schedule's own settings, e.g. '{\"min_lr_rate\": 0.1}' (see transformers' get_scheduler)",
     )
     p.add_argument(
         "--warmup_ratio", type=float, default=0.1, help="fraction of the steps that warm the learning rate up"
@@ -174,6 +180,34 @@ def _refuse_option(parser: argparse.ArgumentParser, message: str):
     raise UsageError(f"{message}; {parser.prog} --help lists the options")
 
 
+def json_object(given, option: str, example: str) -> dict:
+    """`given` (an option's JSON text, or the object it was read into already) as a dict; else a `UsageError`."""
+    try:
+        value = json.loads(given) if isinstance(given, str) else given
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise UsageError(f"{option} takes a JSON object, e.g. '{example}'; got {given!r}")
+    return value
+
+
+def check_schedule(args) -> None:
+    """Refuse --lr_scheduler_kwargs that --lr_scheduler_type does not take, in one line: a schedule is built on a
+    stand-in optimizer of 10 steps, as the run will build it (no communication)."""
+    import torch
+
+    from ..training.optimizer import make_lr_scheduler
+
+    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    try:
+        make_lr_scheduler(stand_in, args, max_train_steps=10)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(
+            f"--lr_scheduler_type {args.lr_scheduler_type} does not take --lr_scheduler_kwargs "
+            f"{json.dumps(args.lr_scheduler_kwargs)}: {exc}"
+        ) from None
+
+
 def check_positive(args, *names: str) -> None:
     """Refuse a value below 1 for each named option that is set."""
     for name in names:
@@ -218,6 +252,8 @@ def check_training_args(args) -> None:
         raise UsageError(f"--lr_scheduler_type {args.lr_scheduler_type!r} is not one of {', '.join(SCHEDULES)}")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise UsageError(f"--warmup_steps must be 0 or more, got {args.warmup_steps}")
+    args.lr_scheduler_kwargs = json_object(args.lr_scheduler_kwargs, "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}')
+    check_schedule(args)
     if args.eval_steps and steps.isdigit() and int(steps) % args.eval_steps:
         raise UsageError(
             f"--checkpointing_steps {steps} is not a multiple of --eval_steps {args.eval_steps}: every "
@@ -310,16 +346,9 @@ def check_causal_lm_args(args) -> None:
 
     check_positive(args, "block_size")
     check_lora_args(args)
-    if isinstance(args.chat_template_kwargs, str):
-        given = args.chat_template_kwargs
-        try:
-            args.chat_template_kwargs = json.loads(given)
-        except json.JSONDecodeError:
-            args.chat_template_kwargs = None
-        if not isinstance(args.chat_template_kwargs, dict):
-            raise UsageError(
-                f"--chat_template_kwargs takes a JSON object, e.g. '{{\"enable_thinking\": false}}'; got {given!r}"
-            )
+    if args.chat_template_kwargs is not None:
+        example = '{"enable_thinking": false}'
+        args.chat_template_kwargs = json_object(args.chat_template_kwargs, "--chat_template_kwargs", example)
     if args.learning_rate is None:
         args.learning_rate = 2e-4 if args.lora_r else 2e-5
 

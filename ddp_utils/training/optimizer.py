@@ -58,13 +58,33 @@ def make_adamw(model, learning_rate: float, weight_decay: float) -> torch.optim.
 def make_lr_scheduler(optimizer, args, max_train_steps: int):
     """The learning-rate schedule over `max_train_steps` optimizer steps, from
     `transformers.get_scheduler`: --lr_scheduler_type (linear decay to 0 by default, cosine,
-    constant_with_warmup, ...) after a warm-up of --warmup_steps, or --warmup_ratio of the steps.
+    constant_with_warmup, ...) after a warm-up of --warmup_steps, or --warmup_ratio of the steps, with
+    --lr_scheduler_kwargs (`schedule_settings`).
     Build it before `accelerator.prepare`; the scripts step it once per optimizer step (see
     `start.make_accelerator`)."""
     from transformers import get_scheduler
 
     warmup = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * max_train_steps)
-    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max_train_steps)
+    settings = schedule_settings(args.lr_scheduler_type, getattr(args, "lr_scheduler_kwargs", {}), max_train_steps)
+    return get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=max_train_steps,
+        scheduler_specific_kwargs=settings,
+    )
+
+
+def schedule_settings(schedule: str, given: dict, max_train_steps: int) -> dict:
+    """--lr_scheduler_kwargs, with what two schedules cannot start without where it does not say: transformers'
+    `cosine_with_min_lr` needs a floor (a tenth of the peak, as open-r1's recipes set it), `warmup_stable_decay` a
+    decay length (the last tenth of the steps); without them `get_scheduler` raised before the first step."""
+    settings = dict(given)
+    if schedule == "cosine_with_min_lr" and "min_lr" not in settings:
+        settings.setdefault("min_lr_rate", 0.1)
+    if schedule == "warmup_stable_decay":
+        settings.setdefault("num_decay_steps", max(1, round(0.1 * max_train_steps)))
+    return settings
 
 
 def weight_decay_groups(model, weight_decay: float) -> list[dict]:
