@@ -281,11 +281,15 @@ ONE_BY_TWO_BY_TWO = ["--per_device_train_batch_size", 2, "--gradient_accumulatio
 def test_the_frozen_weights_digest_of_uneven_shards_is_the_digest_of_the_whole_model(tmp_path):
     """The digest that a resume matches the frozen base against is sampled from every rank's shard under FSDP and
     put together: on 3 processes, whose blocks of rows are unequal and one of them empty, it equals the digest of
-    the same model whole on one process."""
+    the same model whole on one process; so it does sharded by columns (gathered whole) and under HSDP (3 replicas:
+    the same places from every rank, counted once)."""
     ok(launch(ON_CPU.parent / "frozen_digest_on_shards.py", tmp_path, num_processes=3))
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
     assert len(ranks) == 3 and all(rank["sharded"] == rank["whole"] == ranks[0]["whole"] for rank in ranks)
-    assert sorted(rank["shards"]["3.weight"][0] for rank in ranks) == [0, 1, 1], "a rank holds none of a weight"
+    assert sorted(rank["sharded_shards"]["3.weight"][0] for rank in ranks) == [0, 1, 1], "a rank holds no row"
+    assert all(rank["by_columns"] == rank["hsdp"] == rank["whole"] for rank in ranks), "columns, and HSDP's replicas"
+    assert all(rank["by_columns_shards"]["3.weight"] == [2, 1] for rank in ranks), "a column each"
+    assert all(rank["hsdp_shards"]["0.weight"] == [101, 7] for rank in ranks), "every rank a whole replica"
 
 
 @pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
