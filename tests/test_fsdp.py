@@ -424,8 +424,9 @@ def test_grpo_on_a_hybrid_under_fsdp_samples_and_trains_what_ddp_trains(llama, t
 
 
 def test_dpo_under_fsdp_trains_what_ddp_trains_and_runs_in_the_configs_bf16(llama, pairs, tmp_path):
-    """LoRA with the adapters off as the reference: the same adapter as DDP (fp32). Then a full
-    fine-tune with the precomputed reference as fsdp.yaml ships it (bf16); both models reload."""
+    """LoRA with the adapters off as the reference: the same adapter as DDP (fp32); with the reference precomputed
+    too (it stopped at its first step: the frozen digest's read had fixed the size of a gathered weight's storage).
+    Then a full fine-tune with the precomputed reference as fsdp.yaml ships it (bf16); both models reload."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -434,6 +435,10 @@ def test_dpo_under_fsdp_trains_what_ddp_trains_and_runs_in_the_configs_bf16(llam
     ok(ddp("train_dpo", *dpo_args(llama, pairs, tmp_path / "lora-ddp", "--lora_r", 4, *steps)))
     assert_close(tmp_path / "lora", tmp_path / "lora-ddp", name="adapter_model.safetensors")
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama), tmp_path / "lora")
+    # Its reference precomputed: the base's log-probs as the adapters off give them, summed in other batches.
+    precomputed = dpo_args(llama, pairs, tmp_path / "lora-pre", "--lora_r", 4, "--precompute_reference", *steps)
+    ok(fsdp("train_dpo", *precomputed))
+    assert_close(tmp_path / "lora-pre", tmp_path / "lora-ddp", atol=1e-5, name="adapter_model.safetensors")
     full = dpo_args(llama, pairs, tmp_path / "full", "--precompute_reference", *steps)
     ok(fsdp("train_dpo", *full, precision="bf16"))
     metrics = json.loads((tmp_path / "full" / "metrics.json").read_text())

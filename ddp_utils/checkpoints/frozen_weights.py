@@ -71,22 +71,24 @@ def _sampled_values(p):
     """(k, values): the digest's sampled values of weight `p` that this rank holds, as float32, the first of them
     the k-th sampled. The samples are `flat[::step][:SAMPLED]` of the weight flattened; under FSDP this rank
     holds a block of rows (FSDP2 shards dim 0), the places from its first row's to its last's. No communication,
-    except for a weight sharded another way, which is gathered whole (every rank does the same)."""
+    except for a weight sharded another way, which is gathered whole (every rank does the same). Always a copy:
+    `.numpy()` of a CPU weight's own storage fixes its size, and FSDP2 could no longer free a weight gathered whole
+    (its root's, after a pass without gradients: DPO's precomputed reference with LoRA stopped at its first step)."""
     import torch
 
     whole = getattr(p, "ds_tensor", p).detach()  # ZeRO-3: this rank's partition, sampled as the whole
     step = max(1, whole.numel() // SAMPLED)
     if not _is_dtensor(whole):
-        return 0, whole.reshape(-1)[::step][:SAMPLED].to("cpu", torch.float32).numpy()
+        return 0, whole.reshape(-1)[::step][:SAMPLED].to("cpu", torch.float32, copy=True).numpy()
     [chunk] = whole.__create_chunk_list__()  # this rank's block: its offset and size in each dim
     if tuple(chunk.sizes[1:]) != tuple(whole.shape[1:]):  # not whole rows: not FSDP2's default sharding
-        return 0, whole.full_tensor().reshape(-1)[::step][:SAMPLED].to("cpu", torch.float32).numpy()
+        return 0, whole.full_tensor().reshape(-1)[::step][:SAMPLED].to("cpu", torch.float32, copy=True).numpy()
     local = whole.to_local().reshape(-1)
     start = chunk.offsets[0] * (whole.numel() // max(1, whole.shape[0]))  # its first value's place in the whole
     count = min(SAMPLED, -(-whole.numel() // step))  # how many places the whole has sampled
     first, end = -(-start // step), min(count, -(-(start + local.numel()) // step))
     values = local[first * step - start :: step][: max(0, end - first)]
-    return first, values.to("cpu", torch.float32).numpy()
+    return first, values.to("cpu", torch.float32, copy=True).numpy()
 
 
 def _put_together(parts):
