@@ -284,6 +284,10 @@ BAD_INPUT = {
         lambda d: ["--block_size", 100],
         "--block_size 100 is above this model's context of 64",
     ),
+    "block_of_one_token": (  # no next token to learn: it trained on nothing and reported a loss of 0 as a success
+        lambda d: ["--block_size", 1],
+        "--block_size must be at least 2 (a block of N tokens learns N - 1 next ones), got 1",
+    ),
 }
 
 

@@ -344,7 +344,10 @@ def check_causal_lm_args(args) -> None:
     rate (2e-4 with LoRA, 2e-5 for full fine-tuning). Every rank calls it while parsing."""
     from ..language_models.lora import check_lora_args
 
-    check_positive(args, "block_size")
+    if args.block_size is not None and args.block_size < 2:  # train_clm.py trained on nothing and reported a loss of 0
+        raise UsageError(
+            f"--block_size must be at least 2 (a block of N tokens learns N - 1 next ones), got {args.block_size}"
+        )
     check_lora_args(args)
     if args.chat_template_kwargs is not None:
         example = '{"enable_thinking": false}'
