@@ -40,7 +40,7 @@ from bench_sft import demo_model_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ddp_utils.language_models import grpo
+from ddp_utils.language_models import grpo, grpo_data
 from ddp_utils.language_models.generation import stop_token_ids
 from ddp_utils.language_models.group_scoring import completion_logps
 from ddp_utils.language_models.pair_scoring import ONE_ROW, TWO_ROWS
@@ -119,8 +119,8 @@ def main():
     if args.bf16:  # prepare wraps the forward in bf16 autocast; peft's generate calls its base model, which skips it
         model = accelerator.prepare(model)
     raw = demo_raw_datasets("train_grpo")
-    prompts = grpo.tokenize_prompts(raw, tokenizer, 512, True)["train"].shuffle(seed=0)
-    collate = grpo.PromptCollator(tokenizer.pad_token_id)
+    prompts = grpo_data.tokenize_prompts(raw, tokenizer, 512, True)["train"].shuffle(seed=0)
+    collate = grpo_data.PromptCollator(tokenizer.pad_token_id)
     batches = [
         collate([prompts[i] for i in range(k * args.batch_size, (k + 1) * args.batch_size)])
         for k in range(args.batches + 1)

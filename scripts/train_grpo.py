@@ -36,7 +36,6 @@ from ddp_utils.language_models.grpo import (
     LOSS_TYPES,
     LOSS_WEIGHT,
     GenerationClock,
-    PromptCollator,
     check_grpo_args,
     decode_completions,
     finish_rollouts,
@@ -46,8 +45,8 @@ from ddp_utils.language_models.grpo import (
     rollout_sums,
     sample_completions,
     score_completions,
-    tokenize_prompts,
 )
+from ddp_utils.language_models.grpo_data import PromptCollator, fit_prompts_in_block, tokenize_prompts
 from ddp_utils.language_models.pair_scoring import choose_pair_layout
 from ddp_utils.language_models.static_decoding import StaticDecoding
 
@@ -158,7 +157,8 @@ def prepare_data(args):
     raw = ddp_utils.check_splits(
         raw, {"prompt": "GRPO"}, limits=limits, seed=args.seed, hold_out_percentage=args.validation_split_percentage
     )
-    config, tokenizer, _ = ddp_utils.load_config_and_tokenizer(args)
+    config, tokenizer, block_size = ddp_utils.load_config_and_tokenizer(args)
+    fit_prompts_in_block(args, block_size)
     chat = tokenizer.chat_template is not None
     processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
     tokenized = tokenize_prompts(raw, tokenizer, args.max_prompt_length, chat, processes)

@@ -12,7 +12,7 @@ from argparse import Namespace
 import numpy as np
 import pytest
 import torch
-from model_families import HYBRIDS, tiny_model
+from model_families import HYBRIDS, save_with_tokenizer, tiny_model
 from safetensors.numpy import load_file
 
 from conftest import AUDIT_HOOK_DIR, FILLER, REPO, WORDS, launch, make_tiny_causal_lm, refused_in_process
@@ -20,7 +20,6 @@ from ddp_utils import SAMPLE_WEIGHT
 from ddp_utils.core.errors import RunFailed, UsageError
 from ddp_utils.language_models.grpo import (
     LOSS_WEIGHT,
-    PromptCollator,
     SeededSampling,
     finish_rollouts,
     group_advantages,
@@ -28,6 +27,7 @@ from ddp_utils.language_models.grpo import (
     sample_completions,
     score_completions,
 )
+from ddp_utils.language_models.grpo_data import PromptCollator
 from ddp_utils.language_models.pair_scoring import TWO_ROWS
 from ddp_utils.training.exact_loss import global_mean_loss
 
@@ -537,6 +537,28 @@ def test_a_run_preempted_mid_epoch_resumes_bit_for_bit(grpo_runs, chat_lm, promp
     assert [k for k in reference if not np.array_equal(ours[k], reference[k])] == [], "not bit for bit"
 
 
+def test_prompts_keep_their_last_tokens_so_that_prompt_and_answer_fit_the_context_of_learned_positions(
+    chat_lm, tmp_path
+):
+    """A prompt of 30 words and its answer past GPT-2's 24 positions: sampling read past its table of positions
+    (an IndexError here, a device-side assert on a GPU), --block_size took no part. The prompts now keep their last
+    tokens, as many as leave room for the longest answer."""
+    gpt2 = ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=2, n_positions=24))
+    model = save_with_tokenizer(gpt2, chat_lm, tmp_path / "gpt2")
+    rng = random.Random(0)
+    data = tmp_path / "long.jsonl"
+    with open(data, "w") as handle:
+        for _ in range(8):
+            label = rng.choice(sorted(WORDS))
+            prompt = " ".join(rng.choices(FILLER, k=30) + [rng.choice(WORDS[label])])
+            handle.write(json.dumps({"prompt": prompt, "answer": label}) + "\n")
+    args = grpo_args(model, {"train": data, "validation": data}, tmp_path / "o", "--max_train_steps", 1)
+    result = launch(TRAIN_GRPO, *args, num_processes=2)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "prompts keep their last 19 tokens (--max_prompt_length 512), so that an answer of 5 fits" in result.output
+    assert json.loads((tmp_path / "o" / "training_args.json").read_text())["max_prompt_length"] == 19
+
+
 def test_records_without_what_a_reward_reads_end_the_run_on_every_rank_in_one_line(chat_lm, prompts, tmp_path):
     data = tmp_path / "no_answer.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"the film was good {i}"}) + "\n" for i in range(8)))
@@ -592,6 +614,7 @@ def test_one_row_per_prompt_scores_each_completion_as_a_row_of_its_own_does(chat
         (["--beta", 0.04], "--beta > 0 needs a reference model: with LoRA (--lora_r)"),
         (["--oom_backoff"], "--oom_backoff does not split GRPO's steps yet"),
         (["--top_p", 0], "--temperature must be > 0 and --top_p in (0, 1]"),
+        (["--block_size", 5], "an answer of 5 tokens (--max_completion_length, --eval_max_new_tokens) leaves no room"),
     ],
 )
 def test_options_that_cannot_train_are_refused_with_the_fix(chat_lm, prompts, tmp_path, extra, expected):

@@ -329,7 +329,7 @@ def test_dpo_pairs_with_tool_calls_are_refused_and_grpo_prompts_show_their_tools
     import datasets
 
     from ddp_utils.language_models.chat import render
-    from ddp_utils.language_models.grpo import tokenize_prompts
+    from ddp_utils.language_models.grpo_data import tokenize_prompts
     from ddp_utils.language_models.preference_data import PairFormat
 
     record = openai_record("paris")

@@ -1,4 +1,4 @@
-"""GRPO's pieces: prompts tokenized, completions sampled the same way on any layout, rewards from plain Python
+"""GRPO's pieces: completions sampled the same way on any layout, rewards from plain Python
 functions, group-normalised advantages, and the clipped loss, normalised exactly over the whole step.
 
 The same run on any layout: each completion is sampled from its own generator, seeded by (seed, step, the
@@ -26,53 +26,13 @@ from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import root_ready_for_generation
 from .cache_rows import cache_of, empty_cache, forget_rope_deltas, repeat_rows
-from .chat import check_tool_turns, refused_by_template, render
 from .generation import only_this_config, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
 from .pair_scoring import ONE_ROW
-from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
 from .weight_reads import weights_read_whole
 
 LOSS_TYPES = ("token", "sequence")  # DAPO's and TRL's default: a mean over tokens; the original GRPO's: over answers
 LOSS_WEIGHT = "loss_weight"  # per rollout row: its completion tokens (token loss), or 1 (sequence loss); 0 for fillers
-
-
-def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: bool, num_proc=None):
-    """Every split's "prompt" column (a string, or a conversation of {"role", "content"} turns) as the ids that
-    ask for an answer, with "index" (the record's place in its split: its samples' seed, and where the rewards
-    find the record) and "length"; nothing else. A prompt past `max_prompt_length` tokens keeps its last ones.
-    No communication."""
-    from jinja2.exceptions import TemplateError
-
-    def encode(record, index):
-        prompt, tools = record["prompt"], record_tools(record.get("tools"), f"record {index}")
-        if isinstance(prompt, str) and use_chat_template:
-            prompt = [{"role": "user", "content": prompt}]
-        if tools and not isinstance(prompt, list):
-            raise UsageError(f"record {index} has tools, which only a chat template shows: {NEEDS_TEMPLATE}")
-        if isinstance(prompt, list):
-            prompt = [clean_turn(turn, f"record {index}") if isinstance(turn, dict) else turn for turn in prompt]
-            try:
-                text = render(tokenizer, prompt, generation_prompt=True, tools=tools)
-            except (TemplateError, TypeError) as error:  # as chat.tokenize_conversation
-                raise refused_by_template(tokenizer, f"record {index}", error) from None
-            check_tool_turns(tokenizer, text, prompt, tools, f"record {index}")
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, str):
-            ids = tokenizer(prompt)["input_ids"]
-        else:
-            raise UsageError(f"record {index}: its prompt is a {type(prompt).__name__}; give a string or chat turns")
-        ids = ids[-max_prompt_length:]
-        return {"input_ids": ids, "index": index, "length": len(ids)}
-
-    import datasets
-
-    return datasets.DatasetDict(
-        {
-            split: records.map(encode, with_indices=True, num_proc=num_proc, remove_columns=records.column_names)
-            for split, records in raw.items()
-        }
-    )
 
 
 def decode_completions(tokenizer, rollouts: list[dict]) -> list[str]:
@@ -82,27 +42,6 @@ def decode_completions(tokenizer, rollouts: list[dict]) -> list[str]:
         for rollout in rollouts
         for ids, mask in zip(rollout["completion_ids"], rollout["completion_mask"])
     ]
-
-
-class PromptCollator:
-    """Prompt rows (input_ids, index, sample_weight) into a batch padded on the left, as generation needs."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, rows: list[dict]) -> dict:
-        length = max(len(row["input_ids"]) for row in rows)
-        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids = torch.tensor(row["input_ids"])
-            input_ids[i, length - len(ids) :], attention_mask[i, length - len(ids) :] = ids, 1
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "index": torch.tensor([row["index"] for row in rows]),
-            SAMPLE_WEIGHT: torch.tensor([float(row.get(SAMPLE_WEIGHT, 1.0)) for row in rows]),
-        }
 
 
 def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:

@@ -1,0 +1,93 @@
+"""GRPO's prompts: tokenized as the model is asked (its chat template, tools included), fitted with their answers in
+--block_size, and batched on the left for generation."""
+
+from __future__ import annotations
+
+import torch
+from accelerate.logging import get_logger
+
+from ..core.errors import UsageError
+from ..data.dataloaders import SAMPLE_WEIGHT
+from .chat import check_tool_turns, refused_by_template, render
+from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
+
+logger = get_logger(__name__)
+
+
+def fit_prompts_in_block(args, block_size: int) -> None:
+    """Lower --max_prompt_length so that a prompt and its longest answer (--max_completion_length, or
+    --eval_max_new_tokens) fit in `block_size` (--block_size, else the model's context up to 1024), said once; a
+    `UsageError` where no prompt would fit. Past the context, learned positions index out of their table (GPT-2, OPT:
+    an IndexError here, a device-side assert on a GPU) and rotary ones run where the model never trained. Every rank
+    calls it with the same values (no communication)."""
+    longest = max(args.max_completion_length, args.eval_max_new_tokens)
+    if longest >= block_size:
+        raise UsageError(
+            f"an answer of {longest} tokens (--max_completion_length, --eval_max_new_tokens) leaves no room for a "
+            f"prompt in --block_size {block_size} (default: the model's context); lower them"
+        )
+    if args.max_prompt_length + longest > block_size:
+        logger.info(
+            f"prompts keep their last {block_size - longest} tokens (--max_prompt_length {args.max_prompt_length}), "
+            f"so that an answer of {longest} fits in --block_size {block_size}"
+        )
+        args.max_prompt_length = block_size - longest
+
+
+def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: bool, num_proc=None):
+    """Every split's "prompt" column (a string, or a conversation of {"role", "content"} turns) as the ids that
+    ask for an answer, with "index" (the record's place in its split: its samples' seed, and where the rewards
+    find the record) and "length"; nothing else. A prompt past `max_prompt_length` tokens keeps its last ones.
+    No communication."""
+    from jinja2.exceptions import TemplateError
+
+    def encode(record, index):
+        prompt, tools = record["prompt"], record_tools(record.get("tools"), f"record {index}")
+        if isinstance(prompt, str) and use_chat_template:
+            prompt = [{"role": "user", "content": prompt}]
+        if tools and not isinstance(prompt, list):
+            raise UsageError(f"record {index} has tools, which only a chat template shows: {NEEDS_TEMPLATE}")
+        if isinstance(prompt, list):
+            prompt = [clean_turn(turn, f"record {index}") if isinstance(turn, dict) else turn for turn in prompt]
+            try:
+                text = render(tokenizer, prompt, generation_prompt=True, tools=tools)
+            except (TemplateError, TypeError) as error:  # as chat.tokenize_conversation
+                raise refused_by_template(tokenizer, f"record {index}", error) from None
+            check_tool_turns(tokenizer, text, prompt, tools, f"record {index}")
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        else:
+            raise UsageError(f"record {index}: its prompt is a {type(prompt).__name__}; give a string or chat turns")
+        ids = ids[-max_prompt_length:]
+        return {"input_ids": ids, "index": index, "length": len(ids)}
+
+    import datasets
+
+    return datasets.DatasetDict(
+        {
+            split: records.map(encode, with_indices=True, num_proc=num_proc, remove_columns=records.column_names)
+            for split, records in raw.items()
+        }
+    )
+
+
+class PromptCollator:
+    """Prompt rows (input_ids, index, sample_weight) into a batch padded on the left, as generation needs."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict:
+        length = max(len(row["input_ids"]) for row in rows)
+        input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids = torch.tensor(row["input_ids"])
+            input_ids[i, length - len(ids) :], attention_mask[i, length - len(ids) :] = ids, 1
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "index": torch.tensor([row["index"] for row in rows]),
+            SAMPLE_WEIGHT: torch.tensor([float(row.get(SAMPLE_WEIGHT, 1.0)) for row in rows]),
+        }
