@@ -43,7 +43,7 @@ test: $(STAMP)  ## the whole test suite (CPU, real 2-process launches, tiny mode
 test-fast: $(STAMP)  ## the quick tier for the edit loop: unit tests and the launches of the core promise (< 2 min)
 	$(BIN)/python -m pytest tests -m fast -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-test-families: $(STAMP)  ## every script on 19 more tiny model families, under DDP, FSDP and ZeRO-3 (about 12 min)
+test-families: $(STAMP)  ## every script on 27 more tiny model families, under DDP, FSDP and ZeRO-3 (about 17 min)
 	FAMILY_SWEEP=1 $(BIN)/python -m pytest tests/test_families.py -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)  ## ruff: lint and format check (what CI runs before the tests)

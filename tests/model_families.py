@@ -62,6 +62,20 @@ TEXT_FAMILIES = {
     "zamba2": ("Zamba2Config", "Zamba2ForCausalLM", dict(
         mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, layers_block_type=["mamba", "hybrid"], num_mem_blocks=1,
         use_mem_rope=False)),
+    # Older layouts, still fine-tuned: learned positions (GPT-2 and its Conv1D layers, OPT, StarCoder's GPT-BigCode),
+    # ALiBi (BLOOM), partial rotary and fused QKV (GPT-NeoX, Phi), parallel attention with one KV head (Falcon), a
+    # tied and scaled embedding (Gemma). Swept by hand with 7 more (GPT-J, StableLM, StarCoder2, Mistral, Cohere, OLMo,
+    # Granite): every script passed.
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=2)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=64, word_embed_proj_dim=32)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(n_embd=32, n_layer=2, n_head=2,
+                                                                      multi_query=True)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(n_layer=2, n_head=2)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(partial_rotary_factor=0.5)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(new_decoder_architecture=False, multi_query=True,
+                                                          parallel_attn=True, bias=False)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
 }  # fmt: skip
 
 

@@ -1,9 +1,9 @@
 """The text families users bring (`model_families.TEXT_FAMILIES`: MoEs with fused experts, MLA, attention sinks,
-NoPE layers, linear attention and Mamba hybrids, ...), each through the LLM scripts on 2 processes: SFT with LoRA (a
-checkpoint, --merge_lora) and full, DPO and GRPO under DDP; SFT with LoRA resumed from a checkpoint under FSDP, bit
-for bit; GRPO under ZeRO-3. About 12 minutes here, so not in `make test`: `make test-families` runs it (the first
-sweep found five faults, each now tested on its own in the suite: the MoE experts' dropout, MiniMax's cache, ZeRO-3
-with Mamba mixers and with peft's parameter wrappers)."""
+NoPE layers, linear attention and Mamba hybrids, learned positions, ALiBi, ...), each through the LLM scripts on 2
+processes: SFT with LoRA (a checkpoint, --merge_lora) and full, DPO and GRPO under DDP; SFT with LoRA resumed from a
+checkpoint under FSDP, bit for bit; GRPO under ZeRO-3. About 17 minutes here, so not in `make test`: `make
+test-families` runs it (the first sweep found five faults, each now tested on its own in the suite: the MoE experts'
+dropout, MiniMax's cache, ZeRO-3 with Mamba mixers and with peft's parameter wrappers)."""
 
 import os
 import shutil
@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from conftest import REPO, dpo_args, launch, make_tiny_causal_lm, sft_args
 
-pytestmark = pytest.mark.skipif(not os.environ.get("FAMILY_SWEEP"), reason="make test-families runs it (12 minutes)")
+pytestmark = pytest.mark.skipif(not os.environ.get("FAMILY_SWEEP"), reason="make test-families runs it (17 minutes)")
 
 CONFIGS = REPO / "accelerate_configs"
 HARNESS = {"fsdp": ("fsdp_on_cpu.py", "fsdp.yaml"), "zero3": ("deepspeed_on_cpu.py", "deepspeed_zero3.yaml")}
