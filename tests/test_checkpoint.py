@@ -229,6 +229,28 @@ def test_a_failing_run_ends_its_trackers_before_it_exits(tiny_model, tiny_data, 
     assert tensorboard_steps(output_dir, TRAIN_TAGS) == {tag: [1, 2, 3, 4, 5] for tag in TRAIN_TAGS}
 
 
+def test_a_resume_takes_the_learning_rate_and_weight_decay_it_is_given_and_says_so(
+    dropout_model, tiny_data, uninterrupted, tmp_path
+):
+    """Accelerate restores the optimizer's groups and the schedule's peak from the checkpoint: a resume given another
+    --learning_rate or --weight_decay trained on with the checkpoint's, while training_args.json and the model card
+    named the new ones. Resumed at step 22 with a rate of 1e-12, the last 2 steps now barely move the weights."""
+    output_dir = tmp_path / "resumed"
+    shutil.copytree(uninterrupted["plain"] / "checkpoint-22", output_dir / "checkpoint-22")
+    extra = ["--resume_from_checkpoint", "latest", "--learning_rate", 1e-12, "--weight_decay", 0.5]
+    result = run_train(dropout_model, tiny_data, output_dir, "plain", *extra)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "resumed with this run's learning rate 1e-12 and weight decay 0.5 (the checkpoint had 0.005 and 0.01)" in (
+        result.output
+    )
+    log = [json.loads(line) for line in open(output_dir / "train_log.jsonl")]
+    rates = [r["train/learning_rate"] for r in log if r["step"] > 22 and "train/learning_rate" in r]
+    assert rates and max(rates) <= 1e-12, rates
+    at_22 = load_file(str(output_dir / "checkpoint-22" / "model.safetensors"))
+    final = load_file(str(output_dir / "model.safetensors"))
+    assert max(float(np.abs(final[key] - at_22[key]).max()) for key in at_22) < 1e-9
+
+
 def test_resume_latest_without_checkpoints_starts_fresh(tiny_model, tiny_data, tmp_path):
     result = launch(
         TRAIN,

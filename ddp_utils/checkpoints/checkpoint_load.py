@@ -292,6 +292,7 @@ def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict
         return state
 
     state = from_main_process(accelerator, read_and_check, path, expected, accelerator.num_processes)
+    given = _given_rates(accelerator)
     problem = None
     try:
         with leaving_out_frozen(accelerator, expected, loading=True) as kwargs:
@@ -306,4 +307,37 @@ def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict
                 "LoRA (the checkpoint is not damaged); resume it with the scripts that saved it, or start afresh"
             )
     refuse_together(accelerator, problem)
+    _keep_given_rates(accelerator, given)
     return state
+
+
+def _given_rates(accelerator: Accelerator) -> list:
+    """Each schedule's peak learning rates and its optimizer's weight decays, as this run's options built them."""
+    schedules = [getattr(wrapper, "scheduler", wrapper) for wrapper in accelerator._schedulers]
+    return [
+        (s, list(s.base_lrs), [group.get("weight_decay", 0.0) for group in s.optimizer.param_groups])
+        for s in schedules
+        if hasattr(s, "lr_lambdas")  # transformers' schedules, every --lr_scheduler_type
+    ]
+
+
+def _keep_given_rates(accelerator: Accelerator, given: list) -> None:
+    """After `load_state`: the learning rate and weight decay this run was given, not the checkpoint's, said once
+    where they differ. Accelerate restores the optimizer's groups and the schedule's peak rates from the checkpoint,
+    so --learning_rate and --weight_decay given to a resume were ignored while training_args.json and the model card
+    named them; the schedule's type, warm-up and length came from the command line already. Equal values change
+    nothing: a resume with the same options continues bit for bit. No communication."""
+    for schedule, base_lrs, decays in given:
+        groups = schedule.optimizer.param_groups
+        saved = (list(schedule.base_lrs), [group.get("weight_decay", 0.0) for group in groups])
+        if saved == (base_lrs, decays):
+            continue
+        logger.warning(
+            f"resumed with this run's learning rate {base_lrs[0]:g} and weight decay {max(decays):g} (the checkpoint "
+            f"had {saved[0][0]:g} and {max(saved[1]):g}): its optimizer's moments, step and schedule continue"
+        )
+        schedule.base_lrs = base_lrs
+        for group, peak, decay, factor in zip(groups, base_lrs, decays, schedule.lr_lambdas):
+            group["initial_lr"], group["weight_decay"] = peak, decay
+            group["lr"] = peak * factor(schedule.last_epoch)
+        schedule._last_lr = [group["lr"] for group in groups]
