@@ -263,7 +263,7 @@ def test_resume_latest_without_checkpoints_starts_fresh(tiny_model, tiny_data, t
 
 
 @pytest.mark.parametrize(
-    "damage", ["truncated_weights", "truncated_weights_no_manifest", "no_trainer_state", "other_model"]
+    "damage", ["truncated_weights", "truncated_weights_no_manifest", "no_trainer_state", "other_model", "other_seed"]
 )
 def test_damaged_or_foreign_checkpoint_is_refused_clearly(damage, dropout_model, tiny_data, uninterrupted, tmp_path):
     checkpoint = tmp_path / "checkpoint-24"
@@ -278,12 +278,15 @@ def test_damaged_or_foreign_checkpoint_is_refused_clearly(damage, dropout_model,
     elif damage == "no_trainer_state":
         (checkpoint / "trainer_state.json").unlink()
         expected = "is damaged (trainer_state.json is missing); no checkpoint beside it checks out"
-    else:
+    elif damage == "other_model":
         model, expected = (
             make_tiny_model(tmp_path / "wider", hidden_size=48),
             "is from a different run (model: checkpoint",
         )
-    result = run_train(model, tiny_data, tmp_path / "out", "plain", "--resume_from_checkpoint", checkpoint)
+    else:  # the rest of its epoch drawn in another order: examples trained on again, others never
+        expected = "a different run (seed: checkpoint 7, this run 8); resume with the settings it was saved with"
+    seed = ["--seed", 8] if damage == "other_seed" else []
+    result = run_train(model, tiny_data, tmp_path / "out", "plain", "--resume_from_checkpoint", checkpoint, *seed)
     assert result.returncode != 0 and result.seconds < 60
     for rank in (0, 1):
         assert f"[rank {rank}] error:" in result.output, result.output[-3000:]
@@ -561,7 +564,7 @@ def test_a_checkpoint_with_an_empty_optimizer_group_from_an_earlier_version_is_n
 
     accelerator = SimpleNamespace(
         distributed_type=DistributedType.NO, num_processes=1, process_index=0, is_main_process=True,
-        load_state=load_state,
+        load_state=load_state, _schedulers=[],
     )  # fmt: skip
     with pytest.raises(UsageError) as refused:
         load_checkpoint(accelerator, str(checkpoint), {"model": "abc", "global_batch": 4})

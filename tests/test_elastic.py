@@ -352,6 +352,8 @@ def test_a_checkpoint_resumes_with_its_global_batch_old_or_new(tmp_path):
     )
     for path in (old, new):
         assert read_checkpoint_state(path, {"model": "abc", "global_batch": 8}, world_size=4)["global_batch"] == 8
+        # saved before checkpoints recorded the seed: not checked against it
+        assert read_checkpoint_state(path, {"model": "abc", "global_batch": 8, "seed": 3}, world_size=4)["step"] == 3
         with pytest.raises(
             UsageError,
             match="was trained with 8 examples per optimizer step .*, this run takes 12; no layout on 3 "

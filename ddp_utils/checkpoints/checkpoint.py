@@ -63,8 +63,13 @@ class Checkpointer:
             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
         }
         # What a checkpoint must match to resume this run, saved with its progress and layout; with frozen weights
-        # (LoRA), also those weights, which its checkpoints leave out (all ranks: under FSDP a gather).
-        self.identity = {"model": model_fingerprint(model), "global_batch": math.prod(self.layout.values())}
+        # (LoRA), also those weights, which its checkpoints leave out (all ranks: under FSDP a gather). The seed draws
+        # each epoch's order: resumed mid-epoch with another, examples already trained on came again, others never.
+        self.identity = {
+            "model": model_fingerprint(model),
+            "global_batch": math.prod(self.layout.values()),
+            "seed": args.seed,
+        }
         frozen = checkpoint_trainable_weights_only(accelerator, model)
         if frozen is not None:
             self.identity[FROZEN_DIGEST] = frozen

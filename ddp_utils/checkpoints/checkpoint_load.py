@@ -213,7 +213,9 @@ def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dic
     mismatched = {
         key: (state.get(key), value)
         for key, value in expected.items()
-        if key not in ("global_batch", FROZEN_DIGEST) and state.get(key) != value
+        if key not in ("global_batch", FROZEN_DIGEST)
+        and state.get(key) != value
+        and not (key == "seed" and key not in state)  # saved before the seed was: not checked
     }
     if mismatched:
         details = ", ".join(
