@@ -240,12 +240,15 @@ def test_a_resume_takes_the_learning_rate_and_weight_decay_it_is_given_and_says_
     extra = ["--resume_from_checkpoint", "latest", "--learning_rate", 1e-12, "--weight_decay", 0.5]
     result = run_train(dropout_model, tiny_data, output_dir, "plain", *extra)
     assert result.returncode == 0, result.output[-3000:]
-    assert "resumed with this run's learning rate 1e-12 and weight decay 0.5 (the checkpoint had 0.005 and 0.01)" in (
-        result.output
-    )
+    said = "resumed with this run's learning rate 1e-12 and weight decay 0.5 (the checkpoint had 0.005 and 0.01; give"
+    assert said in result.output
     log = [json.loads(line) for line in open(output_dir / "train_log.jsonl")]
     rates = [r["train/learning_rate"] for r in log if r["step"] > 22 and "train/learning_rate" in r]
     assert rates and max(rates) <= 1e-12, rates
+    import torch
+
+    saved = torch.load(output_dir / "checkpoint-24" / "optimizer.bin", weights_only=True)["param_groups"]
+    assert [group["weight_decay"] for group in saved] == [0.5, 0.0], "the decay given, on the weights that take it"
     at_22 = load_file(str(output_dir / "checkpoint-22" / "model.safetensors"))
     final = load_file(str(output_dir / "model.safetensors"))
     assert max(float(np.abs(final[key] - at_22[key]).max()) for key in at_22) < 1e-9

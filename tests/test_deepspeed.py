@@ -155,12 +155,21 @@ def test_a_zero_checkpoint_resumed_on_another_number_of_processes_is_refused_in_
     assert_error_is_last(result, expected)
 
 
-def test_zero3_with_offload_trains_with_deepspeeds_cpu_adam(dropout_bert, tiny_data, ddp_classifier, tmp_path):
-    """Accelerate swaps the scripts' AdamW for DeepSpeedCPUAdam (a C++ extension DeepSpeed builds on first use)."""
+def test_zero3_with_offload_trains_with_deepspeeds_cpu_adam_and_resumes_bit_for_bit(
+    dropout_bert, tiny_data, ddp_classifier, tmp_path
+):
+    """Accelerate swaps the scripts' AdamW for DeepSpeedCPUAdam (a C++ extension DeepSpeed builds on first use), built
+    on the AdamW's groups, which the schedule steps. Loading a checkpoint gave it groups of its own: after a resume
+    the schedule no longer reached it, and the run went on at the checkpoint's rate (1.7e-4 from the uninterrupted
+    run under ZeRO-2's offload)."""
     args = classifier(dropout_bert, tiny_data, tmp_path / "run")
     run = ok(zero("train", *args, config="deepspeed_zero3_offload.yaml"))
     assert "optimizer: DeepSpeedZeroOptimizer_Stage3 > DeepSpeedCPUAdam" in run.output
     assert_close(tmp_path / "run", ddp_classifier, atol=4e-5)  # another Adam's arithmetic (measured 4.0e-6)
+    resume = ["--resume_from_checkpoint", tmp_path / "run" / "checkpoint-3"]
+    resumed = classifier(dropout_bert, tiny_data, tmp_path / "resumed", *resume)
+    ok(zero("train", *resumed, config="deepspeed_zero3_offload.yaml"))
+    assert_identical(tmp_path / "resumed", tmp_path / "run")
 
 
 def test_fp16_overflows_are_skipped_counted_and_the_run_goes_on(dropout_bert, tiny_data, tmp_path):

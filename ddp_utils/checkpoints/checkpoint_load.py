@@ -1,8 +1,8 @@
 """Resuming: which checkpoint (`find_resume_checkpoint`: the newest that checks out against its
 manifest, checked by all ranks at once; one without a manifest is unverified, used only when none
-checks out), whether it fits this run (`read_checkpoint_state`: the same model and global batch;
+checks out), whether it fits this run (`read_checkpoint_state`: the same model, global batch and seed;
 under DeepSpeed also the same number of processes, `deepspeed_processes_problem`), and loading it
-(`load_checkpoint`).
+(`load_checkpoint`, which keeps this run's learning rate and weight decay).
 
 A checkpoint resumes on any layout with the same global batch (examples per optimizer step): the
 training order is drawn from (seed, epoch) and cut into global steps (`StepAlignedSampler`), and
@@ -197,8 +197,8 @@ def _another_global_batch(path: str, saved: dict, examples: int, wanted: int, wo
 
 def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dict:
     """The trainer state saved in checkpoint `path`, once it is known to match `expected` (the
-    model fingerprint and the global batch; this run has `world_size` processes). A missing or
-    unreadable state file, another model or another global batch is a `UsageError` that says so
+    model fingerprint, the global batch and the seed; this run has `world_size` processes). A missing or
+    unreadable state file, another model, seed or global batch is a `UsageError` that says so
     (for the global batch: in one line, with the layouts that would fit). Reads this rank's view
     of the file system: `load_checkpoint` calls it on the main process only."""
     try:
@@ -271,11 +271,11 @@ def deepspeed_processes_problem(path: str, state: dict, world_size: int) -> str 
 
 def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict:
     """All ranks call this: restore model, optimizer, scheduler, scaler and RNG states from `path`,
-    and return the saved trainer state. The state is read and checked against `expected` on the
-    main process and shared (one broadcast); each rank then loads its part (`accelerator.load_state`,
-    a collective under FSDP and DeepSpeed), and a rank that cannot is reported on every rank (one
-    gather). A mismatch or a damaged checkpoint is a `UsageError` that says so, on every rank, not
-    a stack trace from inside torch.
+    this run's learning rate and weight decay kept (`_keep_given_rates`), and return the saved trainer
+    state. The state is read and checked against `expected` on the main process and shared (one
+    broadcast); each rank then loads its part (`accelerator.load_state`, a collective under FSDP and
+    DeepSpeed), and a rank that cannot is reported on every rank (one gather). A mismatch or a damaged
+    checkpoint is a `UsageError` that says so, on every rank, not a stack trace from inside torch.
 
     A checkpoint saved on another number of processes loads the same way: Accelerate saves and
     loads the model it was given to `prepare`, not its DDP wrapper, so the weights have the same
@@ -314,13 +314,19 @@ def load_checkpoint(accelerator: Accelerator, path: str, expected: dict) -> dict
 
 
 def _given_rates(accelerator: Accelerator) -> list:
-    """Each schedule's peak learning rates and its optimizer's weight decays, as this run's options built them."""
+    """(schedule, the optimizer that trains, its peak rates, its weight decays) of each prepared schedule, as this
+    run's options built them: transformers' schedules (every --lr_scheduler_type), each with its optimizer."""
     schedules = [getattr(wrapper, "scheduler", wrapper) for wrapper in accelerator._schedulers]
+    pairs = zip(schedules, accelerator._optimizers)
     return [
-        (s, list(s.base_lrs), [group.get("weight_decay", 0.0) for group in s.optimizer.param_groups])
-        for s in schedules
-        if hasattr(s, "lr_lambdas")  # transformers' schedules, every --lr_scheduler_type
+        (schedule, trained, list(schedule.base_lrs), _decays(trained))
+        for schedule, trained in pairs
+        if hasattr(schedule, "lr_lambdas")
     ]
+
+
+def _decays(optimizer) -> list[float]:
+    return [group.get("weight_decay", 0.0) for group in optimizer.param_groups]
 
 
 def _keep_given_rates(accelerator: Accelerator, given: list) -> None:
@@ -328,16 +334,22 @@ def _keep_given_rates(accelerator: Accelerator, given: list) -> None:
     where they differ. Accelerate restores the optimizer's groups and the schedule's peak rates from the checkpoint,
     so --learning_rate and --weight_decay given to a resume were ignored while training_args.json and the model card
     named them; the schedule's type, warm-up and length came from the command line already. Equal values change
-    nothing: a resume with the same options continues bit for bit. No communication."""
-    for schedule, base_lrs, decays in given:
-        groups = schedule.optimizer.param_groups
-        saved = (list(schedule.base_lrs), [group.get("weight_decay", 0.0) for group in groups])
-        if saved == (base_lrs, decays):
-            continue
-        logger.warning(
-            f"resumed with this run's learning rate {base_lrs[0]:g} and weight decay {max(decays):g} (the checkpoint "
-            f"had {saved[0][0]:g} and {max(saved[1]):g}): its optimizer's moments, step and schedule continue"
-        )
+    nothing: a resume with the same options continues bit for bit.
+
+    The schedule steps the optimizer that trains: under DeepSpeed's optimizer offload that is a DeepSpeedCPUAdam
+    built on the schedule's own groups, and loading its state gave it groups of its own, which the schedule no
+    longer reached (the rate stayed the checkpoint's for the rest of the run). No communication."""
+    for schedule, trained, base_lrs, decays in given:
+        if schedule.optimizer.param_groups is not trained.param_groups:
+            schedule.optimizer = trained
+        groups = trained.param_groups
+        saved = (list(schedule.base_lrs), _decays(trained))
+        if saved != (base_lrs, decays):
+            logger.warning(
+                f"resumed with this run's learning rate {base_lrs[0]:g} and weight decay {max(decays):g} (the "
+                f"checkpoint had {saved[0][0]:g} and {max(saved[1]):g}; give those to keep them): its optimizer's "
+                "moments, step and schedule continue"
+            )
         schedule.base_lrs = base_lrs
         for group, peak, decay, factor in zip(groups, base_lrs, decays, schedule.lr_lambdas):
             group["initial_lr"], group["weight_decay"] = peak, decay
