@@ -25,6 +25,7 @@ from accelerate.logging import get_logger
 import ddp_utils
 from ddp_utils import UsageError
 from ddp_utils.data.demo import DEMO_QUESTION, DEMO_SYSTEM, demo_llm_gguf, load_demo_reviews
+from ddp_utils.language_models.causal_lm import model_context
 from ddp_utils.language_models.generation import (
     answer_label,
     make_generation_dataloader,
@@ -157,8 +158,9 @@ def prepare_data(args):
     raw = ddp_utils.check_splits(
         raw, {"prompt": "GRPO"}, limits=limits, seed=args.seed, hold_out_percentage=args.validation_split_percentage
     )
-    config, tokenizer, block_size = ddp_utils.load_config_and_tokenizer(args)
-    fit_prompts_in_block(args, block_size)
+    config, tokenizer, _ = ddp_utils.load_config_and_tokenizer(args)
+    evaluated = "answer" in raw["validation"].column_names  # greedy answers to score, of --eval_max_new_tokens
+    fit_prompts_in_block(args, model_context(config, tokenizer), evaluated)  # a prompt and its answer in the context
     chat = tokenizer.chat_template is not None
     processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
     tokenized = tokenize_prompts(raw, tokenizer, args.max_prompt_length, chat, processes)

@@ -537,6 +537,27 @@ def test_a_run_preempted_mid_epoch_resumes_bit_for_bit(grpo_runs, chat_lm, promp
     assert [k for k in reference if not np.array_equal(ours[k], reference[k])] == [], "not bit for bit"
 
 
+@pytest.mark.fast
+def test_a_prompt_and_its_longest_answer_fit_the_whole_context_or_the_block_size_given():
+    from accelerate import PartialState
+
+    from ddp_utils.language_models.grpo_data import fit_prompts_in_block
+
+    PartialState(cpu=True)  # the cut is said through Accelerate's logger
+
+    def fitted(context, evaluated=True, **given):
+        options = dict(max_prompt_length=512, max_completion_length=1024, eval_max_new_tokens=8, block_size=None)
+        args = Namespace(**{**options, **given})
+        fit_prompts_in_block(args, context, evaluated)
+        return args.max_prompt_length
+
+    assert fitted(8192) == 512, "the whole context, not the 1024 the other scripts' --block_size defaults to"
+    assert fitted(8192, block_size=1200) == 176
+    assert fitted(64, max_completion_length=5, eval_max_new_tokens=40, evaluated=False) == 59, "no evaluation"
+    with pytest.raises(UsageError, match="answers of 40 tokens .* leave no room for a prompt in 32 tokens"):
+        fitted(32, max_completion_length=5, eval_max_new_tokens=40)
+
+
 def test_prompts_keep_their_last_tokens_so_that_prompt_and_answer_fit_the_context_of_learned_positions(
     chat_lm, tmp_path
 ):
@@ -555,7 +576,9 @@ def test_prompts_keep_their_last_tokens_so_that_prompt_and_answer_fit_the_contex
     args = grpo_args(model, {"train": data, "validation": data}, tmp_path / "o", "--max_train_steps", 1)
     result = launch(TRAIN_GRPO, *args, num_processes=2)
     assert result.returncode == 0, result.output[-3000:]
-    assert "prompts keep their last 19 tokens (--max_prompt_length 512), so that an answer of 5 fits" in result.output
+    assert "prompts keep their last 19 tokens (--max_prompt_length 512), so that an answer of 5 fits in 24" in (
+        result.output
+    )
     assert json.loads((tmp_path / "o" / "training_args.json").read_text())["max_prompt_length"] == 19
 
 
@@ -614,7 +637,7 @@ def test_one_row_per_prompt_scores_each_completion_as_a_row_of_its_own_does(chat
         (["--beta", 0.04], "--beta > 0 needs a reference model: with LoRA (--lora_r)"),
         (["--oom_backoff"], "--oom_backoff does not split GRPO's steps yet"),
         (["--top_p", 0], "--temperature must be > 0 and --top_p in (0, 1]"),
-        (["--block_size", 5], "an answer of 5 tokens (--max_completion_length, --eval_max_new_tokens) leaves no room"),
+        (["--block_size", 5], "answers of 5 tokens (--max_completion_length, --eval_max_new_tokens) leave no room"),
     ],
 )
 def test_options_that_cannot_train_are_refused_with_the_fix(chat_lm, prompts, tmp_path, extra, expected):

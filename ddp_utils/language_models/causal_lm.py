@@ -172,7 +172,7 @@ def load_config_and_tokenizer(args):
     tokenizer.chat_template_kwargs = getattr(
         args, "chat_template_kwargs", None
     )  # every render of the run (chat.render)
-    context = getattr(text_config(config), "max_position_embeddings", None) or tokenizer.model_max_length
+    context = model_context(config, tokenizer)
     rows = getattr(text_config(config), "vocab_size", None)  # the embeddings' rows; checked before any weight is read
     past = [(kind, getattr(tokenizer, f"{kind}_token_id")) for kind in ("pad", "bos", "eos")]
     past = [(kind, token_id) for kind, token_id in past if rows and token_id is not None and token_id >= rows]
@@ -187,6 +187,11 @@ def load_config_and_tokenizer(args):
         raise UsageError(f"--block_size {block_size} is above this model's context of {context} tokens; lower it")
     fetch_weights(args.model_name_or_path)  # one download, after the checks; the ranks then build the model from it
     return config, tokenizer, block_size
+
+
+def model_context(config, tokenizer) -> int:
+    """The longest sequence the model takes: its positions, else what its tokenizer says."""
+    return getattr(text_config(config), "max_position_embeddings", None) or tokenizer.model_max_length
 
 
 def load_tokenizer(model_name_or_path: str, trust_remote_code: bool = False):

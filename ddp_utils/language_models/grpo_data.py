@@ -1,5 +1,5 @@
 """GRPO's prompts: tokenized as the model is asked (its chat template, tools included), fitted with their answers in
---block_size, and batched on the left for generation."""
+the model's context, and batched on the left for generation."""
 
 from __future__ import annotations
 
@@ -14,24 +14,26 @@ from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
 logger = get_logger(__name__)
 
 
-def fit_prompts_in_block(args, block_size: int) -> None:
+def fit_prompts_in_block(args, context: int, evaluated: bool) -> None:
     """Lower --max_prompt_length so that a prompt and its longest answer (--max_completion_length, or
-    --eval_max_new_tokens) fit in `block_size` (--block_size, else the model's context up to 1024), said once; a
-    `UsageError` where no prompt would fit. Past the context, learned positions index out of their table (GPT-2, OPT:
-    an IndexError here, a device-side assert on a GPU) and rotary ones run where the model never trained. Every rank
-    calls it with the same values (no communication)."""
-    longest = max(args.max_completion_length, args.eval_max_new_tokens)
-    if longest >= block_size:
+    --eval_max_new_tokens where the evaluation generates) fit in --block_size, else the model's whole `context`
+    (not the 1024 the other scripts default to: reasoning answers run long); said once, or a `UsageError` where no
+    prompt would fit. Past the context, learned positions index out of their table (GPT-2, OPT: an IndexError here,
+    a device-side assert on a GPU) and rotary ones run where the model never trained. Every rank calls it with the
+    same values (no communication)."""
+    block = args.block_size or context
+    longest = max(args.max_completion_length, args.eval_max_new_tokens if evaluated else 0)
+    if longest >= block:
         raise UsageError(
-            f"an answer of {longest} tokens (--max_completion_length, --eval_max_new_tokens) leaves no room for a "
-            f"prompt in --block_size {block_size} (default: the model's context); lower them"
+            f"answers of {longest} tokens (--max_completion_length, --eval_max_new_tokens) leave no room for a prompt "
+            f"in {block} tokens (--block_size, else the model's context): lower them, or raise --block_size"
         )
-    if args.max_prompt_length + longest > block_size:
-        logger.info(
-            f"prompts keep their last {block_size - longest} tokens (--max_prompt_length {args.max_prompt_length}), "
-            f"so that an answer of {longest} fits in --block_size {block_size}"
+    if args.max_prompt_length + longest > block:
+        logger.warning(
+            f"prompts keep their last {block - longest} tokens (--max_prompt_length {args.max_prompt_length}), so "
+            f"that an answer of {longest} fits in {block} (--block_size, else the model's context)"
         )
-        args.max_prompt_length = block_size - longest
+        args.max_prompt_length = block - longest
 
 
 def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: bool, num_proc=None):
