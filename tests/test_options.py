@@ -586,8 +586,12 @@ def test_bad_schedule_or_eval_options_are_refused_naming_them(tmp_path):
     assert parse("--eval_steps", "5", "--checkpointing_steps", "10").eval_steps == 5
     with pytest.raises(UsageError, match="--lr_scheduler_kwargs takes a JSON object"):
         parse("--lr_scheduler_kwargs", "min_lr_rate=0.1")
-    with pytest.raises(UsageError, match="--lr_scheduler_type cosine does not take --lr_scheduler_kwargs .*min_lr"):
+    with pytest.raises(UsageError, match="--lr_scheduler_type cosine with --lr_scheduler_kwargs .*min_lr_rate"):
         parse("--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}')
+    with pytest.raises(UsageError, match="--lr_scheduler_type constant takes no --lr_scheduler_kwargs"):
+        parse("--lr_scheduler_type", "constant", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}')
+    with pytest.raises(UsageError, match="lr_end .* must be smaller than initial lr"):  # checked against the rate
+        parse("--lr_scheduler_type", "polynomial", "--lr_scheduler_kwargs", '{"lr_end": 0.1}', "--learning_rate", ".01")
 
 
 @pytest.mark.fast

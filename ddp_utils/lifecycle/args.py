@@ -13,7 +13,8 @@ from ..core.errors import UsageError
 from ..training.training_log import parse_report_to
 
 # transformers.get_scheduler's schedules that run on the step count, where `optimizer.schedule_settings` fills what two
-# of them need more (reduce_lr_on_plateau needs a metric). `constant` is transformers': it ignores the warm-up.
+# of them need more (reduce_lr_on_plateau needs a metric). `constant` is transformers': it ignores the warm-up; it and
+# constant_with_warmup take no --lr_scheduler_kwargs.
 SCHEDULES = (
     "linear",
     "cosine",
@@ -192,20 +193,15 @@ def json_object(given, option: str, example: str) -> dict:
 
 
 def check_schedule(args) -> None:
-    """Refuse --lr_scheduler_kwargs that --lr_scheduler_type does not take, in one line: a schedule is built on a
-    stand-in optimizer of 10 steps, as the run will build it (no communication)."""
+    """Refuse --lr_scheduler_kwargs that --lr_scheduler_type does not take, in one line, before the model loads: the
+    schedule is built on a stand-in optimizer of 10 steps, as the run will build it (a value checked against the
+    learning rate, such as polynomial's lr_end, is checked there again, once the rate is known). No communication."""
     import torch
 
     from ..training.optimizer import make_lr_scheduler
 
-    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    try:
-        make_lr_scheduler(stand_in, args, max_train_steps=10)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(
-            f"--lr_scheduler_type {args.lr_scheduler_type} does not take --lr_scheduler_kwargs "
-            f"{json.dumps(args.lr_scheduler_kwargs)}: {exc}"
-        ) from None
+    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate or 1.0)
+    make_lr_scheduler(stand_in, args, max_train_steps=10)
 
 
 def check_positive(args, *names: str) -> None:

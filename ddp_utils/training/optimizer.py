@@ -3,6 +3,7 @@ learning-rate schedule, and saying which optimizer really runs. Nothing here com
 
 from __future__ import annotations
 
+import json
 import re
 
 import torch
@@ -65,14 +66,21 @@ def make_lr_scheduler(optimizer, args, max_train_steps: int):
     from transformers import get_scheduler
 
     warmup = args.warmup_steps if args.warmup_steps is not None else round(args.warmup_ratio * max_train_steps)
-    settings = schedule_settings(args.lr_scheduler_type, getattr(args, "lr_scheduler_kwargs", {}), max_train_steps)
-    return get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        num_warmup_steps=warmup,
-        num_training_steps=max_train_steps,
-        scheduler_specific_kwargs=settings,
-    )
+    given = getattr(args, "lr_scheduler_kwargs", {})
+    if given and args.lr_scheduler_type in ("constant", "constant_with_warmup"):  # get_scheduler drops them unread
+        raise UsageError(f"--lr_scheduler_type {args.lr_scheduler_type} takes no --lr_scheduler_kwargs, got {given}")
+    try:
+        return get_scheduler(
+            args.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=max_train_steps,
+            scheduler_specific_kwargs=schedule_settings(args.lr_scheduler_type, given, max_train_steps),
+        )
+    except (TypeError, ValueError) as exc:  # a setting the schedule does not take, or a value it refuses
+        raise UsageError(
+            f"--lr_scheduler_type {args.lr_scheduler_type} with --lr_scheduler_kwargs {json.dumps(given)}: {exc}"
+        ) from None
 
 
 def schedule_settings(schedule: str, given: dict, max_train_steps: int) -> dict:
