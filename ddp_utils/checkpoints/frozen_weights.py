@@ -68,7 +68,8 @@ def _is_dtensor(tensor) -> bool:
 
 
 def _sampled_values(p):
-    """(k, values): the digest's sampled values of weight `p` that this rank holds, as float32, the first of them
+    """All ranks call this for a weight sharded another way than by rows (`full_tensor`, a gather), each on its own
+    shard: (k, values), the digest's sampled values of weight `p` that this rank holds, as float32, the first of them
     the k-th sampled. The samples are `flat[::step][:SAMPLED]` of the weight flattened; under FSDP this rank
     holds a block of rows (FSDP2 shards dim 0), the places from its first row's to its last's. No communication,
     except for a weight sharded another way, which is gathered whole (every rank does the same). Always a copy:
