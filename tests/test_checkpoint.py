@@ -519,6 +519,8 @@ def test_a_deepspeed_checkpoint_of_another_number_of_processes_is_refused_with_i
         process_index=0,
         is_main_process=True,
         load_state=deepspeed_load,
+        _schedulers=[],
+        _optimizers=[],
     )
     with pytest.raises(UsageError) as refused:
         load_checkpoint(accelerator, str(checkpoint), {"model": "abc", "global_batch": 8})
@@ -567,7 +569,7 @@ def test_a_checkpoint_with_an_empty_optimizer_group_from_an_earlier_version_is_n
 
     accelerator = SimpleNamespace(
         distributed_type=DistributedType.NO, num_processes=1, process_index=0, is_main_process=True,
-        load_state=load_state, _schedulers=[],
+        load_state=load_state, _schedulers=[], _optimizers=[],
     )  # fmt: skip
     with pytest.raises(UsageError) as refused:
         load_checkpoint(accelerator, str(checkpoint), {"model": "abc", "global_batch": 4})

@@ -160,8 +160,8 @@ def test_zero3_with_offload_trains_with_deepspeeds_cpu_adam_and_resumes_bit_for_
 ):
     """Accelerate swaps the scripts' AdamW for DeepSpeedCPUAdam (a C++ extension DeepSpeed builds on first use), built
     on the AdamW's groups, which the schedule steps. Loading a checkpoint gave it groups of its own: after a resume
-    the schedule no longer reached it, and the run went on at the checkpoint's rate (1.7e-4 from the uninterrupted
-    run under ZeRO-2's offload)."""
+    the schedule no longer reached it, and the run went on at the checkpoint's rate (here not bit for bit; 1.7e-4
+    from the uninterrupted run, measured under ZeRO-2's offload)."""
     args = classifier(dropout_bert, tiny_data, tmp_path / "run")
     run = ok(zero("train", *args, config="deepspeed_zero3_offload.yaml"))
     assert "optimizer: DeepSpeedZeroOptimizer_Stage3 > DeepSpeedCPUAdam" in run.output

@@ -590,6 +590,10 @@ def test_bad_schedule_or_eval_options_are_refused_naming_them(tmp_path):
         parse("--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}')
     with pytest.raises(UsageError, match="--lr_scheduler_type constant takes no --lr_scheduler_kwargs"):
         parse("--lr_scheduler_type", "constant", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}')
+    # train_dpo.py's rate, 5e-5 with LoRA, is set after the shared options are checked: checked again against it
+    dpo = ["--model_name_or_path", "m", "--train_file", "t.jsonl", "--lora_r", 8, "--output_dir", tmp_path]
+    schedule = ["--lr_scheduler_type", "polynomial", "--lr_scheduler_kwargs", '{"lr_end": 0.0001}']
+    refused_in_process("train_dpo", [*dpo, *schedule], "lr_end (0.0001) must be smaller than initial lr (5e-05)")
     with pytest.raises(UsageError, match="lr_end .* must be smaller than initial lr"):  # checked against the rate
         parse("--lr_scheduler_type", "polynomial", "--lr_scheduler_kwargs", '{"lr_end": 0.1}', "--learning_rate", ".01")
 

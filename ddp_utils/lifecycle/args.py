@@ -301,7 +301,10 @@ def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:
         help="where dequantized GGUF models are kept (default: <HF_HOME>/dequantized-gguf)",
     )
     p.add_argument(
-        "--block_size", type=int, default=None, help="tokens per sequence (default: the model's context, at most 1024)"
+        "--block_size",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: the model's context, at most 1024; GRPO's prompt and answer: all of it)",
     )
     p.add_argument(
         "--chat_template_kwargs",
@@ -350,6 +353,7 @@ def check_causal_lm_args(args) -> None:
         args.chat_template_kwargs = json_object(args.chat_template_kwargs, "--chat_template_kwargs", example)
     if args.learning_rate is None:
         args.learning_rate = 2e-4 if args.lora_r else 2e-5
+    check_schedule(args)  # again, against the rate now known (polynomial's lr_end)
 
 
 def check_data_args(args, train: str, validation: str, both: bool = False) -> None:
