@@ -15,7 +15,7 @@ import torch
 from model_families import HYBRIDS, save_with_tokenizer, tiny_model
 from safetensors.numpy import load_file
 
-from conftest import AUDIT_HOOK_DIR, FILLER, REPO, WORDS, launch, make_tiny_causal_lm, refused_in_process
+from conftest import AUDIT_HOOK_DIR, FILLER, REPO, WORDS, launch, load_script, make_tiny_causal_lm, refused_in_process
 from ddp_utils import SAMPLE_WEIGHT
 from ddp_utils.core.errors import RunFailed, UsageError
 from ddp_utils.language_models.grpo import (
@@ -556,6 +556,27 @@ def test_a_prompt_and_its_longest_answer_fit_the_whole_context_or_the_block_size
     assert fitted(64, max_completion_length=5, eval_max_new_tokens=40, evaluated=False) == 59, "no evaluation"
     with pytest.raises(UsageError, match="answers of 40 tokens .* leave no room for a prompt in 32 tokens"):
         fitted(32, max_completion_length=5, eval_max_new_tokens=40)
+
+
+@pytest.mark.fast
+def test_the_script_fits_prompts_in_the_whole_context_counting_only_the_answers_it_generates(chat_lm, tmp_path):
+    """train_grpo.py's own call: a model of 2048 positions takes a prompt of 512 and answers of 1500 (--block_size's
+    default of at most 1024 refused them), and --eval_max_new_tokens counts only where the evaluation generates
+    (records with an "answer")."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+    llama = ("LlamaConfig", "LlamaForCausalLM", dict(max_position_embeddings=2048))
+    model = save_with_tokenizer(llama, chat_lm, tmp_path / "long")
+    script = load_script("train_grpo")
+    for answers, expected in ((False, 512), (True, 248)):
+        data = tmp_path / f"answers_{answers}.jsonl"
+        record = {"prompt": "the film was good", **({"answer": "positive"} if answers else {})}
+        data.write_text("".join(json.dumps(record) + "\n" for _ in range(4)))
+        lengths = ["--max_completion_length", 1500, "--eval_max_new_tokens", 1800]
+        args = script.parse_args(map(str, grpo_args(model, {"train": data, "validation": data}, tmp_path, *lengths)))
+        script.prepare_data(args)
+        assert args.max_prompt_length == expected, answers
 
 
 def test_prompts_keep_their_last_tokens_so_that_prompt_and_answer_fit_the_context_of_learned_positions(
