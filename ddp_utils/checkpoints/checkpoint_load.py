@@ -344,12 +344,13 @@ def _keep_given_rates(accelerator: Accelerator, given: list) -> None:
             schedule.optimizer = trained
         groups = trained.param_groups
         saved = (list(schedule.base_lrs), _decays(trained))
-        if saved != (base_lrs, decays):
-            logger.warning(
-                f"resumed with this run's learning rate {base_lrs[0]:g} and weight decay {max(decays):g} (the "
-                f"checkpoint had {saved[0][0]:g} and {max(saved[1]):g}; give those to keep them): its optimizer's "
-                "moments, step and schedule continue"
-            )
+        if saved == (base_lrs, decays):
+            continue
+        logger.warning(
+            f"resumed with this run's learning rate {base_lrs[0]:g} and weight decay {max(decays):g} (the checkpoint "
+            f"had {saved[0][0]:g} and {max(saved[1]):g}; give those to keep them): its optimizer's moments, step and "
+            "schedule continue"
+        )
         schedule.base_lrs = base_lrs
         for group, peak, decay, factor in zip(groups, base_lrs, decays, schedule.lr_lambdas):
             group["initial_lr"], group["weight_decay"] = peak, decay
