@@ -29,6 +29,12 @@ def cache_of(output, cache):
     return output.past_key_values if cache is None else cache
 
 
+def counts_its_tokens(cache, tokens: int) -> bool:
+    """Does a filled cache say it holds its `tokens` tokens, so that `generate` continues after them? MiniMax's counts
+    its first layer's, a linear one's: none, and `generate` would take it for empty; its caller reads them again."""
+    return cache.get_seq_length() == tokens
+
+
 def repeat_rows(model, cache, rows: int, repeats: int) -> None:
     """Repeat each of the `rows` rows of `cache` `repeats` times, in place: a prompt's cache for each of its samples,
     or a shared prefix's for each prompt. Through the beam-search reordering every layer kind has, the conv and

@@ -21,7 +21,7 @@ from ..data.classification import ConfusionMatrix
 from ..data.evaluation import check_metric_for_best_model, gather_for_eval
 from ..training.compilation import generation_context
 from ..training.fsdp import root_ready_for_generation
-from .cache_rows import cache_of, empty_cache, forget_rope_deltas, repeat_rows
+from .cache_rows import cache_of, counts_its_tokens, empty_cache, forget_rope_deltas, repeat_rows
 from .multimodal import text_config
 from .weight_reads import weights_read_whole
 
@@ -188,8 +188,8 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
                     f"LeftPaddingCollator(shared_prefix={shared_prefix}), but these prompts do not all start "
                     f"with the same {shared_prefix} tokens: take it from shared_prefix_length over all the prompts"
                 )
-            if prefix.get_seq_length() == shared_prefix:  # MiniMax's counts no token (its first layer is a linear
-                cache = copy.deepcopy(prefix)  # one's), which `generate` would take for empty: it reads them again
+            if counts_its_tokens(prefix, shared_prefix):  # else `generate` reads the prefix again
+                cache = copy.deepcopy(prefix)
                 repeat_rows(generator, cache, 1, len(batch["input_ids"]))
                 forget_rope_deltas(generator)
         with accelerator.autocast(), only_this_config(generator):  # the run's precision; no field of the model's

@@ -25,7 +25,7 @@ from ..data.dataloaders import SAMPLE_WEIGHT
 from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import root_ready_for_generation
-from .cache_rows import cache_of, empty_cache, forget_rope_deltas, repeat_rows
+from .cache_rows import cache_of, counts_its_tokens, empty_cache, forget_rope_deltas, repeat_rows
 from .generation import only_this_config, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
 from .pair_scoring import ONE_ROW
@@ -131,10 +131,10 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
             if decoding is not None:  # each prompt's rows repeated into the static cache that the compiled step reads
                 cache = decoding.filled_from(cache, group)
                 config.compile_config = decoding.compile_config
-            elif cache.get_seq_length() == prompts.shape[1]:
+            elif counts_its_tokens(cache, prompts.shape[1]):
                 repeat_rows(generator, cache, len(prompts), group)
-            else:  # MiniMax's counts its first layer's tokens, a linear one's: `generate` would take it for empty
-                cache = None  # and reads the prompts again
+            else:  # `generate` reads the prompts again
+                cache = None
             # Each sample's first token drawn here, from its prompt's logits, so that `generate` starts after it: one
             # forward pass fewer than letting it compute the prompt's last token again (on a GPU launches cost).
             first = sampling(None, logits.repeat_interleave(group, dim=0)).argmax(dim=-1, keepdim=True)
