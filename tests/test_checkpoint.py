@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import AUDIT_HOOK_DIR, REPO, launch, make_tiny_model, train_args
+from conftest import AUDIT_HOOK_DIR, REPO, launch, make_tiny_model, train_args, write_examples
 from ddp_utils.checkpoints.preemption import PREEMPTED_FILE
 from ddp_utils.core.errors import EXIT_PREEMPTED
 
@@ -265,9 +265,10 @@ def test_resume_latest_without_checkpoints_starts_fresh(tiny_model, tiny_data, t
     assert "starting from scratch" in result.output
 
 
-@pytest.mark.parametrize(
-    "damage", ["truncated_weights", "truncated_weights_no_manifest", "no_trainer_state", "other_model", "other_seed"]
-)
+DAMAGES = ["truncated_weights", "truncated_weights_no_manifest", "no_trainer_state", "other_model", "other_seed"]
+
+
+@pytest.mark.parametrize("damage", [*DAMAGES, "other_data"])
 def test_damaged_or_foreign_checkpoint_is_refused_clearly(damage, dropout_model, tiny_data, uninterrupted, tmp_path):
     checkpoint = tmp_path / "checkpoint-24"
     shutil.copytree(uninterrupted["plain"] / "checkpoint-24", checkpoint)
@@ -286,8 +287,11 @@ def test_damaged_or_foreign_checkpoint_is_refused_clearly(damage, dropout_model,
             make_tiny_model(tmp_path / "wider", hidden_size=48),
             "is from a different run (model: checkpoint",
         )
-    else:  # the rest of its epoch drawn in another order: examples trained on again, others never
+    elif damage == "other_seed":  # the rest of its epoch in another order: examples trained on again, others never
         expected = "a different run (seed: checkpoint 7, this run 8); resume with the settings it was saved with"
+    else:  # a training file that grew: so would every epoch's order
+        tiny_data = {**tiny_data, "train": write_examples(tmp_path / "train.csv", 64, seed=1)}
+        expected = "was trained on 60 training examples, this run has 64: the rest of its epoch would train some"
     seed = ["--seed", 8] if damage == "other_seed" else []
     result = run_train(model, tiny_data, tmp_path / "out", "plain", "--resume_from_checkpoint", checkpoint, *seed)
     assert result.returncode != 0 and result.seconds < 60

@@ -440,7 +440,7 @@ def test_the_training_path_syncs_with_the_device_once_per_logging_window(tmp_pat
     handlers = {signum: signal.getsignal(signum) for signum in PreemptionHandler.SIGNALS}
     try:
         plan = ddp_utils.StepPlan(accelerator, args, train_dataloader)
-        checkpointer = ddp_utils.Checkpointer(accelerator, args, torch.nn.Linear(2, 2))
+        checkpointer = ddp_utils.Checkpointer(accelerator, args, torch.nn.Linear(2, 2), plan)
         log = ddp_utils.TrainingLog(accelerator, args, plan)
         syncs_per_step = []
         for micro_batches in plan.optimizer_steps(accelerator.prepare(train_dataloader), epoch=0):

@@ -366,6 +366,48 @@ def test_a_checkpoint_resumes_with_its_global_batch_old_or_new(tmp_path):
     assert fitting_layouts(8, 16) == []
 
 
+def order_identity(lengths, world_size, batch, accumulation, group_by_length=True):
+    """The training order's identity of rows of these token lengths, split this way."""
+    import datasets
+
+    from ddp_utils.data.dataloaders import make_train_dataloader, training_order_identity
+
+    rows = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in lengths]})
+    args = SimpleNamespace(per_device_train_batch_size=batch, num_workers=0, group_by_length=group_by_length)
+    accelerator = SimpleNamespace(
+        dataloader_config=SimpleNamespace(data_seed=7),
+        num_processes=world_size,
+        gradient_accumulation_steps=accumulation,
+        device=torch.device("cpu"),
+    )
+    return training_order_identity(make_train_dataloader(rows, args, accelerator, collate_fn=list))
+
+
+@pytest.mark.fast
+def test_a_checkpoint_of_other_training_examples_is_refused(tmp_path):
+    lengths = [3 + i % 7 for i in range(60)]
+    ours = order_identity(lengths, world_size=2, batch=4, accumulation=1)
+    # The order is drawn for the global batch, so any layout of it has the same identity.
+    assert order_identity(lengths, world_size=1, batch=2, accumulation=4) == ours
+    assert ours["train_examples"] == 60 and ours["train_lengths"]
+    path = write_state(tmp_path / "saved", global_batch=8, seed=7, **ours)
+    expected = {"model": "abc", "global_batch": 8, "seed": 7}
+    assert read_checkpoint_state(path, {**expected, **ours})["step"] == 3
+    others = {
+        "on 60 training examples, this run has 61": order_identity([*lengths, 5], 2, 4, 1),
+        "with --group_by_length, this run without it": order_identity(lengths, 2, 4, 1, group_by_length=False),
+        "grouped by length from other token lengths than this run's examples have": order_identity(
+            [*lengths[:-1], 20], 2, 4, 1
+        ),
+    }
+    for why, theirs in others.items():
+        with pytest.raises(UsageError, match=f"was trained {why}.*: the rest of its epoch would train some examples"):
+            read_checkpoint_state(path, {**expected, **theirs})
+    # saved before checkpoints recorded their training examples: not checked against them
+    old = write_state(tmp_path / "old", global_batch=8, seed=7)
+    assert read_checkpoint_state(old, {**expected, **others["on 60 training examples, this run has 61"]})["step"] == 3
+
+
 @pytest.mark.fast
 def test_split_batch_cuts_every_row_aligned_tensor_and_leaves_the_batch_whole():
     batch = {

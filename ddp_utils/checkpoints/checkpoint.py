@@ -42,15 +42,16 @@ class Checkpointer:
     """Saves the run's checkpoints (every --checkpointing_steps, and when the job is preempted) and
     resumes from one, on this layout or any other with the same global batch.
 
-    Build it on every rank with the unwrapped model (it fingerprints it): `start.start_training`
-    does. From then on SIGTERM / SIGUSR1 do not kill the process: they ask for a checkpoint after
-    the optimizer step in flight, then every process exits with code 75. With `log` (the run's
-    `TrainingLog`) set, a run whose loss or gradient norm turned NaN is stopped before any
-    checkpoint of it is written, so the newest checkpoint stays a good one; and each checkpoint
-    is ranked by the evaluation of its step (--metric_for_best_model), the best one kept.
+    Build it on every rank with the unwrapped model (it fingerprints it) and the run's `StepPlan`
+    (what its training order is drawn from): `start.start_training` does. From then on SIGTERM /
+    SIGUSR1 do not kill the process: they ask for a checkpoint after the optimizer step in flight,
+    then every process exits with code 75. With `log` (the run's `TrainingLog`) set, a run whose
+    loss or gradient norm turned NaN is stopped before any checkpoint of it is written, so the
+    newest checkpoint stays a good one; and each checkpoint is ranked by the evaluation of its step
+    (--metric_for_best_model), the best one kept.
     """
 
-    def __init__(self, accelerator: Accelerator, args, model):
+    def __init__(self, accelerator: Accelerator, args, model, plan):
         self.accelerator, self.output_dir, self.seed = accelerator, args.output_dir, args.seed
         self.every, self.total_limit, self.resume_from = (
             args.checkpointing_steps,
@@ -64,11 +65,13 @@ class Checkpointer:
         }
         # What a checkpoint must match to resume this run, saved with its progress and layout; with frozen weights
         # (LoRA), also those weights, which its checkpoints leave out (all ranks: under FSDP a gather). The seed draws
-        # each epoch's order: resumed mid-epoch with another, examples already trained on came again, others never.
+        # each epoch's order from the training examples (their number, and their lengths with --group_by_length):
+        # resumed mid-epoch with another, examples already trained on came again, others never.
         self.identity = {
             "model": model_fingerprint(model),
             "global_batch": math.prod(self.layout.values()),
             "seed": args.seed,
+            **plan.training_order,
         }
         frozen = checkpoint_trainable_weights_only(accelerator, model)
         if frozen is not None:

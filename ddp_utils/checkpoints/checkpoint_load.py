@@ -1,7 +1,7 @@
 """Resuming: which checkpoint (`find_resume_checkpoint`: the newest that checks out against its
 manifest, checked by all ranks at once; one without a manifest is unverified, used only when none
-checks out), whether it fits this run (`read_checkpoint_state`: the same model, global batch and seed;
-under DeepSpeed also the same number of processes, `deepspeed_processes_problem`), and loading it
+checks out), whether it fits this run (`read_checkpoint_state`: the same model, global batch, seed and
+training examples; under DeepSpeed also the same number of processes, `deepspeed_processes_problem`), and loading it
 (`load_checkpoint`, which keeps this run's learning rate and weight decay).
 
 A checkpoint resumes on any layout with the same global batch (examples per optimizer step): the
@@ -38,6 +38,8 @@ logger = get_logger(__name__)
 
 # How a global batch is split: saved with each checkpoint, and all a run may change when it resumes.
 LAYOUT = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps")
+# What the epochs' order is drawn from besides the seed (`training_order_identity`); not checked in older checkpoints.
+TRAINING_ORDER = ("train_examples", "train_lengths")
 
 
 # Why a checkpoint without a manifest is not trusted: it may be a copy that lost it, cut short.
@@ -195,10 +197,34 @@ def _another_global_batch(path: str, saved: dict, examples: int, wanted: int, wo
     )
 
 
+def _another_training_order(path: str, saved: dict, expected: dict) -> str | None:
+    """The one-line refusal of a checkpoint whose epochs were drawn from other training examples
+    than this run's (`training_order_identity`), or None: resumed mid-epoch, the rest of the epoch
+    would train some examples again and skip others. Checkpoints saved before it was recorded pass."""
+    if any(key in expected and key in saved and saved[key] != expected[key] for key in TRAINING_ORDER):
+        if saved["train_examples"] != expected["train_examples"]:
+            why = f"on {saved['train_examples']} training examples, this run has {expected['train_examples']}"
+        elif saved["train_lengths"] is None or expected["train_lengths"] is None:
+            grouped = "with" if saved["train_lengths"] else "without"
+            why = f"{grouped} --group_by_length, this run {'without' if saved['train_lengths'] else 'with'} it"
+        else:
+            why = (
+                "grouped by length from other token lengths than this run's examples have (other data, tokenizer, "
+                "chat template or maximum length)"
+            )
+        return (
+            f"checkpoint {path!r} was trained {why}: the rest of its epoch would train some examples again and "
+            "skip others; resume with the training data and settings it was saved with, or start a new run in "
+            "another --output_dir"
+        )
+    return None
+
+
 def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dict:
     """The trainer state saved in checkpoint `path`, once it is known to match `expected` (the
-    model fingerprint, the global batch and the seed; this run has `world_size` processes). A missing or
-    unreadable state file, another model, seed or global batch is a `UsageError` that says so
+    model fingerprint, the global batch, the seed and the training examples; this run has `world_size`
+    processes). A missing or unreadable state file, another model, seed, global batch or training
+    examples is a `UsageError` that says so
     (for the global batch: in one line, with the layouts that would fit). Reads this rank's view
     of the file system: `load_checkpoint` calls it on the main process only."""
     try:
@@ -213,7 +239,7 @@ def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dic
     mismatched = {
         key: (state.get(key), value)
         for key, value in expected.items()
-        if key not in ("global_batch", FROZEN_DIGEST)
+        if key not in ("global_batch", FROZEN_DIGEST, *TRAINING_ORDER)
         and state.get(key) != value
         and not (key == "seed" and key not in state)  # saved before the seed was: not checked
     }
@@ -224,6 +250,9 @@ def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dic
         raise UsageError(
             f"checkpoint {path!r} is from a different run ({details}); resume with the settings it was saved with"
         )
+    another_order = _another_training_order(path, state, expected)
+    if another_order:
+        raise UsageError(another_order)
     if FROZEN_DIGEST in expected and state.get(FROZEN_DIGEST, expected[FROZEN_DIGEST]) != expected[FROZEN_DIGEST]:
         raise UsageError(
             f"checkpoint {path!r} was trained on other frozen weights than this run's model has (another base "

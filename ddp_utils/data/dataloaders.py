@@ -5,6 +5,7 @@ optimizer step do not depend on how many processes share it. Nothing here commun
 
 from __future__ import annotations
 
+import hashlib
 import signal
 
 import numpy as np
@@ -212,6 +213,21 @@ def make_train_dataloader(
         pin_memory=accelerator.device.type == "cuda",
         worker_init_fn=_leave_signals_to_the_training_process if num_workers else None,
     )
+
+
+def training_order_identity(train_dataloader) -> dict:
+    """What the epochs' order of an unprepared training dataloader from `make_train_dataloader` is
+    drawn from, besides the seed and the global batch (a checkpoint records those itself): the
+    number of training examples, and with --group_by_length a digest of their lengths (None
+    without). A run resumed mid-epoch with other ones would train some examples of that epoch
+    again and others never. Any rank may call it (no communication)."""
+    sampler = getattr(train_dataloader.sampler, "sampler", train_dataloader.sampler)  # under _EpochTaggedSampler
+    lengths = None
+    if sampler.lengths is not None:
+        digest = hashlib.sha1(f"{sampler.group_steps} steps per group;".encode())
+        digest.update(np.ascontiguousarray(sampler.lengths, dtype=np.int64).tobytes())
+        lengths = digest.hexdigest()[:16]
+    return {"train_examples": sampler.num_real, "train_lengths": lengths}
 
 
 def make_eval_dataloader(dataset, args, collate_fn, length_column: str = "input_ids") -> DataLoader:

@@ -209,7 +209,7 @@ def start_training(accelerator: Accelerator, args, model, optimizer, plan):
     logger.info(f"optimizer: {describe_optimizer(optimizer)}")
     backoff = OOMBackoff(accelerator, args, model, plan)  # --oom_backoff: smaller micro-batches after an OOM error
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # parameter names as in the checkpoint
-    checkpointer = Checkpointer(accelerator, args, unwrapped)  # saves when due or on SIGTERM
+    checkpointer = Checkpointer(accelerator, args, unwrapped, plan)  # saves when due or on SIGTERM
     prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
     log = TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar (after the resume)

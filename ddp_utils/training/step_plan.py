@@ -10,7 +10,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from ..data.dataloaders import epoch_dataloader, micro_batches_per_step, padding_waste
+from ..data.dataloaders import epoch_dataloader, micro_batches_per_step, padding_waste, training_order_identity
 from .exact_loss import StepSize
 
 logger = get_logger(__name__)
@@ -51,6 +51,7 @@ class StepPlan:
         self._pending = None  # the weight, samples and tokens of the steps not yet read, on the device
         self.generators = random_generators(accelerator.device)  # what the micro-batches seed (dropout)
         self.padding_waste = padding_waste(train_dataloader)
+        self.training_order = training_order_identity(train_dataloader)  # what a resume must match besides the seed
         self.start_time = time.perf_counter()
         self._step_started = self.start_time
         logger.info(
