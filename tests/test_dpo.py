@@ -182,13 +182,17 @@ def test_a_long_prompt_is_cut_the_same_on_both_sides_and_a_pair_that_cannot_fit_
         {"prompt": "the", "chosen": " ".join(LM_WORDS[:30]), "rejected": "w4"},  # 31 answer tokens > block 24
         {"prompt": "the", "chosen": "w5", "rejected": "w6"},
     ]
-    tokenized, report = tokenize(tmp_path, records, tokenizer, "strings", block_size=24)
+    tokenized, report = tokenize(tmp_path, records, tokenizer, "strings", block_size=24, eval_tokens=10)
     assert report["train_pairs"] == 2 and report["train_pairs_dropped"] == 1 and report["train_pairs_prompt_cut"] == 1
     first = tokenized["train"][0]
     assert len(first["prompt_ids"]) + len(first["chosen_ids"]) == 24, "the longer side fills the block"
-    assert first["prompt_ids"][-1] == ids(tokenizer, FILLER[-1])[0], "cut from the start: the prompt's end is kept"
+    assert first["prompt_ids"][0] == tokenizer.bos_token_id, "cut after BOS"
+    assert first["prompt_ids"][-1] == ids(tokenizer, FILLER[-1])[0], "the prompt's end is kept"
     assert report["train_prompt_tokens_cut"] == 37 + 4 - 24
     assert tokenized["train"]["index"] == [0, 1]
+    # Generation cuts the prompt further, to leave room for its answer: after BOS too (it kept the last tokens)
+    asked = tokenized["generate"][0]["input_ids"]
+    assert len(asked) == 24 - 10 and asked[0] == tokenizer.bos_token_id and asked[1:] == first["prompt_ids"][-13:]
 
 
 REFUSED = {

@@ -579,12 +579,49 @@ def test_the_script_fits_prompts_in_the_whole_context_counting_only_the_answers_
         assert args.max_prompt_length == expected, answers
 
 
-def test_prompts_keep_their_last_tokens_so_that_prompt_and_answer_fit_the_context_of_learned_positions(
-    chat_lm, tmp_path
-):
+@pytest.mark.fast
+def test_a_long_prompt_keeps_bos_its_system_turn_and_its_newest_turn(tmp_path, caplog):
+    """Cut from the left, a prompt lost BOS and the system turn, which says how to answer (the format the rewards
+    read); it now loses its oldest turns after them, as SFT's cuts do, and so does plain text after BOS."""
+    import datasets
+    from accelerate import PartialState
+    from chat_templates import make_family_tokenizer
+    from transformers import AutoTokenizer
+
+    from ddp_utils.language_models.chat import render
+    from ddp_utils.language_models.grpo_data import tokenize_prompts
+
+    PartialState(cpu=True)  # the warning that counts the cuts is logged
+    llama = make_family_tokenizer("llama3", tmp_path / "llama3")
+    system = {"role": "system", "content": "reply with one word positive negative or neutral"}
+    old = [{"role": "user", "content": "the film was good " * 8}, {"role": "assistant", "content": "positive"}]
+    turns = [system, *old, {"role": "user", "content": "what do you think of this movie"}]
+    text = render(llama, turns, generation_prompt=True)
+    whole = llama(text, add_special_tokens=False)["input_ids"]
+    head = llama(render(llama, [system], generation_prompt=False), add_special_tokens=False)["input_ids"]
+    newest = llama(text[text.rfind("<|start_header_id|>user") :], add_special_tokens=False)["input_ids"]
+    texts = [{"prompt": "the film was good " * 20 + "what do you think"}, {"prompt": "good"}]
+    raw = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list([{"prompt": turns}]), "validation": datasets.Dataset.from_list(texts)}
+    )
+    llama = AutoTokenizer.from_pretrained(tmp_path / "llama3", add_bos_token=True)  # as Llama's own: plain text too
+    rows = tokenize_prompts(raw, llama, len(whole) - 10, use_chat_template=False)
+    assert rows["train"].column_names == ["input_ids", "index", "length"]
+    (cut,), (plain, short) = rows["train"]["input_ids"], rows["validation"]["input_ids"]
+    assert len(cut) == len(whole) - 10 and cut[: len(head)] == head, "BOS and the system turn stay"
+    assert cut[-len(newest) :] == newest == whole[-len(newest) :], "the question and the generation prompt stay"
+    assert plain[0] == llama.bos_token_id and llama.decode(plain[-4:]) == "what do you think"
+    assert len(plain) == len(whole) - 10 and short == llama("good")["input_ids"]
+    assert f"train: 1 of 1 prompts were longer than --max_prompt_length {len(whole) - 10} and lost 10 tokens" in (
+        caplog.text
+    )
+    assert "validation: 1 of 2 prompts were longer" in caplog.text
+
+
+def test_prompts_are_cut_so_that_prompt_and_answer_fit_the_context_of_learned_positions(chat_lm, tmp_path):
     """A prompt of 30 words and its answer past GPT-2's 24 positions: sampling read past its table of positions
-    (an IndexError here, a device-side assert on a GPU), --block_size took no part. The prompts now keep their last
-    tokens, as many as leave room for the longest answer."""
+    (an IndexError here, a device-side assert on a GPU), --block_size took no part. The prompts are now cut to
+    leave room for the longest answer, and the cuts counted."""
     gpt2 = ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=2, n_positions=24))
     model = save_with_tokenizer(gpt2, chat_lm, tmp_path / "gpt2")
     rng = random.Random(0)
@@ -597,9 +634,8 @@ def test_prompts_keep_their_last_tokens_so_that_prompt_and_answer_fit_the_contex
     args = grpo_args(model, {"train": data, "validation": data}, tmp_path / "o", "--max_train_steps", 1)
     result = launch(TRAIN_GRPO, *args, num_processes=2)
     assert result.returncode == 0, result.output[-3000:]
-    assert "prompts keep their last 19 tokens (--max_prompt_length 512), so that an answer of 5 fits in 24" in (
-        result.output
-    )
+    assert "prompts are cut to 19 tokens (--max_prompt_length 512), so that an answer of 5 fits in 24" in result.output
+    assert "train: 8 of 8 prompts were longer than --max_prompt_length 19 and lost" in result.output
     assert json.loads((tmp_path / "o" / "training_args.json").read_text())["max_prompt_length"] == 19
 
 

@@ -8,7 +8,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..data.dataloaders import SAMPLE_WEIGHT
-from .chat import check_tool_turns, refused_by_template, render
+from .chat import check_tool_turns, cut_middle, head_length, refused_by_template, render, tools_kept
 from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
 
 logger = get_logger(__name__)
@@ -30,7 +30,7 @@ def fit_prompts_in_block(args, context: int, evaluated: bool) -> None:
         )
     if args.max_prompt_length + longest > block:
         logger.warning(
-            f"prompts keep their last {block - longest} tokens (--max_prompt_length {args.max_prompt_length}), so "
+            f"prompts are cut to {block - longest} tokens (--max_prompt_length {args.max_prompt_length}), so "
             f"that an answer of {longest} fits in {block} (--block_size, else the model's context)"
         )
         args.max_prompt_length = block - longest
@@ -39,7 +39,9 @@ def fit_prompts_in_block(args, context: int, evaluated: bool) -> None:
 def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: bool, num_proc=None):
     """Every split's "prompt" column (a string, or a conversation of {"role", "content"} turns) as the ids that
     ask for an answer, with "index" (the record's place in its split: its samples' seed, and where the rewards
-    find the record) and "length"; nothing else. A prompt past `max_prompt_length` tokens keeps its last ones.
+    find the record) and "length"; nothing else. A prompt past `max_prompt_length` tokens loses the tokens after
+    BOS, the system turn and the tools that the template shows first (`chat.head_length`, as SFT's cuts), so it
+    keeps what it is asked to do, how, and its newest turns; the prompts cut are counted in a warning per split.
     No communication."""
     from jinja2.exceptions import TemplateError
 
@@ -61,17 +63,28 @@ def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: 
             ids = tokenizer(prompt)["input_ids"]
         else:
             raise UsageError(f"record {index}: its prompt is a {type(prompt).__name__}; give a string or chat turns")
-        ids = ids[-max_prompt_length:]
-        return {"input_ids": ids, "index": index, "length": len(ids)}
+        cut = max(len(ids) - max_prompt_length, 0)
+        if cut and isinstance(prompt, list):
+            keep = tools_kept(tokenizer, prompt, text, tools, generation_prompt=True)
+            ids = cut_middle(ids, head_length(tokenizer, prompt, text, keep), cut)
+        elif cut:  # plain text: BOS stays
+            ids = cut_middle(ids, int(tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id), cut)
+        return {"input_ids": ids, "index": index, "length": len(ids), "cut": cut}
 
     import datasets
 
-    return datasets.DatasetDict(
-        {
-            split: records.map(encode, with_indices=True, num_proc=num_proc, remove_columns=records.column_names)
-            for split, records in raw.items()
-        }
-    )
+    tokenized = datasets.DatasetDict()
+    for split, records in raw.items():
+        rows = records.map(encode, with_indices=True, num_proc=num_proc, remove_columns=records.column_names)
+        cut = rows.select_columns("cut").with_format("numpy")[:]["cut"]
+        if cut.any():
+            logger.warning(
+                f"{split}: {(cut > 0).sum()} of {len(cut)} prompts were longer than --max_prompt_length "
+                f"{max_prompt_length} and lost {cut.sum()} tokens after BOS and the system turn (their oldest "
+                "turns, or the start of their text); raise --max_prompt_length (and --block_size) to keep them whole"
+            )
+        tokenized[split] = rows.remove_columns("cut")
+    return tokenized
 
 
 class PromptCollator:

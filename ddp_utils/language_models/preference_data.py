@@ -246,14 +246,18 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
     fmt = PairFormat(fmt.kind, template)
 
     def encode(batch, indices, split):
-        out = {key: [] for key in ("prompt_ids", "chosen_ids", "rejected_ids", "length", "prompt_cut", "reference")}
+        columns = ("prompt_ids", "chosen_ids", "rejected_ids", "length", "prompt_cut", "prompt_head", "reference")
+        out = {key: [] for key in columns}
         for n, index in enumerate(indices):
             pair = fmt.pair({key: values[n] for key, values in batch.items()}, index, split)
             prompt, chosen, rejected, reference = tokenize_pair(pair, fmt, tokenizer)
             longest = max(len(chosen), len(rejected))
             cut = max(len(prompt) + longest - block_size, 0)
             fits = cut < len(prompt)  # a prompt token must be left to predict the answers' first token
-            head = prompt_head(pair[0], fmt, tokenizer) if cut and fits else 0  # BOS and the system turn stay
+            # BOS and the system turn stay, in training and where generation cuts the prompt further
+            to_cut = cut or (split == "validation" and len(prompt) > block_size - eval_max_new_tokens)
+            head = prompt_head(pair[0], fmt, tokenizer) if to_cut and fits else 0
+            out["prompt_head"].append(head)
             out["prompt_ids"].append(cut_middle(prompt, head, cut) if fits else [])
             out["chosen_ids"].append(chosen if fits else [])
             out["rejected_ids"].append(rejected if fits else [])
@@ -277,7 +281,8 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
         report.update(_count_cuts(cut, split, block_size))
         if split == "validation" and eval_max_new_tokens:
             tokenized["generate"] = _generation_prompts(rows, block_size - eval_max_new_tokens)
-        rows = rows.filter(lambda c: c >= 0, input_columns="prompt_cut").remove_columns(["prompt_cut", "reference"])
+        rows = rows.filter(lambda c: c >= 0, input_columns="prompt_cut")
+        rows = rows.remove_columns(["prompt_cut", "prompt_head", "reference"])
         if len(rows) == 0:
             raise UsageError(f"no {split} pair's answers fit in --block_size {block_size} tokens; raise --block_size")
         tokenized[split] = rows.add_column("index", np.arange(len(rows)))
@@ -306,13 +311,17 @@ def _count_cuts(cut: np.ndarray, split: str, block_size: int) -> dict:
 
 
 def _generation_prompts(rows, max_prompt: int):
-    """The validation prompts answered by generation: index (the record's), input_ids (cut from
-    the start to `max_prompt` tokens), reference (the chosen answer)."""
+    """The validation prompts answered by generation: index (the record's), input_ids (cut to
+    `max_prompt` tokens after BOS and the system turn, as in training), reference (the chosen answer)."""
     if max_prompt < 1:
         raise UsageError("--eval_max_new_tokens leaves no room for a prompt in --block_size; lower it")
 
     def prompts(batch, indices):
-        return {"index": indices, "input_ids": [ids[-max_prompt:] for ids in batch["prompt_ids"]]}
+        cut = [
+            cut_middle(ids, head, max(len(ids) - max_prompt, 0))
+            for ids, head in zip(batch["prompt_ids"], batch["prompt_head"])
+        ]
+        return {"index": indices, "input_ids": cut}
 
     rows = rows.filter(lambda c: c >= 0, input_columns="prompt_cut")
     unused = [column for column in rows.column_names if column != "reference"]
