@@ -31,9 +31,9 @@ from ddp_utils.language_models.causal_lm import (
     CausalLMCollator,
     causal_lm_loss,
     evaluate_perplexity,
-    group_text_blocks,
 )
 from ddp_utils.language_models.generation import show_sample
+from ddp_utils.language_models.token_blocks import text_blocks
 
 logger = get_logger(__name__)
 
@@ -114,9 +114,7 @@ def tokenize_in_blocks(raw, tokenizer, args, block_size):
 
     processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
     encoded = raw.map(encode, batched=True, remove_columns=raw["train"].column_names, num_proc=processes)
-    blocks = encoded.map(
-        group_text_blocks, batched=True, batch_size=10_000, fn_kwargs={"block_size": block_size}, num_proc=processes
-    )
+    blocks = datasets.DatasetDict({split: text_blocks(rows, block_size) for split, rows in encoded.items()})
     report = {}
     for split in ("train", "validation"):
         total = int(token_lengths(encoded[split]).sum())

@@ -7,7 +7,16 @@ import json
 import pytest
 from model_families import HYBRIDS, tiny_model
 
-from conftest import FILLER, REPO, WORDS, assert_fails_cleanly, launch, refused_in_process, write_text_corpus
+from conftest import (
+    FILLER,
+    REPO,
+    WORDS,
+    assert_fails_cleanly,
+    launch,
+    load_script,
+    refused_in_process,
+    write_text_corpus,
+)
 
 TRAIN_CLM = REPO / "scripts" / "train_clm.py"
 COUNT_TOKENS = REPO / "tests" / "launched" / "count_tokens.py"
@@ -156,6 +165,38 @@ def test_lora_on_every_family_trains_on_two_processes_and_resumes_bit_for_bit(fa
     assert launch(TRAIN_CLM, *args, "--resume_from_checkpoint", "latest").returncode == 0
     ours, theirs = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("resumed", "run"))
     assert [key for key in theirs if not np.array_equal(ours[key], theirs[key])] == [], "not bit for bit"
+
+
+@pytest.mark.fast
+def test_blocks_and_packed_rows_are_the_same_whatever_processes_prepare_them(tiny_lm, tmp_path):
+    """`datasets.map(num_proc=N)` cuts a split into N shards, each cut into chunks of its own: text cut into blocks,
+    or examples packed, per chunk came out other (and more or fewer) for every --preprocessing_num_workers or
+    number of cores, so a run resumed on another kind of node trained other examples. Tokenizing still runs on N."""
+    import datasets
+    from accelerate import PartialState
+    from transformers import AutoTokenizer
+
+    from ddp_utils.language_models.sft_data import detect_format, tokenize_sft
+
+    PartialState(cpu=True)  # the scripts log through Accelerate's logger
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
+    texts = [" ".join(FILLER[: 3 + i % 9]) for i in range(45)]
+    raw = datasets.DatasetDict(
+        {split: datasets.Dataset.from_dict({"text": texts}) for split in ("train", "validation")}
+    )
+    clm, sft = load_script("train_clm"), load_script("train_sft")
+    pairs = datasets.Dataset.from_dict({"prompt": texts, "completion": texts[::-1]})
+    pairs = datasets.DatasetDict({"train": pairs, "validation": pairs})
+    made = {}
+    for workers in (1, 3):
+        args = clm.parse_args(["--model_name_or_path", str(tiny_lm), "--preprocessing_num_workers", str(workers)])
+        blocks = clm.tokenize_in_blocks(raw, tokenizer, args, block_size=16)[0]["train"]
+        args = sft.parse_args(["--model_name_or_path", str(tiny_lm), "--train_file", "x.jsonl"])
+        fmt = detect_format(pairs, args)[0]
+        packed = tokenize_sft(pairs, fmt, tokenizer, 64, packing=True, num_proc=workers if workers > 1 else None)[0]
+        made[workers] = blocks[:], packed["train"][:]
+    assert made[1][0]["input_ids"] and made[1][1]["position_ids"]
+    assert made[3] == made[1]
 
 
 @pytest.mark.fast

@@ -160,9 +160,11 @@ def test_step_aligned_sampler_spreads_the_last_step_over_ranks_and_micro_batches
 def test_step_size_counts_real_rows_and_their_tokens_the_same_padded_or_packed():
     """Throughput counts real rows and non-padding tokens: fillers and padding are not work done,
     and packing the same examples must not change the tokens or the loss's weight."""
+    import datasets
     from accelerate import Accelerator
 
-    from ddp_utils.language_models.causal_lm import TARGET_TOKENS, CausalLMCollator, pack_sequences
+    from ddp_utils.language_models.causal_lm import TARGET_TOKENS, CausalLMCollator
+    from ddp_utils.language_models.token_blocks import packed_examples
 
     accelerator = Accelerator(cpu=True)
     lengths = (5, 9, 3, 7)
@@ -181,8 +183,8 @@ def test_step_size_counts_real_rows_and_their_tokens_the_same_padded_or_packed()
     padded = [step_size([collate(rows[:2] + [filler])]), step_size([collate(rows[2:])])]
     assert [p[1] for p in padded] == [2, 2], "the filler row is not counted"
     assert sum(p[2] for p in padded) == sum(lengths), "padding is not counted"
-    columns = pack_sequences({key: [row[key] for row in rows] for key in ("input_ids", "labels")}, block_size=12)
-    packed_batch = collate([dict(zip(columns, values)) for values in zip(*columns.values())])
+    examples = datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in ("input_ids", "labels")})
+    packed_batch = collate(list(packed_examples(examples, block_size=12)))
     assert "attention_mask" not in packed_batch, (
         "packed rows are told apart by position_ids, so the tokens come from input_tokens"
     )
@@ -366,11 +368,13 @@ def test_length_grouped_order_loses_nothing_and_forms_the_same_global_steps_on_a
 def test_best_fit_packing_fills_rows_and_keeps_every_example_whole():
     """Every example lands whole in exactly one row of at most block_size tokens, and the rows are
     nearly full (first fit in the data's order left far more room)."""
-    from ddp_utils.language_models.causal_lm import pack_sequences
+    import datasets
+
+    from ddp_utils.language_models.token_blocks import packed_examples
 
     rng = np.random.default_rng(0)
     examples = [list(range(100 * i, 100 * i + int(n))) for i, n in enumerate(rng.integers(3, 60, size=300))]
-    packed = pack_sequences({"input_ids": examples, "labels": examples}, block_size=64)
+    packed = packed_examples(datasets.Dataset.from_dict({"input_ids": examples, "labels": examples}), 64)[:]
     assert all(len(row) <= 64 for row in packed["input_ids"])
     pieces = []
     for ids, positions in zip(packed["input_ids"], packed["position_ids"]):

@@ -635,16 +635,21 @@ def test_torch_compile_under_accelerate_launch_compiles_a_new_length_once_and_un
 def test_packed_sequences_are_masked_apart(tiny_lm):
     """Two examples packed in one row give exactly the token losses they give apart: no
     attention across the boundary, positions restarting, the second's first token not predicted."""
+    import datasets
     from transformers import AutoModelForCausalLM
 
-    from ddp_utils.language_models.causal_lm import CausalLMCollator, pack_sequences
+    from ddp_utils.language_models.causal_lm import CausalLMCollator
+    from ddp_utils.language_models.token_blocks import packed_examples
 
     model = AutoModelForCausalLM.from_pretrained(tiny_lm)
     a = {"input_ids": [1, 40, 41, 100, 101, 2], "labels": [-100, -100, -100, 100, 101, 2]}
     b = {"input_ids": [1, 42, 102, 103, 104, 105, 2], "labels": [-100, -100, 102, 103, 104, 105, 2]}
-    packed = pack_sequences(
-        {"input_ids": [a["input_ids"], b["input_ids"]], "labels": [a["labels"], b["labels"]]}, block_size=16
-    )
+    packed = packed_examples(
+        datasets.Dataset.from_dict(
+            {"input_ids": [a["input_ids"], b["input_ids"]], "labels": [a["labels"], b["labels"]]}
+        ),
+        block_size=16,
+    )[:]
     # Best fit decreasing: the longer example first.
     assert len(packed["input_ids"]) == 1 and packed["position_ids"][0] == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]
     collate = CausalLMCollator(pad_token_id=2)

@@ -63,7 +63,9 @@ def demo_data(max_length, max_train_samples=None, max_eval_samples=None, files=N
 def demo_text_blocks(block_size):
     """The demo reviews' text as scripts/train_clm.py makes it: EOS after each review,
     concatenated, cut into blocks of `block_size` tokens. Returns (blocks DatasetDict, tokenizer)."""
-    from ddp_utils.language_models.causal_lm import group_text_blocks
+    import datasets
+
+    from ddp_utils.language_models.token_blocks import text_blocks
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     eos = tokenizer.sep_token_id  # this tokenizer has no EOS; train_clm.py uses its separator, as here
@@ -73,7 +75,7 @@ def demo_text_blocks(block_size):
         batched=True,
         remove_columns=["text", "label"],
     )
-    blocks = encoded.map(group_text_blocks, batched=True, batch_size=10_000, fn_kwargs={"block_size": block_size})
+    blocks = datasets.DatasetDict({split: text_blocks(rows, block_size) for split, rows in encoded.items()})
     return blocks, tokenizer
 
 

@@ -1,6 +1,7 @@
 """Causal language models: loading, conversations, training rows, DPO, GRPO, generation, LoRA, GGUF.
 
-- causal_lm.py        load_causal_lm, the collator, blocks and packing, the causal-LM loss, perplexity
+- causal_lm.py        load_causal_lm, the collator, the causal-LM loss, perplexity
+- token_blocks.py     raw text cut into blocks, examples packed into rows: the same whatever processes prepare them
 - chat.py             conversations rendered by the chat template; the assistant-only targets; end-of-turn tokens
 - sft_data.py         SFT records in their shapes (chat, Alpaca, ShareGPT, prompt/completion) as training rows
 - turns.py            ShareGPT turns and tool calls (OpenAI's, LLaMA-Factory's) as the turns and tools templates render

@@ -1,7 +1,8 @@
 """What the two causal-LM scripts (train_sft.py, train_clm.py) share: the model's source (a GGUF file
 dequantized once), its tokenizer with the tokens training needs, the model with gradient
-checkpointing and LoRA, blocks of raw text, packed sequences, the collator that pads them and
-counts target tokens, the loss at target tokens only, and perplexity over all ranks.
+checkpointing and LoRA, the collator that pads token rows (blocks of text and packed examples
+come from `token_blocks`) and counts target tokens, the loss at target tokens only, and
+perplexity over all ranks.
 
 Labels follow the `transformers` convention: `labels[i]` is the token at position i, predicted
 from positions < i, and -100 marks a position that is not a target (prompt, padding, a filler
@@ -32,50 +33,6 @@ logger = get_logger(__name__)
 
 IGNORE_INDEX = -100
 TARGET_TOKENS = "target_tokens"  # per row: how many positions the loss counts (the step weight of a language model)
-
-
-def group_text_blocks(batch: dict, block_size: int) -> dict:
-    """For `datasets.map(batched=True)`: concatenate the batch's token sequences and cut them into
-    blocks of `block_size` tokens. The tail that does not fill a block is dropped; the caller
-    reports it (total tokens before and after). Every block is trained on whole: labels = input_ids."""
-    stream = [token for ids in batch["input_ids"] for token in ids]
-    usable = len(stream) - len(stream) % block_size
-    blocks = [stream[i : i + block_size] for i in range(0, usable, block_size)]
-    return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
-
-
-def pack_sequences(batch: dict, block_size: int) -> dict:
-    """For `datasets.map(batched=True)`: pack whole tokenized examples (`input_ids`, `labels`) into
-    rows of at most `block_size` tokens, never splitting an example. Best fit decreasing: longest
-    first, each into the row it leaves least room in, so rows come out nearly full (first fit in
-    the data's order left a fifth of each row as padding on the demo).
-
-    Each row gets `position_ids` that restart at 0 for every example. Given position_ids and no
-    attention_mask, `transformers` models build a block-diagonal causal mask from them (and
-    flash-attention uses them for variable-length kernels), so an example never attends to the
-    one packed before it. The first label of each example is -100: it is not predicted from the
-    previous example's last token.
-    """
-    import bisect
-
-    lengths = [len(ids) for ids in batch["input_ids"]]
-    rows: list[list[int]] = []  # example indices per row
-    free: list[tuple[int, int]] = []  # (room left, row), sorted
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        slot = bisect.bisect_left(free, (lengths[index], -1))  # the row with the least room that still fits
-        if slot < len(free):
-            room, row = free.pop(slot)
-        else:
-            room, row = block_size, len(rows)
-            rows.append([])
-        rows[row].append(index)
-        bisect.insort(free, (room - lengths[index], row))
-    packed = {"input_ids": [], "labels": [], "position_ids": []}
-    for members in rows:
-        packed["input_ids"].append([token for i in members for token in batch["input_ids"][i]])
-        packed["labels"].append([label for i in members for label in [IGNORE_INDEX, *batch["labels"][i][1:]]])
-        packed["position_ids"].append([position for i in members for position in range(lengths[i])])
-    return packed
 
 
 class CausalLMCollator:

@@ -12,7 +12,7 @@ import numpy as np
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
-from .causal_lm import IGNORE_INDEX, pack_sequences
+from .causal_lm import IGNORE_INDEX
 from .chat import (
     as_messages,
     check_messages,
@@ -24,6 +24,7 @@ from .chat import (
     tokenize_conversation,
     tools_kept,
 )
+from .token_blocks import packed_examples
 from .turns import NEEDS_TEMPLATE, as_json_turns, clean_turn, record_tools, sharegpt_turns
 
 logger = get_logger(__name__)
@@ -303,14 +304,7 @@ def tokenize_sft(
             raw["validation"], fmt, tokenizer, block_size - eval_max_new_tokens
         )
     if packing:
-        tokenized["train"] = tokenized["train"].map(
-            pack_sequences,
-            batched=True,
-            batch_size=10_000,
-            fn_kwargs={"block_size": block_size},
-            num_proc=num_proc,
-            desc="Packing",
-        )
+        tokenized["train"] = packed_examples(tokenized["train"], block_size)
     return tokenized, report
 
 
