@@ -232,6 +232,27 @@ def test_data_that_cannot_train_is_refused_with_the_fix(case, chat_lm, tmp_path)
     refused_in_process("train_dpo", args, expected)
 
 
+@pytest.mark.fast
+def test_the_lora_adapter_of_an_sft_run_is_refused_naming_its_merged_model(chat_lm, tmp_path):
+    """DPO after LoRA SFT, given the SFT run's --output_dir: it holds the adapter, whose adapter_config.json
+    transformers read as a model's config ("Should have a `model_type` key"), which the run reported as a
+    directory that is not a model."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    sft = tmp_path / "sft"
+    model = AutoModelForCausalLM.from_pretrained(chat_lm)
+    peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(sft)
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": "the", "chosen": "w1", "rejected": "w2"}) + "\n")
+    args = ["--model_name_or_path", sft, "--train_file", path, "--validation_file", path]
+    args += ["--output_dir", tmp_path / "o"]
+    adapter = f"--model_name_or_path {str(sft)!r} holds a LoRA adapter (adapter_config.json), not a whole model; "
+    refused_in_process("train_dpo", args, adapter + "give a whole model: a run with --merge_lora writes one")
+    model.save_pretrained(sft / "merged")  # what --merge_lora writes
+    refused_in_process("train_dpo", args, adapter + f"give {str(sft / 'merged')!r}, the merged model its run wrote")
+
+
 PAIRS = [
     {"prompt_ids": [1, 40, 41, 9], "chosen_ids": [50, 51, 52, 53, 2], "rejected_ids": [60, 61, 2], "index": 0},
     {"prompt_ids": [1, 42], "chosen_ids": [54, 2], "rejected_ids": [62, 63, 30, 31, 32, 33, 2], "index": 1},

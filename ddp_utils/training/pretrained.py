@@ -73,6 +73,9 @@ def load_model_config(model_name_or_path: str, trust_remote_code: bool = False, 
         raise UsageError(
             f"--model_name_or_path {path!r} is neither a local model directory nor a Hub model id; check the path"
         )
+    adapter_only = lora_adapter_problem(path)
+    if adapter_only:
+        raise UsageError(adapter_only)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
     except (OSError, ValueError) as exc:
@@ -86,6 +89,36 @@ def load_model_config(model_name_or_path: str, trust_remote_code: bool = False, 
             f"--model_name_or_path {path!r} is neither a local model directory nor a reachable Hub model ({reason}); "
             "give a directory with config.json or a Hub model id"
         ) from exc
+
+
+# The files that hold a whole model's weights in a local directory, one of them sharded or not.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def lora_adapter_problem(path: str) -> str | None:
+    """The one-line refusal of a local directory that holds a LoRA adapter and no model weights (a
+    LoRA run's --output_dir: the SFT step before DPO or GRPO), or None. transformers reads its
+    adapter_config.json as a model's config and says the directory has no model type."""
+    local = os.path.expanduser(path)
+
+    def has(*parts) -> bool:
+        return os.path.isfile(os.path.join(local, *parts))
+
+    if not has("adapter_config.json") or any(has(name) for name in WEIGHT_FILES):
+        return None
+    if has("merged", "config.json"):
+        fix = f"give {os.path.join(path, 'merged')!r}, the merged model its run wrote beside it"
+    else:
+        fix = (
+            "give a whole model: a run with --merge_lora writes one in <output_dir>/merged, or merge the adapter "
+            "into its base with peft's merge_and_unload() and save that"
+        )
+    return f"--model_name_or_path {path!r} holds a LoRA adapter (adapter_config.json), not a whole model; {fix}"
 
 
 def causal_lm_class(config):
