@@ -31,7 +31,8 @@ from conftest import (
 from ddp_utils import SAMPLE_WEIGHT
 from ddp_utils.language_models.causal_lm import load_tokenizer
 from ddp_utils.language_models.dpo import PairLogps, Reference, pair_logps, preference_losses
-from ddp_utils.language_models.preference_data import PairCollator, detect_pair_format, tokenize_pairs
+from ddp_utils.language_models.pair_batches import PairCollator
+from ddp_utils.language_models.preference_data import detect_pair_format, tokenize_pairs
 from ddp_utils.training.exact_loss import INPUT_TOKENS, _local_step_size
 from ddp_utils.training.oom_backoff import split_batch
 

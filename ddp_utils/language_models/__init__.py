@@ -5,7 +5,8 @@
 - chat.py             conversations rendered by the chat template; the assistant-only targets; end-of-turn tokens
 - sft_data.py         SFT records in their shapes (chat, Alpaca, ShareGPT, prompt/completion) as training rows
 - turns.py            ShareGPT turns and tool calls (OpenAI's, LLaMA-Factory's) as the turns and tools templates render
-- preference_data.py  preference pairs in their shapes, checked and tokenized; a pair as one row
+- preference_data.py  preference pairs in their shapes, checked and tokenized
+- pair_batches.py     a batch of pairs: a pair as one row (its prompt computed once), or as two
 - pair_scoring.py     both sides of a pair in one forward pass, and the probe that refuses where it is not exact
 - dpo.py              the DPO, IPO and SimPO losses; the reference without a second model; preference evaluation
 - generation.py       answers by greedy generation, scored; the shared prompt prefix computed once

@@ -1,5 +1,5 @@
 """How a preference pair is scored: both answers' log-probabilities in one forward pass (`pair_logps`),
-from a batch of `preference_data.PairCollator` in one of two layouts, and which layout a model can
+from a batch of `pair_batches.PairCollator` in one of two layouts, and which layout a model can
 take (`choose_pair_layout`):
 
 - **one row** per pair, [prompt, chosen, rejected]: the prompt is computed once. The rejected answer
@@ -131,7 +131,7 @@ def one_row_is_exact(model) -> bool | None:
     scored both ways, in evaluation mode, on this rank's weights. None when this rank holds no whole
     weights (meta tensors under FSDP's RAM-efficient loading; DeepSpeed ZeRO-3 partitions). A model
     that does not take the mask (an error) is not exact. No communication."""
-    from .preference_data import PairCollator
+    from .pair_batches import PairCollator
 
     if any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters()):
         return None

@@ -33,7 +33,7 @@ def _local_step_size(micro_batches: list[dict], weight_key: str) -> torch.Tensor
     for batch in micro_batches:
         row_weight = batch[weight_key]
         real = row_weight > 0
-        if INPUT_TOKENS in batch:  # first: a pair's row has a 4D mask (preference_data.PairCollator), not tokens
+        if INPUT_TOKENS in batch:  # first: a pair's row has a 4D mask (pair_batches.PairCollator), not tokens
             tokens = batch[INPUT_TOKENS][real].sum()
         elif "attention_mask" in batch:
             tokens = batch["attention_mask"][real].sum()

@@ -91,15 +91,6 @@ def load_model_config(model_name_or_path: str, trust_remote_code: bool = False, 
         ) from exc
 
 
-# The files that hold a whole model's weights in a local directory, one of them sharded or not.
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
 def lora_adapter_problem(path: str) -> str | None:
     """The one-line refusal of a local directory that holds a LoRA adapter and no model weights (a
     LoRA run's --output_dir: the SFT step before DPO or GRPO), or None. transformers reads its
@@ -109,7 +100,7 @@ def lora_adapter_problem(path: str) -> str | None:
     def has(*parts) -> bool:
         return os.path.isfile(os.path.join(local, *parts))
 
-    if not has("adapter_config.json") or any(has(name) for name in WEIGHT_FILES):
+    if not has("adapter_config.json") or any(has(name) for pair in WEIGHT_FILES for name in pair):
         return None
     if has("merged", "config.json"):
         fix = f"give {os.path.join(path, 'merged')!r}, the merged model its run wrote beside it"
