@@ -366,11 +366,11 @@ def test_a_checkpoint_resumes_with_its_global_batch_old_or_new(tmp_path):
     assert fitting_layouts(8, 16) == []
 
 
-def order_identity(lengths, world_size, batch, accumulation, group_by_length=True):
-    """The training order's identity of rows of these token lengths, split this way."""
+def train_loader(lengths, world_size, batch, accumulation, group_by_length=True):
+    """The unprepared training loader of rows of these token lengths, split this way (data seed 7)."""
     import datasets
 
-    from ddp_utils.data.dataloaders import make_train_dataloader, training_order_identity
+    from ddp_utils.data.dataloaders import make_train_dataloader
 
     rows = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in lengths]})
     args = SimpleNamespace(per_device_train_batch_size=batch, num_workers=0, group_by_length=group_by_length)
@@ -380,22 +380,37 @@ def order_identity(lengths, world_size, batch, accumulation, group_by_length=Tru
         gradient_accumulation_steps=accumulation,
         device=torch.device("cpu"),
     )
-    return training_order_identity(make_train_dataloader(rows, args, accelerator, collate_fn=list))
+    return make_train_dataloader(rows, args, accelerator, collate_fn=list)
+
+
+def order_identity(lengths, world_size, batch, accumulation, group_by_length=True):
+    from ddp_utils.data.dataloaders import training_order_identity
+
+    return training_order_identity(train_loader(lengths, world_size, batch, accumulation, group_by_length))
 
 
 @pytest.mark.fast
 def test_a_checkpoint_of_other_training_examples_is_refused(tmp_path):
     lengths = [3 + i % 7 for i in range(60)]
     ours = order_identity(lengths, world_size=2, batch=4, accumulation=1)
-    # The order is drawn for the global batch, so any layout of it has the same identity.
-    assert order_identity(lengths, world_size=1, batch=2, accumulation=4) == ours
+    # What the identity leaves out, the layout, changes no global step's examples: a checkpoint resumes on any.
+    for group_by_length in (True, False):
+        steps = [
+            [sorted(order[i : i + 8]) for i in range(0, len(order), 8)]
+            for order in (
+                train_loader(lengths, *layout, group_by_length).sampler.order() for layout in ((2, 4, 1), (1, 2, 4))
+            )
+        ]
+        assert steps[0] == steps[1]
     assert ours["train_examples"] == 60 and ours["train_lengths"]
     path = write_state(tmp_path / "saved", global_batch=8, seed=7, **ours)
     expected = {"model": "abc", "global_batch": 8, "seed": 7}
     assert read_checkpoint_state(path, {**expected, **ours})["step"] == 3
     others = {
         "on 60 training examples, this run has 61": order_identity([*lengths, 5], 2, 4, 1),
-        "with --group_by_length, this run without it": order_identity(lengths, 2, 4, 1, group_by_length=False),
+        "with --group_by_length \\(pass it to resume\\), this run without it": order_identity(
+            lengths, 2, 4, 1, group_by_length=False
+        ),
         "grouped by length from other token lengths than this run's examples have": order_identity(
             [*lengths[:-1], 20], 2, 4, 1
         ),
@@ -403,9 +418,22 @@ def test_a_checkpoint_of_other_training_examples_is_refused(tmp_path):
     for why, theirs in others.items():
         with pytest.raises(UsageError, match=f"was trained {why}.*: the rest of its epoch would train some examples"):
             read_checkpoint_state(path, {**expected, **theirs})
-    # saved before checkpoints recorded their training examples: not checked against them
+    # saved before checkpoints recorded their training examples: not checked against them, but against their
+    # progress from the second epoch on (train_clm.py's blocks, cut per preparing process then, are other blocks now)
     old = write_state(tmp_path / "old", global_batch=8, seed=7)
     assert read_checkpoint_state(old, {**expected, **others["on 60 training examples, this run has 61"]})["step"] == 3
+    from ddp_utils.checkpoints.checkpoint import _check_epoch_length
+
+    progress = {"step": 11, "epoch": 1, "step_in_epoch": 3}
+    _check_epoch_length("old", progress, steps_per_epoch=8)
+    _check_epoch_length("old", {"step": 3, "epoch": 0, "step_in_epoch": 3}, steps_per_epoch=4)  # not seen in epoch 1
+    for steps_per_epoch in (7, 9, 2):
+        with pytest.raises(
+            UsageError,
+            match="'old' was trained on other training examples than this run's: its step "
+            f"11 was step 3 of epoch 2, and this run's epochs take {steps_per_epoch} steps; resume",
+        ):
+            _check_epoch_length("old", progress, steps_per_epoch)
 
 
 @pytest.mark.fast

@@ -38,6 +38,23 @@ def model_fingerprint(model) -> str:
     return hashlib.sha1(repr(sorted(shapes)).encode()).hexdigest()[:16]
 
 
+def _check_epoch_length(path: str, saved: dict, steps_per_epoch: int) -> None:
+    """A `UsageError` unless the checkpoint's progress fits this run's epochs of `steps_per_epoch` optimizer steps
+    (step = epoch x steps per epoch + step in the epoch): checkpoints saved before they recorded their training
+    examples (`training_order_identity`) are checked by it from their second epoch on. They include those of
+    train_clm.py and train_sft.py --packing whose data was prepared on several processes, which cut other blocks
+    then. Every rank calls it with the same values (no communication)."""
+    epoch, step_in_epoch = saved.get("epoch"), saved.get("step_in_epoch")
+    if not isinstance(epoch, int) or not isinstance(step_in_epoch, int):
+        return
+    if step_in_epoch > steps_per_epoch or saved.get("step") != epoch * steps_per_epoch + step_in_epoch:
+        raise UsageError(
+            f"checkpoint {path!r} was trained on other training examples than this run's: its step {saved['step']} "
+            f"was step {step_in_epoch} of epoch {epoch + 1}, and this run's epochs take {steps_per_epoch} steps; "
+            "resume with the training data and settings it was saved with, or start a new run in another --output_dir"
+        )
+
+
 class Checkpointer:
     """Saves the run's checkpoints (every --checkpointing_steps, and when the job is preempted) and
     resumes from one, on this layout or any other with the same global batch.
@@ -103,6 +120,7 @@ class Checkpointer:
         path = find_resume_checkpoint(self.accelerator, self.output_dir, self.resume_from)
         if path:
             saved = load_checkpoint(self.accelerator, path, self.identity)
+            _check_epoch_length(path, saved, plan.steps_per_epoch)
             plan.progress.update({key: saved[key] for key in plan.progress if key in saved})
             self._set_aside_later_checkpoints(plan.step)
             # Accelerate's micro-batch counter decides which micro-batch of a step synchronises the

@@ -205,12 +205,12 @@ def _another_training_order(path: str, saved: dict, expected: dict) -> str | Non
         if saved["train_examples"] != expected["train_examples"]:
             why = f"on {saved['train_examples']} training examples, this run has {expected['train_examples']}"
         elif saved["train_lengths"] is None or expected["train_lengths"] is None:
-            grouped = "with" if saved["train_lengths"] else "without"
-            why = f"{grouped} --group_by_length, this run {'without' if saved['train_lengths'] else 'with'} it"
+            flag = "--group_by_length" if saved["train_lengths"] else "--no-group_by_length"
+            why = f"with {flag} (pass it to resume), this run without it"
         else:
             why = (
                 "grouped by length from other token lengths than this run's examples have (other data, tokenizer, "
-                "chat template or maximum length)"
+                "chat template, or an option that limits the length)"
             )
         return (
             f"checkpoint {path!r} was trained {why}: the rest of its epoch would train some examples again and "
