@@ -72,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--validation_split_percentage", type=int, default=5, help="%% held out without a validation split")
     p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training prompts")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N held-out prompts")
-    p.add_argument("--max_prompt_length", type=int, default=512, help="a longer prompt loses its oldest turns")
+    p.add_argument("--max_prompt_length", type=int, default=512, help="longer prompts are cut after BOS/system turn")
     # Sampling and the loss.
     p.add_argument("--num_generations", type=int, default=8, help="answers sampled per prompt (a group)")
     p.add_argument("--max_completion_length", type=int, default=64, help="tokens per sampled answer, at most")

@@ -200,6 +200,38 @@ def test_blocks_and_packed_rows_are_the_same_whatever_processes_prepare_them(tin
 
 
 @pytest.mark.fast
+def test_blocks_and_packed_rows_keep_every_chunk_of_rows_apart_and_every_example_whole():
+    """Over several chunks of `CHUNK_ROWS` rows, of a split that starts inside its Arrow table (a `select`): each
+    chunk's tokens in order, cut into blocks, its tail dropped; each example packed whole, once, with rows of one
+    chunk only. An empty example packs without a first label to hide."""
+    import datasets
+
+    from ddp_utils.language_models.token_blocks import CHUNK_ROWS, packed_examples, text_blocks
+
+    rows = [list(range(100 * i, 100 * i + 1 + i % 6)) for i in range(2 * CHUNK_ROWS + 4321)]
+    rows[7] = []
+    split = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}).select(range(5, len(rows)))
+    rows = rows[5:]
+    expected = []
+    for start in range(0, len(rows), CHUNK_ROWS):
+        stream = [token for ids in rows[start : start + CHUNK_ROWS] for token in ids]
+        expected += [stream[i : i + 16] for i in range(0, len(stream) - 15, 16)]
+    blocks = text_blocks(split.select_columns(["input_ids"]), 16)[:]
+    assert blocks["input_ids"] == blocks["labels"] == expected
+    packed = packed_examples(split, 16)[:]
+    chunk_of = {ids[0] // 100: k // CHUNK_ROWS for k, ids in enumerate(rows) if ids}  # by the row's number
+    pieces = []
+    for ids, labels, positions in zip(packed["input_ids"], packed["labels"], packed["position_ids"]):
+        assert len(ids) <= 16 and len(labels) == len(positions) == len(ids)
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+        assert all(labels[i] == -100 for i in starts[:-1]), "no example is predicted from the one before it"
+        row = [ids[a:b] for a, b in zip(starts, starts[1:])]
+        assert len({chunk_of[piece[0] // 100] for piece in row}) == 1, "a row packs one chunk's examples"
+        pieces += row
+    assert sorted(pieces) == sorted(ids for ids in rows if ids), "every example whole, once"
+
+
+@pytest.mark.fast
 def test_lora_leaves_out_the_linear_layers_whose_weight_the_model_uses_directly(tiny_lm):
     """Mamba's mixers hand dt_proj's, x_proj's and out_proj's weights to their scan (on a GPU, to fused kernels)
     instead of calling the layers, so peft's adapter, which wraps the call, never runs: the default targets leave

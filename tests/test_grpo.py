@@ -612,9 +612,10 @@ def test_a_long_prompt_keeps_bos_its_system_turn_and_its_newest_turn(tmp_path, c
     assert cut[-len(newest) :] == newest == whole[-len(newest) :], "the question and the generation prompt stay"
     assert plain[0] == llama.bos_token_id and llama.decode(plain[-4:]) == "what do you think"
     assert len(plain) == len(whole) - 10 and short == llama("good")["input_ids"]
-    assert f"train: 1 of 1 prompts were longer than --max_prompt_length {len(whole) - 10} and lost 10 tokens" in (
+    assert f"train: 1 of 1 prompts were longer than {len(whole) - 10} tokens (--max_prompt_length, or what" in (
         caplog.text
     )
+    assert "and lost 10 tokens: their oldest turns" in caplog.text
     assert "validation: 1 of 2 prompts were longer" in caplog.text
 
 
@@ -635,7 +636,9 @@ def test_prompts_are_cut_so_that_prompt_and_answer_fit_the_context_of_learned_po
     result = launch(TRAIN_GRPO, *args, num_processes=2)
     assert result.returncode == 0, result.output[-3000:]
     assert "prompts are cut to 19 tokens (--max_prompt_length 512), so that an answer of 5 fits in 24" in result.output
-    assert "train: 8 of 8 prompts were longer than --max_prompt_length 19 and lost" in result.output
+    assert (
+        "train: 8 of 8 prompts were longer than 19 tokens (--max_prompt_length, or what --block_size" in result.output
+    )
     assert json.loads((tmp_path / "o" / "training_args.json").read_text())["max_prompt_length"] == 19
 
 

@@ -296,6 +296,14 @@ def check_tool_turns(tokenizer, text: str, messages: list[dict], tools: list[dic
         check_tools_rendered(text, messages, tools, tokenizer, where, support)
 
 
+def cut_prompt(tokenizer, prompt: list[dict], text: str, ids: list, tools: list[dict] | None, cut: int) -> list:
+    """`ids` (the turns `prompt` rendered as `text`, asking for an answer) less `cut` tokens after BOS, the system
+    turn and the `tools` the template shows first (`head_length`, `tools_kept`): the oldest turns go, and what to
+    do, how, and the newest turns stay. From the start where that head leaves no room (`cut_middle`)."""
+    keep = tools_kept(tokenizer, prompt, text, tools, generation_prompt=True)
+    return cut_middle(ids, head_length(tokenizer, prompt, text, keep), cut)
+
+
 def cut_middle(ids: list, head: int, cut: int) -> list:
     """`ids` less `cut` tokens after its first `head` (all from the start when the head is too long)."""
     head = head if head + cut < len(ids) else 0

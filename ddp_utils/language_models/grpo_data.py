@@ -8,7 +8,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..data.dataloaders import SAMPLE_WEIGHT
-from .chat import check_tool_turns, cut_middle, head_length, refused_by_template, render, tools_kept
+from .chat import check_tool_turns, cut_middle, cut_prompt, refused_by_template, render
 from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
 
 logger = get_logger(__name__)
@@ -65,8 +65,7 @@ def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: 
             raise UsageError(f"record {index}: its prompt is a {type(prompt).__name__}; give a string or chat turns")
         cut = max(len(ids) - max_prompt_length, 0)
         if cut and isinstance(prompt, list):
-            keep = tools_kept(tokenizer, prompt, text, tools, generation_prompt=True)
-            ids = cut_middle(ids, head_length(tokenizer, prompt, text, keep), cut)
+            ids = cut_prompt(tokenizer, prompt, text, ids, tools, cut)
         elif cut:  # plain text: BOS stays
             ids = cut_middle(ids, int(tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id), cut)
         return {"input_ids": ids, "index": index, "length": len(ids), "cut": cut}
@@ -79,9 +78,10 @@ def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: 
         cut = rows.select_columns("cut").with_format("numpy")[:]["cut"]
         if cut.any():
             logger.warning(
-                f"{split}: {(cut > 0).sum()} of {len(cut)} prompts were longer than --max_prompt_length "
-                f"{max_prompt_length} and lost {cut.sum()} tokens after BOS and the system turn (their oldest "
-                "turns, or the start of their text); raise --max_prompt_length (and --block_size) to keep them whole"
+                f"{split}: {(cut > 0).sum()} of {len(cut)} prompts were longer than {max_prompt_length} tokens "
+                f"(--max_prompt_length, or what --block_size leaves beside the answers) and lost {cut.sum()} tokens: "
+                "their oldest turns, or the start of their text, after BOS and the system turn where those fit; "
+                "raise the length that limits them to keep them whole"
             )
         tokenized[split] = rows.remove_columns("cut")
     return tokenized

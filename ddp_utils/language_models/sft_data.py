@@ -17,12 +17,11 @@ from .chat import (
     as_messages,
     check_messages,
     cut_middle,
+    cut_prompt,
     fit_block,
     generation_prompt,
-    head_length,
     text_content,
     tokenize_conversation,
-    tools_kept,
 )
 from .token_blocks import packed_examples
 from .turns import NEEDS_TEMPLATE, as_json_turns, clean_turn, record_tools, sharegpt_turns
@@ -209,8 +208,7 @@ def generation_prompt_ids(record: dict, fmt: SFTFormat, tokenizer, max_prompt_to
     if messages is None:
         return cut_middle(ids, len(_bos(tokenizer)), cut), reference, True
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    keep = tools_kept(tokenizer, messages[:last], text, tools, generation_prompt=True)
-    return cut_middle(ids, head_length(tokenizer, messages, text, keep), cut), reference, True
+    return cut_prompt(tokenizer, messages[:last], text, ids, tools, cut), reference, True
 
 
 def warn_of_answers_that_never_stop(rows, tokenizer, fmt: SFTFormat, sample: int = 200) -> None:

@@ -99,7 +99,7 @@ def _pack_rows(batch, block_size: int):
     starts = np.cumsum(lengths) - lengths  # and in the batch's
     taken = np.arange(packed_lengths.sum()) + np.repeat(starts[order] - first, packed_lengths)
     packed_labels = labels.to_numpy(zero_copy_only=False)[taken]
-    packed_labels[first] = IGNORE_INDEX
+    packed_labels[first[packed_lengths > 0]] = IGNORE_INDEX  # an empty example has no first label
     positions = np.arange(len(taken)) - np.repeat(first, packed_lengths)
     offsets = np.concatenate([[0], np.cumsum([lengths[members].sum() for members in rows])])
     return pa.table(
