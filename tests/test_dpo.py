@@ -7,6 +7,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 from argparse import Namespace
 
 import datasets
@@ -26,6 +28,7 @@ from conftest import (
     dpo_args,
     launch,
     make_tiny_causal_lm,
+    put_in_hub_cache,
     refused_in_process,
 )
 from ddp_utils import SAMPLE_WEIGHT
@@ -250,6 +253,12 @@ def test_the_lora_adapter_of_an_sft_run_is_refused_naming_its_merged_model(chat_
     args += ["--output_dir", tmp_path / "o"]
     adapter = f"--model_name_or_path {str(sft)!r} holds a LoRA adapter (adapter_config.json), not a whole model; "
     refused_in_process("train_dpo", args, adapter + "give a whole model: a run with --merge_lora writes one")
+    # An adapter on the Hub, in an offline Hub cache (read when the client starts: another process)
+    hub = {"HF_HUB_CACHE": str(put_in_hub_cache(tmp_path / "hub", "someone/a-lora", sft)), "HF_HUB_OFFLINE": "1"}
+    check = "from ddp_utils.training.pretrained import load_model_config as load; load('someone/a-lora')"
+    found = subprocess.run([sys.executable, "-c", check], env={**os.environ, **hub}, capture_output=True, text=True)
+    expected = "--model_name_or_path 'someone/a-lora' is a LoRA adapter (adapter_config.json), not a whole model; merge"
+    assert f"UsageError: {expected}" in found.stderr, found.stderr[-2000:]
     model.save_pretrained(sft / "merged")  # what --merge_lora writes
     refused_in_process("train_dpo", args, adapter + f"give {str(sft / 'merged')!r}, the merged model its run wrote")
 

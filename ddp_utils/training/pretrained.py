@@ -84,6 +84,11 @@ def load_model_config(model_name_or_path: str, trust_remote_code: bool = False, 
                 f"--model_name_or_path {path!r} holds Python code of its own that transformers must run to load it; "
                 "read that code, then pass --trust_remote_code"
             ) from None
+        if not looks_local and _hub_adapter(path, exc):
+            raise UsageError(
+                f"--model_name_or_path {path!r} is a LoRA adapter (adapter_config.json), not a whole model; merge it "
+                "into its base model with peft's merge_and_unload(), save that, and give its directory"
+            ) from None
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(
             f"--model_name_or_path {path!r} is neither a local model directory nor a reachable Hub model ({reason}); "
@@ -110,6 +115,28 @@ def lora_adapter_problem(path: str) -> str | None:
             "into its base with peft's merge_and_unload() and save that"
         )
     return f"--model_name_or_path {path!r} holds a LoRA adapter (adapter_config.json), not a whole model; {fix}"
+
+
+def _hub_adapter(repo_id: str, error: Exception) -> bool:
+    """Whether Hub model `repo_id`, whose config `error` kept from loading, holds a LoRA adapter's
+    adapter_config.json: in the Hub cache, else on the Hub where it answered that the repo has no config.json
+    (never a second wait for a Hub that cannot be reached)."""
+    from transformers.utils.hub import cached_file
+
+    for local_only in (True, False):
+        if local_only or "config.json" in str(error):
+            try:
+                found = cached_file(
+                    repo_id,
+                    "adapter_config.json",
+                    local_files_only=local_only,
+                    _raise_exceptions_for_missing_entries=False,
+                )
+            except Exception:  # not a repo, or not reachable: the caller's own message stands
+                found = None
+            if found:
+                return True
+    return False
 
 
 def causal_lm_class(config):
