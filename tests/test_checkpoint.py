@@ -254,6 +254,31 @@ def test_a_resume_takes_the_learning_rate_and_weight_decay_it_is_given_and_says_
     assert max(float(np.abs(final[key] - at_22[key]).max()) for key in at_22) < 1e-9
 
 
+def test_a_checkpoints_model_is_saved_by_resuming_it_into_a_new_directory_for_no_more_steps(
+    dropout_model, tiny_data, uninterrupted, tmp_path
+):
+    """A checkpoint is not a model (`from_pretrained` cannot read it): given as --model_name_or_path it is refused,
+    naming the way to its model that this test takes: resumed in another --output_dir with --max_train_steps at its
+    step, the run trains no step and saves the model it holds."""
+    checkpoint = uninterrupted["plain"] / "checkpoint-22"
+    result = run_train(checkpoint, tiny_data, tmp_path / "refused", "plain")
+    assert result.returncode != 0 and "is a training checkpoint (trainer_state.json), not a model" in result.output, (
+        result.output[-3000:]
+    )
+    assert f"--resume_from_checkpoint {checkpoint} --max_train_steps 22 --output_dir <a new directory>" in result.output
+    output_dir, before = tmp_path / "step-22", sorted(os.listdir(uninterrupted["plain"]))
+    extra = ["--resume_from_checkpoint", checkpoint, "--max_train_steps", 22]
+    result = run_train(dropout_model, tiny_data, output_dir, "plain", *extra)
+    assert result.returncode == 0, result.output[-3000:]
+    saved, held = load_file(str(output_dir / "model.safetensors")), load_file(str(checkpoint / "model.safetensors"))
+    assert sorted(saved) == sorted(held) and all(np.array_equal(saved[key], held[key]) for key in held)
+    assert sorted(os.listdir(uninterrupted["plain"])) == before, "the checkpoint's own run is left alone"
+    # Before, a run resumed at its --max_train_steps took one step more (23 here): so did a finished run requeued
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["optimizer_steps"] == 22
+    assert metrics["best_checkpoint"] is None, "the best checkpoint is in the checkpoint's run, not this directory"
+
+
 def test_resume_latest_without_checkpoints_starts_fresh(tiny_model, tiny_data, tmp_path):
     result = launch(
         TRAIN,

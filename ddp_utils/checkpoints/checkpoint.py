@@ -214,13 +214,15 @@ class Checkpointer:
         return save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, keep=keep)
 
     def facts(self) -> dict:
-        """What metrics.json records of the checkpoints: the best one, by --metric_for_best_model."""
+        """What metrics.json records of the checkpoints: the best one, by --metric_for_best_model (its
+        path where it is in the output directory: a run resumed into another one did not write it)."""
         if not self.best:
             return {}
+        path = os.path.join(self.output_dir, self.best["checkpoint"])
         return {
             "metric_for_best_model": self.metric,
             "greater_is_better": self.greater_is_better,
-            "best_checkpoint": os.path.join(self.output_dir, self.best["checkpoint"]),
+            "best_checkpoint": path if os.path.isdir(path) else None,
             "best_metric": self.best["metric"],
             "best_step": self.best["step"],
         }

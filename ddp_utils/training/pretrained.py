@@ -73,9 +73,9 @@ def load_model_config(model_name_or_path: str, trust_remote_code: bool = False, 
         raise UsageError(
             f"--model_name_or_path {path!r} is neither a local model directory nor a Hub model id; check the path"
         )
-    adapter_only = lora_adapter_problem(path)
-    if adapter_only:
-        raise UsageError(adapter_only)
+    not_a_model = lora_adapter_problem(path) or training_checkpoint_problem(path)
+    if not_a_model:
+        raise UsageError(not_a_model)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
     except (OSError, ValueError) as exc:
@@ -115,6 +115,30 @@ def lora_adapter_problem(path: str) -> str | None:
             "into its base with peft's merge_and_unload() and save that"
         )
     return f"--model_name_or_path {path!r} holds a LoRA adapter (adapter_config.json), not a whole model; {fix}"
+
+
+def training_checkpoint_problem(path: str) -> str | None:
+    """The one-line refusal of a local directory that holds a training checkpoint of these scripts
+    (trainer_state.json, Accelerate's layout, no config.json), or None. `transformers.Trainer`'s
+    checkpoints are models too; ours hold what a resume needs, and the way to a model is a resume
+    that takes no step."""
+    import json
+
+    from ..checkpoints.manifest import STATE_FILE
+
+    local = os.path.expanduser(path)
+    if not os.path.isfile(os.path.join(local, STATE_FILE)) or os.path.isfile(os.path.join(local, "config.json")):
+        return None
+    try:
+        with open(os.path.join(local, STATE_FILE)) as handle:
+            step = json.load(handle)["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        step = "<its step>"
+    return (
+        f"--model_name_or_path {path!r} is a training checkpoint ({STATE_FILE}), not a model; to save the model it "
+        f"holds, run the script that wrote it, with its options, and --resume_from_checkpoint {path} "
+        f"--max_train_steps {step} --output_dir <a new directory>: it takes no step and saves the model"
+    )
 
 
 def _hub_adapter(repo_id: str, error: Exception) -> bool:

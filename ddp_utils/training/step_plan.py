@@ -98,8 +98,9 @@ class StepPlan:
         return self._progress["step"] >= self.max_train_steps
 
     def epochs(self):
-        """The epochs still to run (all of them, or those after a resumed checkpoint)."""
-        return range(self._progress["epoch"], self.num_epochs)
+        """The epochs still to run: all of them, or those after a resumed checkpoint; none once the
+        run has taken its --max_train_steps (a checkpoint of its last step, resumed, took one more)."""
+        return range(0) if self.done else range(self._progress["epoch"], self.num_epochs)
 
     def optimizer_steps(self, train_dataloader, epoch: int):
         """This rank's micro-batches of each optimizer step of `epoch` still to take, as lists of
