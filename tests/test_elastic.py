@@ -427,11 +427,13 @@ def test_a_checkpoint_of_other_training_examples_is_refused(tmp_path):
     progress = {"step": 11, "epoch": 1, "step_in_epoch": 3}
     _check_epoch_length("old", progress, steps_per_epoch=8)
     _check_epoch_length("old", {"step": 3, "epoch": 0, "step_in_epoch": 3}, steps_per_epoch=4)  # not seen in epoch 1
+    _check_epoch_length("old", {"step": 22, "epoch": 3, "step_in_epoch": 0}, steps_per_epoch=8)  # ended at step 22
+    _check_epoch_length("new", {**progress, "train_examples": 60}, steps_per_epoch=9)  # checked by its identity
     for steps_per_epoch in (7, 9, 2):
         with pytest.raises(
             UsageError,
-            match="'old' was trained on other training examples than this run's: its step "
-            f"11 was step 3 of epoch 2, and this run's epochs take {steps_per_epoch} steps; resume",
+            match="'old', saved before checkpoints recorded their training examples, is at step 3 of epoch 2 "
+            f"\\(step 11\\), which this run's epochs of {steps_per_epoch} steps do not reach: it was trained on",
         ):
             _check_epoch_length("old", progress, steps_per_epoch)
 

@@ -39,19 +39,22 @@ def model_fingerprint(model) -> str:
 
 
 def _check_epoch_length(path: str, saved: dict, steps_per_epoch: int) -> None:
-    """A `UsageError` unless the checkpoint's progress fits this run's epochs of `steps_per_epoch` optimizer steps
-    (step = epoch x steps per epoch + step in the epoch): checkpoints saved before they recorded their training
-    examples (`training_order_identity`) are checked by it from their second epoch on. They include those of
-    train_clm.py and train_sft.py --packing whose data was prepared on several processes, which cut other blocks
-    then. Every rank calls it with the same values (no communication)."""
+    """For a checkpoint saved before checkpoints recorded their training examples (`training_order_identity`) and
+    resumed mid-epoch: a `UsageError` unless its progress fits this run's epochs of `steps_per_epoch` optimizer
+    steps (step = epoch x steps per epoch + step in the epoch), which it does not, from its second epoch on, where
+    the examples were other. Such are train_clm.py's and train_sft.py --packing's, whose data was prepared on
+    several processes: they cut other blocks then. (A run that ended mid-epoch and was resumed with more steps
+    starts its next epoch early: its older checkpoints after that are refused too.) Every rank calls it with the
+    same values (no communication)."""
     epoch, step_in_epoch = saved.get("epoch"), saved.get("step_in_epoch")
-    if not isinstance(epoch, int) or not isinstance(step_in_epoch, int):
-        return
-    if step_in_epoch > steps_per_epoch or saved.get("step") != epoch * steps_per_epoch + step_in_epoch:
+    if "train_examples" in saved or not isinstance(epoch, int) or not isinstance(step_in_epoch, int):
+        return  # checked by its identity, or too old to say
+    if step_in_epoch and saved.get("step") != epoch * steps_per_epoch + step_in_epoch:
         raise UsageError(
-            f"checkpoint {path!r} was trained on other training examples than this run's: its step {saved['step']} "
-            f"was step {step_in_epoch} of epoch {epoch + 1}, and this run's epochs take {steps_per_epoch} steps; "
-            "resume with the training data and settings it was saved with, or start a new run in another --output_dir"
+            f"checkpoint {path!r}, saved before checkpoints recorded their training examples, is at step "
+            f"{step_in_epoch} of epoch {epoch + 1} (step {saved.get('step')}), which this run's epochs of "
+            f"{steps_per_epoch} steps do not reach: it was trained on other examples; resume with the training data "
+            "and settings it was saved with, or start a new run in another --output_dir"
         )
 
 

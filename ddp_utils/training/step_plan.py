@@ -98,16 +98,19 @@ class StepPlan:
         return self._progress["step"] >= self.max_train_steps
 
     def epochs(self):
-        """The epochs still to run: all of them, or those after a resumed checkpoint; none once the
-        run has taken its --max_train_steps (a checkpoint of its last step, resumed, took one more)."""
-        return range(0) if self.done else range(self._progress["epoch"], self.num_epochs)
+        """The epochs still to run (all of them, or those after a resumed checkpoint)."""
+        return range(self._progress["epoch"], self.num_epochs)
 
     def optimizer_steps(self, train_dataloader, epoch: int):
         """This rank's micro-batches of each optimizer step of `epoch` still to take, as lists of
         --gradient_accumulation_steps batches (`SeededMicroBatches`: iterating them seeds the dropout
         masks): the prepared dataloader set to the epoch's shuffle, past the steps a resumed run
-        already took. No communication: the order is drawn from the seed and the epoch alone. It
+        already took. None once the run has taken its --max_train_steps: a run resumed from its last
+        step's checkpoint then evaluates and ends as the uninterrupted run did after that step (it took
+        a step more). No communication: the order is drawn from the seed and the epoch alone. It
         times each step, data loading included, for `advance`."""
+        if self.done:
+            return
         batches = epoch_dataloader(
             self.accelerator, train_dataloader, epoch, steps_done=self._progress["step_in_epoch"]
         )
