@@ -2,6 +2,7 @@
 (seed, step, prompt, sample) whatever shares their batch, reward functions' faults as one line, N processes
 and accumulation training the same model as one big batch, and an exact resume."""
 
+import contextlib
 import json
 import math
 import os
@@ -12,7 +13,7 @@ from argparse import Namespace
 import numpy as np
 import pytest
 import torch
-from model_families import HYBRIDS, save_with_tokenizer, tiny_model
+from model_families import HYBRIDS, TEXT_FAMILIES, save_with_tokenizer, tiny_model
 from safetensors.numpy import load_file
 
 from conftest import AUDIT_HOOK_DIR, FILLER, REPO, WORDS, launch, load_script, make_tiny_causal_lm, refused_in_process
@@ -295,6 +296,128 @@ def test_lora_on_fp32_weights_samples_in_fp32_and_training_keeps_the_runs_autoca
     dtypes.clear()
     inner(input_ids=batch["input_ids"])
     assert dtypes == [torch.bfloat16], "a fault in generation left the forward without the run's autocast"
+
+
+def lora_model(chat_lm, dtype=torch.float32, **lora):
+    """The chat LM with LoRA on every linear layer, its B drawn at random: a trained adapter, not a zero one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(chat_lm, dtype=dtype)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **{"target_modules": "all-linear", **lora}))
+    torch.manual_seed(1)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.2)
+    return model
+
+
+@pytest.mark.fast
+def test_lora_merged_while_sampling_draws_the_same_samples_and_leaves_the_base_weights_bit_for_bit(
+    chat_lm, monkeypatch, fresh_accelerator_state
+):
+    """LoRA is merged while GRPO samples (on a GPU 43% fewer launches: bench/README.md): the adapters' layers do
+    not run, the samples are those of the unmerged model, and the base weights are the same tensors, bit for
+    bit, afterwards, also after a fault in generation (peft's unmerge would subtract, which rounds)."""
+    from accelerate import Accelerator
+
+    from ddp_utils.language_models import grpo
+    from ddp_utils.language_models.causal_lm import load_tokenizer
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    tokenizer = load_tokenizer(str(chat_lm))
+    model = accelerator.prepare(lora_model(chat_lm))
+    inner = accelerator.unwrap_model(model)
+    base = {name: p for name, p in inner.named_parameters() if not p.requires_grad}
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in base.items()}
+    adapter_calls = []
+    for name, module in inner.named_modules():
+        if name.endswith("lora_A.default"):
+            module.register_forward_hook(lambda *_: adapter_calls.append(1))
+    prompts = ["the movie was good", "a dull and slow film that I did not like at all"]
+    batch = PromptCollator(tokenizer.pad_token_id)(
+        [{"input_ids": tokenizer(text)["input_ids"], "index": i} for i, text in enumerate(prompts)]
+    )
+    args = Namespace(num_generations=4, max_completion_length=8, seed=0, temperature=1.0, top_p=1.0)
+
+    merged = sample_completions(accelerator, model, batch, tokenizer, args, step=3)
+    assert adapter_calls == [], "the adapters ran while sampling: LoRA was not merged"
+    with monkeypatch.context() as patch:
+        patch.setattr(grpo, "merged_for_generation", lambda *_: contextlib.nullcontext())
+        unmerged = sample_completions(accelerator, model, batch, tokenizer, args, step=3)
+    assert adapter_calls, "the unmerged model ran without its adapters"
+    assert torch.equal(merged["completion_ids"], unmerged["completion_ids"])
+    assert any(int(m.sum()) > 2 for m in merged["completion_mask"]), "too short to compare"
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(inner.get_base_model(), "generate", fault)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        sample_completions(accelerator, model, batch, tokenizer, args, step=3)
+    for name, parameter in base.items():
+        pointer, values = before[name]
+        assert parameter.data_ptr() == pointer and torch.equal(parameter, values), f"{name} changed"
+    assert not any(getattr(m, "merged_adapters", None) for m in inner.modules()), "a layer is left merged"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "dtype, lora, merged",
+    [
+        (torch.float32, {}, 14),  # every linear layer of both layers (7 each)
+        (torch.bfloat16, {}, 0),  # a young adapter's small update would round away in bf16
+        (torch.float32, {"use_dora": True}, 0),  # not plain LoRA
+        (torch.float32, {"target_modules": ["q_proj", "lm_head"]}, 2),  # the LM head's weight tied to the embeddings
+    ],
+    ids=["fp32", "bf16", "dora", "tied"],
+)
+def test_only_lora_layers_that_compute_the_same_merged_are_merged(
+    chat_lm, fresh_accelerator_state, dtype, lora, merged
+):
+    from accelerate import Accelerator
+
+    from ddp_utils.language_models.lora import mergeable_lora_layers
+
+    if "lm_head" in str(lora):  # the chat LM's head is its own: tie it, as Gemma's and Qwen's small models are
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(chat_lm)
+        assert not config.tie_word_embeddings
+        model = lora_model(chat_lm, dtype, **lora)
+        model.get_base_model().lm_head.base_layer.weight = model.get_base_model().model.embed_tokens.weight
+    else:
+        model = lora_model(chat_lm, dtype, **lora)
+    assert len(mergeable_lora_layers(Accelerator(cpu=True), model)) == merged
+
+
+@pytest.mark.parametrize("family", [*HYBRIDS, *TEXT_FAMILIES])
+def test_lora_merged_for_generation_computes_what_the_adapters_do_in_every_family(family, fresh_accelerator_state):
+    """Every family users bring, LoRA set up as the scripts do (GPT-2's Conv1D layers, fused QKV, MoE experts,
+    the mixers of the hybrids): merged while generating, the logits are the adapters', and the base weights are
+    left bit for bit."""
+    from accelerate import Accelerator
+
+    from ddp_utils.language_models.lora import add_lora, mergeable_lora_layers, merged_for_generation
+
+    accelerator = Accelerator(cpu=True)  # add_lora logs
+    spec = HYBRIDS.get(family) or TEXT_FAMILIES[family]
+    settings = Namespace(lora_target_modules="all-linear", lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                         lora_last_layers=0, seed=0)  # fmt: skip
+    config_class, model_class, extra = spec
+    model = add_lora(tiny_model(config_class, model_class, {**extra, "pad_token_id": 0}), settings).eval()
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.2)
+    assert mergeable_lora_layers(accelerator, model), "no layer merged"
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapters = model(input_ids=ids).logits
+        with merged_for_generation(accelerator, model):
+            merged = model(input_ids=ids).logits
+    torch.testing.assert_close(merged, adapters, rtol=1e-4, atol=1e-5)
+    assert [name for name, p in model.named_parameters() if not torch.equal(p, before[name])] == []
 
 
 # (model, LoRA, the run's precision). MPT samples the same too, from 13 graphs: its modeling code breaks the graph.

@@ -22,6 +22,7 @@ from ..data.evaluation import check_metric_for_best_model, gather_for_eval
 from ..training.compilation import generation_context
 from ..training.fsdp import root_ready_for_generation
 from .cache_rows import cache_of, counts_its_tokens, empty_cache, forget_rope_deltas, repeat_rows
+from .lora import merged_for_generation
 from .multimodal import text_config
 from .weight_reads import weights_read_whole
 
@@ -206,8 +207,9 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
             "answer_ids": F.pad(new, (0, max_new_tokens - new.shape[1]), value=tokenizer.pad_token_id),
         }
 
-    # Eager where the model is compiled layer by layer (FSDP); under ZeRO-3 the weights Mamba's mixers read gathered.
-    with generation_context(accelerator), weights_read_whole(generator):
+    # Eager where the model is compiled layer by layer (FSDP); under ZeRO-3 the weights Mamba's mixers read gathered;
+    # LoRA merged while answering (fewer launches).
+    with generation_context(accelerator), weights_read_whole(generator), merged_for_generation(accelerator, generator):
         results = gather_for_eval(accelerator, model, dataloader, answer)
     order = np.argsort(results["index"], kind="stable")
     if not np.array_equal(results["index"][order], np.arange(len(order))):

@@ -28,6 +28,7 @@ from ..training.fsdp import root_ready_for_generation
 from .cache_rows import cache_of, counts_its_tokens, empty_cache, forget_rope_deltas, repeat_rows
 from .generation import only_this_config, sampling_precision, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
+from .lora import merged_for_generation
 from .pair_scoring import ONE_ROW
 from .weight_reads import weights_read_whole
 
@@ -116,7 +117,9 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     try:  # one precision context for the whole call: autocast casts trainable weights once in it (its cache)
         # Eager where the model is compiled layer by layer (FSDP); --compile_generation's step compiles its own.
         stance = generation_context(accelerator) if decoding is None else contextlib.nullcontext()
-        with torch.no_grad(), sampling_precision(accelerator, generator), stance, weights_read_whole(generator):
+        # LoRA merged while sampling (fewer launches), but not into --compile_generation's graphs: their weights stay.
+        merged = merged_for_generation(accelerator, generator) if decoding is None else contextlib.nullcontext()
+        with torch.no_grad(), merged, sampling_precision(accelerator, generator), stance, weights_read_whole(generator):
             cache = empty_cache(generator)
             filled = generator(  # the prompts once: their cache and their last token's logits
                 input_ids=prompts,
