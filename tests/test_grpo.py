@@ -363,32 +363,35 @@ def test_lora_merged_while_sampling_draws_the_same_samples_and_leaves_the_base_w
 
 @pytest.mark.fast
 @pytest.mark.parametrize(
-    "dtype, lora, merged",
+    "dtype, lora, gpu_room, merged",
     [
-        (torch.float32, {}, 14),  # every linear layer of both layers (7 each)
-        (torch.bfloat16, {}, 0),  # a young adapter's small update would round away in bf16
-        (torch.float32, {"use_dora": True}, 0),  # not plain LoRA
-        (torch.float32, {"target_modules": ["q_proj", "lm_head"]}, 2),  # the LM head's weight tied to the embeddings
+        (torch.float32, {}, None, 14),  # every linear layer of both layers (7 each)
+        (torch.bfloat16, {}, None, 0),  # a young adapter's small update would round away in bf16
+        (torch.float32, {"use_dora": True}, None, 0),  # not plain LoRA
+        (torch.float32, {"target_modules": ["q_proj", "lm_head"]}, None, 2),  # the head tied to the embeddings
+        (torch.float32, {}, 0, 14),  # on a GPU whose memory is 8 times the copies': room
+        (torch.float32, {}, -1, 0),  # a byte less: none merged
     ],
-    ids=["fp32", "bf16", "dora", "tied"],
+    ids=["fp32", "bf16", "dora", "tied", "gpu-room", "gpu-no-room"],
 )
 def test_only_lora_layers_that_compute_the_same_merged_are_merged(
-    chat_lm, fresh_accelerator_state, dtype, lora, merged
+    chat_lm, fresh_accelerator_state, monkeypatch, dtype, lora, gpu_room, merged
 ):
     from accelerate import Accelerator
 
-    from ddp_utils.language_models.lora import mergeable_lora_layers
+    from ddp_utils.language_models.lora import MERGED_SHARE, mergeable_lora_layers
 
+    model = lora_model(chat_lm, dtype, **lora)
     if "lm_head" in str(lora):  # the chat LM's head is its own: tie it, as Gemma's and Qwen's small models are
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(chat_lm)
-        assert not config.tie_word_embeddings
-        model = lora_model(chat_lm, dtype, **lora)
+        assert not model.config.tie_word_embeddings
         model.get_base_model().lm_head.base_layer.weight = model.get_base_model().model.embed_tokens.weight
-    else:
-        model = lora_model(chat_lm, dtype, **lora)
-    assert len(mergeable_lora_layers(Accelerator(cpu=True), model)) == merged
+    accelerator = Accelerator(cpu=True)
+    if gpu_room is not None:  # on a GPU of 8 times the size of the merged copies, + gpu_room bytes
+        copies = sum(m.get_base_layer().weight.nbytes for m in model.modules() if hasattr(m, "lora_A"))
+        memory = Namespace(total_memory=MERGED_SHARE * copies + gpu_room)
+        monkeypatch.setattr(type(accelerator), "device", property(lambda self: torch.device("cuda", 0)))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: memory)
+    assert len(mergeable_lora_layers(accelerator, model)) == merged
 
 
 @pytest.mark.parametrize("family", [*HYBRIDS, *TEXT_FAMILIES])

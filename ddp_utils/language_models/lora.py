@@ -261,7 +261,7 @@ MERGED_SHARE = 8  # the merged copies take at most 1/8 of the GPU's memory: else
 @contextlib.contextmanager
 def merged_for_generation(accelerator, model):
     """`model` (unwrapped) generates with each LoRA layer merged: the layer runs one matmul, as the merged model
-    does, instead of four more operators per call (on a GPU a small model's decoding is bound by launches: GRPO's
+    does, instead of about five more operators per call (on a GPU a small model's decoding is bound by launches: GRPO's
     generation dispatched 43% fewer, bench/README.md "GRPO's generation"). The merged weight is a new tensor swapped
     in for the base weight's data and swapped back out on exit, so the base weights end bit for bit as they were
     (peft's unmerge subtracts again, which rounds). Only where it computes the same: fp32 base weights (bf16 would
@@ -302,8 +302,10 @@ def mergeable_lora_layers(accelerator, model) -> list:
         active = [adapter for adapter in layer.active_adapters if adapter in layer.lora_A]
         weight = getattr(layer.get_base_layer(), "weight", None)
         plain = len(active) == 1 and active[0] not in layer.lora_variant and not layer.lora_bias.get(active[0])
-        fp32 = isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.float32
-        if plain and fp32 and names[id(weight)] == 1:
+        frozen_fp32 = (
+            isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.float32 and not weight.requires_grad
+        )
+        if plain and frozen_fp32 and names[id(weight)] == 1:
             layers.append((layer, active[0]))
     size = sum(layer.get_base_layer().weight.nbytes for layer, _ in layers)
     device = accelerator.device
