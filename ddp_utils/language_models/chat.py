@@ -245,6 +245,11 @@ def tokenize_conversation(
     return fit_block(ids, labels, block_size, cut_targets=loss_on == "all", head=head)
 
 
+def bos_head(tokenizer, ids: list[int]) -> int:
+    """1 where `ids` start with the tokenizer's BOS, which a cut keeps, else 0."""
+    return int(bool(ids) and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id)
+
+
 def head_length(tokenizer, messages: list[dict] | None, text: str, keep: int = 0) -> int:
     """How many of the first tokens of `text` (tokenized without special tokens added) a cut keeps:
     BOS, and the system turn's text with the special tokens that close it, where the conversation
@@ -254,7 +259,7 @@ def head_length(tokenizer, messages: list[dict] | None, text: str, keep: int = 0
     keeps BOS."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-    head = 1 if ids and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id else 0
+    head = bos_head(tokenizer, ids)
     system = messages[0]["content"].strip() if messages and messages[0]["role"] == "system" else ""
     where = text.find(system) if system else -1
     end = max(where + len(system) if where >= 0 else 0, keep)

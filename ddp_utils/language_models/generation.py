@@ -24,6 +24,7 @@ from ..training.fsdp import root_ready_for_generation
 from .cache_rows import cache_of, counts_its_tokens, empty_cache, forget_rope_deltas, repeat_rows
 from .lora import merged_for_generation
 from .multimodal import text_config
+from .sft_data import plain_prompt_ids
 from .weight_reads import weights_read_whole
 
 logger = get_logger(__name__)
@@ -357,10 +358,7 @@ def show_sample(accelerator: Accelerator, model, tokenizer, prompt: str, max_new
     if is_sharded(accelerator):
         logger.info("sample generation skipped: with sharded weights every rank would have to take part")
         return
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    input_ids = torch.tensor(
-        [bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=accelerator.device
-    )
+    input_ids = torch.tensor([plain_prompt_ids(tokenizer, prompt, separator="")], device=accelerator.device)
     generator = accelerator.unwrap_model(model).eval()
     with torch.no_grad(), accelerator.autocast(), generation_context(accelerator):
         output = generator.generate(

@@ -8,7 +8,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..data.dataloaders import SAMPLE_WEIGHT
-from .chat import check_tool_turns, cut_middle, cut_prompt, refused_by_template, render
+from .chat import bos_head, check_tool_turns, cut_middle, cut_prompt, refused_by_template, render
 from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
 
 logger = get_logger(__name__)
@@ -67,7 +67,7 @@ def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: 
         if cut and isinstance(prompt, list):
             ids = cut_prompt(tokenizer, prompt, text, ids, tools, cut)
         elif cut:  # plain text: BOS stays
-            ids = cut_middle(ids, int(tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id), cut)
+            ids = cut_middle(ids, bos_head(tokenizer, ids), cut)
         return {"input_ids": ids, "index": index, "length": len(ids), "cut": cut}
 
     import datasets

@@ -13,7 +13,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from .chat import cut_middle, head_length, render, text_content
-from .sft_data import PROMPT_SEPARATOR, alpaca_prompt, settle_chat_template
+from .sft_data import PROMPT_SEPARATOR, alpaca_prompt, plain_prompt_ids, settle_chat_template
 from .turns import json_turns, sharegpt_turns
 
 logger = get_logger(__name__)
@@ -192,8 +192,7 @@ def tokenize_pair(pair, fmt: PairFormat, tokenizer) -> tuple[list[int], list[int
     prompt, chosen, rejected = pair
     if isinstance(prompt, str) and not fmt.chat_template:
         separator = "" if fmt.kind == "implicit" else PROMPT_SEPARATOR
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        prompt_ids = bos + tokenizer(prompt + separator, add_special_tokens=False)["input_ids"]
+        prompt_ids = plain_prompt_ids(tokenizer, prompt, separator)
         answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in pair[1:]]
         return prompt_ids, answers[0], answers[1], chosen
     if isinstance(prompt, str):

@@ -15,6 +15,7 @@ from ..core.errors import UsageError
 from .causal_lm import IGNORE_INDEX
 from .chat import (
     as_messages,
+    bos_head,
     check_messages,
     cut_middle,
     cut_prompt,
@@ -170,8 +171,10 @@ def refuse_other_data(train) -> None:
             )
 
 
-def _bos(tokenizer) -> list[int]:
-    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+def plain_prompt_ids(tokenizer, prompt: str, separator: str = PROMPT_SEPARATOR) -> list[int]:
+    """A plain-text prompt as training shows it: BOS (where the tokenizer has one), the prompt and `separator`."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer(prompt + separator, add_special_tokens=False)["input_ids"]
 
 
 def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, index: int = 0, split: str = "train"):
@@ -185,10 +188,10 @@ def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, in
     if tools:
         raise UsageError(f"{split} record {index} has tools, which only a chat template shows: {NEEDS_TEMPLATE}")
     prompt, completion = fmt.prompt_and_completion(record)
-    prompt = _bos(tokenizer) + tokenizer(prompt + PROMPT_SEPARATOR, add_special_tokens=False)["input_ids"]
+    prompt = plain_prompt_ids(tokenizer, prompt)
     completion = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     labels = (prompt if fmt.loss_on == "all" else [IGNORE_INDEX] * len(prompt)) + completion
-    head = len(_bos(tokenizer))
+    head = bos_head(tokenizer, prompt)
     return fit_block(prompt + completion, labels, block_size, cut_targets=fmt.loss_on == "all", head=head)
 
 
@@ -201,12 +204,12 @@ def generation_prompt_ids(record: dict, fmt: SFTFormat, tokenizer, max_prompt_to
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         prompt, reference = fmt.prompt_and_completion(record)
-        ids = _bos(tokenizer) + tokenizer(prompt + PROMPT_SEPARATOR, add_special_tokens=False)["input_ids"]
+        ids = plain_prompt_ids(tokenizer, prompt)
     cut = max(len(ids) - max_prompt_tokens, 0)
     if not cut:
         return ids, reference, False
     if messages is None:
-        return cut_middle(ids, len(_bos(tokenizer)), cut), reference, True
+        return cut_middle(ids, bos_head(tokenizer, ids), cut), reference, True
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     return cut_prompt(tokenizer, messages[:last], text, ids, tools, cut), reference, True
 
