@@ -27,10 +27,10 @@ from ddp_utils.data.demo import demo_resnet_path, load_demo_digits
 from ddp_utils.data.vision import (
     EXAMPLE_ID,
     ImageCollator,
-    check_class_folders,
     check_sync_batchnorm,
     convert_sync_batchnorm,
     drop_bad_images,
+    image_folders,
 )
 
 logger = get_logger(__name__)
@@ -57,8 +57,18 @@ def parse_args(argv=None):
     )
     p.add_argument("--skip_bad_images", action="store_true", help="train without unreadable images (counted) instead")
     p.add_argument("--sync_batchnorm", action="store_true", help="BatchNorm over the global batch (GPUs only)")
-    p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training images")
-    p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation images")
+    p.add_argument(
+        "--max_train_samples",
+        type=int,
+        default=None,
+        help="use only N training images (an image folder: mixed classes)",
+    )
+    p.add_argument(
+        "--max_eval_samples",
+        type=int,
+        default=None,
+        help="use only N validation images (an image folder: mixed classes)",
+    )
     ddp_utils.add_training_args(p)  # batch sizes, learning rate, checkpoints, output, tracking
     p.set_defaults(per_device_train_batch_size=32, per_device_eval_batch_size=64, output_dir="outputs/train_image")
     p.set_defaults(num_train_epochs=None, metric_for_best_model="eval_accuracy")  # epochs: set below
@@ -84,10 +94,7 @@ def parse_args(argv=None):
 #   data = data.map(lambda row: {"label": "cat" if row["label"] in ("tabby", "siamese") else "dog"})
 def load_raw_datasets(args):
     if args.train_dir:
-        folders = {"train": f"{args.train_dir}/**"}
-        if args.validation_dir:
-            folders["validation"] = f"{args.validation_dir}/**"
-        return datasets.load_dataset("imagefolder", data_files=folders)
+        return image_folders(args.train_dir, args.validation_dir)  # a subfolder per class; columns image, label
     if args.dataset_name:
         raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
         return ddp_utils.named_splits(raw, args.train_split, args.validation_split)  # the Hub's own split names
@@ -102,8 +109,6 @@ def prepare_data(args):
     processor and the model's config (with the labels). Runs on the main process first, then on
     the others."""
     raw = load_raw_datasets(args)
-    if args.train_dir:
-        check_class_folders(raw, args.train_dir, args.label_column)  # images in one folder have no labels
     columns = {args.image_column: "--image_column", args.label_column: "--label_column"}
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
     raw = ddp_utils.check_splits(

@@ -6,6 +6,7 @@ through `pipeline`; unreadable images; the offline default."""
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -291,6 +292,10 @@ def test_an_unreadable_image_is_named_or_skipped_and_counted(runs, images, tmp_p
 
 
 def one_class_folder(tmp_path, images):
+    return ["--train_dir", write_image_folder(tmp_path / "one", {"dark": 6}, seed=4)]
+
+
+def images_outside_class_folders(tmp_path, images):
     return ["--train_dir", write_image_folder(tmp_path / "one", {"dark": 6}, seed=4) / "dark"]
 
 
@@ -300,7 +305,9 @@ def unseen_validation_class(tmp_path, images):
 
 
 BAD_INPUT = {
-    "one_class": (one_class_folder, "holds images of one class only"),
+    "one_class": (one_class_folder, "holds images of one class only ('dark')"),
+    "no_class_folders": (images_outside_class_folders, "holds 6 image(s) outside class subfolders (first: '0.png')"),
+    "missing_folder": (lambda tmp_path, images: ["--validation_dir", tmp_path / "nope"], "/nope' does not exist"),
     "unseen_validation_class": (
         unseen_validation_class,
         "validation labels ['blurred'] never occur in the training data",
@@ -317,6 +324,97 @@ def test_bad_input_fails_fast_on_every_rank(case, runs, images, tmp_path):
         args[args.index(flag) + 1] = value
     result = launch(TRAIN_IMAGE, *args, num_processes=2, timeout=120, real_launcher=True)
     assert_fails_cleanly(result, expected, output_dir)
+
+
+@pytest.mark.fast
+def test_an_image_folder_labels_each_image_by_its_class_subfolder_at_any_depth(tmp_path, caplog):
+    """Layouts users bring: images nested below their class folder (cat/closeup/, dog/batch1/), the validation
+    folder at another depth and given with a trailing slash, macOS's decomposed names and its hidden files, a
+    README, a format this Pillow cannot read (HEIC without its plugin: left out, counted in a warning)."""
+    from accelerate import PartialState
+
+    from ddp_utils.data.vision import image_folders
+
+    PartialState(cpu=True)  # the warning is logged through Accelerate
+    train, validation = tmp_path / "train", tmp_path / "deeper" / "by-hand" / "val"
+    write_image_folder(train / "cat" / "closeup", {"x": 2}, seed=1)  # train/cat/closeup/x/*.png
+    write_image_folder(train / "dog", {"batch1": 2, "batch2": 1}, seed=2)
+    write_image_folder(train, {"cafe\u0301": 2}, seed=3)  # "café", decomposed as macOS writes it
+    write_image_folder(validation, {"dog": 1, "caf\u00e9": 1}, seed=4)
+    for junk in (".DS_Store", "README.md", "cat/._0.png", ".ipynb_checkpoints/cat/0.png", "dog/scan.heic"):
+        (train / junk).parent.mkdir(parents=True, exist_ok=True)
+        (train / junk).write_bytes(b"not an image")
+
+    with caplog.at_level("WARNING"):
+        raw = image_folders(str(train), f"{validation}/")
+    labels = {split: sorted(raw[split]["label"]) for split in raw}
+    assert labels == {"train": ["café", "café", "cat", "cat", "dog", "dog", "dog"], "validation": ["café", "dog"]}
+    assert "--train_dir: 1 file(s) left out, not images this Pillow reads: .heic (1)" in caplog.text  # not README
+    assert raw["train"][0]["image"].size[0] >= 10  # decoded from its path
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "layout, expected",
+    [
+        (
+            {"cat.png": 1, "dog/0.png": 1, "cat/0.png": 1},
+            "holds 1 image(s) outside class subfolders (first: 'cat.png')",
+        ),
+        (
+            {"cat/notes.txt": 1, "dog/x.heic": 2},
+            "holds no images in class subfolders (cat/1.jpg, cat/2.jpg, dog/1.jpg, ...); left out, not a",
+        ),
+        ({"cat/0.png": 1, "cat/1.png": 1}, "holds images of one class only ('cat')"),
+        ({}, "holds no images in class subfolders"),
+    ],
+    ids=["loose-image", "no-readable-image", "one-class", "empty"],
+)
+def test_an_image_folder_that_cannot_train_is_refused_in_one_line(tmp_path, layout, expected):
+    from ddp_utils.core.errors import UsageError
+    from ddp_utils.data.vision import image_folders
+
+    train = tmp_path / "train"
+    train.mkdir()
+    for path in layout:
+        (train / path).parent.mkdir(parents=True, exist_ok=True)
+        image = path.endswith(".png")
+        class_image("dark", random.Random(0)).save(train / path) if image else (train / path).write_bytes(b"x")
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        image_folders(str(train))
+
+
+@pytest.mark.fast
+def test_an_image_folders_order_mixes_its_classes_and_keeps_when_images_are_added(tmp_path):
+    """--max_train_samples takes the first N images: in the folder's sorted order that was one class (a model of
+    that class alone, or "validation labels never occur in training"); the order by path hash mixes them."""
+    from ddp_utils.data.vision import image_folders
+
+    train = write_image_folder(tmp_path / "train", {"dark": 20, "bright": 20, "striped": 20}, seed=0)
+    first = image_folders(str(train))["train"]["label"]
+    assert len(set(first[:6])) == 3
+    write_image_folder(tmp_path / "train", {"new": 5}, seed=1)
+    again = image_folders(str(train))["train"]["label"]
+    assert [label for label in again if label != "new"] == first
+
+
+@pytest.mark.fast
+def test_16_bit_and_float_images_are_scaled_to_8_bits_not_clipped_white(tmp_path):
+    """A 16-bit PNG opens as I;16 (values up to 65,535): PIL's own conversion to RGB clipped nearly every pixel to
+    white, and a run on such scans ended at chance accuracy, reported as a success."""
+    from ddp_utils.data.vision import in_mode
+
+    values = np.linspace(0, 65535, 64, dtype=np.uint16).reshape(8, 8)
+    Image.fromarray(values).save(tmp_path / "scan.png")
+    scan = Image.open(tmp_path / "scan.png")
+    assert scan.mode.startswith("I")
+    expected = np.rint(values / 257).astype(np.uint8)
+    np.testing.assert_array_equal(np.asarray(in_mode(scan, "L")), expected)
+    np.testing.assert_array_equal(np.asarray(in_mode(scan, "RGB"))[..., 1], expected)
+    floats = Image.fromarray((values / 65535).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(in_mode(floats, "L")), np.rint(values / 65535 * 255).astype(np.uint8))
+    rgba = class_image("striped", random.Random(1)).convert("RGBA")
+    np.testing.assert_array_equal(np.asarray(in_mode(rgba, "RGB")), np.asarray(rgba.convert("RGB")))
 
 
 def test_offline_default_runs_a_few_steps(tmp_path):

@@ -6,8 +6,10 @@ PIL and NumPy only: torchvision has no CPU wheel on many machines and pulls CUDA
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import unicodedata
 
 import numpy as np
 import torch
@@ -18,6 +20,7 @@ from ..core.errors import UsageError
 from .dataloaders import EPOCH, SAMPLE_WEIGHT
 
 logger = get_logger(__name__)
+FOLDER_PER_CLASS = "cat/1.jpg, cat/2.jpg, dog/1.jpg, ..."  # an image folder's layout, as errors show it
 EXAMPLE_ID = "example_id"  # each training image's index: with the seed and epoch, it fixes its augmentation
 
 
@@ -39,18 +42,78 @@ def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
     return bad
 
 
-def check_class_folders(raw, train_dir: str, label_column: str) -> None:
-    """Refuse an image folder whose images are not in class subfolders: `imagefolder` then gives
-    them no label, and a classifier needs at least two classes. Any rank may call it."""
-    train = raw["train"] if "train" in raw else None
-    if train is not None and (
-        label_column not in train.column_names or train.with_format("arrow")[label_column].null_count
-    ):
+def image_folders(train_dir: str, validation_dir: str | None = None):
+    """A DatasetDict of the images under `train_dir` ("train") and `validation_dir` ("validation"), each labelled
+    by the subfolder of the folder it is in (train/cat/a.jpg and train/cat/closeup/b.jpg: "cat"). Every file whose
+    extension this Pillow reads is an image; other files are left out with a warning that counts them by extension
+    (.heic without its plugin), hidden ones silently. Each split is in a fixed order that mixes the classes (by a
+    hash of each file's path), so --max_train_samples N takes images of every class. A missing folder, images
+    outside class subfolders, no images and one class only are refused in one line. Any rank may call it."""
+    import datasets
+
+    splits = {"train": _class_images(train_dir, "--train_dir")}
+    if len(set(splits["train"]["label"])) < 2:
         raise UsageError(
-            f"--train_dir {train_dir!r} holds images of one class only (its images are not in class "
-            "subfolders); a classifier needs at least two: put each class's images in its own subfolder "
-            "(train/cat/*.jpg, train/dog/*.jpg, ...)"
+            f"--train_dir {train_dir!r} holds images of one class only ({splits['train']['label'][0]!r}); a classifier "
+            f"needs at least two: put each class's images in its own subfolder ({FOLDER_PER_CLASS})"
         )
+    if validation_dir:
+        splits["validation"] = _class_images(validation_dir, "--validation_dir")
+    return datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image())
+            for split, rows in splits.items()
+        }
+    )
+
+
+def _class_images(folder: str, option: str) -> dict:
+    """{"image": paths, "label": class names} of the images in `folder`'s class subfolders (`image_folders`)."""
+    from PIL import Image
+
+    if not os.path.isdir(folder):
+        problem = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise UsageError(f"{option} {folder!r} {problem}; give the folder that holds a subfolder per class")
+    readable = {extension.lower() for extension in Image.registered_extensions()}
+    images, loose, left_out = [], [], {}
+    for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
+        if entry.name.startswith((".", "__")):  # .DS_Store, .ipynb_checkpoints, __MACOSX
+            continue
+        if entry.is_dir():
+            label = unicodedata.normalize("NFC", entry.name)  # macOS writes names decomposed (NFD)
+            for root, dirs, files in os.walk(entry.path, followlinks=True):
+                dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+                for name in files:
+                    extension = os.path.splitext(name)[1].lower()
+                    if name.startswith("."):  # macOS's ._cat.jpg beside cat.jpg: its metadata, not an image
+                        continue
+                    if extension in readable:
+                        images.append((os.path.join(root, name), label))
+                    else:
+                        left_out[extension or name] = left_out.get(extension or name, 0) + 1
+        elif os.path.splitext(entry.name)[1].lower() in readable:
+            loose.append(entry.name)
+    if loose:
+        raise UsageError(
+            f"{option} {folder!r} holds {len(loose)} image(s) outside class subfolders (first: {loose[0]!r}); put "
+            f"each class's images in its own subfolder ({FOLDER_PER_CLASS})"
+        )
+    if not images:
+        raise UsageError(
+            f"{option} {folder!r} holds no images in class subfolders ({FOLDER_PER_CLASS})"
+            + (f"; left out, not a format this Pillow reads: {_counted(left_out)}" if left_out else "")
+        )
+    if left_out:
+        logger.warning(f"{option}: {sum(left_out.values())} file(s) left out, not images this Pillow reads: "
+                       f"{_counted(left_out)}")  # fmt: skip
+    images.sort(key=lambda image: hashlib.sha1(os.path.relpath(image[0], folder).encode()).digest())
+    return {"image": [path for path, _ in images], "label": [label for _, label in images]}
+
+
+def _counted(counts: dict) -> str:
+    """'.heic (4), .txt (1)': the most frequent first, at most 8."""
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return ", ".join(f"{name} ({count})" for name, count in ranked[:8]) + (", ..." if len(ranked) > 8 else "")
 
 
 def drop_bad_images(raw, image_column: str, skip: bool) -> dict:
@@ -88,6 +151,21 @@ def random_shift(image, rng: np.random.Generator, fraction: float = 0.125, flip:
     return image
 
 
+def in_mode(image, mode: str):
+    """`image` in `mode` (RGB or L). An image of 16-bit or 32-bit integers (16-bit PNG and TIFF scans: I;16, I) or of
+    floats (F) is first scaled to 8 bits: PIL's own conversion clips it, which turned most 16-bit pixels white."""
+    from PIL import Image
+
+    if image.mode.startswith("I;16") or image.mode == "I":  # 16-bit values, also where PIL holds them as I
+        pixels = np.asarray(image, dtype=np.float64) / 257
+        image = Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8))
+    elif image.mode == "F":  # floats: in [0, 1] as most tools write them, else taken as 0 to 255
+        pixels = np.asarray(image, dtype=np.float64)
+        pixels = pixels * 255 if pixels.size and np.nanmax(pixels) <= 1 else pixels
+        image = Image.fromarray(np.clip(np.rint(np.nan_to_num(pixels)), 0, 255).astype(np.uint8))
+    return image.convert(mode)
+
+
 class ImageCollator:
     """Rows with an image and a label -> `pixel_values`, `labels` (and `sample_weight` for training).
 
@@ -113,7 +191,7 @@ class ImageCollator:
         self.augment, self.flip, self.seed = augment, flip, seed
 
     def __call__(self, rows: list[dict]) -> dict:
-        images = [row[self.image_column].convert(self.mode) for row in rows]
+        images = [in_mode(row[self.image_column], self.mode) for row in rows]
         if self.augment:
             images = [
                 random_shift(image, np.random.default_rng([self.seed, row[EPOCH], row[EXAMPLE_ID]]), flip=self.flip)
