@@ -99,9 +99,10 @@ def prepare_data(args):
     columns = {**{c: "--text_column" for c in args.text_columns}, args.label_column: "--label_column"}
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
     hold_out = args.validation_split_percentage
-    raw = ddp_utils.check_splits(
-        load_raw_datasets(args), columns, limits=limits, hold_out_percentage=hold_out, seed=args.seed
-    )
+    raw = ddp_utils.check_splits(  # a held-out share keeps each class's share (stratified by the label)
+        load_raw_datasets(args), columns, limits=limits, hold_out_percentage=hold_out, seed=args.seed,
+        stratify_by=args.label_column,
+    )  # fmt: skip
     task, labels, to_label = label_task(raw, args.label_column, args.task)  # regression: a column of floats
     ddp_utils.check_metric_for_best_model(args, TASKS[task], default=TASK_METRIC[task])  # ranks the checkpoints
     config = ddp_utils.load_model_config(args.model_name_or_path, args.trust_remote_code, **labels)

@@ -293,6 +293,40 @@ def test_check_splits_is_the_one_data_check_of_every_script():
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize(
+    "labels, held_out",
+    [
+        (["pos"] * 60 + ["neg"] * 30 + ["rare"] * 10, {"pos": 9, "neg": 5, "rare": 1}),  # 15 of 100, by share
+        ([f"intent{i % 6}" for i in range(18)] + ["once"] * 1, {f"intent{i}": 1 for i in range(3)}),  # a class of one
+        ([i % 4 for i in range(12)], {0: 1, 1: 1}),  # ints; 2 rows held out of 4 classes
+    ],
+    ids=["by-share", "class-of-one", "more-classes-than-held-out"],
+)
+def test_a_held_out_split_keeps_each_class_in_training_and_its_share_in_validation(labels, held_out):
+    """No --validation_file: the share held out is drawn class by class, in proportion, each class keeping at least
+    one row in training. datasets' stratified split refused a class of one example and more classes than rows held
+    out (raw tracebacks), and train.py's split was not stratified: a rare class could land in validation alone,
+    refused as "validation labels never occur in the training data"."""
+    import datasets
+
+    train = datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(len(labels))], "label": labels})
+    percentage = round(100 * sum(held_out.values()) / len(labels))
+    splits = ddp_utils.check_splits(
+        datasets.DatasetDict({"train": train}), {"text": "--text_column"}, hold_out_percentage=percentage, seed=1,
+        stratify_by="label",
+    )  # fmt: skip
+    held, kept = (list(splits[split]["label"]) for split in ("validation", "train"))
+    assert {label: held.count(label) for label in set(held)} == held_out
+    assert set(kept) == set(labels), "a class left training"
+    assert sorted([*splits["train"]["text"], *splits["validation"]["text"]]) == sorted(train["text"])
+    again = ddp_utils.check_splits(
+        datasets.DatasetDict({"train": train}), {"text": "--text_column"}, hold_out_percentage=percentage, seed=1,
+        stratify_by="label",
+    )  # fmt: skip
+    assert list(again["validation"]["text"]) == list(splits["validation"]["text"]), "the same seed, another split"
+
+
+@pytest.mark.fast
 def test_fetch_weights_finds_single_and_sharded_hub_weights_and_skips_local_dirs(tiny_lm, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import os
 
+import numpy as np
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
@@ -150,7 +151,7 @@ def check_splits(
     fix, and return a `DatasetDict` with the "train" and "validation" splits.
 
     - Validation is the "validation" split, else "test", else `hold_out_percentage` % of the
-      training data (stratified by `stratify_by` when that column is a `ClassLabel`), else an error.
+      training data (stratified by `stratify_by` where that column holds classes), else an error.
     - `columns` maps each column the run needs to the option that names it: a missing column, or
       a missing value in one, is refused with that option.
     - Text columns: `blank="refuse"` refuses empty or blank values too, `"drop"` drops their rows
@@ -226,18 +227,51 @@ def _is_blank(values):
 
 
 def _hold_out(train, percentage: int, seed: int, stratify_by: str | None, data_options: str) -> dict:
-    """{"train": ..., "validation": ...}: `percentage` % of `train` held out (at least one record)."""
-    import datasets
-
+    """{"train": ..., "validation": ...}: `percentage` % of `train` held out (at least one record), by `seed`;
+    stratified by the `stratify_by` column where it holds classes (`_stratified`)."""
     held_out = max(1, round(len(train) * percentage / 100))
     if len(train) - held_out < 1:
         raise UsageError(
             f"{len(train)} training record(s) are too few to hold out a validation split; "
             f"give more data or a validation split ({data_options})"
         )
-    stratify = stratify_by if isinstance(train.features.get(stratify_by), datasets.ClassLabel) else None
-    parts = train.train_test_split(test_size=held_out, seed=seed, stratify_by_column=stratify)
-    return {"train": parts["train"], "validation": parts["test"]}
+    chosen = _stratified(train, stratify_by, held_out, seed) if stratify_by in train.column_names else None
+    if chosen is None:
+        parts = train.train_test_split(test_size=held_out, seed=seed)
+        return {"train": parts["train"], "validation": parts["test"]}
+    kept = np.ones(len(train), dtype=bool)
+    kept[chosen] = False
+    return {"train": train.select(np.flatnonzero(kept)), "validation": train.select(chosen)}
+
+
+def _stratified(train, column: str, held_out: int, seed: int) -> list[int] | None:
+    """The rows to hold out, `held_out` of them, drawn from each class of `column` in proportion to its size
+    (largest remainders first), each class keeping at least one row in training, so that no validation label is
+    missing from training; within a class, by `seed`. None where `column` holds no classes (floats, lists) or
+    the classes cannot spare the rows. `datasets`' own stratified split refused a class of one example, and
+    more classes than rows held out."""
+    import pyarrow as pa
+
+    values = train.with_format("arrow")[column]
+    kind = values.type.value_type if pa.types.is_dictionary(values.type) else values.type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_integer(kind)
+            or pa.types.is_boolean(kind)):  # fmt: skip
+        return None
+    rows = {}
+    for row, label in enumerate(values.to_pylist()):
+        rows.setdefault(label, []).append(row)
+    classes = sorted(rows, key=lambda label: (label is None, str(type(label)), str(label)))
+    share = {label: len(rows[label]) * held_out / len(train) for label in classes}
+    take = {label: min(int(share[label]), len(rows[label]) - 1) for label in classes}
+    by_remainder = sorted(classes, key=lambda label: (-(share[label] - int(share[label])), -len(rows[label])))
+    while sum(take.values()) < held_out:
+        room = [label for label in by_remainder if take[label] < len(rows[label]) - 1]
+        if not room:
+            return None
+        for label in room[: held_out - sum(take.values())]:
+            take[label] += 1
+    rng = np.random.default_rng(seed)
+    return sorted(row for label in classes for row in rng.permutation(rows[label])[: take[label]].tolist())
 
 
 def preparation_processes(args, rows: int) -> int | None:
