@@ -101,7 +101,7 @@ def prepare_data(args):
     hold_out = args.validation_split_percentage
     raw = ddp_utils.check_splits(  # a held-out share keeps each class's share (stratified by the label)
         load_raw_datasets(args), columns, limits=limits, hold_out_percentage=hold_out, seed=args.seed,
-        stratify_by=args.label_column,
+        stratify_by=args.label_column, text=args.text_columns,
     )  # fmt: skip
     task, labels, to_label = label_task(raw, args.label_column, args.task)  # regression: a column of floats
     ddp_utils.check_metric_for_best_model(args, TASKS[task], default=TASK_METRIC[task])  # ranks the checkpoints
@@ -121,7 +121,8 @@ def prepare_data(args):
         return encoded
 
     processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
-    tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, num_proc=processes)
+    used = [*text_columns, label_column]  # a column in one split only (a file's "source") would fail in `map`
+    tokenized = raw.select_columns(used).map(tokenize, batched=True, remove_columns=used, num_proc=processes)
     return tokenized, tokenizer, config
 
 

@@ -113,7 +113,8 @@ def tokenize_in_blocks(raw, tokenizer, args, block_size):
         }
 
     processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
-    encoded = raw.map(encode, batched=True, remove_columns=raw["train"].column_names, num_proc=processes)
+    used = raw.select_columns([column])  # a column in one split only (a file's "source") would fail in `map`
+    encoded = used.map(encode, batched=True, remove_columns=[column], num_proc=processes)
     blocks = datasets.DatasetDict({split: text_blocks(rows, block_size) for split, rows in encoded.items()})
     report = {}
     for split in ("train", "validation"):
@@ -142,6 +143,7 @@ def prepare_data(args):
         hold_out_percentage=args.validation_split_percentage,
         seed=args.seed,
         blank="drop",
+        text=[args.text_column],
     )  # blank lines are normal in .txt files
     config, tokenizer, block_size = ddp_utils.load_config_and_tokenizer(args)
     blocks, report = tokenize_in_blocks(raw, tokenizer, args, block_size)

@@ -263,6 +263,89 @@ def test_an_integer_label_column_says_how_many_classes_it_made_and_regression_ne
         label_task(datasets.DatasetDict({"train": words, "validation": words}), "label", "regression")
 
 
+# --- Classification files as spreadsheets and scripts write them ------------------------------------
+
+
+def classify(tmp_path, tiny_model, files: dict, *extra):
+    """train.py's own parse_args and prepare_data on `files` ({"train.csv": text, ...}: the first the training
+    file, a second the validation file), with the tiny BERT."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+    paths = []
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        paths.append(tmp_path / name)
+    argv = ["--model_name_or_path", tiny_model, "--train_file", paths[0], "--output_dir", tmp_path / "out"]
+    argv += ["--validation_file", paths[-1], "--report_to", "none", "--max_length", 32, *extra]
+    script = load_script("train")
+    return script.prepare_data(script.parse_args([str(a) for a in argv]))
+
+
+INTENTS = "text,label\nbook me a flight,book_flight\nhello there,None\nnull,NA\nfly me to Rome,book_flight\nhi,None\n"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("extension", [".csv", ".tsv"])
+def test_labels_and_text_reading_none_or_na_are_values_not_missing(tiny_model, tmp_path, extension):
+    """LUIS and CLINC intent sets have a "None" class. pandas reads "None", "NA", "null" and "N/A" cells as missing,
+    and such a file was refused: "3 train records have an empty or missing 'label'"; only an empty cell is."""
+    text = INTENTS.replace(",", "\t") if extension == ".tsv" else INTENTS
+    tokenized, _, config = classify(tmp_path, tiny_model, {f"train{extension}": text})
+    assert sorted(config.label2id) == ["NA", "None", "book_flight"] and len(tokenized["train"]) == 5
+    with pytest.raises(UsageError, match="1 train records have an empty or missing 'label' \\(first: record 1\\)"):
+        classify(tmp_path, tiny_model, {f"gaps{extension}": text.replace("None", "", 1)})
+
+
+@pytest.mark.fast
+def test_a_validation_file_with_other_columns_than_the_training_files_prepares(tiny_model, tmp_path):
+    """A validation file with a column more ("source") failed at the end of the first epoch, in `map`, with
+    "Unable to create tensor ... activate truncation and/or padding"; the other way round, at once, in `map`."""
+    plain, extra = (
+        "text,label\ngood,pos\nbad,neg\nfine,pos\nawful,neg\n",
+        "text,label,source\ngood,pos,web\nbad,neg,web\n",
+    )
+    for files in ({"train.csv": plain, "extra.csv": extra}, {"extra.csv": extra, "plain.csv": plain}):
+        tokenized, _, _ = classify(tmp_path, tiny_model, files)
+        assert all(tokenized[split].column_names == tokenized["train"].column_names for split in tokenized)
+
+
+@pytest.mark.fast
+def test_labels_with_spaces_around_them_are_one_class_and_said(tiny_model, tmp_path, caplog):
+    """ "pos " and " pos" (a spreadsheet's stray space, "good, pos" in a CSV) were classes of their own."""
+    text = "text,label\ngood, pos\nbad,neg\nfine,pos \nawful,neg\ngreat,pos\n"
+    with caplog.at_level("WARNING"):
+        tokenized, _, config = classify(tmp_path, tiny_model, {"train.csv": text})
+    assert config.label2id == {"neg": 0, "pos": 1} and list(tokenized["train"]["labels"]) == [1, 0, 1, 0, 1]
+    assert "labels of 'label' with spaces around them are read without: [' pos', 'pos ']" in caplog.text
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "files, extra, expected",
+    [
+        ({"t.jsonl": '{"s": "a", "score": 1.5}\n{"s": "b", "score": NaN}\n{"s": "c", "score": 2.0}\n'},
+         ["--text_column", "s", "--label_column", "score"],
+         "1 train records have a missing, NaN or infinite 'score' (first: record 1)"),
+        ({"t.jsonl": '{"s": "a", "score": 1.5}\n{"s": "c", "score": 2.0}\n', "v.jsonl": '{"s": "b", "score": NaN}\n'},
+         ["--text_column", "s", "--label_column", "score"],
+         "1 validation records have a missing, NaN or infinite 'score' (first: record 0)"),
+        ({"t.jsonl": '{"text": "a", "label": 0}\n{"text": "b", "label": "1"}\n'}, [],
+         "the train data's 'label' mixes types from record to record"),
+        ({"t.jsonl": '{"text": 5, "label": 0}\n{"text": 6, "label": 1}\n'}, [],
+         "the train data's 'text' holds numbers (int64), not text (first: '5'); name a text column with --text_column"),
+    ],
+    ids=["nan-train-label", "nan-validation-label", "mixed-label-types", "numbers-as-text"],
+)  # fmt: skip
+def test_json_values_that_cannot_train_are_refused_in_one_line(tiny_model, tmp_path, files, extra, expected):
+    """Python's json.dumps writes NaN: in training a NaN loss at step one, blamed on the learning rate; in
+    validation NaN scores and a "best" checkpoint, reported as a success. Mixed types and numbers as text ended in
+    Arrow's or the tokenizer's traceback."""
+    with pytest.raises(UsageError) as refused:
+        classify(tmp_path, tiny_model, files, *extra)
+    assert expected in str(refused.value)
+
+
 # --- SFT: prompts and answers, content parts, media, long conversations, other data -----------------
 
 ALPACA = [{"instruction": "is the movie good", "input": "w7 w8", "output": "w1 w2"}] * 4

@@ -58,20 +58,37 @@ def label_mapping(raw, label_column: str):
                 "add training examples of them or drop them from the validation data"
             )
     else:
-        names = sorted(train, key=lambda v: (isinstance(v, str), v))
-        unseen = sorted(set(validation) - set(names), key=str)
+        padded = sorted({v for v in [*train, *validation] if isinstance(v, str) and v != v.strip()})
+        if padded:  # "pos " and "pos" were two classes
+            logger.warning(f"labels of {label_column!r} with spaces around them are read without: {padded[:5]}")
+        to_id = LabelIds(sorted({LabelIds.key(v) for v in train}, key=lambda v: (isinstance(v, str), v)))
+        names = to_id.names
+        unseen = sorted({LabelIds.key(v) for v in validation} - set(names), key=str)
         if unseen:
             raise UsageError(
                 f"validation labels {unseen[:10]} never occur in the training data (training labels: {names[:20]}); "
                 "fix the labels or give training data that covers them"
             )
-        to_id = {value: i for i, value in enumerate(names)}.__getitem__
-    if len(train) < 2:
+    if len(names) < 2:
         raise UsageError(
             f"the training data holds one class only ({names[to_id(train[0])]!r}); "
             "a classifier needs examples of at least two"
         )
     return [str(name) for name in names], to_id
+
+
+class LabelIds:
+    """A raw label's class id, by its value; text labels without the spaces around them."""
+
+    def __init__(self, names: list):
+        self.names, self.ids = names, {name: i for i, name in enumerate(names)}
+
+    @staticmethod
+    def key(value):
+        return value.strip() if isinstance(value, str) else value
+
+    def __call__(self, value) -> int:
+        return self.ids[self.key(value)]
 
 
 def label_task(raw, label_column: str, task: str = "auto"):
@@ -80,6 +97,14 @@ def label_task(raw, label_column: str, task: str = "auto"):
     column of floats (one output, the value as a float); "multi_label" for a column of lists of labels
     (`multi_label_mapping`); else "classification" (`label_mapping`), and the log says how many classes an
     integer column with many values made. Any rank may call it."""
+    import datasets
+
+    for split in raw:
+        if isinstance(raw[split].features[label_column], getattr(datasets, "Json", ())):  # JSON records: 0 and "1"
+            raise UsageError(
+                f"the {split} data's {label_column!r} mixes types from record to record (numbers and text, or lists "
+                f"and text); give every record's label as the same type, as in {raw[split][0][label_column]!r}"
+            )
     lists = holds_lists(raw["train"], label_column)
     if task == "multi_label" or (task == "auto" and lists):
         names, to_labels = multi_label_mapping(raw, label_column)

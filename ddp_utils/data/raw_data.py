@@ -42,6 +42,8 @@ def read_data_files(data_files: dict[str, str]):
         # TSV as GLUE and SentEval ship it: tabs split the fields and a quote is text. With CSV quoting, a sentence
         # that starts with a quote swallowed the lines after it, silently.
         builder_kwargs = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if extension == ".tsv" else {}
+        if extension in (".csv", ".tsv"):  # only an empty cell is missing: pandas took "None", "NA", "null" for one
+            builder_kwargs.update(keep_default_na=False, na_values=[""])
         try:
             dataset = datasets.load_dataset(
                 _BUILDERS[extension], data_files={split: path}, split=split, **builder_kwargs
@@ -146,6 +148,7 @@ def check_splits(
     seed: int = 0,
     stratify_by: str | None = None,
     blank: str = "keep",
+    text: tuple = (),
 ):
     """The data check of every script: refuse data a run cannot use, naming the problem and the
     fix, and return a `DatasetDict` with the "train" and "validation" splits.
@@ -153,7 +156,8 @@ def check_splits(
     - Validation is the "validation" split, else "test", else `hold_out_percentage` % of the
       training data (stratified by `stratify_by` where that column holds classes), else an error.
     - `columns` maps each column the run needs to the option that names it: a missing column, or
-      a missing value in one, is refused with that option.
+      a missing value in one (NaN too), is refused with that option; so is a column of `text` that holds other
+      values (numbers, or types that differ by record).
     - Text columns: `blank="refuse"` refuses empty or blank values too, `"drop"` drops their rows
       (blank lines of a .txt file), `"keep"` keeps them.
     - An empty split is refused. Each split is then cut to its entry in `limits` (None: all).
@@ -174,7 +178,7 @@ def check_splits(
         raise UsageError(f"the data has no 'validation' split (it has {sorted(raw)}); give {data_options}")
     splits = {"train": raw["train"], **({"validation": raw[validation]} if validation else {})}
     for split in list(splits):
-        splits[split] = _checked_split(splits[split], split, columns, blank)
+        splits[split] = _checked_split(splits[split], split, columns, blank, text)
     if validation is None:
         splits = _hold_out(splits["train"], hold_out_percentage, seed, stratify_by, data_options)
     limits = limits or {}
@@ -183,9 +187,10 @@ def check_splits(
     )
 
 
-def _checked_split(dataset, split: str, columns: dict[str, str], blank: str):
-    """`dataset` with its columns checked (and the rows of blank text dropped, with blank="drop").
-    Record numbers in the messages count the rows as given, before anything is dropped."""
+def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, text=()):
+    """`dataset` with its columns checked (and the rows of blank text dropped, with blank="drop"); the `text`
+    columns must hold text. Record numbers in the messages count the rows as given, before anything is dropped."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     table = dataset.with_format("arrow")
@@ -197,14 +202,21 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str):
                 f"Name the right one with {option}"
             )
         values = table[column]
-        bad = values.is_null()
+        bad, what = values.is_null(), "an empty or missing"
         if blank == "refuse" and _is_text(values):
             bad = pc.or_(bad, _is_blank(values))
+        if pa.types.is_floating(values.type):  # JSON's NaN: a NaN loss at the first step, or NaN scores reported
+            bad, what = pc.or_(bad, pc.fill_null(pc.invert(pc.is_finite(values)), False)), "a missing, NaN or infinite"
         count = pc.sum(bad).as_py() or 0
         if count:
             raise UsageError(
-                f"{count} {split} records have an empty or missing {column!r} "
+                f"{count} {split} records have {what} {column!r} "
                 f"(first: record {pc.index(bad, True).as_py()}); fill or drop them"
+            )
+        if column in text and not _is_text(values):
+            raise UsageError(
+                f"the {split} data's {column!r} holds {_type_name(values.type)}, not text (first: "
+                f"{str(values[0].as_py())[:40]!r}); name a text column with {option}, or give every record text there"
             )
         if blank == "drop" and _is_text(values):
             keep = pc.invert(_is_blank(values)) if keep is None else pc.and_(keep, pc.invert(_is_blank(values)))
@@ -213,6 +225,17 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str):
     if len(dataset) == 0:
         raise UsageError(f"the {split} data holds no examples")
     return dataset
+
+
+def _type_name(arrow_type) -> str:
+    """What a column holds, in words: "int64 numbers", "values of mixed types (JSON)", "lists", ..."""
+    import pyarrow as pa
+
+    if isinstance(arrow_type, pa.ExtensionType):  # datasets' Json: a column whose records differ in type
+        return "values of mixed types (text in some records, numbers or lists in others)"
+    if pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type):
+        return f"numbers ({arrow_type})"
+    return "lists" if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) else str(arrow_type)
 
 
 def _is_text(values) -> bool:

@@ -26,7 +26,8 @@ EXAMPLE_ID = "example_id"  # each training image's index: with the seed and epoc
 
 def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
     """`(row, name)` of every image in `dataset` that PIL cannot open or fully decode (not an
-    image, truncated, damaged). Decodes each image once; any rank may call it."""
+    image, truncated, damaged), named by its folder and file (cat/3.png). Decodes each image once; any rank may
+    call it."""
     import datasets
     from PIL import Image
 
@@ -38,7 +39,8 @@ def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
             with Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as image:
                 image.load()  # verify() misses truncated files; load() decodes every pixel
         except Exception as error:  # PIL raises several types: UnidentifiedImageError, OSError, SyntaxError, ...
-            bad.append((row, f"{os.path.basename(name) if value.get('path') else name} ({type(error).__name__})"))
+            where = os.path.join(*os.path.normpath(name).split(os.sep)[-2:]) if value.get("path") else name
+            bad.append((row, f"{where} ({type(error).__name__})"))
     return bad
 
 
