@@ -9,7 +9,7 @@ import os
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import REPO, assert_error_is_last, launch, train_args
+from conftest import AUDIT_HOOK_DIR, REPO, assert_error_is_last, launch, train_args, write_examples
 
 TRAIN = REPO / "scripts" / "train.py"
 FAIL_WRITES = REPO / "tests" / "launched" / "fail_writes.py"
@@ -44,6 +44,21 @@ def test_a_diverging_run_stops_on_every_rank_and_saves_no_nan_weights(tiny_model
     for step in kept:
         weights = load_file(str(output_dir / f"checkpoint-{step}" / "model.safetensors"))
         assert all(math.isfinite(float(abs(w).max())) for w in weights.values()), f"checkpoint-{step} is finite"
+
+
+def test_ranks_wait_for_a_data_preparation_longer_than_the_ddp_timeout(tiny_model, tmp_path):
+    """The first preparation of a large set (every image of an ImageNet folder decoded, a corpus tokenized) takes
+    longer than --ddp_timeout (30 min by default), while the other ranks wait in a collective: they ended with the
+    backend's timeout (gloo's "Timed out waiting 2000ms for recv operation"). Here rank 0 takes 8 s longer to
+    write the data's cache than a collective may wait (--ddp_timeout 3); the ranks wait for it and train."""
+    data = {split: write_examples(tmp_path / f"{split}.csv", rows, seed) for split, rows, seed in
+            (("train", 24, 3), ("validation", 8, 4))}  # fmt: skip  # new files: rank 0 writes their cache
+    args = train_args(tiny_model, data, tmp_path / "out", "--ddp_timeout", 3, "--max_train_steps", 2)
+    hooks = {"PYTHONPATH": os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)]), "SLOW_ON_WRITE": ".arrow:8"}
+    result = launch(TRAIN, *args, env=hooks)
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.seconds > 8, "rank 0 did not take longer than the timeout: the test shows nothing"
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["optimizer_steps"] == 2
 
 
 def test_a_checkpoint_past_the_file_size_limit_stops_every_rank_with_one_line(tiny_model, tiny_data, tmp_path):

@@ -6,6 +6,8 @@ Every function here is a collective: all ranks call it, at the same point of the
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 
@@ -25,9 +27,29 @@ def _on_main_process(accelerator: Accelerator, work, *args, **kwargs):
     return result
 
 
+DATA_WAIT = timedelta(days=1)  # how long ranks wait for another's data preparation: not --ddp_timeout
+_waiting = []  # the gloo group they wait in, made by the first wait
+
+
+def _wait_for_the_others(accelerator: Accelerator) -> None:
+    """All ranks call this: a barrier in a gloo group whose timeout is `DATA_WAIT`. A rank that finished its part
+    waits here for the ones still preparing data: the first preparation of a large set (every image of an ImageNet
+    folder decoded, a corpus tokenized) can take longer than --ddp_timeout, which ended the waiting ranks with the
+    backend's own timeout (gloo's "Timed out waiting ... for recv", or NCCL's watchdog). A main process that fails
+    is reported at once, as before; one that dies ends the job through the launcher."""
+    import torch.distributed as dist
+
+    if accelerator.num_processes == 1 or not dist.is_initialized():
+        return
+    if not _waiting:
+        _waiting.append(dist.new_group(backend="gloo", timeout=DATA_WAIT))
+    dist.barrier(group=_waiting[0])
+
+
 def _share_outcome(accelerator: Accelerator, error: BaseException | None) -> None:
     """Tell every rank whether the main process failed, and raise its error on every rank."""
     if accelerator.num_processes > 1:
+        _wait_for_the_others(accelerator)  # the main process may take longer than a collective's timeout
         # [is a UsageError, message] from the main process; [False, None] when it succeeded.
         report = [isinstance(error, UsageError), None if error is None else str(error) or type(error).__name__]
         broadcast_object_list(report)
@@ -70,6 +92,7 @@ def load_on_main_first(accelerator: Accelerator, load, *args, **kwargs):
 
 def _share_errors(accelerator: Accelerator, error: BaseException | None) -> None:
     """All ranks call this: every rank raises the first error any rank had, or none (one gather)."""
+    _wait_for_the_others(accelerator)  # other nodes' main processes may take longer than a collective's timeout
     reports = gather_object(
         [None if error is None else (isinstance(error, UsageError), str(error) or type(error).__name__)]
     )

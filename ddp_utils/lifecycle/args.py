@@ -94,7 +94,7 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
     )
     p.add_argument("--seed", type=int, default=42, help="seed for initialisation, shuffling and dropout")
     p.add_argument("--logging_steps", type=int, default=10, help="show the loss every N optimizer steps")
-    p.add_argument("--ddp_timeout", type=int, default=1800, help="seconds a collective may wait before the run fails")
+    p.add_argument("--ddp_timeout", type=int, default=1800, help="seconds a collective may wait (data prep: a day)")
     p.add_argument(
         "--oom_backoff",
         action="store_true",
