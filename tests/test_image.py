@@ -417,6 +417,35 @@ def test_16_bit_and_float_images_are_scaled_to_8_bits_not_clipped_white(tmp_path
     np.testing.assert_array_equal(np.asarray(in_mode(rgba, "RGB")), np.asarray(rgba.convert("RGB")))
 
 
+@pytest.mark.fast
+def test_the_image_check_runs_once_for_all_ranks_and_again_when_a_file_changes(tmp_path, monkeypatch):
+    """Every rank prepares the data after the main process, and each decoded every image again to find the
+    unreadable ones: on an ImageNet folder, about 100 minutes per rank. The answer is kept in the datasets cache,
+    keyed by the files' sizes and times; the decoding runs on several processes where the work is worth it."""
+    import datasets
+
+    from ddp_utils.data import vision
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    train = write_image_folder(tmp_path / "train", {"dark": 6, "bright": 6}, seed=0)
+    (train / "dark" / "notes.png").write_bytes(b"this is not a PNG")
+    raw = vision.image_folders(str(train))["train"]
+    row = list(raw.with_format("arrow")["image"].combine_chunks().field("path").to_pylist()).index(
+        str(train / "dark" / "notes.png")
+    )
+    monkeypatch.setattr(vision, "IMAGES_PER_PROCESS", 4)  # 13 images: 2 processes here
+    assert vision.find_bad_images(raw, "image") == [(row, "dark/notes.png (UnidentifiedImageError)")]
+
+    def decoded(value):
+        raise AssertionError("decoded again")
+
+    with monkeypatch.context() as patch:  # another rank: the answer read, nothing decoded
+        patch.setattr(vision, "_image_problem", decoded)
+        assert vision.find_bad_images(raw, "image") == [(row, "dark/notes.png (UnidentifiedImageError)")]
+    class_image("dark", random.Random(0)).save(train / "dark" / "notes.png")  # fixed: checked again, readable
+    assert vision.find_bad_images(raw, "image") == []
+
+
 def test_offline_default_runs_a_few_steps(tmp_path):
     output_dir = tmp_path / "out"
     args = ["--output_dir", output_dir, "--max_train_steps", 3, "--max_eval_samples", 50]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import multiprocessing
 import os
 import unicodedata
 
@@ -24,24 +26,76 @@ FOLDER_PER_CLASS = "cat/1.jpg, cat/2.jpg, dog/1.jpg, ..."  # an image folder's l
 EXAMPLE_ID = "example_id"  # each training image's index: with the seed and epoch, it fixes its augmentation
 
 
+IMAGES_PER_PROCESS = 2_000  # decoding takes about 5 ms an image: one more process per 10 s of work, up to the cores
+
+
 def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
-    """`(row, name)` of every image in `dataset` that PIL cannot open or fully decode (not an
-    image, truncated, damaged), named by its folder and file (cat/3.png). Decodes each image once; any rank may
-    call it."""
+    """`(row, name)` of every image in `dataset` that PIL cannot open or fully decode (not an image, truncated,
+    damaged), named by its folder and file (cat/3.png). Decodes each image once, on as many processes as the work
+    is worth (`IMAGES_PER_PROCESS`), and keeps the answer in the datasets cache (`_checked_images_key`): the other
+    ranks, which prepare the data after the main process, read it instead of decoding every image again (an
+    ImageNet folder: about 100 minutes each). Any rank may call it."""
     import datasets
-    from PIL import Image
 
     raw = dataset.cast_column(image_column, datasets.Image(decode=False))
-    bad = []
-    for row, value in enumerate(raw[image_column]):
-        name = value.get("path") or f"row {row}"
-        try:
-            with Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as image:
-                image.load()  # verify() misses truncated files; load() decodes every pixel
-        except Exception as error:  # PIL raises several types: UnidentifiedImageError, OSError, SyntaxError, ...
-            where = os.path.join(*os.path.normpath(name).split(os.sep)[-2:]) if value.get("path") else name
-            bad.append((row, f"{where} ({type(error).__name__})"))
+    key = _checked_images_key(raw, image_column)
+    path = os.path.join(datasets.config.HF_DATASETS_CACHE, "checked_images", f"{key}.json") if key else None
+    if path and os.path.isfile(path):
+        with open(path) as file:
+            return [tuple(found) for found in json.load(file)]
+    values = raw.with_format("arrow")[image_column].to_pylist()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    processes = min(cores, len(values) // IMAGES_PER_PROCESS)
+    if processes > 1:
+        with multiprocessing.Pool(processes) as pool:  # forked, as datasets.map(num_proc) does
+            problems = pool.map(_image_problem, values, chunksize=64)
+    else:
+        problems = [_image_problem(value) for value in values]
+    bad = [(row, problem) for row, problem in enumerate(problems) if problem]
+    if path:  # whole or absent: written under another name, then renamed
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{os.getpid()}.partial"
+        with open(partial, "w") as file:
+            json.dump(bad, file)
+        os.replace(partial, path)
     return bad
+
+
+def _image_problem(value: dict) -> str | None:
+    """ "cat/3.png (OSError)" where PIL cannot open or fully decode the image (a row of `Image(decode=False)`)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as image:
+            image.load()  # verify() misses truncated files; load() decodes every pixel
+    except Exception as error:  # PIL raises several types: UnidentifiedImageError, OSError, SyntaxError, ...
+        name = value.get("path")
+        where = os.path.join(*os.path.normpath(name).split(os.sep)[-2:]) if name and not value.get("bytes") else None
+        return f"{where or name or 'an image in the data'} ({type(error).__name__})"
+    return None
+
+
+def _checked_images_key(raw, image_column: str) -> str | None:
+    """What identifies a check's answer: the images' files (path, size, time of change), or for images held in the
+    data (a Hub dataset's) its fingerprint where the datasets cache gives it one; None where neither tells (the
+    check then runs again). Reads each file's metadata, not its pixels."""
+    import pyarrow.compute as pc
+
+    values = raw.with_format("arrow")[image_column]
+    paths, held = pc.struct_field(values, "path").to_pylist(), pc.struct_field(values, "bytes").null_count < len(values)
+    digest = hashlib.sha256(f"{len(values)}".encode())
+    if not held and all(paths):
+        for path in paths:
+            try:
+                stat = os.stat(path)
+            except OSError:  # gone: unreadable, which the check reports
+                return None
+            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        return digest.hexdigest()
+    if raw.cache_files:  # loaded from the datasets cache: its fingerprint follows its content
+        digest.update(f"{raw._fingerprint}\0{image_column}".encode())
+        return digest.hexdigest()
+    return None
 
 
 def image_folders(train_dir: str, validation_dir: str | None = None):
