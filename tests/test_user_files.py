@@ -311,6 +311,14 @@ def test_a_validation_file_with_other_columns_than_the_training_files_prepares(t
 
 
 @pytest.mark.fast
+def test_a_csv_separated_by_semicolons_is_named_so(tiny_model, tmp_path):
+    """Excel saves "CSV" with semicolons in many locales: one column, "text;label", and the fix named was a
+    --text_column, which cannot help."""
+    with pytest.raises(UsageError, match="its header looks separated by ';', not commas: save the file with commas"):
+        classify(tmp_path, tiny_model, {"train.csv": "text;label\ngood;pos\nbad;neg\n"})
+
+
+@pytest.mark.fast
 def test_labels_with_spaces_around_them_are_one_class_and_said(tiny_model, tmp_path, caplog):
     """ "pos " and " pos" (a spreadsheet's stray space, "good, pos" in a CSV) were classes of their own."""
     text = "text,label\ngood, pos\nbad,neg\nfine,pos \nawful,neg\ngreat,pos\n"
