@@ -86,6 +86,26 @@ def test_a_csv_whose_rows_merged_is_warned_about_naming_the_row(tmp_path, caplog
     assert "row 1's 'text' holds a newline or a tab (2 rows from 4 lines of data)" in caplog.text
 
 
+@pytest.mark.fast
+def test_a_tsv_written_with_csv_quoting_is_warned_about_and_glues_is_not(tmp_path, caplog):
+    """pandas' to_csv(sep="\\t") quotes a field that holds quotes, CSV's way. A .tsv is read without quoting (as
+    GLUE ships it): the quotes trained as text, and a quoted newline split its row, refused as a missing label."""
+    import logging
+
+    from accelerate import PartialState
+
+    from ddp_utils import read_data_files
+
+    PartialState(cpu=True)
+    (tmp_path / "pandas.tsv").write_text('text\tlabel\n"he said ""great drug"""\tpos\nplain text\tneg\n')
+    (tmp_path / "train.tsv").write_text(MRPC)
+    with caplog.at_level(logging.WARNING):
+        read_data_files({"train": str(tmp_path / "train.tsv")})
+        assert "quoted" not in caplog.text, "GLUE's quotes are text"
+        read_data_files({"train": str(tmp_path / "pandas.tsv")})
+    assert "row 0's 'text' looks quoted as in a CSV file" in caplog.text and "quoting=csv.QUOTE_NONE" in caplog.text
+
+
 def write_stsb(path, rows, seed):
     """STS-B's shape: two sentences and a float similarity score from 0 to 5 (here: how positive)."""
     rng = random.Random(seed)

@@ -56,8 +56,32 @@ def read_data_files(data_files: dict[str, str]):
             raise UsageError(f"--{split}_file {path!r} holds no examples")
         if extension in (".csv", ".tsv"):
             warn_if_rows_look_merged(dataset, path, split)
+        if extension == ".tsv":
+            warn_if_quoted_as_csv(dataset, path, split)
         splits[split] = dataset
     return datasets.DatasetDict(splits)
+
+
+def warn_if_quoted_as_csv(dataset, path: str, split: str) -> None:
+    """Warn, naming the row, when a .tsv file looks written with CSV's quoting (pandas' `to_csv(sep="\\t")`): a
+    field wrapped in quotes with its own quotes doubled. A .tsv is read without quoting, as GLUE ships it, so such a
+    field trains with its quotes, and a quoted newline splits its row."""
+    import pyarrow.compute as pc
+
+    table = dataset.with_format("arrow")[:]
+    for column in table.column_names:
+        values = table[column]
+        if str(values.type) not in ("string", "large_string"):
+            continue
+        quoted = pc.fill_null(pc.match_substring_regex(values, r'^"(?:[^"]|"")*""(?:[^"]|"")*"?$'), False)
+        if pc.any(quoted).as_py():
+            row = pc.index(quoted, True).as_py()
+            logger.warning(
+                f"--{split}_file {path!r}: row {row}'s {column!r} looks quoted as in a CSV file "
+                f"({str(values[row].as_py())[:40]!r}): a .tsv is read without quoting, so its quotes are text. Write "
+                "it without quoting (pandas: quoting=csv.QUOTE_NONE), or as a .csv"
+            )
+            return
 
 
 def warn_if_rows_look_merged(dataset, path: str, split: str) -> None:
