@@ -43,14 +43,17 @@ def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
     if path and os.path.isfile(path):
         with open(path) as file:
             return [tuple(found) for found in json.load(file)]
-    values = raw.with_format("arrow")[image_column].to_pylist()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    processes = min(cores, len(values) // IMAGES_PER_PROCESS)
-    if processes > 1:
-        with multiprocessing.Pool(processes) as pool:  # forked, as datasets.map(num_proc) does
-            problems = pool.map(_image_problem, values, chunksize=64)
-    else:
-        problems = [_image_problem(value) for value in values]
+    processes = min(cores, len(raw) // IMAGES_PER_PROCESS)
+    pool = multiprocessing.Pool(processes) if processes > 1 else None  # forked, as datasets.map(num_proc) does
+    problems = []
+    try:
+        for start in range(0, len(raw), 10_000):  # a Hub dataset's images are bytes in the data: not all at once
+            values = raw.with_format("arrow")[start : start + 10_000][image_column].to_pylist()
+            problems += pool.map(_image_problem, values, chunksize=64) if pool else map(_image_problem, values)
+    finally:
+        if pool:
+            pool.terminate()
     bad = [(row, problem) for row, problem in enumerate(problems) if problem]
     if path:  # whole or absent: written under another name, then renamed
         os.makedirs(os.path.dirname(path), exist_ok=True)
