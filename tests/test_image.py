@@ -341,6 +341,7 @@ def test_an_image_folder_labels_each_image_by_its_class_subfolder_at_any_depth(t
     write_image_folder(train / "dog", {"batch1": 2, "batch2": 1}, seed=2)
     write_image_folder(train, {"cafe\u0301": 2}, seed=3)  # "café", decomposed as macOS writes it
     write_image_folder(validation, {"dog": 1, "caf\u00e9": 1}, seed=4)
+    (train / "dog" / "batch1" / "again").symlink_to(train / "dog")  # a link to a folder above: walked once
     for junk in (".DS_Store", "README.md", "cat/._0.png", ".ipynb_checkpoints/cat/0.png", "dog/scan.heic"):
         (train / junk).parent.mkdir(parents=True, exist_ok=True)
         (train / junk).write_bytes(b"not an image")

@@ -140,8 +140,12 @@ def _class_images(folder: str, option: str) -> dict:
             continue
         if entry.is_dir():
             label = unicodedata.normalize("NFC", entry.name)  # macOS writes names decomposed (NFD)
+            seen = set()  # the folders walked, by their real path: a link to a folder above would repeat them
             for root, dirs, files in os.walk(entry.path, followlinks=True):
                 dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+                if os.path.realpath(root) in seen:
+                    dirs[:], files = [], []
+                seen.add(os.path.realpath(root))
                 for name in files:
                     extension = os.path.splitext(name)[1].lower()
                     if name.startswith("."):  # macOS's ._cat.jpg beside cat.jpg: its metadata, not an image
