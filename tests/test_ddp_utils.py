@@ -327,6 +327,27 @@ def test_a_held_out_split_keeps_each_class_in_training_and_its_share_in_validati
 
 
 @pytest.mark.fast
+def test_limits_after_a_held_out_split_take_a_sample_of_every_class_not_the_files_first_rows():
+    """A file sorted by class (an image folder pushed to the Hub, a CSV sorted by label): the held-out parts kept the
+    file's order, and --max_train_samples 100 took 'neg' alone; and a ClassLabel naming classes that training
+    lacks passed as several classes, and trained one."""
+    import datasets
+
+    from ddp_utils.data.classification import label_mapping
+
+    train = datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(1000)], "label": ["neg"] * 500 + ["pos"] * 500})
+    splits = ddp_utils.check_splits(
+        datasets.DatasetDict({"train": train}), {"text": "--text_column"}, hold_out_percentage=10, seed=0,
+        stratify_by="label", limits={"train": 100, "validation": 20},
+    )  # fmt: skip
+    assert [set(splits[split]["label"]) for split in ("train", "validation")] == [{"neg", "pos"}] * 2
+    labels = datasets.ClassLabel(names=["cat", "dog", "fox"])
+    one = datasets.Dataset.from_dict({"label": [0, 0]}, features=datasets.Features({"label": labels}))
+    with pytest.raises(UsageError, match="the training data holds one class only \\('cat'\\)"):
+        label_mapping(datasets.DatasetDict({"train": one, "validation": one}), "label")
+
+
+@pytest.mark.fast
 def test_fetch_weights_finds_single_and_sharded_hub_weights_and_skips_local_dirs(tiny_lm, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 

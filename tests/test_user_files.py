@@ -362,8 +362,10 @@ def test_labels_with_spaces_around_them_are_one_class_and_said(tiny_model, tmp_p
          "the train data's 'label' mixes types from record to record"),
         ({"t.jsonl": '{"text": 5, "label": 0}\n{"text": 6, "label": 1}\n'}, [],
          "the train data's 'text' holds numbers (int64), not text (first: '5'); name a text column with --text_column"),
+        ({"t.csv": "s,score\na,1.5\nb,NA\nc,2.0\nd,0.25\n"}, ["--text_column", "s", "--label_column", "score"],
+         "the train data's 'score' holds numbers and 'NA', a gap written as text: leave those cells empty"),
     ],
-    ids=["nan-train-label", "nan-validation-label", "mixed-label-types", "numbers-as-text"],
+    ids=["nan-train-label", "nan-validation-label", "mixed-label-types", "numbers-as-text", "na-among-numbers"],
 )  # fmt: skip
 def test_json_values_that_cannot_train_are_refused_in_one_line(tiny_model, tmp_path, files, extra, expected):
     """Python's json.dumps writes NaN: in training a NaN loss at step one, blamed on the learning rate; in

@@ -69,7 +69,7 @@ def label_mapping(raw, label_column: str):
                 f"validation labels {unseen[:10]} never occur in the training data (training labels: {names[:20]}); "
                 "fix the labels or give training data that covers them"
             )
-    if len(names) < 2:
+    if len({to_id(value) for value in train}) < 2:  # the classes present, not those a ClassLabel names
         raise UsageError(
             f"the training data holds one class only ({names[to_id(train[0])]!r}); "
             "a classifier needs examples of at least two"
@@ -116,6 +116,7 @@ def label_task(raw, label_column: str, task: str = "auto"):
         )
     kind = _value_kind(raw["train"], label_column)
     written = [v for v in distinct_values(raw["train"], label_column) if isinstance(v, str)] if kind is None else []
+    _refuse_missing_written_as_text(raw, label_column)
     if task == "auto" and written and all(v.strip().startswith("[") and v.strip().endswith("]") for v in written):
         raise UsageError(  # a CSV cell "['sports', 'tech']": each combination would be a class of its own
             f"the labels of {label_column!r} are lists written as text ({written[0][:40]!r}); for multi-label "
@@ -145,6 +146,34 @@ def label_task(raw, label_column: str, task: str = "auto"):
         )
     # Said, not left to the config read: a multi-label or regression checkpoint's would choose the wrong loss.
     return "classification", {**label_config(names), "problem_type": "single_label_classification"}, to_id
+
+
+MISSING_WRITTEN = {"na", "n/a", "nan", "none", "null", "-", "?"}  # what R, pandas and spreadsheets write for a gap
+
+
+def _refuse_missing_written_as_text(raw, label_column: str) -> None:
+    """Refuse a label column of numbers with a gap written as text ("NA" from R's write.csv, "nan" from pandas'
+    astype(str)): read as text, it made the numbers classes, a regression trained as a classifier of '0.25',
+    '0.5', ..., 'NA'. Only an empty cell is missing in a CSV (so that an intent class "None" stays a class)."""
+    for split in raw:
+        values = distinct_values(raw[split], label_column)
+        if not values or not all(isinstance(v, str) for v in values):
+            continue
+        gaps = [v for v in values if v.strip().lower() in MISSING_WRITTEN]
+        numbers = [v for v in values if v not in gaps and _is_number(v)]
+        if gaps and numbers and len(gaps) + len(numbers) == len(values):
+            raise UsageError(
+                f"the {split} data's {label_column!r} holds numbers and {gaps[0]!r}, a gap written as text: "
+                "leave those cells empty (refused then, by record) or drop their rows"
+            )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _value_kind(dataset, column: str) -> str | None:

@@ -291,7 +291,9 @@ def _hold_out(train, percentage: int, seed: int, stratify_by: str | None, data_o
         return {"train": parts["train"], "validation": parts["test"]}
     kept = np.ones(len(train), dtype=bool)
     kept[chosen] = False
-    return {"train": train.select(np.flatnonzero(kept)), "validation": train.select(chosen)}
+    rng = np.random.default_rng([seed, 1])  # each part shuffled, as datasets' split does: --max_train_samples N
+    parts = {"train": np.flatnonzero(kept), "validation": np.asarray(chosen, dtype=np.int64)}  # is then a sample
+    return {split: train.select(rng.permutation(rows)) for split, rows in parts.items()}
 
 
 def _stratified(train, column: str, held_out: int, seed: int) -> list[int] | None:
@@ -304,8 +306,7 @@ def _stratified(train, column: str, held_out: int, seed: int) -> list[int] | Non
 
     values = train.with_format("arrow")[column]
     kind = values.type.value_type if pa.types.is_dictionary(values.type) else values.type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_integer(kind)
-            or pa.types.is_boolean(kind)):  # fmt: skip
+    if not (_is_text(values) or pa.types.is_integer(kind) or pa.types.is_boolean(kind)):
         return None
     rows = {}
     for row, label in enumerate(values.to_pylist()):
