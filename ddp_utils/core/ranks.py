@@ -14,16 +14,16 @@ from accelerate.utils import broadcast_object_list, gather_object
 from .errors import RunFailed, UsageError
 
 
-def _on_main_process(accelerator: Accelerator, work, *args, **kwargs):
-    """`work(*args, **kwargs)` on the main process (None elsewhere); if it raised, every rank
-    raises (one broadcast)."""
+def _on_main_process(accelerator: Accelerator, work, *args, long_wait: bool = False, **kwargs):
+    """All ranks call this: `work(*args, **kwargs)` on the main process (None elsewhere); if it raised, every
+    rank raises (one broadcast). With `long_wait` (data preparation) the others wait up to `DATA_WAIT` for it."""
     result, error = None, None
     if accelerator.is_main_process:
         try:
             result = work(*args, **kwargs)
         except Exception as exc:  # reported to every rank by _share_outcome
             error = exc
-    _share_outcome(accelerator, error)
+    _share_outcome(accelerator, error, long_wait)
     return result
 
 
@@ -33,10 +33,11 @@ _waiting = []  # the gloo group they wait in, made by the first wait
 
 def _wait_for_the_others(accelerator: Accelerator) -> None:
     """All ranks call this: a barrier in a gloo group whose timeout is `DATA_WAIT`. A rank that finished its part
-    waits here for the ones still preparing data: the first preparation of a large set (every image of an ImageNet
-    folder decoded, a corpus tokenized) can take longer than --ddp_timeout, which ended the waiting ranks with the
-    backend's own timeout (gloo's "Timed out waiting ... for recv", or NCCL's watchdog). A main process that fails
-    is reported at once, as before; one that dies ends the job through the launcher."""
+    waits here for the ones still preparing data, in `load_on_main_first` only (every other wait stays bound by
+    --ddp_timeout, so that a rank stuck elsewhere still ends the job). The first preparation of a large set (every
+    image of an ImageNet folder decoded, a corpus tokenized) can take longer than --ddp_timeout, which ended the
+    waiting ranks with the backend's own timeout (gloo's "Timed out waiting ... for recv", or NCCL's watchdog). A
+    rank that fails is reported at once, as before; one that dies ends the job through the launcher."""
     import torch.distributed as dist
 
     if accelerator.num_processes == 1 or not dist.is_initialized():
@@ -46,10 +47,11 @@ def _wait_for_the_others(accelerator: Accelerator) -> None:
     dist.barrier(group=_waiting[0])
 
 
-def _share_outcome(accelerator: Accelerator, error: BaseException | None) -> None:
-    """Tell every rank whether the main process failed, and raise its error on every rank."""
+def _share_outcome(accelerator: Accelerator, error: BaseException | None, long_wait: bool = False) -> None:
+    """All ranks call this: tell every rank whether the main process failed, and raise its error on every rank."""
     if accelerator.num_processes > 1:
-        _wait_for_the_others(accelerator)  # the main process may take longer than a collective's timeout
+        if long_wait:  # the main process's data preparation may take longer than a collective's timeout
+            _wait_for_the_others(accelerator)
         # [is a UsageError, message] from the main process; [False, None] when it succeeded.
         report = [isinstance(error, UsageError), None if error is None else str(error) or type(error).__name__]
         broadcast_object_list(report)
@@ -76,23 +78,27 @@ def load_on_main_first(accelerator: Accelerator, load, *args, **kwargs):
     `load` must not itself call a collective (it runs on a few ranks at a time): build models
     outside it, on every rank together.
     """
-    result = _on_main_process(accelerator, load, *args, **kwargs)
-    if accelerator.num_processes > 1:  # then each other node's main process, while its ranks wait
+    result = _on_main_process(accelerator, load, *args, long_wait=True, **kwargs)
+    if accelerator.num_processes == 1:
+        return result
+    turns = (
+        accelerator.is_local_main_process and not accelerator.is_main_process,  # each other node's main process
+        not accelerator.is_local_main_process,  # then the other ranks, from their node's cache
+    )
+    for mine in turns:  # the ranks not loading wait for those that are, up to DATA_WAIT
         error = None
-        if accelerator.is_local_main_process and not accelerator.is_main_process:
+        if mine:
             try:
                 result = load(*args, **kwargs)
             except Exception as exc:  # reported to every rank below
                 error = exc
         _share_errors(accelerator, error)
-    if not accelerator.is_local_main_process:
-        result = load(*args, **kwargs)
     return result
 
 
 def _share_errors(accelerator: Accelerator, error: BaseException | None) -> None:
     """All ranks call this: every rank raises the first error any rank had, or none (one gather)."""
-    _wait_for_the_others(accelerator)  # other nodes' main processes may take longer than a collective's timeout
+    _wait_for_the_others(accelerator)  # the ranks loading data may take longer than a collective's timeout
     reports = gather_object(
         [None if error is None else (isinstance(error, UsageError), str(error) or type(error).__name__)]
     )
