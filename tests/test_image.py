@@ -352,6 +352,30 @@ def test_an_image_folder_labels_each_image_by_its_class_subfolder_at_any_depth(t
     assert labels == {"train": ["café", "café", "cat", "cat", "dog", "dog", "dog"], "validation": ["café", "dog"]}
     assert "--train_dir: 1 file(s) left out, not images this Pillow reads: .heic (1)" in caplog.text  # not README
     assert raw["train"][0]["image"].size[0] >= 10  # decoded from its path
+    assert "hold subfolders named" not in caplog.text
+
+
+@pytest.mark.fast
+def test_classes_one_level_too_high_are_warned_of_and_a_double_underscore_class_is_kept(tmp_path, caplog):
+    """--train_dir data, holding data/train/cat and data/val/cat: the classes would be "train" and "val".
+    datasets' imagefolder named the deepest folders; this reads the first level, and says so where the class
+    folders all hold subfolders of the same names."""
+    from accelerate import PartialState
+
+    from ddp_utils.data.vision import image_folders
+
+    PartialState(cpu=True)
+    for split in ("train", "val"):
+        write_image_folder(tmp_path / "data" / split, {"cat": 1, "dog": 1, "__background__": 1}, seed=0)
+    with caplog.at_level("WARNING"):
+        raw = image_folders(str(tmp_path / "data"))
+    assert sorted(set(raw["train"]["label"])) == ["train", "val"]
+    assert "the class folders ['train', 'val'] all hold subfolders named ['__background__', 'cat', 'dog']" in (
+        caplog.text
+    )
+    assert sorted(set(image_folders(str(tmp_path / "data" / "train"))["train"]["label"])) == [
+        "__background__", "cat", "dog"
+    ]  # fmt: skip
 
 
 @pytest.mark.fast
@@ -368,8 +392,10 @@ def test_an_image_folder_labels_each_image_by_its_class_subfolder_at_any_depth(t
         ),
         ({"cat/0.png": 1, "cat/1.png": 1}, "holds images of one class only ('cat')"),
         ({}, "holds no images in class subfolders"),
+        ({"cat/0.png": 1, "dog/0.png": 1, "metadata.csv": 1}, "holds metadata.csv, which this script does not read"),
+        ({"cat/0.png": 1, "dog/scan.pdf": 1}, "holds images of one class only ('cat')"),  # Pillow writes PDF only
     ],
-    ids=["loose-image", "no-readable-image", "one-class", "empty"],
+    ids=["loose-image", "no-readable-image", "one-class", "empty", "metadata-file", "pdf-is-not-an-image"],
 )
 def test_an_image_folder_that_cannot_train_is_refused_in_one_line(tmp_path, layout, expected):
     from ddp_utils.core.errors import UsageError
@@ -445,6 +471,24 @@ def test_the_image_check_runs_once_for_all_ranks_and_again_when_a_file_changes(t
         assert vision.find_bad_images(raw, "image") == [(row, "dark/notes.png (UnidentifiedImageError)")]
     class_image("dark", random.Random(0)).save(train / "dark" / "notes.png")  # fixed: checked again, readable
     assert vision.find_bad_images(raw, "image") == []
+
+
+def killed(value):
+    os._exit(9)  # as the kernel's OOM killer ends a process
+
+
+@pytest.mark.fast
+def test_a_killed_image_checking_process_ends_the_check_in_one_line_not_a_hang(tmp_path, monkeypatch):
+    import datasets
+
+    from ddp_utils.data import vision
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    raw = vision.image_folders(str(write_image_folder(tmp_path / "train", {"dark": 6, "bright": 6}, seed=0)))
+    monkeypatch.setattr(vision, "IMAGES_PER_PROCESS", 4)
+    monkeypatch.setattr(vision, "_image_problem", killed)
+    with pytest.raises(RuntimeError, match="a process checking the images died \\(out of memory\\?\\)"):
+        vision.find_bad_images(raw["train"], "image")
 
 
 def test_offline_default_runs_a_few_steps(tmp_path):

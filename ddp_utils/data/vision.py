@@ -6,12 +6,16 @@ PIL and NumPy only: torchvision has no CPU wheel on many machines and pulls CUDA
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import multiprocessing
 import os
+import tempfile
 import unicodedata
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import torch
@@ -31,41 +35,58 @@ IMAGES_PER_PROCESS = 2_000  # decoding takes about 5 ms an image: one more proce
 
 def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
     """`(row, name)` of every image in `dataset` that PIL cannot open or fully decode (not an image, truncated,
-    damaged), named by its folder and file (cat/3.png). Decodes each image once, on as many processes as the work
-    is worth (`IMAGES_PER_PROCESS`), and keeps the answer in the datasets cache (`_checked_images_key`): the other
-    ranks, which prepare the data after the main process, read it instead of decoding every image again (an
-    ImageNet folder: about 100 minutes each). Any rank may call it."""
+    damaged), named by its folder and file (cat/3.png), or by its row. Decodes each image once, on as many processes
+    as the work is worth (`IMAGES_PER_PROCESS`), and keeps the answer in the datasets cache (`_checked_images_key`):
+    the other ranks, which prepare the data after the main process, read it instead of decoding every image again
+    (an ImageNet folder: about 100 minutes each). Any rank may call it."""
     import datasets
 
     raw = dataset.cast_column(image_column, datasets.Image(decode=False))
     key = _checked_images_key(raw, image_column)
     path = os.path.join(datasets.config.HF_DATASETS_CACHE, "checked_images", f"{key}.json") if key else None
-    if path and os.path.isfile(path):
+    try:
         with open(path) as file:
             return [tuple(found) for found in json.load(file)]
+    except (TypeError, OSError, ValueError):  # no key, not there yet, or half a file: checked below
+        pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     processes = min(cores, len(raw) // IMAGES_PER_PROCESS)
-    pool = multiprocessing.Pool(processes) if processes > 1 else None  # forked, as datasets.map(num_proc) does
     problems = []
-    try:
+    # Forked, as datasets.map(num_proc) does. A worker that dies (the kernel's OOM killer) ends the check with one
+    # line: multiprocessing.Pool would wait for it for ever.
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) if processes > 1 else (
+        contextlib.nullcontext()
+    ) as pool:  # fmt: skip
         for start in range(0, len(raw), 10_000):  # a Hub dataset's images are bytes in the data: not all at once
             values = raw.with_format("arrow")[start : start + 10_000][image_column].to_pylist()
-            problems += pool.map(_image_problem, values, chunksize=64) if pool else map(_image_problem, values)
-    finally:
-        if pool:
-            pool.terminate()
-    bad = [(row, problem) for row, problem in enumerate(problems) if problem]
-    if path:  # whole or absent: written under another name, then renamed
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        partial = f"{path}.{os.getpid()}.partial"
-        with open(partial, "w") as file:
-            json.dump(bad, file)
-        os.replace(partial, path)
+            try:
+                problems += pool.map(_image_problem, values, chunksize=64) if pool else map(_image_problem, values)
+            except BrokenProcessPool:
+                raise RuntimeError(
+                    "a process checking the images died (out of memory?): free memory, or check them on fewer "
+                    "processes by launching with fewer CPUs (taskset)"
+                ) from None
+    bad = [(row, f"{problem[0] or f'row {row}'} ({problem[1]})") for row, problem in enumerate(problems) if problem]
+    if path:
+        _keep(path, bad)
     return bad
 
 
-def _image_problem(value: dict) -> str | None:
-    """ "cat/3.png (OSError)" where PIL cannot open or fully decode the image (a row of `Image(decode=False)`)."""
+def _keep(path: str, bad: list) -> None:
+    """The check's answer written to `path`, whole or not at all; where the cache cannot be written, only said."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".partial")
+        with os.fdopen(handle, "w") as file:
+            json.dump(bad, file)
+        os.replace(partial, path)
+    except OSError as error:  # a read-only or full cache: every rank checks the images itself
+        logger.warning(f"the image check's answer was not kept in the datasets cache ({error}): each rank checks")
+
+
+def _image_problem(value: dict) -> tuple[str | None, str] | None:
+    """(folder/file or None, the error's name) where PIL cannot open or fully decode the image (a row of
+    `Image(decode=False)`); None where it can."""
     from PIL import Image
 
     try:
@@ -73,8 +94,8 @@ def _image_problem(value: dict) -> str | None:
             image.load()  # verify() misses truncated files; load() decodes every pixel
     except Exception as error:  # PIL raises several types: UnidentifiedImageError, OSError, SyntaxError, ...
         name = value.get("path")
-        where = os.path.join(*os.path.normpath(name).split(os.sep)[-2:]) if name and not value.get("bytes") else None
-        return f"{where or name or 'an image in the data'} ({type(error).__name__})"
+        where = os.path.join(*os.path.normpath(name).split(os.sep)[-2:]) if name and not value.get("bytes") else name
+        return where, type(error).__name__
     return None
 
 
@@ -126,6 +147,9 @@ def image_folders(train_dir: str, validation_dir: str | None = None):
     )
 
 
+SKIPPED = (".", "__MACOSX")  # hidden files and folders (.DS_Store, .ipynb_checkpoints, ._1.jpg), macOS's zip folder
+
+
 def _class_images(folder: str, option: str) -> dict:
     """{"image": paths, "label": class names} of the images in `folder`'s class subfolders (`image_folders`)."""
     from PIL import Image
@@ -133,29 +157,36 @@ def _class_images(folder: str, option: str) -> dict:
     if not os.path.isdir(folder):
         problem = "is not a folder" if os.path.exists(folder) else "does not exist"
         raise UsageError(f"{option} {folder!r} {problem}; give the folder that holds a subfolder per class")
-    readable = {extension.lower() for extension in Image.registered_extensions()}
-    images, loose, left_out = [], [], {}
-    for entry in sorted(os.scandir(folder), key=lambda entry: entry.name):
-        if entry.name.startswith((".", "__")):  # .DS_Store, .ipynb_checkpoints, __MACOSX
+    Image.init()  # the formats it opens, not those it only writes (.pdf, .palm)
+    readable = {extension.lower() for extension, kind in Image.registered_extensions().items() if kind in Image.OPEN}
+    entries = sorted((entry for entry in os.scandir(folder) if not entry.name.startswith(SKIPPED)), key=_name)
+    metadata = [entry.name for entry in entries if entry.name.startswith("metadata.") and entry.is_file()]
+    if metadata:  # datasets' imagefolder read labels from it
+        raise UsageError(
+            f"{option} {folder!r} holds {metadata[0]}, which this script does not read: it labels each image by its "
+            f"class subfolder ({FOLDER_PER_CLASS}); move the images into them, or read {metadata[0]} in "
+            "load_raw_datasets (the script's DATA section)"
+        )
+    images, loose, left_out, inner = [], [], {}, {}
+    for entry in entries:
+        if not entry.is_dir():
+            loose += [entry.name] if os.path.splitext(entry.name)[1].lower() in readable else []
             continue
-        if entry.is_dir():
-            label = unicodedata.normalize("NFC", entry.name)  # macOS writes names decomposed (NFD)
-            seen = set()  # the folders walked, by their real path: a link to a folder above would repeat them
-            for root, dirs, files in os.walk(entry.path, followlinks=True):
-                dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
-                if os.path.realpath(root) in seen:
-                    dirs[:], files = [], []
-                seen.add(os.path.realpath(root))
-                for name in files:
-                    extension = os.path.splitext(name)[1].lower()
-                    if name.startswith("."):  # macOS's ._cat.jpg beside cat.jpg: its metadata, not an image
-                        continue
-                    if extension in readable:
-                        images.append((os.path.join(root, name), label))
-                    else:
-                        left_out[extension or name] = left_out.get(extension or name, 0) + 1
-        elif os.path.splitext(entry.name)[1].lower() in readable:
-            loose.append(entry.name)
+        label = unicodedata.normalize("NFC", entry.name)  # macOS writes names decomposed (NFD)
+        seen = set()  # the folders walked, by their real path: a link to a folder above would repeat them
+        for root, dirs, files in os.walk(entry.path, onerror=_unreadable, followlinks=True):
+            dirs[:] = sorted(d for d in dirs if not d.startswith(SKIPPED))
+            if os.path.realpath(root) in seen:
+                dirs[:], files = [], []
+            seen.add(os.path.realpath(root))
+            if root == entry.path:
+                inner[label] = set(dirs)
+            for name in (name for name in files if not name.startswith(SKIPPED)):
+                extension = os.path.splitext(name)[1].lower()
+                if extension in readable:
+                    images.append((os.path.join(root, name), label))
+                else:
+                    left_out[extension or name] = left_out.get(extension or name, 0) + 1
     if loose:
         raise UsageError(
             f"{option} {folder!r} holds {len(loose)} image(s) outside class subfolders (first: {loose[0]!r}); put "
@@ -169,8 +200,22 @@ def _class_images(folder: str, option: str) -> dict:
     if left_out:
         logger.warning(f"{option}: {sum(left_out.values())} file(s) left out, not images this Pillow reads: "
                        f"{_counted(left_out)}")  # fmt: skip
+    shared = set.intersection(*inner.values()) if len(inner) > 1 else set()
+    if shared:  # train/part1/cat and train/part2/cat, or --train_dir data holding data/train/cat, data/val/cat
+        logger.warning(
+            f"{option}: the class folders {sorted(inner)[:5]} all hold subfolders named {sorted(shared)[:3]}: the "
+            f"classes are the folders right under {folder!r}; where they are deeper, give the folder above them"
+        )
     images.sort(key=lambda image: hashlib.sha1(os.path.relpath(image[0], folder).encode()).digest())
     return {"image": [path for path, _ in images], "label": [label for _, label in images]}
+
+
+def _name(entry) -> str:
+    return entry.name
+
+
+def _unreadable(error: OSError):
+    raise UsageError(f"cannot read the image folder {error.filename!r} ({error.strerror}); fix its permissions")
 
 
 def _counted(counts: dict) -> str:
