@@ -24,14 +24,8 @@ import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT
 from ddp_utils.data.classification import CLASSIFICATION_SCORES
 from ddp_utils.data.demo import demo_resnet_path, load_demo_digits
-from ddp_utils.data.vision import (
-    EXAMPLE_ID,
-    ImageCollator,
-    check_sync_batchnorm,
-    convert_sync_batchnorm,
-    drop_bad_images,
-    image_folders,
-)
+from ddp_utils.data.image_folders import drop_bad_images, image_folders
+from ddp_utils.data.vision import EXAMPLE_ID, ImageCollator, check_sync_batchnorm, convert_sync_batchnorm
 
 logger = get_logger(__name__)
 

@@ -333,7 +333,7 @@ def test_an_image_folder_labels_each_image_by_its_class_subfolder_at_any_depth(t
     README, a format this Pillow cannot read (HEIC without its plugin: left out, counted in a warning)."""
     from accelerate import PartialState
 
-    from ddp_utils.data.vision import image_folders
+    from ddp_utils.data.image_folders import image_folders
 
     PartialState(cpu=True)  # the warning is logged through Accelerate
     train, validation = tmp_path / "train", tmp_path / "deeper" / "by-hand" / "val"
@@ -362,7 +362,7 @@ def test_classes_one_level_too_high_are_warned_of_and_a_double_underscore_class_
     folders all hold subfolders of the same names."""
     from accelerate import PartialState
 
-    from ddp_utils.data.vision import image_folders
+    from ddp_utils.data.image_folders import image_folders
 
     PartialState(cpu=True)
     for split in ("train", "val"):
@@ -399,7 +399,7 @@ def test_classes_one_level_too_high_are_warned_of_and_a_double_underscore_class_
 )
 def test_an_image_folder_that_cannot_train_is_refused_in_one_line(tmp_path, layout, expected):
     from ddp_utils.core.errors import UsageError
-    from ddp_utils.data.vision import image_folders
+    from ddp_utils.data.image_folders import image_folders
 
     train = tmp_path / "train"
     train.mkdir()
@@ -415,7 +415,7 @@ def test_an_image_folder_that_cannot_train_is_refused_in_one_line(tmp_path, layo
 def test_an_image_folders_order_mixes_its_classes_and_keeps_when_images_are_added(tmp_path):
     """--max_train_samples takes the first N images: in the folder's sorted order that was one class (a model of
     that class alone, or "validation labels never occur in training"); the order by path hash mixes them."""
-    from ddp_utils.data.vision import image_folders
+    from ddp_utils.data.image_folders import image_folders
 
     train = write_image_folder(tmp_path / "train", {"dark": 20, "bright": 20, "striped": 20}, seed=0)
     first = image_folders(str(train))["train"]["label"]
@@ -451,26 +451,26 @@ def test_the_image_check_runs_once_for_all_ranks_and_again_when_a_file_changes(t
     keyed by the files' sizes and times; the decoding runs on several processes where the work is worth it."""
     import datasets
 
-    from ddp_utils.data import vision
+    from ddp_utils.data import image_folders as folders
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     train = write_image_folder(tmp_path / "train", {"dark": 6, "bright": 6}, seed=0)
     (train / "dark" / "notes.png").write_bytes(b"this is not a PNG")
-    raw = vision.image_folders(str(train))["train"]
+    raw = folders.image_folders(str(train))["train"]
     row = list(raw.with_format("arrow")["image"].combine_chunks().field("path").to_pylist()).index(
         str(train / "dark" / "notes.png")
     )
-    monkeypatch.setattr(vision, "IMAGES_PER_PROCESS", 4)  # 13 images: 2 processes here
-    assert vision.find_bad_images(raw, "image") == [(row, "dark/notes.png (UnidentifiedImageError)")]
+    monkeypatch.setattr(folders, "IMAGES_PER_PROCESS", 4)  # 13 images: 2 processes here
+    assert folders.find_bad_images(raw, "image") == [(row, "dark/notes.png (UnidentifiedImageError)")]
 
     def decoded(value):
         raise AssertionError("decoded again")
 
     with monkeypatch.context() as patch:  # another rank: the answer read, nothing decoded
-        patch.setattr(vision, "_image_problem", decoded)
-        assert vision.find_bad_images(raw, "image") == [(row, "dark/notes.png (UnidentifiedImageError)")]
+        patch.setattr(folders, "_image_problem", decoded)
+        assert folders.find_bad_images(raw, "image") == [(row, "dark/notes.png (UnidentifiedImageError)")]
     class_image("dark", random.Random(0)).save(train / "dark" / "notes.png")  # fixed: checked again, readable
-    assert vision.find_bad_images(raw, "image") == []
+    assert folders.find_bad_images(raw, "image") == []
 
 
 def killed(value):
@@ -481,14 +481,14 @@ def killed(value):
 def test_a_killed_image_checking_process_ends_the_check_in_one_line_not_a_hang(tmp_path, monkeypatch):
     import datasets
 
-    from ddp_utils.data import vision
+    from ddp_utils.data import image_folders as folders
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
-    raw = vision.image_folders(str(write_image_folder(tmp_path / "train", {"dark": 6, "bright": 6}, seed=0)))
-    monkeypatch.setattr(vision, "IMAGES_PER_PROCESS", 4)
-    monkeypatch.setattr(vision, "_image_problem", killed)
+    raw = folders.image_folders(str(write_image_folder(tmp_path / "train", {"dark": 6, "bright": 6}, seed=0)))
+    monkeypatch.setattr(folders, "IMAGES_PER_PROCESS", 4)
+    monkeypatch.setattr(folders, "_image_problem", killed)
     with pytest.raises(RuntimeError, match="a process checking the images died \\(out of memory\\?\\)"):
-        vision.find_bad_images(raw["train"], "image")
+        folders.find_bad_images(raw["train"], "image")
 
 
 def test_offline_default_runs_a_few_steps(tmp_path):

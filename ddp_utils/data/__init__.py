@@ -6,7 +6,8 @@
 - evaluation.py      each example gathered once; metrics loaded offline (metrics/); the score that ranks checkpoints
 - classification.py  labels to classes, accuracy, F1, the confusion matrix, regression scores; which task a column is
 - multi_label.py     label lists (names, class labels, 0/1 vectors) as multi-hot; exact match, micro and macro F1
-- vision.py          images: unreadable files found first, inputs, a seeded augmentation, SyncBatchNorm
+- image_folders.py   image folders: a class per subfolder, the unreadable images found once per node
+- vision.py          images into inputs (any mode), a seeded augmentation, SyncBatchNorm
 - demo.py            the offline demos' models (demo_models/) and data
 
 Knows nothing of checkpoints, training, results or language models: imports only core.
