@@ -334,7 +334,7 @@ def test_a_validation_file_with_other_columns_than_the_training_files_prepares(t
 def test_a_csv_separated_by_semicolons_is_named_so(tiny_model, tmp_path):
     """Excel saves "CSV" with semicolons in many locales: one column, "text;label", and the fix named was a
     --text_column, which cannot help."""
-    with pytest.raises(UsageError, match="its header looks separated by ';', not commas: save the file with commas"):
+    with pytest.raises(UsageError, match="Its header looks separated by ';': save it separated by commas as .csv"):
         classify(tmp_path, tiny_model, {"train.csv": "text;label\ngood;pos\nbad;neg\n"})
 
 

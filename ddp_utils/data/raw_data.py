@@ -224,7 +224,7 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, tex
             names = dataset.column_names
             separator = next((s for s in (";", "\t", "|") if len(names) == 1 and s in names[0]), None)
             fix = (  # Excel in many locales saves "CSV" with semicolons: one column whose name holds them all
-                f"its header looks separated by {separator!r}, not commas: save the file with commas (tabs: as .tsv)"
+                f"Its header looks separated by {separator!r}: save it separated by commas as .csv, or tabs as .tsv"
                 if separator else f"Name the right one with {option}"
             )  # fmt: skip
             raise UsageError(f"the {split} data has no column {column!r}; its columns are {names}. {fix}")

@@ -20,6 +20,10 @@ from .turns import check_tools_rendered, shown, tool_support, tools_end, uses_to
 
 LOSS_ON = ("assistant", "last_assistant", "all")
 
+# Without a chat template a prompt and its answer are joined with this (BOS before, EOS after), so that the answer
+# does not run on from the prompt's last word.
+PROMPT_SEPARATOR = "\n\n"
+
 
 class TokenizedRecord(NamedTuple):
     input_ids: list[int]
@@ -243,6 +247,12 @@ def tokenize_conversation(
         if keep and head >= block_size:  # no room after the tools: an answer learned without them would be wrong
             return None
     return fit_block(ids, labels, block_size, cut_targets=loss_on == "all", head=head)
+
+
+def plain_prompt_ids(tokenizer, prompt: str, separator: str = PROMPT_SEPARATOR) -> list[int]:
+    """A plain-text prompt as training shows it: BOS (where the tokenizer has one), the prompt and `separator`."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer(prompt + separator, add_special_tokens=False)["input_ids"]
 
 
 def bos_head(tokenizer, ids: list[int]) -> int:

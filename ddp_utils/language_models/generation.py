@@ -22,9 +22,9 @@ from ..data.evaluation import check_metric_for_best_model, gather_for_eval
 from ..training.compilation import generation_context
 from ..training.fsdp import root_ready_for_generation
 from .cache_rows import cache_of, counts_its_tokens, empty_cache, forget_rope_deltas, repeat_rows
+from .chat import plain_prompt_ids
 from .lora import merged_for_generation
 from .multimodal import text_config
-from .sft_data import plain_prompt_ids
 from .weight_reads import weights_read_whole
 
 logger = get_logger(__name__)

@@ -270,17 +270,20 @@ def merged_for_generation(accelerator, model):
     layers = mergeable_lora_layers(accelerator, model)
     swapped = []
     try:
-        for layer, adapter in layers:
-            weight = layer.get_base_layer().weight
-            original = weight.data
-            weight.data = original + layer.get_delta_weight(adapter).to(original.dtype)
-            layer.merged_adapters.append(adapter)  # peft's forward now calls the base layer alone
-            swapped.append((layer, adapter, weight, original))
+        with torch.no_grad():
+            for layer, adapter in layers:
+                weight = layer.get_base_layer().weight
+                original = weight.data
+                weight.data = original + layer.get_delta_weight(adapter).to(original.dtype)
+                layer.merged_adapters.append(adapter)  # peft's forward now calls the base layer alone
+                swapped.append((layer, adapter, weight, original))
         yield
     finally:
-        for layer, adapter, weight, original in swapped:
+        for _, _, weight, original in swapped:  # every weight back first, whatever peft's state became
             weight.data = original
-            layer.merged_adapters.remove(adapter)
+        for layer, adapter, _, _ in swapped:
+            if adapter in layer.merged_adapters:
+                layer.merged_adapters.remove(adapter)
 
 
 def mergeable_lora_layers(accelerator, model) -> list:

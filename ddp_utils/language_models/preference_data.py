@@ -12,8 +12,8 @@ import numpy as np
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
-from .chat import cut_middle, head_length, render, text_content
-from .sft_data import PROMPT_SEPARATOR, alpaca_prompt, plain_prompt_ids, settle_chat_template
+from .chat import cut_middle, head_length, plain_prompt_ids, render, text_content
+from .sft_data import PROMPT_SEPARATOR, alpaca_prompt, settle_chat_template
 from .turns import json_turns, sharegpt_turns
 
 logger = get_logger(__name__)

@@ -14,6 +14,7 @@ from accelerate.logging import get_logger
 from ..core.errors import UsageError
 from .causal_lm import IGNORE_INDEX
 from .chat import (
+    PROMPT_SEPARATOR,
     as_messages,
     bos_head,
     check_messages,
@@ -21,6 +22,7 @@ from .chat import (
     cut_prompt,
     fit_block,
     generation_prompt,
+    plain_prompt_ids,
     text_content,
     tokenize_conversation,
 )
@@ -31,9 +33,6 @@ logger = get_logger(__name__)
 
 
 FORMATS = "messages ([{'role', 'content'}, ...]), ShareGPT ([{'from', 'value'}, ...]), prompt/completion, Alpaca"
-# Without a chat template a prompt and its answer are joined with this (BOS before, EOS after), so that the answer
-# does not run on from the prompt's last word.
-PROMPT_SEPARATOR = "\n\n"
 # Columns of pictures, sound or video (LLaMA-Factory's multimodal sets): refused, this fine-tuning is text-only.
 MEDIA_COLUMNS = ("images", "image", "videos", "video", "audios", "audio")
 
@@ -169,12 +168,6 @@ def refuse_other_data(train) -> None:
                 "this script fine-tunes on text only: it would learn their placeholders as words. Drop the column and "
                 "those records, or use a vision-language fine-tuning script"
             )
-
-
-def plain_prompt_ids(tokenizer, prompt: str, separator: str = PROMPT_SEPARATOR) -> list[int]:
-    """A plain-text prompt as training shows it: BOS (where the tokenizer has one), the prompt and `separator`."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return bos + tokenizer(prompt + separator, add_special_tokens=False)["input_ids"]
 
 
 def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, index: int = 0, split: str = "train"):
