@@ -6,6 +6,7 @@ refused in one line that names the record and the fix; most are checked through 
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -401,6 +402,47 @@ def test_prompt_completion_and_alpaca_become_chat_turns_when_the_tokenizer_has_a
         caplog.text
     )
     assert tokenizer.decode(raw["input_ids"]) == "<s> is the movie good w7 w8 w1 w2 </s>"
+
+
+@pytest.mark.fast
+def test_alpaca_history_and_system_are_trained_as_turns_and_refused_without_a_template(tmp_path):
+    """LLaMA-Factory's Alpaca shape: a system text and a history of [question, answer] pairs before the
+    instruction. DPO read both; SFT dropped them without a word, and trained the last answer alone."""
+    record = {**ALPACA[0], "system": "w9", "history": [["the movie", "w3"]]}
+    tokenized, tokenizer, _, _ = sft(tmp_path, [record] * 4, chat_template=True)
+    text = tokenizer.decode(tokenized["train"][0]["input_ids"])
+    # the tiny vocabulary has no word "system:"
+    assert text.startswith("<s> <unk> w9 user: the movie assistant: w3 </s> user: is the movie good w7 w8"), text
+    refused = pytest.raises(UsageError, match="record 0 has a system text or a history, which only a chat template")
+    with refused:
+        sft(tmp_path, [record] * 4, "--no-chat_template", chat_template=True)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "record, expected",
+    [
+        ({"system": "Be brief.", "question": "What is 6+6?", "chosen": "12", "rejected": "13"},
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 6+6?"}]),
+        ({"system": "", "question": "What is 6+6?", "chosen": "12", "rejected": "13"}, "What is 6+6?"),
+        ({"prompt": None, "chosen": "12", "rejected": "13"}, "train record 0: its prompt is missing; fill it or drop"),
+    ],
+    ids=["orca-with-system", "orca-without", "null-prompt"],
+)  # fmt: skip
+def test_orca_pairs_keep_their_question_and_a_null_prompt_is_one_line(record, expected):
+    """Intel's orca_dpo_pairs (system, question, chosen, rejected) was read as an implicit prompt: the answers'
+    shared first words became the prompt, and the question was dropped. A null prompt was a raw TypeError."""
+    import datasets
+
+    from ddp_utils.language_models.preference_data import detect_pair_format
+
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_list([record])})
+    fmt = detect_pair_format(raw, None)
+    if isinstance(expected, str) and "missing" in expected:
+        with pytest.raises(UsageError, match=re.escape(expected)):
+            fmt.pair(record, 0, "train")
+        return
+    assert fmt.kind == "question" and fmt.pair(record, 0, "train")[0] == expected
 
 
 CONVERSATION = [

@@ -13,21 +13,22 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from .chat import cut_middle, head_length, plain_prompt_ids, render, text_content
-from .sft_data import PROMPT_SEPARATOR, alpaca_prompt, settle_chat_template
-from .turns import json_turns, sharegpt_turns
+from .sft_data import PROMPT_SEPARATOR, settle_chat_template
+from .turns import alpaca_prompt_turns, json_turns, sharegpt_turns
 
 logger = get_logger(__name__)
 
 PAIR_FORMATS = (
     "prompt/chosen/rejected as strings or as conversations (TRL), chosen/rejected conversations that share their "
-    "first turns (an implicit prompt), LLaMA-Factory's instruction/input/chosen/rejected, or ShareGPT's "
-    "conversations/chosen/rejected"
+    "first turns (an implicit prompt), LLaMA-Factory's instruction/input/chosen/rejected, system/question/chosen/"
+    "rejected (orca_dpo_pairs), or ShareGPT's conversations/chosen/rejected"
 )
 NAMES = {
     "strings": "prompt/chosen/rejected strings",
     "conversational": "prompt/chosen/rejected conversations",
     "implicit": "chosen/rejected with an implicit prompt",
     "alpaca": "LLaMA-Factory instruction/input/chosen/rejected",
+    "question": "system/question/chosen/rejected (Intel's orca_dpo_pairs)",
     "sharegpt": "ShareGPT conversations/chosen/rejected",
 }
 
@@ -49,12 +50,9 @@ class PairFormat:
         record = {**record, **json_turns(record, ("prompt", "chosen", "rejected"))}  # a CSV's cells
         if self.kind == "implicit":
             prompt, chosen, rejected = _split_implicit(record["chosen"], record["rejected"], where)
-        elif self.kind == "alpaca":
-            prompt = [{"role": "user", "content": _alpaca_prompt(record)}]
-            for question, answer in record.get("history") or []:
-                prompt[-1:-1] = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-            if record.get("system"):
-                prompt.insert(0, {"role": "system", "content": record["system"]})
+        elif self.kind in ("alpaca", "question"):  # orca_dpo_pairs: a system text and a question
+            asked = record if self.kind == "alpaca" else {**record, "instruction": record["question"]}
+            prompt = alpaca_prompt_turns(asked)
             chosen, rejected = record["chosen"], record["rejected"]
             if isinstance(chosen, str) and isinstance(rejected, str) and len(prompt) == 1:
                 prompt = prompt[0]["content"]  # a plain pair: rendered as the strings shape is
@@ -98,16 +96,14 @@ def detect_pair_format(raw, chat_template: bool | None) -> PairFormat:
         kind = "sharegpt"
     elif "instruction" in columns:
         kind = "alpaca"
+    elif "question" in columns and "prompt" not in columns:
+        kind = "question"
     elif "prompt" in columns:
         kind = "conversational" if not isinstance(first["prompt"], str) or json_turns(first, ("prompt",)) else "strings"
     else:
         kind = "implicit"
     logger.info(f"preference data format: {NAMES[kind]}")
     return PairFormat(kind, chat_template)
-
-
-def _alpaca_prompt(record: dict) -> str:
-    return alpaca_prompt(record.get("instruction") or "", record.get("input"))
 
 
 def _holds_prompt_turns(answer) -> bool:
@@ -149,6 +145,9 @@ def _checked(prompt, chosen, rejected, index: int, split: str):
     answer is); a UsageError for an empty side, answers that are not the assistant's, or two
     answers that are the same."""
     where = f"{split} record {index}"
+    for side, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        if value is None:  # a null, a missing key, an empty CSV cell
+            raise UsageError(f"{where}: its {side} is missing; fill it or drop the record")
     if isinstance(prompt, list) or not (isinstance(chosen, str) and isinstance(rejected, str)):
         prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         chosen, rejected = (_as_turns(answer) for answer in (chosen, rejected))

@@ -27,7 +27,15 @@ from .chat import (
     tokenize_conversation,
 )
 from .token_blocks import packed_examples
-from .turns import NEEDS_TEMPLATE, as_json_turns, clean_turn, record_tools, sharegpt_turns
+from .turns import (
+    NEEDS_TEMPLATE,
+    alpaca_prompt,
+    alpaca_prompt_turns,
+    as_json_turns,
+    clean_turn,
+    record_tools,
+    sharegpt_turns,
+)
 
 logger = get_logger(__name__)
 
@@ -64,9 +72,14 @@ class SFTFormat:
                     turns = [{"role": "system", "content": system}, *turns]
         else:
             prompt, completion = self.prompt_and_completion(record)
+            earlier = alpaca_prompt_turns(record)[:-1] if self.kind == "alpaca" else []  # system, history
             if isinstance(prompt, str) and isinstance(completion, str) and not self.chat_template:
+                if earlier:
+                    raise UsageError(f"{where} has a system text or a history, which only a chat template shows: "
+                                     f"{NEEDS_TEMPLATE}")  # fmt: skip
                 return None
             turns = as_messages(prompt, completion)
+            turns = [*earlier, *turns] if isinstance(turns, list) else turns
         if isinstance(turns, list):  # tool calls parsed, the keys `datasets` filled with None dropped
             turns = [clean_turn(turn, where) if isinstance(turn, dict) else turn for turn in turns]
         if self.kind in ("messages", "sharegpt"):
@@ -84,11 +97,6 @@ class SFTFormat:
             instruction, extra, output = (record.get(c) for c in self.columns)
             return alpaca_prompt(instruction, extra), output
         return record[self.columns[0]], record[self.columns[1]]
-
-
-def alpaca_prompt(instruction: str, extra: str | None) -> str:
-    """An Alpaca record's prompt: the instruction, then its input after a blank line when there is one."""
-    return f"{instruction}\n\n{extra}" if extra else instruction
 
 
 def detect_format(raw, args) -> tuple[SFTFormat, dict[str, str]]:

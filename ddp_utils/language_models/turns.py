@@ -2,7 +2,8 @@
 ShareGPT's from/value turns, and tool calls (function calling) in OpenAI's chat JSONL (assistant turns with
 `tool_calls`, whose arguments are a JSON string, `tool` turns with the results, a `tools` column of function schemas)
 or LLaMA-Factory's ShareGPT shape (`function_call` and `observation` turns, `tools` as a JSON string). Both read as
-the same turns, so they train the same tokens. No communication; any rank may call these."""
+the same turns, so they train the same tokens; Alpaca's records with their system text and history. No
+communication; any rank may call these."""
 
 from __future__ import annotations
 
@@ -220,3 +221,18 @@ def sharegpt_turns(turns, where: str, formats: str, fix: str) -> list[dict]:
         else {"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]}
         for t in turns
     ]
+
+
+def alpaca_prompt(instruction: str, extra: str | None) -> str:
+    """An Alpaca record's prompt: the instruction, then its input after a blank line when there is one."""
+    return f"{instruction}\n\n{extra}" if extra else instruction
+
+
+def alpaca_prompt_turns(record: dict) -> list[dict]:
+    """An Alpaca record's prompt as turns, LLaMA-Factory's way: its `system` text, its `history` ([question,
+    answer] pairs, oldest first), then the instruction (with its input) as the last user turn. SFT and DPO both
+    read them; before, SFT dropped the system text and the history without a word."""
+    turns = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    for question, answer in record.get("history") or []:
+        turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return [*turns, {"role": "user", "content": alpaca_prompt(record.get("instruction") or "", record.get("input"))}]
