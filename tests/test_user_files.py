@@ -405,6 +405,27 @@ def test_prompt_completion_and_alpaca_become_chat_turns_when_the_tokenizer_has_a
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize(
+    "messages, expected",
+    [
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
+         "train record 0: its assistant turn 1 is empty; fill it or drop the record"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}, {"role": "user", "content": "x"},
+          {"role": "assistant", "content": "w1"}], "train record 0: its assistant turn 1 is empty"),
+        ([{"role": "human", "content": "hi"}, {"role": "gpt", "content": "w1"}],
+         "has no assistant turn, so nothing to learn or to answer; its roles ['gpt', 'human'] are not the chat roles"),
+    ],
+    ids=["empty-answer", "empty-earlier-answer", "sharegpt-roles-in-messages"],
+)  # fmt: skip
+def test_an_empty_answer_and_unknown_roles_are_refused_naming_the_turn(tmp_path, messages, expected):
+    """An empty answer trained the model to answer with its end-of-turn token alone (DPO refused one); ShareGPT's
+    role names in role/content turns were "no assistant turn ... end each conversation with the assistant's
+    answer", though the record ends with one."""
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        sft(tmp_path, [{"messages": messages}] * 4, chat_template=True)
+
+
+@pytest.mark.fast
 def test_alpaca_history_and_system_are_trained_as_turns_and_refused_without_a_template(tmp_path):
     """LLaMA-Factory's Alpaca shape: a system text and a history of [question, answer] pairs before the
     instruction. DPO read both; SFT dropped them without a word, and trained the last answer alone."""

@@ -69,9 +69,12 @@ def text_content(messages: list[dict], record: int, split: str) -> list[dict]:
     return out
 
 
+ROLES = {"system", "developer", "user", "assistant", "tool", "function", "ipython"}  # the roles chat templates know
+
+
 def check_messages(messages, record: int, split: str) -> None:
     """A UsageError naming the record unless `messages` is a list of role/content turns with an
-    assistant turn."""
+    assistant turn, none of them empty (unless it calls tools)."""
 
     def fits(turn):
         return isinstance(turn, dict) and turn.get("role") is not None and turn.get("content") is not None
@@ -84,10 +87,16 @@ def check_messages(messages, record: int, split: str) -> None:
             f"got {str(messages)[:120]!r}; name the right column with --messages_column"
         )
     if not any(m["role"] == "assistant" for m in messages):
+        other = sorted({m["role"] for m in messages} - ROLES, key=str)
         raise UsageError(
             f"{split} record {record} has no assistant turn, so nothing to learn or to answer; "
-            "end each conversation with the assistant's answer"
-        )
+            + (f"its roles {other} are not the chat roles: name them 'user' and 'assistant'" if other else
+               "end each conversation with the assistant's answer")
+        )  # fmt: skip
+    empty = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")
+                  and isinstance(m["content"], str) and not m["content"].strip()), None)  # fmt: skip
+    if empty is not None:  # it would teach the model to answer with the end of its turn alone
+        raise UsageError(f"{split} record {record}: its assistant turn {empty} is empty; fill it or drop the record")
 
 
 PROBE_ANSWER = "Kq7Zx"  # an answer no chat template rewrites, to find what the template puts after one
