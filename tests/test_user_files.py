@@ -107,6 +107,25 @@ def test_a_tsv_written_with_csv_quoting_is_warned_about_and_glues_is_not(tmp_pat
     assert "row 0's 'text' looks quoted as in a CSV file" in caplog.text and "quoting=csv.QUOTE_NONE" in caplog.text
 
 
+@pytest.mark.fast
+def test_files_not_in_utf8_a_bom_and_a_folder_are_read_or_named_in_one_line(tmp_path):
+    """A Latin-1 JSONL loaded (Arrow keeps the bytes) and failed at its first read, anywhere later, with a raw
+    UnicodeDecodeError; a .txt from Windows' Notepad trained its BOM as text; a folder was "does not exist"."""
+    from ddp_utils import read_data_files
+
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "café au lait"}\n'.encode("latin-1"))
+    (tmp_path / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
+    (tmp_path / "notepad.txt").write_bytes("\ufeffHello world\nsecond line\n".encode("utf-8"))
+    for name, expected in (("latin1.jsonl", "is not UTF-8 text"), ("latin1.txt", "codec can't decode byte 0xe9")):
+        with pytest.raises(UsageError, match=re.escape(expected) + ".*; save it as UTF-8$"):
+            read_data_files({"train": str(tmp_path / name)})
+    assert list(read_data_files({"train": str(tmp_path / "notepad.txt")})["train"]["text"]) == [
+        "Hello world", "second line"
+    ]  # fmt: skip
+    with pytest.raises(UsageError, match="is a folder; give the path of one file: .csv, .json, .jsonl, .parquet"):
+        read_data_files({"train": str(tmp_path)})
+
+
 def write_stsb(path, rows, seed):
     """STS-B's shape: two sentences and a float similarity score from 0 to 5 (here: how positive)."""
     rng = random.Random(seed)

@@ -27,8 +27,9 @@ def read_data_files(data_files: dict[str, str]):
     splits = {}
     for split, path in data_files.items():
         if not os.path.isfile(path):
+            problem = "is a folder" if os.path.isdir(path) else "does not exist"  # a folder of .txt files, say
             raise UsageError(
-                f"--{split}_file {path!r} does not exist; give the path of a CSV, JSON/JSONL or Parquet file"
+                f"--{split}_file {path!r} {problem}; give the path of one file: {', '.join(sorted(_BUILDERS))}"
             )
         extension = os.path.splitext(path)[1].lower()
         if extension not in _BUILDERS:
@@ -36,7 +37,8 @@ def read_data_files(data_files: dict[str, str]):
                 f"--{split}_file {path!r}: unknown extension {extension!r}; use one of {sorted(_BUILDERS)}"
             )
         if os.path.getsize(path) == 0:
-            raise UsageError(f"--{split}_file {path!r} is empty; it needs a header and at least one example")
+            needs = "a header and at least one example" if extension in (".csv", ".tsv") else "at least one example"
+            raise UsageError(f"--{split}_file {path!r} is empty; it needs {needs}")
         if not _has_examples(path, extension):
             raise UsageError(f"--{split}_file {path!r} holds no examples; add at least one row")
         # TSV as GLUE and SentEval ship it: tabs split the fields and a quote is text. With CSV quoting, a sentence
@@ -44,22 +46,42 @@ def read_data_files(data_files: dict[str, str]):
         builder_kwargs = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if extension == ".tsv" else {}
         if extension in (".csv", ".tsv"):  # only an empty cell is missing: pandas took "None", "NA", "null" for one
             builder_kwargs.update(keep_default_na=False, na_values=[""])
+        if extension == ".txt":  # each line a record; a BOM (Windows' Notepad) is not text to train on
+            builder_kwargs.update(encoding="utf-8-sig")
         try:
             dataset = datasets.load_dataset(
                 _BUILDERS[extension], data_files={split: path}, split=split, **builder_kwargs
             )
         except Exception as exc:
+            fix = "; save it as UTF-8" if "codec can't decode" in _first_line(exc) else ""
             raise UsageError(
-                f"--{split}_file {path!r} could not be parsed as {_BUILDERS[extension]}: {_first_line(exc)}"
+                f"--{split}_file {path!r} could not be parsed as {_BUILDERS[extension]}: {_first_line(exc)}{fix}"
             ) from exc
         if len(dataset) == 0:
             raise UsageError(f"--{split}_file {path!r} holds no examples")
+        if extension in (".json", ".jsonl"):
+            _check_utf8(dataset, path, split)
         if extension in (".csv", ".tsv"):
             warn_if_rows_look_merged(dataset, path, split)
         if extension == ".tsv":
             warn_if_quoted_as_csv(dataset, path, split)
         splits[split] = dataset
     return datasets.DatasetDict(splits)
+
+
+def _check_utf8(dataset, path: str, split: str) -> None:
+    """Refuse a JSON file that is not UTF-8 (Latin-1, Windows-1252): Arrow's JSON reader keeps the bytes as they
+    are, and the first read of such a text, anywhere later, was a raw UnicodeDecodeError."""
+    import pyarrow as pa
+
+    try:
+        dataset.data.validate(full=True)  # Arrow's own check, UTF-8 included; no copy
+    except pa.ArrowInvalid as error:
+        if "UTF8" in str(error):
+            raise UsageError(
+                f"--{split}_file {path!r} is not UTF-8 text ({_first_line(error)}); save it as UTF-8"
+            ) from None
+        raise
 
 
 def warn_if_quoted_as_csv(dataset, path: str, split: str) -> None:
