@@ -149,7 +149,7 @@ def prepare_data(args):
     blocks, report = tokenize_in_blocks(raw, tokenizer, args, block_size)
     sample_prompt = args.sample_prompt
     if sample_prompt is None:  # the first eval words
-        sample_prompt = " ".join(raw["validation"][0][args.text_column].split()[:8])
+        sample_prompt = " ".join(raw["validation"][0][args.text_column].split()[:8])[:64]  # Chinese: no spaces
     return blocks, tokenizer, config, {"block_size": block_size, **report}, sample_prompt
 
 

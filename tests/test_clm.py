@@ -461,3 +461,30 @@ def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(famil
     for ours, theirs in zip(got, expected):
         for a, b in zip(ours, theirs):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.fast
+def test_the_end_sample_fits_a_models_learned_positions_and_never_fails_a_finished_run(
+    tiny_lm, capsys, caplog, monkeypatch
+):
+    """The sample's default prompt is the first 8 words of the eval text: a whole line of Chinese (no spaces). On
+    GPT-2's 16 learned positions here, generation raised IndexError after the model was saved, and the run exit 1."""
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    from ddp_utils.language_models.generation import show_sample
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
+    model = tiny_model("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=2, n_positions=16,
+                                                             vocab_size=len(tokenizer)))  # fmt: skip
+    accelerator = Accelerator(cpu=True)
+    show_sample(accelerator, accelerator.prepare(model), tokenizer, " ".join(["w1"] * 40), max_new_tokens=4)
+    assert "--- sample ---" in capsys.readouterr().out
+
+    def fault(*args, **kwargs):  # a fault of any kind inside generation
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(model, "generate", fault)
+    with caplog.at_level("WARNING"):
+        show_sample(accelerator, model, tokenizer, "w1 w2", max_new_tokens=4)  # said, not raised
+    assert "the sample could not be generated (RuntimeError: CUDA error" in caplog.text

@@ -350,24 +350,30 @@ def score_by_generation(
 
 
 def show_sample(accelerator: Accelerator, model, tokenizer, prompt: str, max_new_tokens: int) -> None:
-    """A greedy continuation of `prompt`, printed by the main process, so the user sees what the
-    model learned. Skipped where the weights are sharded (every rank would have to take part).
-    Any rank may call it; no communication."""
+    """A greedy continuation of `prompt` (its first tokens that fit the model's positions), printed by the main
+    process, so the user sees what the model learned; a failure is a warning. Skipped where the weights are sharded
+    (every rank would have to take part). Any rank may call it; no communication."""
     if not prompt or not accelerator.is_main_process:
         return
     if is_sharded(accelerator):
         logger.info("sample generation skipped: with sharded weights every rank would have to take part")
         return
-    input_ids = torch.tensor([plain_prompt_ids(tokenizer, prompt, separator="")], device=accelerator.device)
     generator = accelerator.unwrap_model(model).eval()
-    with torch.no_grad(), accelerator.autocast(), generation_context(accelerator):
-        output = generator.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            no_repeat_ngram_size=3,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+    context = getattr(text_config(generator.config), "max_position_embeddings", None) or 1 << 30
+    ids = plain_prompt_ids(tokenizer, prompt, separator="")[: max(context - max_new_tokens, 1)]  # learned positions
+    input_ids = torch.tensor([ids], device=accelerator.device)
+    try:  # the model is saved already: a sample that fails is said, and the run still succeeds
+        with torch.no_grad(), accelerator.autocast(), generation_context(accelerator):
+            output = generator.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                no_repeat_ngram_size=3,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+    except Exception as error:
+        logger.warning(f"the sample could not be generated ({type(error).__name__}: {str(error)[:120]}); skipped")
+        return
     completion = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
     print(f"\n--- sample ---\nprompt: {prompt}\nmodel:  {completion}\n--------------", flush=True)
