@@ -121,8 +121,9 @@ def tokenize_in_blocks(raw, tokenizer, args, block_size):
         total = int(token_lengths(encoded[split]).sum())
         if len(blocks[split]) == 0:
             raise UsageError(
-                f"the {split} data holds {total} tokens, fewer than one block of {block_size}; "
-                "give more text or lower --block_size"
+                f"the {split} data holds {total} tokens, fewer than one block of {block_size}; give more text "
+                + ("(a --validation_file, or a larger --validation_split_percentage) " if split == "validation" else "")
+                + "or lower --block_size"
             )
         report[f"{split}_tokens_dropped"] = total - len(blocks[split]) * block_size
         logger.info(

@@ -351,7 +351,7 @@ BAD_INPUT = {
     "missing_text_column": (lambda d: ["--text_column", "body"], "has no column 'body'"),
     "fewer_tokens_than_a_block": (
         lambda d: ["--validation_file", write_text_corpus(d / "v.txt", ["w1", "w2"])],
-        "the validation data holds 4 tokens, fewer than one block of 16",
+        "the validation data holds 4 tokens, fewer than one block of 16; give more text (a --validation_file, or a",
     ),
     "block_size_above_context": (
         lambda d: ["--block_size", 100],
