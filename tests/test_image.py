@@ -342,7 +342,8 @@ def test_an_image_folder_labels_each_image_by_its_class_subfolder_at_any_depth(t
     write_image_folder(train, {"cafe\u0301": 2}, seed=3)  # "café", decomposed as macOS writes it
     write_image_folder(validation, {"dog": 1, "caf\u00e9": 1}, seed=4)
     (train / "dog" / "batch1" / "again").symlink_to(train / "dog")  # a link to a folder above: walked once
-    for junk in (".DS_Store", "README.md", "cat/._0.png", ".ipynb_checkpoints/cat/0.png", "dog/scan.heic"):
+    junks = (".DS_Store", "README.md", "metadata.json", "cat/._0.png", ".ipynb_checkpoints/cat/0.png", "dog/scan.heic")
+    for junk in junks:
         (train / junk).parent.mkdir(parents=True, exist_ok=True)
         (train / junk).write_bytes(b"not an image")
 
@@ -376,6 +377,14 @@ def test_classes_one_level_too_high_are_warned_of_and_a_double_underscore_class_
     assert sorted(set(image_folders(str(tmp_path / "data" / "train"))["train"]["label"])) == [
         "__background__", "cat", "dog"
     ]  # fmt: skip
+    caplog.clear()
+    tiny_imagenet = tmp_path / "tiny-imagenet" / "train"  # n01443537/images/*.JPEG: one shared name, a layout
+    for wnid in ("n01443537", "n01629819"):
+        write_image_folder(tiny_imagenet / wnid, {"images": 2}, seed=1)
+    (tiny_imagenet / "metadata.csv").write_text("file_name,label\n")
+    with caplog.at_level("WARNING"):
+        assert sorted(set(image_folders(str(tiny_imagenet))["train"]["label"])) == ["n01443537", "n01629819"]
+    assert "hold subfolders named" not in caplog.text and "metadata.csv is not read" in caplog.text
 
 
 @pytest.mark.fast
@@ -392,7 +401,7 @@ def test_classes_one_level_too_high_are_warned_of_and_a_double_underscore_class_
         ),
         ({"cat/0.png": 1, "cat/1.png": 1}, "holds images of one class only ('cat')"),
         ({}, "holds no images in class subfolders"),
-        ({"cat/0.png": 1, "dog/0.png": 1, "metadata.csv": 1}, "holds metadata.csv, which this script does not read"),
+        ({"0.png": 1, "1.png": 1, "metadata.csv": 1}, "holds metadata.csv, which this script does not read"),
         ({"cat/0.png": 1, "dog/scan.pdf": 1}, "holds images of one class only ('cat')"),  # Pillow writes PDF only
     ],
     ids=["loose-image", "no-readable-image", "one-class", "empty", "metadata-file", "pdf-is-not-an-image"],

@@ -390,10 +390,14 @@ def test_labels_with_spaces_around_them_are_one_class_and_said(tiny_model, tmp_p
 def test_json_values_that_cannot_train_are_refused_in_one_line(tiny_model, tmp_path, files, extra, expected):
     """Python's json.dumps writes NaN: in training a NaN loss at step one, blamed on the learning rate; in
     validation NaN scores and a "best" checkpoint, reported as a success. Mixed types and numbers as text ended in
-    Arrow's or the tokenizer's traceback."""
+    Arrow's or the tokenizer's traceback. R's write.csv writes NA among numbers: read as text, a regression
+    trained as a classifier of '0.25', ..., 'NA'; given --task classification, it is one."""
     with pytest.raises(UsageError) as refused:
         classify(tmp_path, tiny_model, files, *extra)
     assert expected in str(refused.value)
+    if "a gap written as text" in expected:
+        _, _, config = classify(tmp_path, tiny_model, files, *extra, "--task", "classification")
+        assert sorted(config.label2id) == ["0.25", "1.5", "2.0", "NA"]
 
 
 # --- SFT: prompts and answers, content parts, media, long conversations, other data -----------------
@@ -433,15 +437,24 @@ def test_prompt_completion_and_alpaca_become_chat_turns_when_the_tokenizer_has_a
           {"role": "assistant", "content": "w1"}], "train record 0: its assistant turn 1 is empty"),
         ([{"role": "human", "content": "hi"}, {"role": "gpt", "content": "w1"}],
          "has no assistant turn, so nothing to learn or to answer; its roles ['gpt', 'human'] are not the chat roles"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": ""}]}],
+         "train record 0: its assistant turn 1 is empty"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "weight": 0},
+          {"role": "user", "content": "x"}, {"role": "assistant", "content": "w1"}], None),  # context, not learned
     ],
-    ids=["empty-answer", "empty-earlier-answer", "sharegpt-roles-in-messages"],
+    ids=["empty-answer", "empty-earlier-answer", "sharegpt-roles-in-messages", "empty-parts", "weight-0-is-kept"],
 )  # fmt: skip
 def test_an_empty_answer_and_unknown_roles_are_refused_naming_the_turn(tmp_path, messages, expected):
     """An empty answer trained the model to answer with its end-of-turn token alone (DPO refused one); ShareGPT's
     role names in role/content turns were "no assistant turn ... end each conversation with the assistant's
-    answer", though the record ends with one."""
+    answer", though the record ends with one. An empty turn that is not learned ("weight": 0) is context."""
+    if expected is None:
+        assert len(sft(tmp_path, [{"messages": messages}] * 4, chat_template=True)[0]["train"]) == 4
+        return
     with pytest.raises(UsageError, match=re.escape(expected)):
         sft(tmp_path, [{"messages": messages}] * 4, chat_template=True)
+    if "earlier" in str(messages) or len(messages) == 4:  # under --loss_on last_assistant the earlier one is context
+        sft(tmp_path, [{"messages": messages}] * 4, "--loss_on", "last_assistant", chat_template=True)
 
 
 @pytest.mark.fast
@@ -456,6 +469,8 @@ def test_alpaca_history_and_system_are_trained_as_turns_and_refused_without_a_te
     refused = pytest.raises(UsageError, match="record 0 has a system text or a history, which only a chat template")
     with refused:
         sft(tmp_path, [record] * 4, "--no-chat_template", chat_template=True)
+    with pytest.raises(UsageError, match=re.escape("record 0: its history holds \"['the movie', None]\"; give it as")):
+        sft(tmp_path, [{**record, "history": [["the movie", None]]}] * 4, chat_template=True)
 
 
 @pytest.mark.fast
@@ -483,6 +498,9 @@ def test_orca_pairs_keep_their_question_and_a_null_prompt_is_one_line(record, ex
             fmt.pair(record, 0, "train")
         return
     assert fmt.kind == "question" and fmt.pair(record, 0, "train")[0] == expected
+    if isinstance(expected, list):  # turns: the template renders them, so --no-chat_template cannot
+        with pytest.raises(UsageError, match="has a system text or a history, which only a chat template shows"):
+            detect_pair_format(raw, False).pair(record, 0, "train")
 
 
 CONVERSATION = [

@@ -74,7 +74,9 @@ def load_on_main_first(accelerator: Accelerator, load, *args, **kwargs):
       for a failure on another node's main process (one gather);
     - each node prepares its data once: with node-local caches (no shared file system) its local
       main process fills the node's cache and its other ranks read it; with a shared one, the
-      other nodes' main processes read what the main process wrote. Not once per rank.
+      other nodes' main processes read what the main process wrote. Not once per rank;
+    - each of the three turns ends with every rank told of any rank's error (a broadcast, then two gathers), and
+      the ranks not loading wait for those that are up to `DATA_WAIT`, not --ddp_timeout.
     `load` must not itself call a collective (it runs on a few ranks at a time): build models
     outside it, on every rank together.
     """

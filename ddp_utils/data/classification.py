@@ -50,8 +50,9 @@ def label_mapping(raw, label_column: str):
     feature = raw["train"].features[label_column]
     if isinstance(feature, datasets.ClassLabel):
         names, to_id, unseen = feature.names, int, sorted(set(validation) - set(train))
-        if validation and min(validation) < 0:
-            raise UsageError("the validation split has unlabelled examples (label -1); use a labelled split")
+        for split, values in (("training", train), ("validation", validation)):
+            if values and min(values) < 0:
+                raise UsageError(f"the {split} split has unlabelled examples (label -1); use a labelled split")
         if unseen:
             raise UsageError(
                 f"validation labels {[names[i] for i in unseen][:10]} never occur in the training data; "
@@ -116,7 +117,8 @@ def label_task(raw, label_column: str, task: str = "auto"):
         )
     kind = _value_kind(raw["train"], label_column)
     written = [v for v in distinct_values(raw["train"], label_column) if isinstance(v, str)] if kind is None else []
-    _refuse_missing_written_as_text(raw, label_column)
+    if task != "classification":  # given, the numbers are classes and "NA" one of them
+        _refuse_missing_written_as_text(raw, label_column)
     if task == "auto" and written and all(v.strip().startswith("[") and v.strip().endswith("]") for v in written):
         raise UsageError(  # a CSV cell "['sports', 'tech']": each combination would be a class of its own
             f"the labels of {label_column!r} are lists written as text ({written[0][:40]!r}); for multi-label "
@@ -164,7 +166,8 @@ def _refuse_missing_written_as_text(raw, label_column: str) -> None:
         if gaps and numbers and len(gaps) + len(numbers) == len(values):
             raise UsageError(
                 f"the {split} data's {label_column!r} holds numbers and {gaps[0]!r}, a gap written as text: "
-                "leave those cells empty (refused then, by record) or drop their rows"
+                "leave those cells empty (refused then, by record) or drop their rows; or, to train the numbers as "
+                f"classes and {gaps[0]!r} as one, give --task classification"
             )
 
 

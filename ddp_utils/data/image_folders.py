@@ -67,6 +67,7 @@ def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
 
 def _keep(path: str, bad: list) -> None:
     """The check's answer written to `path`, whole or not at all; where the cache cannot be written, only said."""
+    partial = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         handle, partial = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".partial")
@@ -74,6 +75,8 @@ def _keep(path: str, bad: list) -> None:
             json.dump(bad, file)
         os.replace(partial, path)
     except OSError as error:  # a read-only or full cache: every rank checks the images itself
+        if partial and os.path.exists(partial):
+            os.remove(partial)
         logger.warning(f"the image check's answer was not kept in the datasets cache ({error}): each rank checks")
 
 
@@ -140,6 +143,7 @@ def image_folders(train_dir: str, validation_dir: str | None = None):
     )
 
 
+METADATA = ("metadata.csv", "metadata.jsonl", "metadata.parquet")  # what datasets' imagefolder read labels from
 SKIPPED = (".", "__MACOSX")  # hidden files and folders (.DS_Store, .ipynb_checkpoints, ._1.jpg), macOS's zip folder
 
 
@@ -152,14 +156,11 @@ def _class_images(folder: str, option: str) -> dict:
         raise UsageError(f"{option} {folder!r} {problem}; give the folder that holds a subfolder per class")
     Image.init()  # the formats it opens, not those it only writes (.pdf, .palm)
     readable = {extension.lower() for extension, kind in Image.registered_extensions().items() if kind in Image.OPEN}
-    entries = sorted((entry for entry in os.scandir(folder) if not entry.name.startswith(SKIPPED)), key=_name)
-    metadata = [entry.name for entry in entries if entry.name.startswith("metadata.") and entry.is_file()]
-    if metadata:  # datasets' imagefolder read labels from it
-        raise UsageError(
-            f"{option} {folder!r} holds {metadata[0]}, which this script does not read: it labels each image by its "
-            f"class subfolder ({FOLDER_PER_CLASS}); move the images into them, or read {metadata[0]} in "
-            "load_raw_datasets (the script's DATA section)"
-        )
+    try:
+        entries = sorted((entry for entry in os.scandir(folder) if not entry.name.startswith(SKIPPED)), key=_name)
+    except OSError as error:
+        _unreadable(error)
+    metadata = [entry.name for entry in entries if entry.name in METADATA and entry.is_file()]
     images, loose, left_out, inner = [], [], {}, {}
     for entry in entries:
         if not entry.is_dir():
@@ -180,6 +181,14 @@ def _class_images(folder: str, option: str) -> dict:
                     images.append((os.path.join(root, name), label))
                 else:
                     left_out[extension or name] = left_out.get(extension or name, 0) + 1
+    if metadata and (loose or not images):  # datasets' imagefolder read labels from it
+        raise UsageError(
+            f"{option} {folder!r} holds {metadata[0]}, which this script does not read: it labels each image by its "
+            f"class subfolder ({FOLDER_PER_CLASS}); move the images into them, or read {metadata[0]} in "
+            "load_raw_datasets (the script's DATA section)"
+        )
+    if metadata:
+        logger.warning(f"{option}: {metadata[0]} is not read; each image's class is its subfolder's name")
     if loose:
         raise UsageError(
             f"{option} {folder!r} holds {len(loose)} image(s) outside class subfolders (first: {loose[0]!r}); put "
@@ -194,7 +203,7 @@ def _class_images(folder: str, option: str) -> dict:
         logger.warning(f"{option}: {sum(left_out.values())} file(s) left out, not images this Pillow reads: "
                        f"{_counted(left_out)}")  # fmt: skip
     shared = set.intersection(*inner.values()) if len(inner) > 1 else set()
-    if shared:  # train/part1/cat and train/part2/cat, or --train_dir data holding data/train/cat, data/val/cat
+    if len(shared) > 1:  # one shared name is a layout (Tiny ImageNet's <class>/images/), several are splits
         logger.warning(
             f"{option}: the class folders {sorted(inner)[:5]} all hold subfolders named {sorted(shared)[:3]}: the "
             f"classes are the folders right under {folder!r}; where they are deeper, give the folder above them"

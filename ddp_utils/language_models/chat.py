@@ -74,7 +74,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool", "function", "ipytho
 
 def check_messages(messages, record: int, split: str) -> None:
     """A UsageError naming the record unless `messages` is a list of role/content turns with an
-    assistant turn, none of them empty (unless it calls tools)."""
+    assistant turn."""
 
     def fits(turn):
         return isinstance(turn, dict) and turn.get("role") is not None and turn.get("content") is not None
@@ -93,10 +93,17 @@ def check_messages(messages, record: int, split: str) -> None:
             + (f"its roles {other} are not the chat roles: name them 'user' and 'assistant'" if other else
                "end each conversation with the assistant's answer")
         )  # fmt: skip
-    empty = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")
-                  and isinstance(m["content"], str) and not m["content"].strip()), None)  # fmt: skip
-    if empty is not None:  # it would teach the model to answer with the end of its turn alone
-        raise UsageError(f"{split} record {record}: its assistant turn {empty} is empty; fill it or drop the record")
+
+
+def check_answers_learned(messages: list[dict], loss_on: str, where: str) -> None:
+    """A UsageError naming the turn where an answer that --loss_on learns (not one of "weight": 0) is empty text
+    without tool calls: it would teach the model to answer with the end of its turn alone. `messages` as
+    `text_content` gives them (content parts joined)."""
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight", 1) != 0]
+    for i in answers[-1:] if loss_on == "last_assistant" else answers:
+        content = messages[i].get("content")
+        if not messages[i].get("tool_calls") and isinstance(content, str) and not content.strip():
+            raise UsageError(f"{where}: its assistant turn {i} is empty; fill it or drop the record")
 
 
 PROBE_ANSWER = "Kq7Zx"  # an answer no chat template rewrites, to find what the template puts after one

@@ -52,10 +52,13 @@ class PairFormat:
             prompt, chosen, rejected = _split_implicit(record["chosen"], record["rejected"], where)
         elif self.kind in ("alpaca", "question"):  # orca_dpo_pairs: a system text and a question
             asked = record if self.kind == "alpaca" else {**record, "instruction": record["question"]}
-            prompt = alpaca_prompt_turns(asked)
+            prompt = alpaca_prompt_turns(asked, where)
             chosen, rejected = record["chosen"], record["rejected"]
             if isinstance(chosen, str) and isinstance(rejected, str) and len(prompt) == 1:
                 prompt = prompt[0]["content"]  # a plain pair: rendered as the strings shape is
+            elif self.chat_template is False:  # else some records by the template, others plain, in one run
+                raise UsageError(f"{where} has a system text or a history, which only a chat template shows: "
+                                 "drop --no-chat_template")  # fmt: skip
         elif self.kind == "sharegpt":
             fix = f"the formats: {PAIR_FORMATS}"
             prompt = sharegpt_turns(record["conversations"], where, "preference", fix)

@@ -17,6 +17,7 @@ from .chat import (
     PROMPT_SEPARATOR,
     as_messages,
     bos_head,
+    check_answers_learned,
     check_messages,
     cut_middle,
     cut_prompt,
@@ -72,7 +73,7 @@ class SFTFormat:
                     turns = [{"role": "system", "content": system}, *turns]
         else:
             prompt, completion = self.prompt_and_completion(record)
-            earlier = alpaca_prompt_turns(record)[:-1] if self.kind == "alpaca" else []  # system, history
+            earlier = alpaca_prompt_turns(record, where)[:-1] if self.kind == "alpaca" else []  # system, history
             if isinstance(prompt, str) and isinstance(completion, str) and not self.chat_template:
                 if earlier:
                     raise UsageError(f"{where} has a system text or a history, which only a chat template shows: "
@@ -84,7 +85,10 @@ class SFTFormat:
             turns = [clean_turn(turn, where) if isinstance(turn, dict) else turn for turn in turns]
         if self.kind in ("messages", "sharegpt"):
             check_messages(turns, index, split)
-        return text_content(turns, index, split)
+        turns = text_content(turns, index, split)
+        if isinstance(turns, list):
+            check_answers_learned(turns, self.loss_on, where)
+        return turns
 
     def record_tools(self, record: dict, index: int, split: str) -> list[dict] | None:
         """The record's tools, as templates render them (`turns.record_tools`), or None."""

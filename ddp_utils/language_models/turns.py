@@ -228,11 +228,20 @@ def alpaca_prompt(instruction: str, extra: str | None) -> str:
     return f"{instruction}\n\n{extra}" if extra else instruction
 
 
-def alpaca_prompt_turns(record: dict) -> list[dict]:
+def alpaca_prompt_turns(record: dict, where: str) -> list[dict]:
     """An Alpaca record's prompt as turns, LLaMA-Factory's way: its `system` text, its `history` ([question,
-    answer] pairs, oldest first), then the instruction (with its input) as the last user turn. SFT and DPO both
-    read them; before, SFT dropped the system text and the history without a word."""
+    answer] pairs of text, oldest first; a CSV cell's JSON too), then the instruction (with its input) as the last
+    user turn. SFT and DPO both read them; before, SFT dropped the system text and the history without a word."""
     turns = [{"role": "system", "content": record["system"]}] if record.get("system") else []
-    for question, answer in record.get("history") or []:
-        turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    history = record.get("history") or []
+    try:
+        history = json.loads(history) if isinstance(history, str) else history
+    except ValueError:
+        pass  # refused below, as any history that is not pairs
+    for pair in history if isinstance(history, list) else [history]:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(text, str) for text in pair)):
+            raise UsageError(
+                f"{where}: its history holds {str(pair)[:60]!r}; give it as [question, answer] pairs of text"
+            )
+        turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
     return [*turns, {"role": "user", "content": alpaca_prompt(record.get("instruction") or "", record.get("input"))}]
