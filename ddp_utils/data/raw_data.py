@@ -90,20 +90,33 @@ def warn_if_quoted_as_csv(dataset, path: str, split: str) -> None:
     field trains with its quotes, and a quoted newline splits its row."""
     import pyarrow.compute as pc
 
+    quoted = _first_text_where(
+        dataset, lambda values: pc.match_substring_regex(values, r'^"(?:[^"]|"")*""(?:[^"]|"")*"?$')
+    )
+    if quoted:
+        row, column, text = quoted
+        logger.warning(
+            f"--{split}_file {path!r}: row {row}'s {column!r} looks quoted as in a CSV file ({text[:40]!r}): a .tsv "
+            "is read without quoting, so its quotes are text. Write it without quoting (pandas: "
+            "quoting=csv.QUOTE_NONE), or as a .csv"
+        )
+
+
+def _first_text_where(dataset, test):
+    """(row, column, text) of the first text value of `dataset` for which `test` (Arrow values -> booleans) holds,
+    column by column; None where none does."""
+    import pyarrow.compute as pc
+
     table = dataset.with_format("arrow")[:]
     for column in table.column_names:
         values = table[column]
-        if str(values.type) not in ("string", "large_string"):
+        if not _is_text(values):
             continue
-        quoted = pc.fill_null(pc.match_substring_regex(values, r'^"(?:[^"]|"")*""(?:[^"]|"")*"?$'), False)
-        if pc.any(quoted).as_py():
-            row = pc.index(quoted, True).as_py()
-            logger.warning(
-                f"--{split}_file {path!r}: row {row}'s {column!r} looks quoted as in a CSV file "
-                f"({str(values[row].as_py())[:40]!r}): a .tsv is read without quoting, so its quotes are text. Write "
-                "it without quoting (pandas: quoting=csv.QUOTE_NONE), or as a .csv"
-            )
-            return
+        found = pc.fill_null(test(values), False)
+        if pc.any(found).as_py():
+            row = pc.index(found, True).as_py()
+            return row, column, str(values[row].as_py())
+    return None
 
 
 def warn_if_rows_look_merged(dataset, path: str, split: str) -> None:
@@ -114,20 +127,17 @@ def warn_if_rows_look_merged(dataset, path: str, split: str) -> None:
 
     with open(path, errors="replace") as handle:
         lines = sum(1 for line in handle if line.strip()) - 1  # the header
-    table = dataset.with_format("arrow")[:]
-    for column in table.column_names:
-        values = table[column]
-        if str(values.type) not in ("string", "large_string"):
-            continue
-        merged = pc.fill_null(pc.or_(pc.match_substring(values, "\n"), pc.match_substring(values, "\t")), False)
-        if pc.any(merged).as_py():
-            row = pc.index(merged, True).as_py()
-            logger.warning(
-                f"--{split}_file {path!r}: row {row}'s {column!r} holds a newline or a tab ({len(dataset)} rows from "
-                f"{lines} lines of data), so rows or fields may have merged: a quote opened a field that a later line "
-                "closed. Check the file there; a tab-separated file without quoting should be named .tsv"
-            )
-            return
+    merged = _first_text_where(
+        dataset, lambda values: pc.or_(pc.match_substring(values, "\n"), pc.match_substring(values, "\t"))
+    )
+    if merged:
+        row, column, _ = merged
+        logger.warning(
+            f"--{split}_file {path!r}: row {row}'s {column!r} holds a newline or a tab ({len(dataset)} rows from "
+            f"{lines} lines of data), so rows or fields may have merged: a quote opened a field that a later line "
+            "closed. Check the file there; a tab-separated file without quoting should be named .tsv"
+        )
+        return
     if len(dataset) != lines:
         logger.warning(f"--{split}_file {path!r}: {len(dataset)} rows read from {lines} lines of data; check the file")
 
