@@ -20,6 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
+from .raw_data import available_cores
 
 logger = get_logger(__name__)
 FOLDER_PER_CLASS = "cat/1.jpg, cat/2.jpg, dog/1.jpg, ..."  # an image folder's layout, as errors show it
@@ -42,8 +43,7 @@ def find_bad_images(dataset, image_column: str) -> list[tuple[int, str]]:
             return [tuple(found) for found in json.load(file)]
     except (TypeError, OSError, ValueError):  # no key, not there yet, or half a file: checked below
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    processes = min(cores, len(raw) // IMAGES_PER_PROCESS)
+    processes = min(available_cores(), len(raw) // IMAGES_PER_PROCESS)
     problems = []
     # Forked, as datasets.map(num_proc) does. A worker that dies (the kernel's OOM killer) ends the check with one
     # line: multiprocessing.Pool would wait for it for ever.

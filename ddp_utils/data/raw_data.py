@@ -357,6 +357,11 @@ def _stratified(train, column: str, held_out: int, seed: int) -> list[int] | Non
     return sorted(row for label in classes for row in rng.permutation(rows[label])[: take[label]].tolist())
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity under SLURM or taskset), for the data's preparation."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def preparation_processes(args, rows: int) -> int | None:
     """How many processes `datasets.map` tokenizes `rows` rows with (its num_proc; None: in this
     process): --preprocessing_num_workers if given, else one per 25,000 rows, up to the cores this
@@ -364,6 +369,6 @@ def preparation_processes(args, rows: int) -> int | None:
     cores are free. No communication."""
     wanted = getattr(args, "preprocessing_num_workers", None)
     if wanted is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = available_cores()
         wanted = min(cores, rows // ROWS_PER_PROCESS)
     return wanted if wanted > 1 else None
