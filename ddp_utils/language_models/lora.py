@@ -261,7 +261,7 @@ MERGED_SHARE = 8  # the merged copies take at most 1/8 of the GPU's memory: else
 @contextlib.contextmanager
 def merged_for_generation(accelerator, model):
     """`model` (unwrapped) generates with each LoRA layer merged: the layer runs one matmul, as the merged model
-    does, instead of about five more operators per call (on a GPU a small model's decoding is bound by launches: GRPO's
+    does, instead of about six operators per call (on a GPU a small model's decoding is bound by launches: GRPO's
     generation dispatched 43% fewer, bench/README.md "GRPO's generation"). The merged weight is a new tensor swapped
     in for the base weight's data and swapped back out on exit, so the base weights end bit for bit as they were
     (peft's unmerge subtracts again, which rounds). Only where it computes the same: fp32 base weights (bf16 would
