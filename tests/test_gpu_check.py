@@ -207,6 +207,21 @@ def test_a_step_that_raises_is_recorded_and_the_next_step_runs(tmp_path):
     assert "| 1 | train.py demo in bf16" in (tmp_path / "gpu_check.md").read_text()
 
 
+def test_a_step_whose_run_was_cut_at_the_budget_is_still_to_run(tmp_path):
+    """Session 3's step 3: its eager run finished and its compiled run was cut at --budget_s; the step read "ok",
+    with no figures, so the plan would have counted it as done."""
+    checklist = load(CHECKLIST)
+    args = argparse.Namespace(
+        dry_run=True, results=str(tmp_path), budget_s=None, site=None, copy_to=None, fresh=True, steps="3"
+    )
+    runner = checklist.Checklist(args)
+    cut = {"name": "compiled", "status": "skipped", "stopped": True, "reason": "stopped after 438 s"}
+    runner.step_3 = lambda: runner.step_record["runs"].update(eager={"name": "eager", "status": "ok"}, compiled=cut)
+    runner.run_step("3")
+    step = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["3"]
+    assert step["status"] == "skipped" and step["reason"] == "compiled: stopped after 438 s"
+
+
 def test_steps_9_and_10_alone_have_the_llm_prepared_for_them(tmp_path):
     """Call 5 runs --steps 9,10 alone: the environment helper must prepare the LLM they pass as --model."""
     checklist = load(CHECKLIST)
