@@ -393,6 +393,33 @@ def test_the_compile_plugin_reads_the_launchers_unasked_false_as_torchs_default(
     assert dynamo_plugin("no").backend.value == "NO"
 
 
+def test_torch_compile_hands_the_compiler_one_layer_whatever_the_depth(tiny_lm, tmp_path):
+    """--torch_compile compiles by regions (`compile_by_regions`): one layer is traced, and its compilation serves
+    every layer. Compiled whole, the compiler's work grew with the depth: on an H100 (the GPU check's step 3,
+    SmolLM2's 30 layers) the first step took 119 s and the recompile for a new length 215 s, and the run, 36 s
+    uncompiled, had not finished after 438 s. Dynamo's eager backend: what inductor would get, nothing compiled."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_lm)
+    config.num_hidden_layers = 8
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "deep_model")
+    AutoTokenizer.from_pretrained(tiny_lm).save_pretrained(tmp_path / "deep_model")
+    corpus = write_text_corpus(tmp_path / "corpus.txt")
+    counted = {}
+    for name, model in (("shallow", tiny_lm), ("deep", tmp_path / "deep_model")):
+        steps = ["--max_train_steps", 2, "--lora_r", 4, "--torch_compile"]
+        result = launch(
+            TRAIN_CLM, *text_args(model, corpus, tmp_path / name, *steps), num_processes=1,
+            env={"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"},
+        )  # fmt: skip
+        assert result.returncode == 0, result.output[-3000:]
+        counted[name] = json.loads((tmp_path / name / "metrics.json").read_text())
+        assert (counted[name]["graph_breaks"], counted[name]["frames_left_eager"]) == (0, 0), counted[name]
+    assert counted["deep"]["traced_operators"] == counted["shallow"]["traced_operators"] > 0, counted
+
+
 # --torch_compile's families beyond the Llama: sliding-window and full layers, a convolution, a recurrence, ALiBi,
 # GPT-2's Conv1D layers and its dropout (0.1 by default: seeded alike, the traced graph draws eager's masks).
 COMPILED_FAMILIES = {

@@ -228,3 +228,26 @@ def test_launch_exits_cleanly_right_after_the_last_line(runs):
         assert result.exit_after_last_line < 5.0, (
             f"{name}: the launch took {result.exit_after_last_line:.1f}s to exit after its last line"
         )
+
+
+def test_a_launch_configs_dynamo_backend_compiles_by_regions_and_the_model_saves(tiny_model, tiny_data, tmp_path):
+    """train.py takes its compilation from the launch config (`dynamo_backend`), compiled by regions in place
+    (`compile_by_regions`): under DDP Accelerate's own regional compilation copied the model and its DDP wrapper, and
+    `unwrap_model` returned the copied DDP, which cannot `save_pretrained`. Dynamo's eager backend, 2 processes:
+    every layer traced, none broken, and the saved model reloads with the trained weights."""
+    from launching import CPU_CONFIG
+    from transformers import AutoModelForSequenceClassification
+
+    output_dir = tmp_path / "out"
+    launcher = ["--config_file", str(CPU_CONFIG), "--num_processes", "2", "--dynamo_backend", "eager"]
+    args = train_args(tiny_model, tiny_data, output_dir, "--num_train_epochs", 1, "--checkpointing_steps", "no")
+    result = launch(TRAIN, *args, launcher_args=launcher, real_launcher=True)
+    assert result.returncode == 0, result.output[-3000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["compiled_graphs"] > 0 and (metrics["graph_breaks"], metrics["frames_left_eager"]) == (0, 0)
+    saved = load_file(str(output_dir / "model.safetensors"))
+    assert not [name for name in saved if "_orig_mod" in name or name.startswith("module.")]
+    initial = AutoModelForSequenceClassification.from_pretrained(tiny_model).state_dict()
+    assert any(not np.array_equal(saved[name], initial[name].numpy()) for name in saved if "classifier" not in name)
+    reloaded = AutoModelForSequenceClassification.from_pretrained(output_dir).state_dict()
+    assert all(np.array_equal(saved[name], reloaded[name].numpy()) for name in saved)

@@ -208,9 +208,9 @@ def generate_answers(accelerator: Accelerator, model, dataloader, tokenizer, max
             "answer_ids": F.pad(new, (0, max_new_tokens - new.shape[1]), value=tokenizer.pad_token_id),
         }
 
-    # Eager where the model is compiled layer by layer (FSDP); under ZeRO-3 the weights Mamba's mixers read gathered;
-    # LoRA merged while answering (fewer launches).
-    with generation_context(accelerator), weights_read_whole(generator), merged_for_generation(accelerator, generator):
+    # Eager where the model is compiled layer by layer (--torch_compile); under ZeRO-3 the weights Mamba's mixers
+    # read gathered; LoRA merged while answering (fewer launches).
+    with generation_context(generator), weights_read_whole(generator), merged_for_generation(accelerator, generator):
         results = gather_for_eval(accelerator, model, dataloader, answer)
     order = np.argsort(results["index"], kind="stable")
     if not np.array_equal(results["index"][order], np.arange(len(order))):
@@ -363,7 +363,7 @@ def show_sample(accelerator: Accelerator, model, tokenizer, prompt: str, max_new
     ids = plain_prompt_ids(tokenizer, prompt, separator="")[: max(context - max_new_tokens, 1)]  # learned positions
     input_ids = torch.tensor([ids], device=accelerator.device)
     try:  # the model is saved already: a sample that fails is said, and the run still succeeds
-        with torch.no_grad(), accelerator.autocast(), generation_context(accelerator):
+        with torch.no_grad(), accelerator.autocast(), generation_context(generator):
             output = generator.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),

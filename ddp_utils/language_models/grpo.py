@@ -97,7 +97,7 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     generation steps them together)."""
     from transformers import GenerationConfig
 
-    generator = accelerator.unwrap_model(model, keep_torch_compile=False)  # past a compiled wrapper; by regions: below
+    generator = accelerator.unwrap_model(model, keep_torch_compile=False)  # by regions: generated eagerly (below)
     root_ready_for_generation(generator)  # under FSDP2, an all-gather
     group = args.num_generations
     stops = stop_token_ids(tokenizer, generator.generation_config)
@@ -115,8 +115,9 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     was_training = generator.training
     generator.eval()
     try:  # one precision context for the whole call: autocast casts trainable weights once in it (its cache)
-        # Eager where the model is compiled layer by layer (FSDP); --compile_generation's step compiles its own.
-        stance = generation_context(accelerator) if decoding is None else contextlib.nullcontext()
+        # Eager where the model is compiled layer by layer (--torch_compile); --compile_generation's step compiles its
+        # own.
+        stance = generation_context(generator) if decoding is None else contextlib.nullcontext()
         # LoRA merged while sampling (fewer launches), but not into --compile_generation's graphs: their weights stay.
         merged = merged_for_generation(accelerator, generator) if decoding is None else contextlib.nullcontext()
         with torch.no_grad(), merged, sampling_precision(accelerator, generator), stance, weights_read_whole(generator):

@@ -24,7 +24,7 @@ from ..core.redact import hide_secret_args
 from ..core.sharded import SHARDED_TYPES
 from ..results.output import check_output_dir, prepare_output_dir
 from ..training.compilation import (
-    compile_by_regions_under_fsdp2,
+    compile_by_regions,
     configure_compile,
     dynamo_plugin,
     sharded_compile_warning,
@@ -148,8 +148,9 @@ def start_run(args, **accelerator_options) -> Accelerator:
     hide_secret_args(args)  # --hub_token becomes HF_TOKEN; no secret stays in sys.argv
     # What the launcher started (the launch guard checks it against the process group): --global_batch_size needs it.
     world_size = world_size_from_launcher() or 1
-    # the scripts' --torch_compile, else the launch config's dynamo_backend
+    # the scripts' --torch_compile, else the launch config's dynamo_backend: compiled by `start_training`, in place
     compiler = dynamo_plugin(accelerator_options.pop("dynamo_backend", None))
+    args.dynamo_backend = compiler.backend.value.lower()
     args.gradient_accumulation_steps = accumulation_for(args, world_size)
     accelerator = make_accelerator(
         seed=args.seed,
@@ -160,12 +161,11 @@ def start_run(args, **accelerator_options) -> Accelerator:
         project_config=ProjectConfiguration(
             project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, TENSORBOARD_DIR)
         ),
-        dynamo_plugin=compiler,
+        dynamo_plugin=dynamo_plugin("no"),  # Accelerate's prepare compiles a copy of the model (compile_by_regions)
         **accelerator_options,
     )
     if compiler.backend.value != "NO":
         configure_compile()
-        compile_by_regions_under_fsdp2(accelerator)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if not accelerator.is_main_process:
         for library in (datasets.utils.logging, transformers.utils.logging):
@@ -202,13 +202,15 @@ def describe_global_batch(args, world_size: int) -> str:
 
 def start_training(accelerator: Accelerator, args, model, optimizer, plan):
     """All ranks call this once, after `accelerator.prepare` and before the first step: it logs
-    the optimizer that really runs, builds the out-of-memory back-off (which refuses --oom_backoff
-    where it cannot work, before anything is written), creates the output directory, resumes from
-    --resume_from_checkpoint (restoring `plan`'s progress) and starts the log and its trackers.
+    the optimizer that really runs, compiles the model by regions where the run compiles, builds the
+    out-of-memory back-off (which refuses --oom_backoff where it cannot work, before anything is
+    written), creates the output directory, resumes from --resume_from_checkpoint (restoring `plan`'s
+    progress) and starts the log and its trackers.
     Returns (Checkpointer, TrainingLog, OOMBackoff), the three the training loop calls."""
     logger.info(f"optimizer: {describe_optimizer(optimizer)}")
     backoff = OOMBackoff(accelerator, args, model, plan)  # --oom_backoff: smaller micro-batches after an OOM error
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # parameter names as in the checkpoint
+    compile_by_regions(unwrapped, getattr(args, "dynamo_backend", "no"))  # --torch_compile: each layer, in place
     checkpointer = Checkpointer(accelerator, args, unwrapped, plan)  # saves when due or on SIGTERM
     prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
     checkpointer.resume(plan)  # from --resume_from_checkpoint, if given

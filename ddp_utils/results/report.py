@@ -61,7 +61,7 @@ def write_results(
         **plan.facts(),
         **{f"{name}_per_rank": [round(v, 1) for v in per_rank[:, i].tolist()] for i, name in enumerate(memory)},
     }
-    if getattr(args, "torch_compile", False) or getattr(args, "compile_generation", False):
+    if getattr(args, "dynamo_backend", "no") != "no" or getattr(args, "compile_generation", False):  # start_run's
         facts.update(compile_counts())  # the main process's: graphs, breaks, functions left uncompiled, CUDA graphs
     metrics = {**scores, **facts, **(extra or {})}
     output_dir, error = args.output_dir, None

@@ -10,7 +10,7 @@
 - training_log.py  TrainingLog: trackers, train_log.jsonl, the progress bar
 - nonfinite.py     a loss or gradient that turned NaN or infinite, found on every rank
 - oom_backoff.py   OOMBackoff: --oom_backoff, a step split in smaller micro-batches after running out of memory
-- compilation.py   dynamo_plugin, configure_compile, compile_by_regions_under_fsdp2: how --torch_compile compiles;
+- compilation.py   dynamo_plugin, configure_compile, compile_by_regions: how --torch_compile compiles;
                    compile_counts: what it compiled
 
 Knows nothing of results, language models or a script's start: imports core, data and checkpoints.

@@ -25,16 +25,29 @@ def dynamo_plugin(backend: str | None):
     return plugin
 
 
-def compile_by_regions_under_fsdp2(accelerator) -> None:
-    """Under FSDP2, have `accelerator.prepare` compile the model by regions, each repeated layer on its own, before
-    `fully_shard` (Accelerate's `compile_regions_fsdp2`, in place: FSDP2's hooks stay outside the graphs and run).
-    Compiled whole, FSDP2's hooks at every layer broke the graph: the tests' 2-layer Llama with LoRA, 3 CLM steps on
-    2 CPU processes, 10 breaks, 11 graphs and 8 frames left uncompiled; by regions none, 7 graphs, none. Elsewhere
-    the model stays one graph (DDP and ZeRO-2: 2 graphs, no break), whatever the launch config says. Accelerate's
-    regional path also sets dynamo's `capture_scalar_outputs`. Call it after building the Accelerator, before
-    `prepare`; no communication."""
-    if accelerator.is_fsdp2:
-        accelerator.state.dynamo_plugin.use_regional_compilation = True
+def compile_by_regions(model, backend: str) -> None:
+    """Compile `model` (the unwrapped one, after `accelerator.prepare`) by regions, in place, where `backend` (from
+    `dynamo_plugin(...).backend`) is not "no": each repeated layer's call compiled on its own (one compilation serves
+    every layer), the other top-level modules each compiled whole (Accelerate's in-place `compile_regions_fsdp2`,
+    named for FSDP2 and generic). No communication; nothing is compiled until the first call.
+
+    - Compiled whole, the compilation grew with the depth. On an H100 (the GPU check's step 3, session 3:
+      SmolLM2-135M's 30 layers, SFT with LoRA) the first step took 119 s and the recompile for a new length 216 s,
+      and the run (36 s uncompiled) had not finished after 438 s. On the CPU (inductor, cold caches, SFT with LoRA,
+      6 steps): whole 84 s for 6 layers and 295 s for 24 (dynamic shapes from the first call); by regions 67 s and
+      68 s (bench/README.md).
+    - In place, not wrapped: Accelerate's `compile_regions` (its path outside FSDP2 and DeepSpeed) copies the model
+      and its DDP wrapper, and then `unwrap_model` returned the copied DDP, which has no `save_pretrained`; in place,
+      the model, its wrappers and its parameter names stay as they are (`tests/test_clm.py`).
+    - Under FSDP2, compiled whole, the hooks at every layer broke the graph (the tests' 2-layer Llama with LoRA, 3
+      CLM steps on 2 CPU processes: 10 breaks, 11 graphs, 8 frames left uncompiled); by regions none. Compiling
+      after `fully_shard` or before is the same: the layer's hooks run inside its compiled call either way, which
+      dynamo traces at the first call."""
+    from accelerate.utils import compile_regions_fsdp2
+
+    plugin = dynamo_plugin(backend)
+    if plugin.backend.value != "NO":
+        compile_regions_fsdp2(model, **plugin.to_kwargs())
 
 
 def configure_compile() -> None:
@@ -58,18 +71,16 @@ def configure_compile() -> None:
     torch._dynamo.config.recompile_limit = 16
 
 
-def generation_context(accelerator):
-    """The context to generate in: eager where the model is compiled by regions (under FSDP2,
-    `compile_by_regions_under_fsdp2`), as it is; otherwise none. No communication.
+def generation_context(model):
+    """The context to generate in: eager where `model` is compiled by regions (`compile_by_regions`), as it is;
+    otherwise none. No communication.
 
     Each layer's cache update reads its own `layer_idx`, which dynamo specialises, so while generating every layer
     was a variant of the one compiled layer: on 2 CPU processes under FSDP a 20-layer Llama reached dynamo's
-    recompile limit in the zero-shot evaluation, and from then on its layer ran uncompiled, in training too. A model
-    compiled whole is one frame, its layers inlined, and generates compiled (DDP, ZeRO-2)."""
+    recompile limit in the zero-shot evaluation, and from then on its layer ran uncompiled, in training too."""
     import contextlib
 
-    plugin = accelerator.state.dynamo_plugin
-    if plugin.backend.value != "NO" and plugin.use_regional_compilation:
+    if any(getattr(module, "_compiled_call_impl", None) is not None for module in model.modules()):
         import torch
 
         return torch.compiler.set_stance("force_eager")
@@ -99,11 +110,13 @@ def sharded_compile_warning(accelerator) -> str | None:
 def compile_counts() -> dict:
     """What dynamo traced (and inductor compiled) in this process so far, {} where nothing was: graphs, graph breaks,
     frames dynamo gave up on and ran uncompiled (where a break inside a loop lands, not counted as a break), and CUDA
-    graphs skipped (`reduce-overhead` only: each skip runs that graph's kernels one by one). No communication."""
+    graphs skipped (`reduce-overhead` only: each skip runs that graph's kernels one by one); and the operators the
+    graphs hold (`traced_operators`), what the compiler compiles: its time grows with them. No communication."""
     from torch._dynamo.utils import counters
 
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     if not graphs and not breaks:
         return {}
     frames = counters["frames"]
-    return dict(zip(COUNTS, (graphs, breaks, frames["total"] - frames["ok"], counters["inductor"]["cudagraph_skips"])))
+    counts = (graphs, breaks, frames["total"] - frames["ok"], counters["inductor"]["cudagraph_skips"])
+    return {**dict(zip(COUNTS, counts)), "traced_operators": counters["stats"]["calls_captured"]}
