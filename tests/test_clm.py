@@ -396,7 +396,7 @@ def test_the_compile_plugin_reads_the_launchers_unasked_false_as_torchs_default(
 def test_torch_compile_hands_the_compiler_one_layer_whatever_the_depth(tiny_lm, tmp_path):
     """--torch_compile compiles by regions (`compile_by_regions`): one layer is traced, and its compilation serves
     every layer. Compiled whole, the compiler's work grew with the depth: on an H100 (the GPU check's step 3,
-    SmolLM2's 30 layers) the first step took 119 s and the recompile for a new length 215 s, and the run, 36 s
+    SmolLM2's 30 layers) the first step took 119 s and the recompile for a new length 216 s, and the run, 36 s
     uncompiled, had not finished after 438 s. Dynamo's eager backend: what inductor would get, nothing compiled."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -420,12 +420,43 @@ def test_torch_compile_hands_the_compiler_one_layer_whatever_the_depth(tiny_lm, 
     assert counted["deep"]["traced_operators"] == counted["shallow"]["traced_operators"] > 0, counted
 
 
+@pytest.mark.fast
+def test_a_model_compiled_by_regions_generates_eagerly_and_trains_compiled(tiny_lm):
+    """`generation_context`: where the layers are compiled (in place, as `start_training` compiles them), generating
+    runs them eagerly (each layer's cache update would be a variant of the compiled layer: a 20-layer Llama reached
+    dynamo's recompile limit, tests/test_fsdp.py); outside it they run compiled. Nothing is compiled before."""
+    import contextlib
+
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.training.compilation import compile_by_regions, generation_context
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm)
+    assert isinstance(generation_context(model), contextlib.nullcontext)
+    ids = torch.tensor([[1, 27, 18, 40]])
+    torch._dynamo.reset()
+    try:
+        compile_by_regions(model, "eager")
+        before = counters["stats"]["unique_graphs"]  # dynamo's counters outlive its reset
+        with torch.no_grad(), generation_context(model):
+            model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        assert counters["stats"]["unique_graphs"] == before, "generation traced the compiled layers"
+        with torch.no_grad():
+            model(input_ids=ids)
+        assert counters["stats"]["unique_graphs"] > before
+    finally:
+        torch._dynamo.reset()
+
+
 # --torch_compile's families beyond the Llama: sliding-window and full layers, a convolution, a recurrence, ALiBi,
 # GPT-2's Conv1D layers and its dropout (0.1 by default: seeded alike, the traced graph draws eager's masks).
 COMPILED_FAMILIES = {
     "gemma3 (sliding window)": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
     "lfm2 (convolution)": HYBRIDS["lfm2"],
+    "jamba (attention and Mamba layers)": HYBRIDS["jamba"],
     "recurrent_gemma": HYBRIDS["recurrent_gemma"],
     "mpt (ALiBi)": HYBRIDS["mpt (ALiBi)"],
     "gpt2 (Conv1D)": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=2, n_positions=64)),
@@ -435,18 +466,18 @@ COMPILED_FAMILIES = {
 @pytest.mark.parametrize("family", ["llama", *COMPILED_FAMILIES])
 def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(family, tiny_lm, monkeypatch):
     """--torch_compile (`configure_compile`): the LM head runs only at targets (a boolean `logits_to_keep`), whose
-    `nonzero` broke the graph, and the graphs after the break were specialised to every new length. Now, through
-    AOTAutograd (the forward and backward graphs inductor would compile) with the scripts' settings (`dynamo_plugin`),
-    for every family: no break, nothing left uncompiled, two graphs for batches of three lengths (the first length's,
-    then a dynamic one; three for the recurrent one, whose scan specialises on the length), and the losses and
-    gradients are eager's."""
+    `nonzero` broke the graph, and the graphs after the break were specialised to every new length. Now, compiled
+    as the scripts compile (`compile_by_regions`, `dynamo_plugin`) through AOTAutograd (the forward and backward
+    graphs inductor would compile), for every family: each layer compiled, Jamba's two classes of layer too (as
+    Accelerate's regional compilation takes lists of one class only, it compiled Jamba whole), no break, nothing
+    left uncompiled, and the losses and gradients are eager's."""
     import torch
     from peft import LoraConfig, get_peft_model
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
     from ddp_utils.language_models.causal_lm import causal_lm_loss
-    from ddp_utils.training.compilation import configure_compile, dynamo_plugin
+    from ddp_utils.training.compilation import compile_by_regions, configure_compile
 
     def batch(length):
         ids = torch.arange(length).repeat(2, 1) % 40 + 5
@@ -461,7 +492,8 @@ def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(famil
             torch.manual_seed(length)  # the same dropout masks, where the model has dropout
             losses, weights = causal_lm_loss(model, batch(length))
             (losses * weights).sum().backward()
-            out.append([losses.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad])
+            grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+            out.append((losses.detach(), grads))  # Jamba's dt_proj adapter (the scripts leave it out): never used
         return out
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")  # as `accelerate launch` exports it
@@ -479,15 +511,20 @@ def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(famil
             configure_compile()
             breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
             left_eager = counters["frames"]["total"] - counters["frames"]["ok"]
-            got = losses_and_grads(torch.compile(model, **dynamo_plugin("aot_eager").to_kwargs()))
+            compile_by_regions(model, "aot_eager")
+            layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+            assert all(layer._compiled_call_impl is not None for layer in layers), family
+            got = losses_and_grads(model)
             assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
             assert counters["frames"]["total"] - counters["frames"]["ok"] == left_eager
-            assert counters["stats"]["unique_graphs"] - graphs == (3 if family == "recurrent_gemma" else 2)
+            assert counters["stats"]["unique_graphs"] > graphs
         finally:
             torch._dynamo.reset()
-    for ours, theirs in zip(got, expected):
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for (losses, grads), (expected_losses, expected_grads) in zip(got, expected, strict=True):
+        torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-6)
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.fast

@@ -449,7 +449,7 @@ def test_dpo_under_fsdp_trains_what_ddp_trains_and_runs_in_the_configs_bf16(llam
 
 def test_torch_compile_under_fsdp_compiles_each_layer_unbroken_and_trains_what_eager_trains(llama, tmp_path):
     """Compiled whole, FSDP2's hooks at every layer broke the graph (10 breaks, 11 graphs, 8 frames left uncompiled
-    in these 3 steps); compiled by regions (Accelerate's compile_regions_fsdp2, before fully_shard), none. Dynamo's
+    in these 3 steps); compiled by regions (compile_by_regions, in place after prepare), none. Dynamo's
     eager backend: the graphs and breaks inductor would get, nothing compiled. With --gradient_checkpointing (each
     layer's checkpoint inside its compiled region) and LoRA's default dropout, AOTAutograd (what inductor compiles)
     reuses the forward's dropout masks in the recomputation and trains what eager trains; dynamo's eager backend

@@ -257,7 +257,7 @@ def test_lora_on_fp32_weights_samples_in_fp32_and_training_keeps_the_runs_autoca
 ):
     """Under the run's bf16 autocast LoRA's frozen fp32 weights are cast again at each new token: on the GPU a
     third more launches than TRL's LoRA sampling, which skips the autocast (bench_sampling.py --count_ops --bf16).
-    So LoRA samples from the fp32 weights, compiled too (the compiled wrapper kept prepare's autocast); full
+    So LoRA samples from the fp32 weights, compiled too (by regions, in place, as the scripts compile); full
     fine-tuning keeps the autocast, which casts its trainable weights once per call. The model's forward is the
     run's autocast again afterwards, also after a fault in generation."""
     from accelerate import Accelerator
@@ -265,15 +265,17 @@ def test_lora_on_fp32_weights_samples_in_fp32_and_training_keeps_the_runs_autoca
     from transformers import AutoModelForCausalLM
 
     from ddp_utils.language_models.causal_lm import load_tokenizer
+    from ddp_utils.training.compilation import compile_by_regions
 
-    accelerator = Accelerator(cpu=True, mixed_precision="bf16", dynamo_backend="eager" if compiled else "no")
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     tokenizer = load_tokenizer(str(chat_lm))
     model = AutoModelForCausalLM.from_pretrained(chat_lm, dtype=torch.float32)
     if lora:
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear"))
     model = accelerator.prepare(model)
-    inner = accelerator.unwrap_model(model, keep_torch_compile=False)  # called uncompiled below: no tracing here
-    assert compiled == (inner is not accelerator.unwrap_model(model))
+    inner = accelerator.unwrap_model(model)
+    compile_by_regions(inner, "eager" if compiled else "no")  # as start_training compiles, after prepare
+    assert compiled == any(getattr(m, "_compiled_call_impl", None) is not None for m in inner.modules())
     dtypes = []
     inner.get_output_embeddings().register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
     batch = PromptCollator(tokenizer.pad_token_id)(

@@ -745,9 +745,9 @@ class Checklist:
         env = {"TORCH_LOGS": "recompiles,graph_breaks"}
         if self.dry_run:
             # Inductor's C++ build of even a tiny model takes minutes on 2 cores. Dynamo's eager backend traces the
-            # same graphs, so their breaks and recompiles show, and runs them uncompiled. The scripts pass
-            # dynamo_backend="inductor" to Accelerate, which then ignores ACCELERATE_DYNAMO_BACKEND; torch's
-            # per-graph backend override (for bisecting, since torch 2.11) applies to every graph from the first.
+            # same graphs, so their breaks and recompiles show, and runs them uncompiled. The scripts compile with
+            # backend="inductor" whatever ACCELERATE_DYNAMO_BACKEND says; torch's per-graph backend override (for
+            # bisecting, since torch 2.11) applies to every graph from the first.
             env["TORCH_COMPILE_OVERRIDE_BACKENDS"] = ">=0:eager"
             self.note(
                 "dry run: TORCH_COMPILE_OVERRIDE_BACKENDS='>=0:eager': dynamo traces the model, nothing is compiled"

@@ -138,7 +138,6 @@ def make_reference(accelerator: Accelerator, args, model, tokenized, collate_fn,
         return Reference(None)
     if args.lora_r and not args.precompute_reference:
         logger.info("reference: the model with its LoRA adapters turned off (no second copy in memory)")
-        # Without the compiled wrapper: unwrapping with it would rewire the compiled module around the inner one.
         return Reference("adapters off", adapters=accelerator.unwrap_model(model, keep_torch_compile=False))
     layout = TWO_ROWS if getattr(collate_fn, "two_rows", False) else ONE_ROW  # the float sums differ a little
     key = reference_cache_key(args, config, tokenized, accelerator, model, layout)

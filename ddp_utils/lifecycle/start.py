@@ -161,7 +161,7 @@ def start_run(args, **accelerator_options) -> Accelerator:
         project_config=ProjectConfiguration(
             project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, TENSORBOARD_DIR)
         ),
-        dynamo_plugin=dynamo_plugin("no"),  # Accelerate's prepare compiles a copy of the model (compile_by_regions)
+        dynamo_plugin=dynamo_plugin("no"),  # not Accelerate's compilation: start_training's, in place, by regions
         **accelerator_options,
     )
     if compiler.backend.value != "NO":

@@ -27,9 +27,9 @@ def dynamo_plugin(backend: str | None):
 
 def compile_by_regions(model, backend: str) -> None:
     """Compile `model` (the unwrapped one, after `accelerator.prepare`) by regions, in place, where `backend` (from
-    `dynamo_plugin(...).backend`) is not "no": each repeated layer's call compiled on its own (one compilation serves
-    every layer), the other top-level modules each compiled whole (Accelerate's in-place `compile_regions_fsdp2`,
-    named for FSDP2 and generic). No communication; nothing is compiled until the first call.
+    `dynamo_plugin(...).backend`) is not "no": each member of a list of layers compiled on its own (one compilation
+    serves every layer of a class), every other module on the way down compiled whole (`_compile_regions`). No
+    communication; nothing is compiled until the first call.
 
     - Compiled whole, the compilation grew with the depth. On an H100 (the GPU check's step 3, session 3:
       SmolLM2-135M's 30 layers, SFT with LoRA) the first step took 119 s and the recompile for a new length 216 s,
@@ -38,16 +38,35 @@ def compile_by_regions(model, backend: str) -> None:
       68 s (bench/README.md).
     - In place, not wrapped: Accelerate's `compile_regions` (its path outside FSDP2 and DeepSpeed) copies the model
       and its DDP wrapper, and then `unwrap_model` returned the copied DDP, which has no `save_pretrained`; in place,
-      the model, its wrappers and its parameter names stay as they are (`tests/test_clm.py`).
+      the model, its wrappers and its parameter names stay as they are (`tests/test_sft.py`, `tests/test_train.py`).
     - Under FSDP2, compiled whole, the hooks at every layer broke the graph (the tests' 2-layer Llama with LoRA, 3
-      CLM steps on 2 CPU processes: 10 breaks, 11 graphs, 8 frames left uncompiled); by regions none. Compiling
-      after `fully_shard` or before is the same: the layer's hooks run inside its compiled call either way, which
-      dynamo traces at the first call."""
-    from accelerate.utils import compile_regions_fsdp2
-
+      CLM steps on 2 CPU processes: 10 breaks, 11 graphs, 8 frames left uncompiled); by regions none. After
+      `fully_shard` or before is the same: a layer's hooks run inside its compiled call, which dynamo traces at the
+      first call."""
     plugin = dynamo_plugin(backend)
     if plugin.backend.value != "NO":
-        compile_regions_fsdp2(model, **plugin.to_kwargs())
+        _compile_regions(model, plugin.to_kwargs())
+
+
+def _compile_regions(module, compile_kwargs: dict) -> None:
+    """`module.compile()` (in place) on the regions of `module`: the members of each `ModuleList` or `ModuleDict`
+    (never called itself) are regions, and so is every module with no such list below it. Accelerate's in-place
+    `compile_regions_fsdp2` takes only lists of one class: a hybrid's (Jamba: attention and Mamba layers) became
+    the whole model compiled, and a mixed list below other repeated blocks was compiled itself and never ran."""
+    import torch
+
+    lists = (torch.nn.ModuleList, torch.nn.ModuleDict)
+    if isinstance(module, lists):
+        for member in module.children():
+            if isinstance(member, lists):
+                _compile_regions(member, compile_kwargs)
+            else:
+                member.compile(**compile_kwargs)
+    elif any(isinstance(below, lists) for below in module.modules()):
+        for child in module.children():
+            _compile_regions(child, compile_kwargs)
+    else:
+        module.compile(**compile_kwargs)
 
 
 def configure_compile() -> None:
@@ -90,19 +109,19 @@ def generation_context(model):
 def sharded_compile_warning(accelerator) -> str | None:
     """The warning for a compiled model under DeepSpeed ZeRO-3, None elsewhere. No communication.
 
-    ZeRO-3 gathers each layer's parameters in hooks around its forward and backward, and Accelerate compiles the
-    model through DeepSpeed's `engine.compile`, whose dynamo cannot trace through them. Measured on 2 CPU processes
-    (tests/launched/deepspeed_on_cpu.py, dynamo's eager backend, the tests' 2-layer Llama with LoRA, 3 CLM steps):
-    ZeRO-3 75 graphs, 56 breaks and the recompile limit reached, whole or by regions (its hooks are on every module
-    that holds parameters); ZeRO-2 2 graphs, none; FSDP2 by regions 7 graphs, none. On a GPU each graph is an inductor
-    compilation, and a model of 30 layers breaks more."""
+    ZeRO-3 gathers each layer's parameters in hooks around its forward and backward, which dynamo cannot trace
+    through. Measured on 2 CPU processes (tests/launched/deepspeed_on_cpu.py, dynamo's eager backend, the tests'
+    2-layer Llama with LoRA, 3 CLM steps, compiled by Accelerate then): ZeRO-3 75 graphs, 56 breaks and the
+    recompile limit reached, whole or by regions (its hooks are on every module that holds parameters); ZeRO-2 and
+    FSDP2 by regions 7 graphs, none. On a GPU each graph is an inductor compilation, and a model of 30 layers breaks
+    more."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None or plugin.zero_stage != 3:
         return None
     return (
         "torch.compile under DeepSpeed ZeRO-3: its gathering of each layer's parameters breaks the compiled graph "
-        "at every layer (2 CPU processes, a 2-layer model: 56 breaks and 75 graphs in 3 steps, against none and 2 "
-        "under ZeRO-2), so compiling takes long and, past dynamo's recompile limit, runs uncompiled; compile under "
+        "at every layer (2 CPU processes, a 2-layer model: 56 breaks and 75 graphs in 3 steps, against none under "
+        "ZeRO-2), so compiling takes long and, past dynamo's recompile limit, runs uncompiled; compile under "
         "deepspeed_zero2.yaml or fsdp.yaml, or train uncompiled"
     )
 
