@@ -423,10 +423,8 @@ def test_torch_compile_hands_the_compiler_one_layer_whatever_the_depth(tiny_lm, 
 @pytest.mark.fast
 def test_a_model_compiled_by_regions_generates_eagerly_and_trains_compiled(tiny_lm):
     """`generation_context`: where the layers are compiled (in place, as `start_training` compiles them), generating
-    runs them eagerly (each layer's cache update would be a variant of the compiled layer: a 20-layer Llama reached
-    dynamo's recompile limit, tests/test_fsdp.py); outside it they run compiled. Nothing is compiled before."""
-    import contextlib
-
+    runs them uncompiled (each layer's cache update would be a variant of the compiled layer: a 20-layer Llama
+    reached dynamo's recompile limit, tests/test_fsdp.py); after it, and after a fault in it, they run compiled."""
     import torch
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
@@ -434,7 +432,6 @@ def test_a_model_compiled_by_regions_generates_eagerly_and_trains_compiled(tiny_
     from ddp_utils.training.compilation import compile_by_regions, generation_context
 
     model = AutoModelForCausalLM.from_pretrained(tiny_lm)
-    assert isinstance(generation_context(model), contextlib.nullcontext)
     ids = torch.tensor([[1, 27, 18, 40]])
     torch._dynamo.reset()
     try:
@@ -442,6 +439,8 @@ def test_a_model_compiled_by_regions_generates_eagerly_and_trains_compiled(tiny_
         before = counters["stats"]["unique_graphs"]  # dynamo's counters outlive its reset
         with torch.no_grad(), generation_context(model):
             model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        with pytest.raises(RuntimeError, match="out of memory"), generation_context(model):
+            raise RuntimeError("out of memory")
         assert counters["stats"]["unique_graphs"] == before, "generation traced the compiled layers"
         with torch.no_grad():
             model(input_ids=ids)
@@ -464,13 +463,13 @@ COMPILED_FAMILIES = {
 
 
 @pytest.mark.parametrize("family", ["llama", *COMPILED_FAMILIES])
-def test_torch_compile_traces_the_loss_with_its_boolean_head_mask_unbroken(family, tiny_lm, monkeypatch):
-    """--torch_compile (`configure_compile`): the LM head runs only at targets (a boolean `logits_to_keep`), whose
-    `nonzero` broke the graph, and the graphs after the break were specialised to every new length. Now, compiled
-    as the scripts compile (`compile_by_regions`, `dynamo_plugin`) through AOTAutograd (the forward and backward
-    graphs inductor would compile), for every family: each layer compiled, Jamba's two classes of layer too (as
-    Accelerate's regional compilation takes lists of one class only, it compiled Jamba whole), no break, nothing
-    left uncompiled, and the losses and gradients are eager's."""
+def test_torch_compile_by_regions_trains_every_family_unbroken_as_eager_does(family, tiny_lm, monkeypatch):
+    """--torch_compile compiled as the scripts compile (`compile_by_regions`, `dynamo_plugin`, `configure_compile`)
+    through AOTAutograd (the forward and backward graphs inductor would compile), for every family, at three lengths:
+    each layer compiled, Jamba's two classes of layer too (Accelerate's regional compilation takes lists of one
+    class only, and compiled Jamba whole), no break, nothing left uncompiled, and the losses and gradients are
+    eager's. (Compiled whole, the LM head's boolean mask of targets, `nonzero`, broke the graph until
+    `configure_compile`; by regions it runs in the model's own forward, uncompiled.)"""
     import torch
     from peft import LoraConfig, get_peft_model
     from torch._dynamo.utils import counters

@@ -267,6 +267,7 @@ def test_lora_on_fp32_weights_samples_in_fp32_and_training_keeps_the_runs_autoca
     from ddp_utils.language_models.causal_lm import load_tokenizer
     from ddp_utils.training.compilation import compile_by_regions
 
+    counters = torch._dynamo.utils.counters
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     tokenizer = load_tokenizer(str(chat_lm))
     model = AutoModelForCausalLM.from_pretrained(chat_lm, dtype=torch.float32)
@@ -283,11 +284,15 @@ def test_lora_on_fp32_weights_samples_in_fp32_and_training_keeps_the_runs_autoca
     )
     args = Namespace(num_generations=2, max_completion_length=4, seed=0, temperature=1.0, top_p=1.0)
 
+    torch._dynamo.reset()
+    traced = counters["stats"]["unique_graphs"]  # dynamo's counters outlive its reset
     sample_completions(accelerator, model, batch, tokenizer, args, step=0)
     assert len(dtypes) >= 2 and set(dtypes) == {sampled_in}, dtypes  # the prompts' pass and each new token
+    assert counters["stats"]["unique_graphs"] == traced, "sampling traced the compiled layers"
     dtypes.clear()
     inner(input_ids=batch["input_ids"])
     assert dtypes == [torch.bfloat16], "the training forward lost the run's autocast"
+    assert (counters["stats"]["unique_graphs"] > traced) == compiled, "the training forward ran compiled again"
 
     def fault(*args, **kwargs):
         raise RuntimeError("out of memory")
@@ -298,6 +303,7 @@ def test_lora_on_fp32_weights_samples_in_fp32_and_training_keeps_the_runs_autoca
     dtypes.clear()
     inner(input_ids=batch["input_ids"])
     assert dtypes == [torch.bfloat16], "a fault in generation left the forward without the run's autocast"
+    torch._dynamo.reset()
 
 
 def lora_model(chat_lm, dtype=torch.float32, **lora):

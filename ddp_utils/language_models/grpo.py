@@ -115,23 +115,20 @@ def sample_completions(accelerator: Accelerator, model, batch: dict, tokenizer, 
     was_training = generator.training
     generator.eval()
     try:  # one precision context for the whole call: autocast casts trainable weights once in it (its cache)
-        # Eager where the model is compiled layer by layer (--torch_compile): the prompts' pass always (each layer's
-        # cache update would be a variant of the compiled layer); decoding too, unless --compile_generation's step
-        # compiles its own.
-        stance = generation_context(generator) if decoding is None else contextlib.nullcontext()
+        # The layers --torch_compile compiled run uncompiled here; --compile_generation's step compiles its own.
+        plain = generation_context(generator)
         # LoRA merged while sampling (fewer launches), but not into --compile_generation's graphs: their weights stay.
         merged = merged_for_generation(accelerator, generator) if decoding is None else contextlib.nullcontext()
-        with torch.no_grad(), merged, sampling_precision(accelerator, generator), stance, weights_read_whole(generator):
+        with torch.no_grad(), merged, sampling_precision(accelerator, generator), plain, weights_read_whole(generator):
             cache = empty_cache(generator)
-            with generation_context(generator):
-                filled = generator(  # the prompts once: their cache and their last token's logits
-                    input_ids=prompts,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
+            filled = generator(  # the prompts once: their cache and their last token's logits
+                input_ids=prompts,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             cache, logits = cache_of(filled, cache), filled.logits[:, -1]
             forget_rope_deltas(generator)  # Qwen-VL's, from the last `generate`
             if decoding is not None:  # each prompt's rows repeated into the static cache that the compiled step reads

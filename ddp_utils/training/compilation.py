@@ -3,6 +3,8 @@ traced in this process (for metrics.json and for --compile_generation's warning)
 
 from __future__ import annotations
 
+import contextlib
+
 COUNTS = ("compiled_graphs", "graph_breaks", "frames_left_eager", "cudagraph_skips")  # `compile_counts`' keys
 
 
@@ -28,8 +30,9 @@ def dynamo_plugin(backend: str | None):
 def compile_by_regions(model, backend: str) -> None:
     """Compile `model` (the unwrapped one, after `accelerator.prepare`) by regions, in place, where `backend` (from
     `dynamo_plugin(...).backend`) is not "no": each member of a list of layers compiled on its own (one compilation
-    serves every layer of a class), every other module on the way down compiled whole (`_compile_regions`). No
-    communication; nothing is compiled until the first call.
+    serves every layer of a class), and each module beside the lists (embeddings, norms, the head) compiled whole;
+    the forwards above them, which call them, run eagerly (`_compile_regions`). No communication; nothing is
+    compiled until the first call.
 
     - Compiled whole, the compilation grew with the depth. On an H100 (the GPU check's step 3, session 3:
       SmolLM2-135M's 30 layers, SFT with LoRA) the first step took 119 s and the recompile for a new length 216 s,
@@ -49,20 +52,24 @@ def compile_by_regions(model, backend: str) -> None:
 
 
 def _compile_regions(module, compile_kwargs: dict) -> None:
-    """`module.compile()` (in place) on the regions of `module`: the members of each `ModuleList` or `ModuleDict`
-    (never called itself) are regions, and so is every module with no such list below it. Accelerate's in-place
-    `compile_regions_fsdp2` takes only lists of one class: a hybrid's (Jamba: attention and Mamba layers) became
-    the whole model compiled, and a mixed list below other repeated blocks was compiled itself and never ran."""
+    """`module.compile()` (in place) on the regions of `module`: the members of each non-empty `ModuleList` (a list
+    of layers, never called itself), and every module with no such list below it. Accelerate's in-place
+    `compile_regions_fsdp2` takes only lists of one class: a hybrid's (Jamba: attention and Mamba layers) became the
+    whole model compiled, and a mixed list below other repeated blocks would have been compiled itself and never
+    run. A `ModuleDict` on the way (never called either) is passed through; one with no list below stays inside
+    the module that holds it (a LoRA layer's adapters), compiled with it."""
     import torch
 
-    lists = (torch.nn.ModuleList, torch.nn.ModuleDict)
-    if isinstance(module, lists):
+    def holds_layers(candidate) -> bool:
+        return any(isinstance(below, torch.nn.ModuleList) and len(below) for below in candidate.modules())
+
+    if isinstance(module, torch.nn.ModuleList):
         for member in module.children():
-            if isinstance(member, lists):
+            if isinstance(member, (torch.nn.ModuleList, torch.nn.ModuleDict)):
                 _compile_regions(member, compile_kwargs)
             else:
                 member.compile(**compile_kwargs)
-    elif any(isinstance(below, lists) for below in module.modules()):
+    elif isinstance(module, torch.nn.ModuleDict) or holds_layers(module):
         for child in module.children():
             _compile_regions(child, compile_kwargs)
     else:
@@ -76,13 +83,14 @@ def configure_compile() -> None:
     - Operators whose output's shape depends on the data (`nonzero`) are traced: the LM head runs only where a target
       is predicted (`logits_to_keep` as a boolean mask), and without this each call broke the graph there, and the
       graphs after the break were specialised to every new length. A 2-layer Llama's SFT step with LoRA: 3 breaks and
-      15 recompiles in 3 steps, against none and 1 (CPU, dynamo's eager and aot_eager backends). Inductor lowers the
-      mask's indexing to ATen's own kernels, as eager runs them.
-    - More recompiles are allowed than dynamo's 8 per function: the model's call has several legitimate variants,
-      each compiled for its first length and then dynamic. DPO's: the policy and the reference (adapters off, no
-      gradients), each static then dynamic, and evaluation with the adapters on and off, 6 graphs (5 recompiles) in
-      the GPU check's dry run; an evaluation batch of one record is one more (dynamo specialises a size of 1). Past
-      the limit dynamo runs each new variant uncompiled, with one warning. Each recompile costs compile time.
+      15 recompiles in 3 steps, against none and 1 (CPU, dynamo's eager and aot_eager backends; the model compiled
+      whole, then). By regions the mask is applied in the model's own forward, uncompiled; the setting still serves
+      data-dependent operators inside a layer (a mixture of experts' routing).
+    - More recompiles are allowed than dynamo's 8 per function (a layer class's forward, by regions): it has several
+      legitimate variants, each compiled for its first length and then dynamic. The tests' SFT epoch: 6 for the
+      layer (the first layer's input needs no gradient; evaluation without gradients; a batch of one record, as
+      dynamo specialises a size of 1); DPO's add the reference (adapters off). Past the limit dynamo runs each new
+      variant uncompiled, with one warning. Each recompile costs compile time.
     """
     import torch._dynamo
 
@@ -90,20 +98,24 @@ def configure_compile() -> None:
     torch._dynamo.config.recompile_limit = 16
 
 
+@contextlib.contextmanager
 def generation_context(model):
-    """The context to generate in: eager where `model` is compiled by regions (`compile_by_regions`), as it is;
-    otherwise none. No communication.
+    """The context to generate in: the regions of `model` that `compile_by_regions` compiled run uncompiled in it
+    (their plain calls), and compiled again after it; elsewhere it changes nothing. No communication.
 
     Each layer's cache update reads its own `layer_idx`, which dynamo specialises, so while generating every layer
     was a variant of the one compiled layer: on 2 CPU processes under FSDP a 20-layer Llama reached dynamo's
-    recompile limit in the zero-shot evaluation, and from then on its layer ran uncompiled, in training too."""
-    import contextlib
-
-    if any(getattr(module, "_compiled_call_impl", None) is not None for module in model.modules()):
-        import torch
-
-        return torch.compiler.set_stance("force_eager")
-    return contextlib.nullcontext()
+    recompile limit in the zero-shot evaluation, and from then on its layer ran uncompiled, in training too. Not
+    torch's `force_eager` stance, which would also stop --compile_generation's own compiled decoding step, while
+    `generate`'s first step (its prefill) calls the model outside that step."""
+    compiled = {m: m._compiled_call_impl for m in model.modules() if getattr(m, "_compiled_call_impl", None)}
+    for module in compiled:
+        module._compiled_call_impl = None  # nn.Module's own switch: `module.compile()` sets it
+    try:
+        yield
+    finally:
+        for module, call in compiled.items():
+            module._compiled_call_impl = call
 
 
 def sharded_compile_warning(accelerator) -> str | None:
