@@ -23,6 +23,7 @@ def add_side_by_side_args(p, names: dict, workdir: Path) -> None:
     p.add_argument("--only", nargs="*", default=None, choices=list(names), help="run only these contenders")
     p.add_argument("--workdir", default=str(workdir), help="where runs write")
     p.add_argument("--count_ops", action="store_true", help="count each step's operators (speeds then mean nothing)")
+    p.add_argument("--profile", action="store_true", help="profile 5 steps of each run: GPU busy share, launches")
 
 
 def peak_gpu_mib(data: dict) -> float | None:
@@ -53,6 +54,8 @@ def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, en
     """Run `commands` (key -> (results file, command)) one at a time; skip those not in --only, and TRL's
     when trl is not installed; add `figures(key, results)` (a dict with "per_s", "gpu_mib", "steps")."""
     results, have_trl = {}, importlib.util.find_spec("trl") is not None
+    if args.count_ops and args.profile:  # each is a sitecustomize first on the path: one hides the other
+        raise SystemExit("--count_ops and --profile cannot run together: give one")
     for key, (result_file, command) in commands.items():
         if (args.only and key not in args.only) or (key.startswith("trl") and not have_trl):
             print(f"skipped: {names[key]}" + ("" if have_trl else " (trl is not installed)"), flush=True)
@@ -63,12 +66,19 @@ def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, en
             shutil.rmtree(ops_dir, ignore_errors=True)
             paths = [str(Path(__file__).resolve().parent / "op_count"), env.get("PYTHONPATH")]
             env = {**env, "OPS_PER_STEP_DIR": str(ops_dir), "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+        profile_dir = workdir / "profile" / key
+        if args.profile:  # step_profile/sitecustomize.py profiles steps 4 to 8 in every process the run starts
+            shutil.rmtree(profile_dir, ignore_errors=True)
+            paths = [str(Path(__file__).resolve().parent / "step_profile"), env.get("PYTHONPATH")]
+            env = {**env, "STEP_PROFILE_DIR": str(profile_dir), "PYTHONPATH": os.pathsep.join(filter(None, paths))}
         result = run_one(command, result_file, workdir / f"{key}.log", env)
         if result["data"].get("world_size") != args.processes:
             raise SystemExit(f"{names[key]} trained on {result['data'].get('world_size')} process(es); see its log")
         result.update(figures(key, result["data"]))
         if args.count_ops:
             result["ops_per_step"] = ops_per_step(ops_dir)
+        if args.profile:
+            result["profile"] = slowest_profile(profile_dir)
         results[key] = result
         if args.json:  # after each contender: a run stopped later (the GPU check's budget) keeps what finished
             figures_only = {key: {k: v for k, v in r.items() if k != "data"} for key, r in results.items()}
@@ -92,6 +102,13 @@ def ops_per_step(ops_dir: Path) -> int | None:
         if len(steps) >= 2:
             per_process.append(round(statistics.median(steps)))
     return max(per_process) if per_process else None
+
+
+def slowest_profile(profile_dir: Path) -> dict | None:
+    """The profile (step_profile/sitecustomize.py) of the process whose profiled steps took longest; None where no
+    process reached the end of its profiled steps (a run of fewer than 8 steps)."""
+    profiles = [json.loads(path.read_text()) for path in profile_dir.glob("profile-*.json")]
+    return max(profiles, key=lambda profile: profile["step_s"]) if profiles else None
 
 
 def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) -> None:
@@ -120,3 +137,17 @@ def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) ->
             ops = r.get("ops_per_step")
             ratio = f"{ops / base:.2f}" if ops and base else "-"
             print(f"| {names[key]} | {ops:,} | {ratio} |" if ops else f"| {names[key]} | - | - |")
+    if any(r.get("profile") for r in results.values()):
+        print("\nProfiled steps 4 to 8 (torch.profiler; they run slower than the others): where each step's time goes")
+        print("\n| run | s / step | GPU busy s / step | GPU busy share | launches / step | top host operator |")
+        print("|---|---:|---:|---:|---:|---|")
+        for key, r in results.items():
+            p = r.get("profile")
+            if not p:
+                print(f"| {names[key]} | - | - | - | - | - |")
+                continue
+            busy = ("-", "-")  # on a CPU
+            if p["gpu_busy_s"] is not None:
+                busy = (f"{p['gpu_busy_s']:.4f}", f"{p['gpu_busy_share']:.0%}")
+            top = p["host_top"][0]["name"] if p["host_top"] else "-"
+            print(f"| {names[key]} | {p['step_s']:.4f} | {busy[0]} | {busy[1]} | {p['launches']:,.0f} | {top} |")

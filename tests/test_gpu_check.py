@@ -553,6 +553,35 @@ def test_the_operator_count_gives_each_steps_operators_also_when_the_process_end
 
 
 @pytest.mark.fast
+def test_the_step_profile_times_steps_4_to_8_in_any_process_also_when_it_ends_with_os_exit(tmp_path):
+    """side_by_side.py --profile: step_profile/sitecustomize.py profiles steps 4 to 8 of any process (our scripts end
+    with os._exit, which skips atexit), and writes their seconds, the GPU's busy share (none on a CPU), the launches
+    and the operators that took the most time; a run too short to reach step 8 writes nothing."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from side_by_side import slowest_profile
+
+    program = (
+        "import os, sys, torch\n"
+        "model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])\n"
+        "optimizer = torch.optim.AdamW(model.parameters())\n"
+        "for _ in range(int(sys.argv[1])):\n"
+        "    model(torch.randn(2, 4)).sum().backward(); optimizer.step(); optimizer.zero_grad()\n"
+        "os._exit(0)\n"
+    )
+    for steps in (10, 7):
+        folder = tmp_path / str(steps)
+        env = {**launch_env(), "STEP_PROFILE_DIR": str(folder), "PYTHONPATH": str(REPO / "bench" / "step_profile")}
+        subprocess.run([sys.executable, "-c", program, str(steps)], env=env, check=True, timeout=120)
+    profile = slowest_profile(tmp_path / "10")
+    assert profile["steps"] == 5 and profile["step_s"] > 0, profile
+    assert (profile["gpu_busy_s"], profile["gpu_busy_share"], profile["launches"]) == (None, None, 0)
+    names = [row["name"] for row in profile["host_top"]]
+    assert "aten::addmm" in names and profile["device_top"] == [], names
+    assert next(row for row in profile["host_top"] if row["name"] == "aten::addmm")["calls"] == 3  # 3 layers a step
+    assert slowest_profile(tmp_path / "7") is None
+
+
+@pytest.mark.fast
 def test_the_report_merges_the_calls_json_with_later_steps_winning_and_each_call_once(tmp_path):
     """`checklist.py --report`: a warm machine's JSON already holds its earlier calls, which the merge lists once
     (session 2's table listed its first call twice); a step a later call ran again takes that call's record."""
