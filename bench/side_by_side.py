@@ -61,17 +61,13 @@ def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, en
             print(f"skipped: {names[key]}" + ("" if have_trl else " (trl is not installed)"), flush=True)
             continue
         print(f"running {names[key]} ...", flush=True)
-        ops_dir = workdir / "ops" / key
+        ops_dir, profile_dir = workdir / "ops" / key, workdir / "profile" / key
+        run_env = env
         if args.count_ops:  # op_count/sitecustomize.py counts in every process the run starts
-            shutil.rmtree(ops_dir, ignore_errors=True)
-            paths = [str(Path(__file__).resolve().parent / "op_count"), env.get("PYTHONPATH")]
-            env = {**env, "OPS_PER_STEP_DIR": str(ops_dir), "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-        profile_dir = workdir / "profile" / key
+            run_env = with_sitecustomize(env, "op_count", "OPS_PER_STEP_DIR", ops_dir)
         if args.profile:  # step_profile/sitecustomize.py profiles steps 4 to 8 in every process the run starts
-            shutil.rmtree(profile_dir, ignore_errors=True)
-            paths = [str(Path(__file__).resolve().parent / "step_profile"), env.get("PYTHONPATH")]
-            env = {**env, "STEP_PROFILE_DIR": str(profile_dir), "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-        result = run_one(command, result_file, workdir / f"{key}.log", env)
+            run_env = with_sitecustomize(env, "step_profile", "STEP_PROFILE_DIR", profile_dir)
+        result = run_one(command, result_file, workdir / f"{key}.log", run_env)
         if result["data"].get("world_size") != args.processes:
             raise SystemExit(f"{names[key]} trained on {result['data'].get('world_size')} process(es); see its log")
         result.update(figures(key, result["data"]))
@@ -90,6 +86,14 @@ def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, en
             flush=True,
         )
     return results
+
+
+def with_sitecustomize(env: dict, folder: str, variable: str, out_dir: Path) -> dict:
+    """`env` with bench/<folder>/sitecustomize.py first on the path and `variable` naming `out_dir` (emptied) for
+    what it writes: it then runs in every process the run starts."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    paths = [str(Path(__file__).resolve().parent / folder), env.get("PYTHONPATH")]
+    return {**env, variable: str(out_dir), "PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
 def ops_per_step(ops_dir: Path) -> int | None:
