@@ -143,15 +143,21 @@ def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) ->
             print(f"| {names[key]} | {ops:,} | {ratio} |" if ops else f"| {names[key]} | - | - |")
     if any(r.get("profile") for r in results.values()):
         print("\nProfiled steps 4 to 8 (torch.profiler; they run slower than the others): where each step's time goes")
-        print("\n| run | s / step | GPU busy s / step | GPU busy share | launches / step | top host operator |")
-        print("|---|---:|---:|---:|---:|---|")
+        print(
+            "\n| run | s / step | GPU busy share | launches / step | GPU waits / step (s) | host in operators (s) "
+            "| host outside them (s) | in `generate` (s) | top host operator |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for key, r in results.items():
             p = r.get("profile")
             if not p:
-                print(f"| {names[key]} | - | - | - | - | - |")
+                print(f"| {names[key]} |" + " - |" * 8)
                 continue
-            busy = ("-", "-")  # on a CPU
-            if p["gpu_busy_s"] is not None:
-                busy = (f"{p['gpu_busy_s']:.4f}", f"{p['gpu_busy_share']:.0%}")
+            busy = f"{p['gpu_busy_share']:.0%}" if p["gpu_busy_s"] is not None else "-"  # none on a CPU
+            waits = f"{p['syncs']:,.0f} ({p['sync_wait_s']:.4f})"
+            generate = f"{p['generate_s']:.4f}" if p.get("generate_s") is not None else "-"
             top = p["host_top"][0]["name"] if p["host_top"] else "-"
-            print(f"| {names[key]} | {p['step_s']:.4f} | {busy[0]} | {busy[1]} | {p['launches']:,.0f} | {top} |")
+            print(
+                f"| {names[key]} | {p['step_s']:.4f} | {busy} | {p['launches']:,.0f} | {waits} "
+                f"| {p['host_in_operators_s']:.4f} | {p['host_outside_operators_s']:.4f} | {generate} | {top} |"
+            )

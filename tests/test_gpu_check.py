@@ -65,8 +65,8 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert environment["torch"] and environment["python"] and environment["gpu"] is None  # no CUDA here
     assert isinstance(environment["differs_from_requirements"], list)
     steps = data["steps"]
-    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10", "11"]
-    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10", "11"):
+    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12"]
+    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10", "11", "12"):
         assert steps[step]["status"] == "ok", (step, steps[step])
     for record in steps.values():
         assert record["wall_s"] > 0
@@ -118,6 +118,13 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert dpo_compiled["ours_compiled_compiled_graphs"] > 0 and dpo_compiled["ours_compiled_graph_breaks"] == 0
     assert dpo_compiled["ours_compiled_frames_left_eager"] == 0, dpo_compiled
     assert any("eager" in note for note in steps["11"]["notes"])
+    # GRPO and DPO profiled (ours alone here: CI has no trl), each with its own folder of runs and logs
+    for bench in ("bench_grpo", "bench_dpo"):
+        profile = steps["12"]["figures"][f"{bench}_ours"]
+        assert profile["steps"] == 2 and profile["step_s"] > 0 and profile["host_in_operators_s"] > 0, profile
+        assert (profile["generate_s"] is None) == (bench == "bench_dpo"), profile  # GRPO generates, DPO does not
+        assert (results / "lanes/0/step12" / bench / "ours" / "train_log.jsonl").exists()
+    assert [row[0] for row in steps["12"]["table"]["rows"]] == ["bench_grpo ours", "bench_dpo ours"]
 
     # The failure a CPU must give is caught, recorded with its error line, and expected.
     assert steps["6"]["status"] == "failed" and steps["6"]["expected_in_dry_run"]
@@ -555,17 +562,23 @@ def test_the_operator_count_gives_each_steps_operators_also_when_the_process_end
 @pytest.mark.fast
 def test_the_step_profile_times_steps_4_to_8_in_any_process_also_when_it_ends_with_os_exit(tmp_path):
     """side_by_side.py --profile: step_profile/sitecustomize.py profiles steps 4 to 8 of any process (our scripts end
-    with os._exit, which skips atexit), and writes their seconds, the GPU's busy share (none on a CPU), the launches
-    and the operators that took the most time; a run too short to reach step 8 writes nothing."""
+    with os._exit, which skips atexit), and writes their seconds, the GPU's busy share (none on a CPU), the launches,
+    the host's time inside and outside operators and inside `generate`, and the operators that took the most time; a
+    run too short to reach step 8 writes nothing."""
     sys.path.insert(0, str(REPO / "bench"))
     from side_by_side import slowest_profile
 
     program = (
-        "import os, sys, torch\n"
-        "model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])\n"
+        "import os, sys, sitecustomize, torch, transformers\n"
+        "assert sitecustomize._union_s([(0, 2), (1, 3), (5, 6)]) == 4e-6  # kernels that overlap count once\n"
+        "model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])  # its addmm: a top operator\n"
         "optimizer = torch.optim.AdamW(model.parameters())\n"
+        "config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,\n"
+        "    num_attention_heads=2, num_key_value_heads=2)\n"
+        "lm = transformers.LlamaForCausalLM(config).eval()\n"
         "for _ in range(int(sys.argv[1])):\n"
-        "    model(torch.randn(2, 4)).sum().backward(); optimizer.step(); optimizer.zero_grad()\n"
+        "    lm.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=2, min_new_tokens=2, do_sample=False)\n"
+        "    model(torch.randn(256, 512)).sum().backward(); optimizer.step(); optimizer.zero_grad()\n"
         "os._exit(0)\n"
     )
     for steps in (10, 7):
@@ -575,9 +588,15 @@ def test_the_step_profile_times_steps_4_to_8_in_any_process_also_when_it_ends_wi
     profile = slowest_profile(tmp_path / "10")
     assert profile["steps"] == 5 and profile["step_s"] > 0, profile
     assert (profile["gpu_busy_s"], profile["gpu_busy_share"], profile["launches"]) == (None, None, 0)
+    assert (profile["syncs"], profile["sync_wait_s"]) == (0, 0)
+    # The step's host time split: inside torch's operators, and outside them (Python); generate's region within it.
+    assert 0 < profile["host_in_operators_s"] < profile["step_s"], profile
+    assert profile["host_in_operators_s"] + profile["host_outside_operators_s"] == pytest.approx(profile["step_s"])
+    assert 0 < profile["generate_s"] < profile["step_s"], profile
     names = [row["name"] for row in profile["host_top"]]
     assert "aten::addmm" in names and profile["device_top"] == [], names
     assert next(row for row in profile["host_top"] if row["name"] == "aten::addmm")["calls"] == 3  # 3 layers a step
+    assert next(row for row in profile["host_top"] if row["name"] == "transformers generate")["calls"] == 1
     assert slowest_profile(tmp_path / "7") is None
 
 

@@ -70,6 +70,7 @@ STEPS = {
     "9": "train_dpo.py (LoRA) against TRL's DPOTrainer, both references: pairs/s and peak GPU memory",
     "10": "train_grpo.py (LoRA) against TRL's GRPOTrainer, no vLLM: prompts/s, peak GPU memory, generation's share",
     "11": "train_dpo.py --torch_compile (LoRA, adapters off) against TRL's DPOTrainer: pairs/s, compilations",
+    "12": "GRPO and DPO, ours and TRL's, profiled: where a step's time goes (GPU busy share, launches, host split)",
 }
 FP16_SCALER = REPO / "tests" / "launched" / "fp16_scaler.py"  # a script run with torch's GradScaler, first scale set
 FSDP_ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"  # a script run under FSDP2 on CPU processes
@@ -132,6 +133,10 @@ RUN_S = {
     # compilations (the dry run traces 6 graphs: the policy and the reference without gradients, each for its first
     # length and then dynamic, and evaluation with the adapters on and off), taken at 50 s each
     ("11", "bench_dpo"): (30.0, 400),
+    # 12 steps of each contender (ours and TRL), steps 4 to 8 under torch.profiler: start-ups as in steps 9 and 10's
+    # runs (about 25 s each there), the steps and the profiler's cost, the prompts' or pairs' preparation
+    ("12", "bench_grpo"): (11.0, 80),  # the dry run's: 3 tiny steps of ours alone (2026-11-27)
+    ("12", "bench_dpo"): (11.3, 80),
 }
 # Each run's wall seconds on the first GPU session (an H200, 2026-11-26; the LLM's weights drawn at random, the
 # runs as the steps make them): they replace RUN_S's estimates, which were 1.1 to 3 times too short for the LLM.
@@ -166,8 +171,9 @@ GPU_S = {
 # and step 10's runs (the call ended before their record); session 2 (2026-11-26) ran steps 10 and 9; session 3
 # (2026-11-27) step 10, and step 3 until its compiled run, compiled whole, was stopped (bench/gpu_check/README.md).
 CALLS = [
-    # --torch_compile by regions, which came after session 3; then the steps that have not run at all.
-    {"session": 4, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["3"]},
+    # The profiles that steps 9 and 10's shortfalls lack; --torch_compile by regions, which came after session 3; then
+    # the steps that have not run at all.
+    {"session": 4, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["12", "3"]},
     {"session": 4, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["6", "2b"]},  # 2b: full_gc
     # DPO with --torch_compile: step 9 found its step launch-bound, 1.31x TRL against a target of 1.5x.
     {"session": 5, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["11"]},
@@ -222,6 +228,15 @@ class Sizes:
         tiny_grpo = ["--train_prompts", "4", "--only", "ours", "ours_compiled", "--num_generations", "2"]
         tiny_grpo += ["--max_completion_length", "4"]
         self.grpo = tiny_grpo if dry_run else ["--train_prompts", "182", "--bf16"]  # the demo's prompts, all of them
+        # step 12: 12 steps of ours and of TRL's each, steps 4 to 8 profiled (the dry run: 3 of ours, 2 and 3 profiled)
+        if dry_run:
+            self.grpo_profiled = ["--train_prompts", "6", "--num_generations", "2", "--max_completion_length", "4"]
+            self.grpo_profiled += ["--profile", "--only", "ours"]
+            self.dpo_profiled = ["--train_pairs", "12", "--profile", "--only", "ours"]
+        else:
+            self.grpo_profiled = ["--train_prompts", "24", "--bf16", "--profile", "--only", "ours", "trl"]
+            self.dpo_profiled = ["--train_pairs", "48", "--bf16", "--profile", "--only", "ours", "trl"]
+        self.profile_window = {"PROFILE_FIRST_STEP": "1", "PROFILE_STEPS": "2"} if dry_run else {}
         # Dynamo traces every frame, and finds every graph break, in the first step; on 2 CPU cores each further
         # step costs 5 to 10 s of CI (the second recompiles for its new length: the GPU run counts recompiles).
         self.compiled = ["--max_train_steps", "1"] if dry_run else []
@@ -1021,6 +1036,32 @@ class Checklist:
             )
         record["target"] = "ours ≥ 1.5× TRL's pairs/s"
 
+    def step_12(self) -> None:
+        """bench/bench_grpo.py and bench/bench_dpo.py --profile on one GPU, in bf16: ours against TRL's trainers, 12
+        steps each, steps 4 to 8 under torch.profiler (bench/step_profile/): where a step's time goes, the measured
+        cause of steps 9 and 10's shortfalls that their operator counts did not fully give. Each profile: the
+        step's seconds, the GPU's busy share, kernel launches and waits for the GPU, the host's seconds inside and
+        outside torch's operators and inside `generate`, and the top operators (in the step's JSON)."""
+        record, rows = self.step_record["figures"], []
+        benches = (("bench_grpo", self.sizes.grpo_profiled, "prompts"), ("bench_dpo", self.sizes.dpo_profiled, "pairs"))
+        for bench, sizes, unit in benches:
+            figures = self.side_by_side("12", bench, sizes, unit, env=self.sizes.profile_window, subdir=bench)
+            for name, run in figures.items():
+                profile = run.get("profile")
+                if not profile:
+                    self.note(f"{bench} {name}: no profile (fewer steps than its profiled window)")
+                    continue
+                record[f"{bench}_{name}"] = profile
+                rows.append([f"{bench} {name}", f(profile["step_s"], 4), f(profile["gpu_busy_share"], 3)])
+                rows[-1] += [f(profile["launches"], 0), f(profile["syncs"], 0), f(profile["sync_wait_s"], 4)]
+                rows[-1] += [f(profile[key], 4) for key in ("host_in_operators_s", "host_outside_operators_s")]
+                rows[-1] += [f(profile["generate_s"], 4)]
+            ours, trl = record.get(f"{bench}_ours"), record.get(f"{bench}_trl")
+            if ours and trl:
+                record[f"{bench}_ours_x_trl_step_time"] = ours["step_s"] / trl["step_s"]
+        columns = ["run", "s / step", "GPU busy share", "launches", "GPU waits", "waiting s"]
+        self.table([*columns, "host in operators s", "host outside s", "in generate s"], rows)
+
     def record_compiled_against_trl(self, figures: dict) -> None:
         """Steps 10 and 11: ours and ours compiled × TRL, their steady speeds, compiled ÷ eager (steady), and what
         the compiled run compiled (did it compile, into how many graphs, unbroken?)."""
@@ -1038,11 +1079,14 @@ class Checklist:
                 figures["ours_compiled"].get("steady_per_s"), figures["ours"].get("steady_per_s")
             )
 
-    def side_by_side(self, step: str, bench: str, sizes: list, unit: str, env: dict | None = None) -> dict:
+    def side_by_side(
+        self, step: str, bench: str, sizes: list, unit: str, env: dict | None = None, subdir: str = ""
+    ) -> dict:
         """bench/<bench>.py (ours against TRL) with one process and single_gpu.yaml on the prepared LLM: its
-        figures by contender ({} if it failed), and the step's table."""
-        work = self.results / f"step{step}"
-        work.mkdir(exist_ok=True)
+        figures by contender ({} if it failed), and the step's table. `subdir`: a folder of the step's own for
+        this bench (a step that runs two)."""
+        work = self.results / f"step{step}" / subdir
+        work.mkdir(parents=True, exist_ok=True)
         out = work / f"{bench}.json"
         command = [sys.executable, BENCH / f"{bench}.py", "--processes", 1, "--config", "single_gpu.yaml"]
         command += ["--workdir", work, "--json", out, "--model", self.llm()["model_dir"], *sizes]
@@ -1737,7 +1781,7 @@ def parse_steps(text: str) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,11 (2 = 2a,2b), or all")
+    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,12 (2 = 2a,2b), or all")
     p.add_argument("--dry_run", action="store_true", help="a CPU, tiny sizes: checks the checklist, not the GPU")
     p.add_argument("--results", default=None, help="where the JSON, Markdown and logs go (default outputs/gpu_check)")
     p.add_argument("--budget_s", type=float, default=None, help="start no run that would end after this many seconds")
@@ -1829,7 +1873,7 @@ def main() -> int:
 # The dry run's two lanes: step 3 reads step 2a's run, so they share a lane; about equal halves on a CPU (measured
 # 2026-11-25, seconds in the two lanes at once: 1 84, 2a 14, 3 28, 8 12 against 2b 13, 4 25, 5 13, 6 12, 7 29, 9 20,
 # 10 18; step 11, added 2026-11-26: 25 s alone).
-LANES = [("1", "2a", "3", "8"), ("2b", "4", "5", "6", "7", "9", "10", "11")]
+LANES = [("1", "2a", "3", "8", "12"), ("2b", "4", "5", "6", "7", "9", "10", "11")]
 
 
 def run_lanes(args, steps: list[str]) -> int:

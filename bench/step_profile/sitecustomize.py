@@ -3,17 +3,27 @@ PYTHONPATH and STEP_PROFILE_DIR set (`side_by_side.py --profile` does both): our
 nothing changed in either. Steps PROFILE_FIRST_STEP + 1 to PROFILE_FIRST_STEP + PROFILE_STEPS are profiled (after
 3 and for 5 by default: the first steps compile and warm up).
 
-Each process writes STEP_PROFILE_DIR/profile-<pid>.json: the window's seconds a step; the seconds a step the GPU ran
-kernels and copies (none on a CPU), and so the share of the step it was busy; the kernel launches a step; and the
-operators that took the most time on the host and on the device. A GPU busy for a small share of the step waits on
-the host (launches, Python): that is the measured cause a launch-bound step needs. The profiled steps run slower
-than the others. On the path first, this file hides any other sitecustomize (op_count's too). A benchmark's tool,
-never a training run's."""
+Each process writes STEP_PROFILE_DIR/profile-<pid>.json, a step's mean over the window:
+- its seconds, and the seconds the GPU ran kernels, copies or fills (the union of their intervals; none on a CPU),
+  so the share of the step it was busy;
+- its kernel launches, and its waits for the GPU (stream, event and device synchronizations: an `.item()`, a copy
+  from pageable memory) with the host seconds spent in them;
+- the host seconds inside torch's operators (those no other operator called, on any thread: the dispatch, the
+  launches and the CPU's own work), and the rest of the step: Python and everything else outside them;
+- the host seconds inside transformers' `generate` (its outermost call), where the process calls it;
+- the operators that took the most time on the host and on the device.
+A GPU busy for a small share of the step waits on the host: the host's split then says whether operators (their
+count) or Python between them is the cost, the measured cause a launch-bound step needs. The profiled steps run
+slower than the others. On the path first, this file hides any other sitecustomize (op_count's too). A
+benchmark's tool, never a training run's."""
 
 import os
 
 if os.environ.get("STEP_PROFILE_DIR"):
+    import functools
     import json
+    import sys
+    import threading
     import time
     from pathlib import Path
 
@@ -23,8 +33,11 @@ if os.environ.get("STEP_PROFILE_DIR"):
 
     _first, _count = int(os.environ.get("PROFILE_FIRST_STEP", "3")), int(os.environ.get("PROFILE_STEPS", "5"))
     _out = Path(os.environ["STEP_PROFILE_DIR"]) / f"profile-{os.getpid()}.json"
-    _state = {"steps": 0, "profiler": None, "start": 0.0}
-    _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+    _state = {"steps": 0, "profiler": None, "start": 0.0, "generate": None}
+    _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+    _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    _GENERATE = "transformers generate"  # the region _time_generate marks
+    _depth = threading.local()
 
     def _sync() -> None:
         if torch.cuda.is_available():
@@ -35,10 +48,52 @@ if os.environ.get("STEP_PROFILE_DIR"):
         ranked = sorted((e for e in averages if getattr(e, key) > 0), key=lambda e: -getattr(e, key))[:rows]
         return [{"name": e.key, "s": getattr(e, key) / 1e6 / _count, "calls": e.count / _count} for e in ranked]
 
+    def _union_s(intervals: list) -> float:
+        """The seconds covered by (start, end) microsecond intervals, overlaps once (kernels on several streams)."""
+        total, reach = 0.0, None
+        for start, end in sorted(intervals):
+            if reach is None or start > reach:
+                total, reach = total + (end - start), end
+            elif end > reach:
+                total, reach = total + (end - reach), end
+        return total / 1e6
+
+    def _outermost_op(event) -> bool:
+        """An operator that no other operator called (a region marked with record_function is not an operator)."""
+        if event.is_user_annotation or event.device_type != DeviceType.CPU:
+            return False
+        parent = event.cpu_parent
+        while parent is not None and parent.is_user_annotation:
+            parent = parent.cpu_parent
+        return parent is None
+
+    def _time_generate() -> None:
+        """Mark transformers' `generate` (its outermost call: TRL's and ours go through it) as a profiled region."""
+        generation = sys.modules.get("transformers.generation.utils")
+        if generation is None or _state["generate"] is not None:
+            return
+        original = _state["generate"] = generation.GenerationMixin.generate
+
+        @functools.wraps(original)
+        def generate(*args, **kwargs):
+            depth = getattr(_depth, "value", 0)
+            _depth.value = depth + 1
+            try:
+                if depth:
+                    return original(*args, **kwargs)
+                with torch.profiler.record_function(_GENERATE):
+                    return original(*args, **kwargs)
+            finally:
+                _depth.value = depth
+
+        generation.GenerationMixin.generate = generate
+
     def _write(seconds: float, profiler) -> None:
         events, averages = profiler.events(), profiler.key_averages()
-        device = [e for e in events if e.device_type == DeviceType.CUDA]
-        busy = sum(e.time_range.elapsed_us() for e in device) / 1e6 / _count if device else None
+        device = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        busy = _union_s([(e.time_range.start, e.time_range.end) for e in device]) / _count if device else None
+        host_ops = sum(e.time_range.elapsed_us() for e in events if _outermost_op(e)) / 1e6 / _count
+        generate = [e for e in events if e.name == _GENERATE and e.device_type == DeviceType.CPU]
         step = seconds / _count
         summary = {
             "steps": _count,
@@ -46,6 +101,11 @@ if os.environ.get("STEP_PROFILE_DIR"):
             "gpu_busy_s": busy,
             "gpu_busy_share": busy / step if busy is not None else None,
             "launches": sum(e.count for e in averages if e.key in _LAUNCHES) / _count,
+            "syncs": sum(e.count for e in averages if e.key in _SYNCS) / _count,
+            "sync_wait_s": sum(e.self_cpu_time_total for e in averages if e.key in _SYNCS) / 1e6 / _count,
+            "host_in_operators_s": host_ops,
+            "host_outside_operators_s": step - host_ops,  # Python and all else; negative where threads overlap
+            "generate_s": sum(e.time_range.elapsed_us() for e in generate) / 1e6 / _count if generate else None,
             "host_top": _top(averages, "self_cpu_time_total"),
             "device_top": _top(averages, "self_device_time_total") if device else [],
         }
@@ -55,6 +115,7 @@ if os.environ.get("STEP_PROFILE_DIR"):
     def _step_ended(optimizer, args, kwargs):
         _state["steps"] += 1
         if _state["steps"] == _first:
+            _time_generate()  # by now transformers is imported where the process uses it
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
