@@ -656,6 +656,29 @@ def test_compiled_decoding_trains_the_same_model_bit_for_bit(grpo_runs):
     assert "compiled_graphs" not in plain["metrics"]
 
 
+def test_compiled_training_and_compiled_decoding_together_sample_and_train_what_eager_does(
+    grpo_runs, chat_lm, prompts, tmp_path
+):
+    """--torch_compile (the layers by regions, set aside while sampling) with --compile_generation (the decoding
+    step compiled whole): each compiles its own graphs, neither disturbs the other, and the run samples the same
+    completions and trains the same adapter as eager (aot_eager here: autograd traced as inductor would be)."""
+    output_dir = tmp_path / "run"
+    args = grpo_args(chat_lm, prompts, output_dir, *LAYOUTS["two_processes_batch_B_compiled"][1], "--torch_compile")
+    env = {"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:aot_eager"}  # inductor's C++ build: minutes on 2 cores
+    result = launch(TRAIN_GRPO, *args, num_processes=2, env=env)
+    assert result.returncode == 0, result.output[-4000:]
+    plain = grpo_runs["two_processes_batch_B"]
+    log = [json.loads(line) for line in (output_dir / "train_log.jsonl").read_text().splitlines()]
+    lengths = [step["train/completion_length"] for step in log if "train/loss" in step]
+    assert lengths == [step["train/completion_length"] for step in plain["log"]]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["graph_breaks"] == 0 and metrics["compiled_graphs"] > 1, metrics  # regions and the decoding step
+    theirs = load_file(str(plain["dir"] / "adapter_model.safetensors"))
+    ours = load_file(str(output_dir / "adapter_model.safetensors"))
+    for key in theirs:
+        np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
 def test_a_run_preempted_mid_epoch_resumes_bit_for_bit(grpo_runs, chat_lm, prompts, tmp_path):
     output_dir = tmp_path / "run"
     args = grpo_args(chat_lm, prompts, output_dir, *LAYOUTS["two_processes_batch_B"][1])
