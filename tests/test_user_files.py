@@ -739,3 +739,50 @@ def test_a_hub_dataset_with_its_own_split_names_is_read_with_train_split_and_val
     args += ["--validation_split", "test_prefs", "--report_to", "none", "--output_dir", tmp_path / "d"]
     tokenized = dpo.prepare_data(dpo.parse_args([*map(str, args), "--eval_max_new_tokens", "0"]))[0]
     assert (len(tokenized["train"]), len(tokenized["validation"])) == (8, 3)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "script, bad, expected",
+    [
+        ("train_sft", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+         "train record 13: its assistant turn 1 is empty"),
+        ("train_dpo", {"prompt": "w1", "chosen": "w2", "rejected": "w2"},
+         "train record 13: its chosen and rejected answers are the same"),
+        ("train_grpo", {"prompt": "w1", "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "train record 13 has tools, which only a chat template shows"),
+    ],
+    ids=["sft", "dpo", "grpo"],
+)  # fmt: skip
+def test_a_bad_record_is_named_by_its_row_in_the_file_also_after_a_held_out_share(tmp_path, script, bad, expected):
+    """With no validation file, a share of the training file is held out and both parts are shuffled: the
+    messages named a record by its place in the shuffled part (`train record 6` for the file's row 13), where
+    the user could not find it. Either part's records are now named by their row in the training file."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+    good = {
+        "train_sft": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "w1"}]},
+        "train_dpo": {"prompt": "w1", "chosen": "w2", "rejected": "w3"},
+        "train_grpo": {"prompt": "w1", "tools": None},
+    }[script]
+    records = [{**good, **({"prompt": f"w{i % 7 + 1}"} if "prompt" in good else {})} for i in range(20)]
+    records[13] = bad
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    model = make_tiny_causal_lm(tmp_path / "llama", chat_template=script == "train_sft")
+    argv = ["--model_name_or_path", model, "--train_file", path, "--output_dir", tmp_path / "out"]
+    argv += ["--report_to", "none", "--validation_split_percentage", 20]
+    if script == "train_grpo":  # the tiny model's 64 positions
+        argv += ["--max_completion_length", 4, "--eval_max_new_tokens", 4]
+    module = load_script(script)
+    import datasets
+
+    from ddp_utils import check_splits
+
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"n": i} for i in range(20)])})
+    for seed, split, place in ((2, "train", 10), (4, "validation", 1)):  # either part, not at its row 13
+        assert check_splits(raw, {"n": "x"}, seed=seed, hold_out_percentage=20)[split]["n"].index(13) == place
+        args = module.parse_args([str(a) for a in [*argv, "--seed", seed]])
+        with pytest.raises(UsageError, match=re.escape(expected)):
+            module.prepare_data(args)

@@ -14,6 +14,9 @@ from ..core.errors import UsageError
 logger = get_logger(__name__)
 
 ROWS_PER_PROCESS = 25_000  # below this, starting a tokenizing process costs more than it saves
+# A held-out split's records keep their row in the training file here (`check_splits`), for the messages that name a
+# record: after the shuffle, a record's place in its split is not where the user finds it.
+RECORD_COLUMN = "_record_in_train_file"
 
 # File extension -> the `datasets` builder that reads it.
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -217,6 +220,8 @@ def check_splits(
     - Text columns: `blank="refuse"` refuses empty or blank values too, `"drop"` drops their rows
       (blank lines of a .txt file), `"keep"` keeps them.
     - An empty split is refused. Each split is then cut to its entry in `limits` (None: all).
+    - A held-out share numbers the training records first (`RECORD_COLUMN`, read by `record_in_file`), except
+      where blank rows were dropped.
 
     Reads the columns as Arrow data (images are not decoded). Any rank may call it.
     """
@@ -236,11 +241,22 @@ def check_splits(
     for split in list(splits):
         splits[split] = _checked_split(splits[split], split, columns, blank, text)
     if validation is None:
-        splits = _hold_out(splits["train"], hold_out_percentage, seed, stratify_by, data_options)
+        train = splits["train"]
+        if blank != "drop" and RECORD_COLUMN not in train.column_names:  # rows as given: a column, not a copy
+            train = train.add_column(RECORD_COLUMN, np.arange(len(train)))
+        splits = _hold_out(train, hold_out_percentage, seed, stratify_by, data_options)
     limits = limits or {}
     return datasets.DatasetDict(
         {split: data.select(range(min(len(data), limits.get(split) or len(data)))) for split, data in splits.items()}
     )
+
+
+def record_in_file(record: dict, index: int, split: str) -> tuple[int, str]:
+    """Where the user finds a record, for a message: (its number, the split of the file holding it). A held-out
+    share's records (either part) are rows of the training file (`RECORD_COLUMN`); others are where they stand."""
+    if RECORD_COLUMN in record:
+        return int(record[RECORD_COLUMN]), "train"
+    return index, split
 
 
 def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, text=()):

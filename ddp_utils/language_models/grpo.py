@@ -22,6 +22,7 @@ from ..core.errors import UsageError
 from ..core.ranks import fail_together
 from ..core.sharded import is_sharded
 from ..data.dataloaders import SAMPLE_WEIGHT
+from ..data.raw_data import RECORD_COLUMN
 from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import root_ready_for_generation
@@ -204,7 +205,7 @@ def score_completions(accelerator: Accelerator, rewards: dict, completions: list
             if problem is None and len(bad):
                 i = int(bad[0])
                 problem = f"reward function {name} returned {values[i, j]} for the completion {completions[i]!r}"
-                problem += f" of record {records[i].get('index', i)}"
+                problem += f" of train record {records[i][RECORD_COLUMN]}" if RECORD_COLUMN in records[i] else ""
         if problem:
             problem += "; fix it in the DATA section, it must return one finite number per completion"
             break

@@ -8,6 +8,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..data.dataloaders import SAMPLE_WEIGHT
+from ..data.raw_data import record_in_file
 from .chat import bos_head, check_tool_turns, cut_middle, cut_prompt, refused_by_template, render
 from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
 
@@ -45,24 +46,26 @@ def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: 
     No communication."""
     from jinja2.exceptions import TemplateError
 
-    def encode(record, index):
-        prompt, tools = record["prompt"], record_tools(record.get("tools"), f"record {index}")
+    def encode(record, index, split):
+        number, source = record_in_file(record, index, split)
+        where = f"{source} record {number}"
+        prompt, tools = record["prompt"], record_tools(record.get("tools"), where)
         if isinstance(prompt, str) and use_chat_template:
             prompt = [{"role": "user", "content": prompt}]
         if tools and not isinstance(prompt, list):
-            raise UsageError(f"record {index} has tools, which only a chat template shows: {NEEDS_TEMPLATE}")
+            raise UsageError(f"{where} has tools, which only a chat template shows: {NEEDS_TEMPLATE}")
         if isinstance(prompt, list):
-            prompt = [clean_turn(turn, f"record {index}") if isinstance(turn, dict) else turn for turn in prompt]
+            prompt = [clean_turn(turn, where) if isinstance(turn, dict) else turn for turn in prompt]
             try:
                 text = render(tokenizer, prompt, generation_prompt=True, tools=tools)
             except (TemplateError, TypeError) as error:  # as chat.tokenize_conversation
-                raise refused_by_template(tokenizer, f"record {index}", error) from None
-            check_tool_turns(tokenizer, text, prompt, tools, f"record {index}")
+                raise refused_by_template(tokenizer, where, error) from None
+            check_tool_turns(tokenizer, text, prompt, tools, where)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]
         else:
-            raise UsageError(f"record {index}: its prompt is a {type(prompt).__name__}; give a string or chat turns")
+            raise UsageError(f"{where}: its prompt is a {type(prompt).__name__}; give a string or chat turns")
         cut = max(len(ids) - max_prompt_length, 0)
         if cut and isinstance(prompt, list):
             ids = cut_prompt(tokenizer, prompt, text, ids, tools, cut)
@@ -74,7 +77,8 @@ def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: 
 
     tokenized = datasets.DatasetDict()
     for split, records in raw.items():
-        rows = records.map(encode, with_indices=True, num_proc=num_proc, remove_columns=records.column_names)
+        options = {"remove_columns": records.column_names, "num_proc": num_proc}
+        rows = records.map(encode, with_indices=True, fn_kwargs={"split": split}, **options)
         cut = rows.select_columns("cut").with_format("numpy")[:]["cut"]
         if cut.any():
             logger.warning(

@@ -12,6 +12,7 @@ import numpy as np
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
+from ..data.raw_data import record_in_file
 from .chat import cut_middle, head_length, plain_prompt_ids, render, text_content
 from .sft_data import PROMPT_SEPARATOR, settle_chat_template
 from .turns import alpaca_prompt_turns, json_turns, sharegpt_turns
@@ -245,7 +246,8 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
         columns = ("prompt_ids", "chosen_ids", "rejected_ids", "length", "prompt_cut", "prompt_head", "reference")
         out = {key: [] for key in columns}
         for n, index in enumerate(indices):
-            pair = fmt.pair({key: values[n] for key, values in batch.items()}, index, split)
+            record = {key: values[n] for key, values in batch.items()}
+            pair = fmt.pair(record, *record_in_file(record, index, split))
             prompt, chosen, rejected, reference = tokenize_pair(pair, fmt, tokenizer)
             longest = max(len(chosen), len(rejected))
             cut = max(len(prompt) + longest - block_size, 0)

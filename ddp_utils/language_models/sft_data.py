@@ -12,6 +12,7 @@ import numpy as np
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
+from ..data.raw_data import record_in_file
 from .causal_lm import IGNORE_INDEX
 from .chat import (
     PROMPT_SEPARATOR,
@@ -276,7 +277,7 @@ def tokenize_sft(
         out = {"input_ids": [], "labels": [], "context_cut": [], "answers_dropped": []}
         for n, index in enumerate(indices):
             record = {key: values[n] for key, values in batch.items()}
-            row = tokenize_record(record, fmt, tokenizer, block_size, index, split)
+            row = tokenize_record(record, fmt, tokenizer, block_size, *record_in_file(record, index, split))
             out["input_ids"].append(row.input_ids if row else [])
             out["labels"].append(row.labels if row else [])
             out["context_cut"].append(row.context_cut if row else -1)  # -1: dropped
