@@ -448,6 +448,57 @@ def test_lora_on_the_last_layers_stops_the_backward_pass_below_them(checkpointin
 
 
 @pytest.mark.fast
+def test_lora_on_a_bf16_base_skips_peft_input_casts_under_autocast_with_the_same_gradients(tiny_lm, tmp_path):
+    """A bf16 checkpoint (most of the Hub's) with fp32 adapters: peft cast each adapter's bf16 input to fp32 and
+    autocast cast it straight back, two launches a layer and two in backward for the same values. Under autocast
+    the casts are gone, and the loss and gradients are bit for bit those with them; without autocast the input is
+    still cast (a bf16 input and fp32 weights cannot multiply)."""
+    from accelerate import PartialState
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    PartialState(cpu=True)
+    AutoModelForCausalLM.from_pretrained(tiny_lm).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    AutoTokenizer.from_pretrained(tiny_lm).save_pretrained(tmp_path / "bf16")
+    args = load_script("train_sft").parse_args(["--model_name_or_path", str(tmp_path / "bf16"), "--lora_r", "4"])
+    args.lora_dropout = 0.0  # dropout draws its masks in the input's dtype: the same values need the same masks
+    config, tokenizer = AutoConfig.from_pretrained(tmp_path / "bf16"), AutoTokenizer.from_pretrained(tiny_lm)
+    model = load_causal_lm(args, config, tokenizer)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # as train_in_fp32 does
+            torch.nn.init.normal_(p, std=0.05)  # lora_B starts at 0: let the adapters count
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    assert layers and all(layer.cast_input_dtype_enabled for layer in layers)  # outside autocast: cast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not any(layer.cast_input_dtype_enabled for layer in layers)
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.casts += func.overloadpacket is torch.ops.aten._to_copy
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.tensor([[1, 27, 18, 40, 41, 7]])
+    results = {}
+    ours = [layer.cast_input_dtype_enabled for layer in layers]
+    for cast in (True, False):  # peft's own behaviour, then ours
+        for layer, own in zip(layers, ours):
+            layer.cast_input_dtype_enabled = True if cast else own
+        model.zero_grad()
+        with Count() as counted:
+            counted.casts = 0
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        results[cast] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad], counted.casts)
+    assert torch.equal(results[True][0], results[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1]))
+    assert results[False][2] <= results[True][2] - 3 * len(layers), (results[False][2], results[True][2])  # 129 -> 79
+    assert model(input_ids=ids).logits.dtype == torch.bfloat16  # outside autocast the cast is made
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_the_embeddings_requires_grad_hook_goes_only_where_every_layer_checkpoints_non_reentrantly(reentrant, tiny_lm):
     """`drop_input_require_grads`: transformers hooks the embeddings when checkpointing is enabled. A model that
