@@ -402,6 +402,48 @@ def test_only_lora_layers_that_compute_the_same_merged_are_merged(
     assert len(mergeable_lora_layers(accelerator, model)) == merged
 
 
+def lora_family_model(family: str, base_dtype=torch.float32):
+    """A tiny model of `family` with LoRA set up as the scripts do, its frozen base in `base_dtype`, the adapters in
+    fp32 (as `train_in_fp32` leaves them), lora_B drawn so that the adapters count."""
+    from ddp_utils.language_models.lora import add_lora
+
+    settings = Namespace(lora_target_modules="all-linear", lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                         lora_last_layers=0, seed=0)  # fmt: skip
+    config_class, model_class, extra = HYBRIDS.get(family) or TEXT_FAMILIES[family]
+    model = add_lora(tiny_model(config_class, model_class, {**extra, "pad_token_id": 0}).to(base_dtype), settings)
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("family", [*HYBRIDS, *TEXT_FAMILIES])
+def test_lora_on_a_bf16_base_trains_the_same_without_peft_input_casts_in_every_family(family, fresh_accelerator_state):
+    """Every family users bring, on a bf16 base with fp32 adapters under autocast: the adapters take their bf16
+    input as it is (`lora.CastOutsideAutocast`), not cast to fp32 and back, and the loss and gradients are bit for
+    bit those of peft's own casts (tests/test_sft.py counts the casts saved)."""
+    from accelerate import Accelerator
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    Accelerator(cpu=True)  # add_lora logs
+    model = lora_family_model(family, torch.bfloat16)
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    ours = [layer.cast_input_dtype_enabled for layer in layers]
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    results = []
+    for cast in (True, False):  # peft's own casts, then ours
+        for layer, own in zip(layers, ours):
+            layer.cast_input_dtype_enabled = True if cast else own
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids).logits.float().square().mean()
+        loss.backward()
+        results.append([loss.detach(), *(p.grad.clone() for p in model.parameters() if p.requires_grad)])
+    assert all(torch.equal(a, b) for a, b in zip(*results)), "not bit for bit"
+
+
 @pytest.mark.parametrize("family", [*HYBRIDS, *TEXT_FAMILIES])
 def test_lora_merged_for_generation_computes_what_the_adapters_do_in_every_family(family, fresh_accelerator_state):
     """Every family users bring, LoRA set up as the scripts do (GPT-2's Conv1D layers, fused QKV, MoE experts,
@@ -409,17 +451,10 @@ def test_lora_merged_for_generation_computes_what_the_adapters_do_in_every_famil
     left bit for bit."""
     from accelerate import Accelerator
 
-    from ddp_utils.language_models.lora import add_lora, mergeable_lora_layers, merged_for_generation
+    from ddp_utils.language_models.lora import mergeable_lora_layers, merged_for_generation
 
     accelerator = Accelerator(cpu=True)  # add_lora logs
-    spec = HYBRIDS.get(family) or TEXT_FAMILIES[family]
-    settings = Namespace(lora_target_modules="all-linear", lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                         lora_last_layers=0, seed=0)  # fmt: skip
-    config_class, model_class, extra = spec
-    model = add_lora(tiny_model(config_class, model_class, {**extra, "pad_token_id": 0}), settings).eval()
-    for name, parameter in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(parameter, std=0.2)
+    model = lora_family_model(family).eval()
     assert mergeable_lora_layers(accelerator, model), "no layer merged"
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
