@@ -113,6 +113,42 @@ def test_a_long_prompt_is_cut_in_its_middle_keeping_bos_and_the_system_turn(fami
     assert "be brief" in text and "what do you think" in text, "the system turn and the latest words stay"
 
 
+# The templates that add a system turn of their own to a conversation without one (Qwen 2.5's text, Llama 3's dates).
+OWN_SYSTEM = {"llama3", "llama3-base", "qwen2.5", "qwen2.5-base"}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_long_prompt_without_a_system_turn_keeps_the_one_the_template_adds(family, tokenizers):
+    """Qwen 2.5 and Llama 3 add a system turn of their own where the conversation has none ("You are Qwen...", the
+    dates). A cut took from the start and left its tail ("...a helpful assistant.<|im_end|>"); it keeps it whole now,
+    in SFT, DPO (a string prompt rendered as a user turn too) and GRPO (`chat.head_length`). Other templates: as
+    before, BOS where they have one."""
+    from ddp_utils.language_models.chat import cut_prompt, head_length, render, template_head_end
+    from ddp_utils.language_models.preference_data import PairFormat, prompt_head
+
+    tokenizer = tokenizers[family]
+    question = " ".join(["good"] * 60) + " what do you think"
+    long = [{"role": "user", "content": question}, {"role": "assistant", "content": "positive"}]
+    whole = tokenize_conversation(tokenizer, long, "assistant", block_size=512)
+    row = tokenize_conversation(tokenizer, long, "assistant", block_size=len(whole.input_ids) - 30)
+    assert row.context_cut == 30 and targets(tokenizer, row) == expected_targets(family)
+    asked = long[:1]
+    text = render(tokenizer, asked, generation_prompt=True)
+    head = head_length(tokenizer, asked, text)
+    assert prompt_head(question, PairFormat("conversational", True), tokenizer) == head  # DPO's string prompt
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids[:head] == row.input_ids[:head] == cut_prompt(tokenizer, asked, text, ids, None, 30)[:head]
+    own = template_head_end(tokenizer, asked, text)  # where the template's own system text ends in `text`
+    assert (own > 0) == (family in OWN_SYSTEM), text[:own]
+    if own:  # its text and the end of its turn, whole
+        assert "Today Date" in text[:own] or "You are Qwen" in text[:own]
+        text_tokens = len(tokenizer(text[:own], add_special_tokens=False)["input_ids"])
+        assert head > text_tokens and end_of_turn(tokenizer)[0] in ids[text_tokens:head]
+    else:
+        assert head == (tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id)
+
+
 def hooked(model, prompt_length, plan):
     """Make the model's greedy choice for answer token k be plan[k] (the last one thereafter), each
     only a little above the rest, so that a repetition penalty would change it."""

@@ -280,7 +280,8 @@ def head_length(tokenizer, messages: list[dict] | None, text: str, keep: int = 0
     """How many of the first tokens of `text` (tokenized without special tokens added) a cut keeps:
     BOS, and the system turn's text with the special tokens that close it, where the conversation
     `messages` starts with one that the rendering shows first (in its own turn, or folded into the
-    first user turn). A model degrades without BOS (Gemma most), and the system turn says what to do.
+    first user turn). Without one, the system turn the template adds of its own, where it adds one
+    (`template_head_end`). A model degrades without BOS (Gemma most), and the system turn says what to do.
     At least the tokens of the first `keep` characters (the tools' text, `tools_kept`). Plain text (`messages` None)
     keeps BOS."""
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -289,6 +290,8 @@ def head_length(tokenizer, messages: list[dict] | None, text: str, keep: int = 0
     system = messages[0]["content"].strip() if messages and messages[0]["role"] == "system" else ""
     where = text.find(system) if system else -1
     end = max(where + len(system) if where >= 0 else 0, keep)
+    if messages and not system:
+        end = max(end, template_head_end(tokenizer, messages, text))
     if not end:
         return head
     head = max(head, sum(1 for _, token_end in offsets if token_end <= end))
@@ -296,6 +299,29 @@ def head_length(tokenizer, messages: list[dict] | None, text: str, keep: int = 0
     while head < len(ids) and ids[head] in special:  # the marker that closes the system turn
         head += 1
     return head
+
+
+def template_head_end(tokenizer, messages: list[dict], text: str) -> int:
+    """Where the system turn that the template adds of its own ends in `text` (`messages` rendered, with no system
+    turn of their own): Qwen 2.5's "You are Qwen...", Llama 3's dates, SmolLM2's; 0 where it adds none. Found by
+    rendering markers for a system turn's text and the first turn's: the text before the first turn's must be the
+    template's system turn around text of its own. 0 too where the renderings differ otherwise (tools)."""
+    first, system = "\u2983first\u2984", "\u2983system\u2984"  # text no template adds
+    if not isinstance(messages[0].get("content"), str):
+        return 0
+    turns = [{**messages[0], "content": first}, *messages[1:]]
+    try:
+        plain, framed = render(tokenizer, turns), render(tokenizer, [{"role": "system", "content": system}, *turns])
+    except (TemplateError, TypeError):  # the template's own refusal: no head found, the cut takes from the start
+        return 0
+    head = plain[: max(plain.find(first), 0)]  # what comes before the first turn's text
+    opened, at, ends = framed.find(system), framed.find(system) + len(system), framed.find(first)
+    if not head or opened < 0 or ends < at or not text.startswith(head):
+        return 0
+    before, after = framed[:opened], framed[at:ends]  # the system turn's opening; its close and the next turn's header
+    if head.startswith(before) and head.endswith(after) and len(head) >= len(before) + len(after):
+        return len(head) - len(after)
+    return 0
 
 
 def tools_kept(tokenizer, messages: list[dict], text: str, tools: list[dict] | None, generation_prompt=False) -> int:

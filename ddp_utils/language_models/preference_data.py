@@ -223,7 +223,10 @@ def tokenize_pair(pair, fmt: PairFormat, tokenizer) -> tuple[list[int], list[int
 
 
 def prompt_head(prompt, fmt: PairFormat, tokenizer) -> int:
-    """The first tokens of a pair's prompt that a cut keeps (`chat.head_length`): BOS, and a system turn."""
+    """The first tokens of a pair's prompt that a cut keeps (`chat.head_length`): BOS, and a system turn (the
+    template's own too, where it adds one); a string prompt rendered as a user turn, as `tokenize_pair` renders it."""
+    if isinstance(prompt, str) and fmt.chat_template:
+        prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, list) and fmt.chat_template is not False and tokenizer.chat_template:
         return head_length(tokenizer, prompt, render(tokenizer, prompt, generation_prompt=True))
     return 1 if tokenizer.bos_token_id is not None else 0
