@@ -8,7 +8,8 @@ import pytest
 from conftest import make_tiny_causal_lm
 from ddp_utils import UsageError
 from ddp_utils.language_models.causal_lm import IGNORE_INDEX
-from ddp_utils.language_models.chat import as_messages, fit_block, generation_prompt, tokenize_conversation
+from ddp_utils.language_models.chat import fit_block, generation_prompt, tokenize_conversation
+from ddp_utils.language_models.turns import as_messages
 
 CHATML = (  # the layout of SmolLM2's and Qwen's templates, system turn included by default
     "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nbe brief<|im_end|>\n{% endif %}"

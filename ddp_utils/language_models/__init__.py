@@ -4,7 +4,8 @@
 - token_blocks.py     raw text cut into blocks, examples packed into rows: the same whatever processes prepare them
 - chat.py             conversations rendered by the chat template; the assistant-only targets; end-of-turn tokens
 - sft_data.py         SFT records in their shapes (chat, Alpaca, ShareGPT, prompt/completion) as training rows
-- turns.py            ShareGPT turns and tool calls (OpenAI's, LLaMA-Factory's) as the turns and tools templates render
+- turns.py            ShareGPT turns and tool calls (OpenAI's, LLaMA-Factory's) as the turns and tools templates render;
+                      the checks every record's turns pass
 - preference_data.py  preference pairs in their shapes, checked and tokenized
 - pair_batches.py     a batch of pairs: a pair as one row (its prompt computed once), or as two
 - pair_scoring.py     both sides of a pair in one forward pass, and the probe that refuses where it is not exact

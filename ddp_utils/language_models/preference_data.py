@@ -13,9 +13,9 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..data.raw_data import record_in_file
-from .chat import cut_middle, head_length, plain_prompt_ids, render, text_content
+from .chat import cut_middle, head_length, plain_prompt_ids, render
 from .sft_data import PROMPT_SEPARATOR, settle_chat_template
-from .turns import alpaca_prompt_turns, json_turns, sharegpt_turns
+from .turns import alpaca_prompt_turns, json_turns, sharegpt_turns, text_content
 
 logger = get_logger(__name__)
 

@@ -16,16 +16,12 @@ from ..data.raw_data import record_in_file
 from .causal_lm import IGNORE_INDEX
 from .chat import (
     PROMPT_SEPARATOR,
-    as_messages,
     bos_head,
-    check_answers_learned,
-    check_messages,
     cut_middle,
     cut_prompt,
     fit_block,
     generation_prompt,
     plain_prompt_ids,
-    text_content,
     tokenize_conversation,
 )
 from .token_blocks import packed_examples
@@ -34,9 +30,13 @@ from .turns import (
     alpaca_prompt,
     alpaca_prompt_turns,
     as_json_turns,
+    as_messages,
+    check_answers_learned,
+    check_messages,
     clean_turn,
     record_tools,
     sharegpt_turns,
+    text_content,
 )
 
 logger = get_logger(__name__)

@@ -2,7 +2,8 @@
 ShareGPT's from/value turns, and tool calls (function calling) in OpenAI's chat JSONL (assistant turns with
 `tool_calls`, whose arguments are a JSON string, `tool` turns with the results, a `tools` column of function schemas)
 or LLaMA-Factory's ShareGPT shape (`function_call` and `observation` turns, `tools` as a JSON string). Both read as
-the same turns, so they train the same tokens; Alpaca's records with their system text and history. No
+the same turns, so they train the same tokens; Alpaca's records with their system text and history; and the checks
+every record's turns pass (content parts joined into text, an assistant turn, no empty answer learned). No
 communication; any rank may call these."""
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def clean_turn(turn: dict, where: str) -> dict:
 
 
 def is_parts(content) -> bool:
-    """Whether `content` is a list of content parts ({"type": ...}), which `chat.text_content` joins."""
+    """Whether `content` is a list of content parts ({"type": ...}), which `text_content` joins."""
     return isinstance(content, list) and all(isinstance(part, dict) and "type" in part for part in content)
 
 
@@ -245,3 +246,77 @@ def alpaca_prompt_turns(record: dict, where: str) -> list[dict]:
             )
         turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
     return [*turns, {"role": "user", "content": alpaca_prompt(record.get("instruction") or "", record.get("input"))}]
+
+
+# Content given as a list of parts (OpenAI's {"type": "text", "text": ...}, LLaMA-Factory's {"type": "text", "value":
+# ...}): the text parts joined with this; a part of another type (an image, audio) is refused.
+PART_SEPARATOR = "\n"
+
+
+def as_messages(prompt, completion) -> list[dict]:
+    """A prompt/completion record as turns: a prompt string is one user turn (a list of turns is
+    taken as is), a completion string is one assistant turn."""
+    turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return turns + ([{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion))
+
+
+def text_content(messages: list[dict], record: int, split: str) -> list[dict]:
+    """`messages` with each content given as a list of parts turned into text: the text parts
+    joined with PART_SEPARATOR. A part of another type (an image, audio, a file) is a UsageError
+    that names the record, the turn and the part: this fine-tuning is text-only."""
+    out = []
+    for turn, message in enumerate(messages):
+        content = message["content"]
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                part = part if isinstance(part, dict) else {"type": type(part).__name__}
+                kind, text = part.get("type", "text"), part.get("text")
+                text = text if text is not None else part.get("value")  # LLaMA-Factory's name for it
+                if kind != "text" or not isinstance(text, str):
+                    raise UsageError(
+                        f"{split} record {record}, turn {turn} ({message['role']}) holds a part of type {kind!r}: this "
+                        "script fine-tunes on text only, so it would be lost or learned as a placeholder word; drop "
+                        "those parts or records, or use a vision-language fine-tuning script"
+                    )
+                texts.append(text)
+            message = {**message, "content": PART_SEPARATOR.join(texts)}
+        out.append(message)
+    return out
+
+
+ROLES = {"system", "developer", "user", "assistant", "tool", "function", "ipython"}  # the roles chat templates know
+
+
+def check_messages(messages, record: int, split: str) -> None:
+    """A UsageError naming the record unless `messages` is a list of role/content turns with an
+    assistant turn."""
+
+    def fits(turn):
+        return isinstance(turn, dict) and turn.get("role") is not None and turn.get("content") is not None
+
+    if not isinstance(messages, list) or not all(fits(turn) for turn in messages):
+        raise UsageError(
+            f"{split} record {record} fits none of the SFT formats: a conversation must be a list of "
+            f"{{'role': ..., 'content': ...}} turns (an assistant's may hold 'tool_calls' instead of content; or "
+            f"ShareGPT's {{'from': ..., 'value': ...}}), "
+            f"got {str(messages)[:120]!r}; name the right column with --messages_column"
+        )
+    if not any(m["role"] == "assistant" for m in messages):
+        other = sorted({m["role"] for m in messages} - ROLES, key=str)
+        raise UsageError(
+            f"{split} record {record} has no assistant turn, so nothing to learn or to answer; "
+            + (f"its roles {other} are not the chat roles: name them 'user' and 'assistant'" if other else
+               "end each conversation with the assistant's answer")
+        )  # fmt: skip
+
+
+def check_answers_learned(messages: list[dict], loss_on: str, where: str) -> None:
+    """A UsageError naming the turn where an answer that --loss_on learns (not one of "weight": 0) is empty text
+    without tool calls: it would teach the model to answer with the end of its turn alone. `messages` as
+    `text_content` gives them (content parts joined)."""
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight", 1) != 0]
+    for i in answers[-1:] if loss_on == "last_assistant" else answers:
+        content = messages[i].get("content")
+        if not messages[i].get("tool_calls") and isinstance(content, str) and not content.strip():
+            raise UsageError(f"{where}: its assistant turn {i} is empty; fill it or drop the record")
