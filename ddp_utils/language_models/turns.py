@@ -197,15 +197,18 @@ def tools_end(with_tools: str, without: str) -> int:
     return len(with_tools) - same_end
 
 
+def is_turn_list(turns, role: str, content: str) -> bool:
+    """Whether `turns` is a list of dicts, each with a `role` and a `content` key (by these names) that are set."""
+    return isinstance(turns, list) and all(
+        isinstance(turn, dict) and turn.get(role) is not None and turn.get(content) is not None for turn in turns
+    )
+
+
 def sharegpt_turns(turns, where: str, formats: str, fix: str) -> list[dict]:
     """ShareGPT turns ({"from": "human"|"gpt"|"system"|..., "value": ...}) as role/content turns.
     Anything else is a UsageError naming `where` (the record), the script's `formats` ("SFT") and
     the `fix`; a role not in SHAREGPT_ROLES or SHAREGPT_TOOL_ROLES is one too."""
-
-    def fits(turn):
-        return isinstance(turn, dict) and turn.get("from") is not None and turn.get("value") is not None
-
-    if not isinstance(turns, list) or not all(fits(turn) for turn in turns):
+    if not is_turn_list(turns, "from", "value"):
         raise UsageError(
             f"{where} fits none of the {formats} formats: its conversation is not a list of "
             f"{{'from': ..., 'value': ...}} turns (ShareGPT), got {str(turns)[:120]!r}; {fix}"
@@ -291,11 +294,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool", "function", "ipytho
 def check_messages(messages, record: int, split: str) -> None:
     """A UsageError naming the record unless `messages` is a list of role/content turns with an
     assistant turn."""
-
-    def fits(turn):
-        return isinstance(turn, dict) and turn.get("role") is not None and turn.get("content") is not None
-
-    if not isinstance(messages, list) or not all(fits(turn) for turn in messages):
+    if not is_turn_list(messages, "role", "content"):
         raise UsageError(
             f"{split} record {record} fits none of the SFT formats: a conversation must be a list of "
             f"{{'role': ..., 'content': ...}} turns (an assistant's may hold 'tool_calls' instead of content; or "
