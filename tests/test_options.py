@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import AUDIT_HOOK_DIR, REPO, assert_error_is_last, launch, refused_in_process, sft_args, train_args
+from conftest import (
+    AUDIT_HOOK_DIR,
+    REPO,
+    assert_error_is_last,
+    launch,
+    load_script,
+    refused_in_process,
+    sft_args,
+    train_args,
+)
 from ddp_utils import UsageError
 from ddp_utils.lifecycle.args import SCHEDULES
 
@@ -126,6 +135,30 @@ def test_the_best_checkpoint_survives_a_resume_with_the_output_dir_spelled_anoth
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert metrics["metric_for_best_model"] == "eval_loss" and metrics["greater_is_better"] is True
     assert metrics["best_step"] == 2 and os.path.basename(metrics["best_checkpoint"]) == "checkpoint-2"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "script, given, expected",
+    [
+        ("train_sft", ["--max_seq_length", "512"], "(--max_seq_length is --block_size here)"),
+        ("train", ["--max_seq_length", "128"], "(--max_seq_length is --max_length here)"),  # run_glue's name
+        ("train_dpo", ["--lr", "1e-5"], "could match --lr_scheduler_type, --lr_scheduler_kwargs (--lr is --learning"),
+        ("train_grpo", ["--num-train-epochs", "2"], "(--num-train-epochs is --num_train_epochs here)"),
+        ("train_clm", ["--dataset_text_field", "body"], "(--dataset_text_field is --text_column here)"),
+        ("train_image", ["--bf16"], "(--bf16: mixed precision is the launch config's: accelerate launch"),
+        ("train_sft", ["--deepspeed", "ds.json"], "(--deepspeed: sharding is the launch config's"),
+        ("train_sft", ["--max_steps", "10", "--save_steps", "5"],
+         "(--max_steps is --max_train_steps here; --save_steps is --checkpointing_steps here)"),
+        ("train_sft", ["--no_such_option"], "unrecognized arguments: --no_such_option; "),  # none known: no hint
+    ],
+)  # fmt: skip
+def test_another_trainers_option_name_is_answered_with_ours(script, given, expected):
+    """TRL, the Trainer, axolotl and litgpt name their options otherwise: their names (or ours spelled with dashes)
+    are answered with ours, or with where the setting lives here, in the one line of the refusal."""
+    with pytest.raises(UsageError) as refused:
+        load_script(script).parse_args(given)
+    assert expected in str(refused.value), str(refused.value)
 
 
 @pytest.mark.fast
