@@ -52,8 +52,8 @@ CASES = {
     # Refused while parsing the options, before the ranks have met: every rank must still report it.
     "unknown_option": (  # a Trainer user's option: argparse's own error becomes the one line too
         lambda a, d, m: a + ["--evaluation_strategy", "steps"],
-        "unrecognized arguments: --evaluation_strategy steps (--evaluation_strategy is --eval_steps here); train.py "
-        "--help lists the options",
+        "unrecognized arguments: --evaluation_strategy steps (--evaluation_strategy: every epoch ends with an "
+        "evaluation; --eval_steps N adds one every N optimizer steps); train.py --help lists the options",
     ),
     "unknown_tracker": (
         lambda a, d, m: a + ["--report_to", "neptune"],

@@ -150,12 +150,14 @@ def test_the_best_checkpoint_survives_a_resume_with_the_output_dir_spelled_anoth
         ("train_sft", ["--deepspeed", "ds.json"], "(--deepspeed: sharding is the launch config's"),
         ("train_sft", ["--max_steps", "10", "--save_steps", "5"],
          "(--max_steps is --max_train_steps here; --save_steps is --checkpointing_steps here)"),
+        ("train_sft", ["--lr=1e-5"], "(--lr is --learning_rate here)"),
+        ("train_sft", ["--eval_strategy", "steps"], "(--eval_strategy: every epoch ends with an evaluation; --eval_"),
         ("train_sft", ["--no_such_option"], "unrecognized arguments: --no_such_option; "),  # none known: no hint
     ],
 )  # fmt: skip
 def test_another_trainers_option_name_is_answered_with_ours(script, given, expected):
-    """TRL, the Trainer, axolotl and litgpt name their options otherwise: their names (or ours spelled with dashes)
-    are answered with ours, or with where the setting lives here, in the one line of the refusal."""
+    """TRL, the Trainer and axolotl name their options otherwise: their names (or ours spelled with dashes) are
+    answered with ours, or with where the setting lives here, in the one line of the refusal."""
     with pytest.raises(UsageError) as refused:
         load_script(script).parse_args(given)
     assert expected in str(refused.value), str(refused.value)

@@ -11,6 +11,7 @@ import json
 
 from ..core.errors import UsageError
 from ..training.training_log import parse_report_to
+from .option_names import option_hint
 
 # transformers.get_scheduler's schedules that run on the step count, where `optimizer.schedule_settings` fills what two
 # of them need more (reduce_lr_on_plateau needs a metric). `constant` is transformers': it ignores the warm-up; it and
@@ -177,52 +178,8 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
     p.add_argument("--language", default=None, help="the data's language for the model card (ISO 639-1, e.g. en)")
 
 
-# Options of TRL, transformers.Trainer, axolotl and litgpt that users bring: ours for the same thing (the first of
-# these the script has), or where that setting lives here.
-OTHER_NAMES = {
-    **dict.fromkeys(
-        ("--max_seq_length", "--max_length", "--sequence_len", "--seq_len"), ("--block_size", "--max_length")
-    ),
-    "--lr": ("--learning_rate",),
-    **dict.fromkeys(("--num_epochs", "--epochs"), ("--num_train_epochs",)),
-    **dict.fromkeys(("--batch_size", "--micro_batch_size", "--train_batch_size"), ("--per_device_train_batch_size",)),
-    "--eval_batch_size": ("--per_device_eval_batch_size",),
-    "--gradient_accumulation": ("--gradient_accumulation_steps",),
-    "--max_steps": ("--max_train_steps",),
-    "--save_steps": ("--checkpointing_steps",),
-    **dict.fromkeys(("--evaluation_strategy", "--eval_strategy"), ("--eval_steps",)),
-    "--lora_rank": ("--lora_r",),
-    "--dataset_text_field": ("--text_column",),
-    **dict.fromkeys(("--model", "--model_name", "--base_model"), ("--model_name_or_path",)),
-    **dict.fromkeys(("--bf16", "--fp16", "--mixed_precision"), "mixed precision is the launch config's: accelerate "
-                    "launch --mixed_precision bf16, or accelerate config"),
-    **dict.fromkeys(("--deepspeed", "--fsdp"), "sharding is the launch config's: accelerate launch --config_file "
-                    "accelerate_configs/<one of them>.yaml"),
-    "--local_rank": "accelerate launch starts the processes: leave it out",
-}  # fmt: skip
-
-
 def _refuse_option(parser: argparse.ArgumentParser, message: str):
-    """argparse's error as one line; an option another trainer names so, or spelled with dashes, is answered with
-    ours."""
-    ours, hints = parser._option_string_actions, []  # every option string the script takes
-    if message.startswith("unrecognized arguments:"):
-        given = [word.split("=", 1)[0] for word in message.split(":", 1)[1].split() if word.startswith("--")]
-    elif message.startswith("ambiguous option:"):  # an abbreviation of several (--lr)
-        given = message.split(":", 1)[1].split()[:1]
-    else:
-        given = []
-    for name in given:
-        underscored = "--" + name[2:].replace("-", "_")
-        other = OTHER_NAMES.get(name) or OTHER_NAMES.get(underscored)
-        if isinstance(other, str):
-            hints.append(f"{name}: {other}")
-        elif other and any(option in ours for option in other):
-            hints.append(f"{name} is {next(option for option in other if option in ours)} here")
-        elif underscored in ours:
-            hints.append(f"{name} is {underscored} here")
-    hint = f" ({'; '.join(hints)})" if hints else ""
-    raise UsageError(f"{message}{hint}; {parser.prog} --help lists the options")
+    raise UsageError(f"{message}{option_hint(parser, message)}; {parser.prog} --help lists the options")
 
 
 def json_object(given, option: str, example: str) -> dict:
