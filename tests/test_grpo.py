@@ -431,6 +431,8 @@ def test_lora_on_a_bf16_base_trains_the_same_without_peft_input_casts_in_every_f
     model = lora_family_model(family, torch.bfloat16)
     layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
     ours = [layer.cast_input_dtype_enabled for layer in layers]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layers and not any(ours), "every LoRA layer takes its input as it is under autocast"
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     results = []
     for cast in (True, False):  # peft's own casts, then ours
@@ -616,6 +618,26 @@ def test_a_reward_functions_fault_ends_the_run_in_one_line_naming_it(reward, exp
 
 
 @pytest.mark.fast
+def test_reward_functions_never_see_the_record_numbering_which_names_a_bad_value():
+    """A held-out share numbers the training records (`RECORD_COLUMN`) for the messages: the reward functions get
+    the records as the file has them, with or without a validation file, and a bad value names its record's row."""
+    from accelerate import Accelerator
+
+    from ddp_utils.data.raw_data import RECORD_COLUMN
+
+    seen = []
+
+    def reward(completions, records):
+        seen.extend(records)
+        return [float("nan") if record["answer"] == "b" else 1.0 for record in records]
+
+    records = [{"answer": "a", RECORD_COLUMN: 12}, {"answer": "b", RECORD_COLUMN: 7}]
+    with pytest.raises(RunFailed, match=r"returned nan for the completion 'y' of train record 7; fix it"):
+        score_completions(Accelerator(cpu=True), {reward: 1.0}, ["x", "y"], records)
+    assert seen == [{"answer": "a"}, {"answer": "b"}]
+
+
+@pytest.mark.fast
 def test_rewards_are_weighted_and_summed():
     from accelerate import Accelerator
 
@@ -704,10 +726,14 @@ def test_compiled_training_and_compiled_decoding_together_sample_and_train_what_
     assert result.returncode == 0, result.output[-4000:]
     plain = grpo_runs["two_processes_batch_B"]
     log = [json.loads(line) for line in (output_dir / "train_log.jsonl").read_text().splitlines()]
-    lengths = [step["train/completion_length"] for step in log if "train/loss" in step]
-    assert lengths == [step["train/completion_length"] for step in plain["log"]]
+    log = [step for step in log if "train/loss" in step]
+    sampled = ["train/reward/right_word", "train/reward/short_answer", "train/completion_length"]
+    assert len(log) == len(plain["log"]) == 4
+    for ours, theirs in zip(log, plain["log"]):  # the same completions: their rewards and lengths, step by step
+        assert [ours[key] for key in sampled] == pytest.approx([theirs[key] for key in sampled], abs=1e-9)
     metrics = json.loads((output_dir / "metrics.json").read_text())
-    assert metrics["graph_breaks"] == 0 and metrics["compiled_graphs"] > 1, metrics  # regions and the decoding step
+    decoding = grpo_runs["two_processes_batch_B_compiled"]["metrics"]["compiled_graphs"]  # 1: the decoding step
+    assert metrics["graph_breaks"] == 0 and metrics["compiled_graphs"] > decoding, metrics  # and the regions
     theirs = load_file(str(plain["dir"] / "adapter_model.safetensors"))
     ours = load_file(str(output_dir / "adapter_model.safetensors"))
     for key in theirs:

@@ -55,9 +55,9 @@ def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
 class SeededSampling:
     """A logits processor that turns greedy decoding into sampling with temperature and top-p, each row drawing
     from its own generator: argmax(log p + Gumbel noise) is a sample from p. So a row's draws do not depend on the
-    rows beside it. The generators live where the logits are: on a GPU the draws stay there (CUDA's own stream of
-    numbers for a seed, not the CPU's), with no copy from the host, which would wait for the GPU at every token; a
-    CPU thread took 109 ms a token to draw 128 samples' rows of Qwen's 151,936-token vocabulary."""
+    rows beside it. The generators live where the logits are (a device without generators of its own: the CPU):
+    on a GPU the draws are CUDA's numbers for each seed, not the CPU's, made there with no copy from the host and
+    no CPU thread drawing (it took 109 ms a token for 128 samples of Qwen's 151,936-token vocabulary)."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float):
         self.seeds, self.generators = seeds, None  # made at the first call, on the logits' device
@@ -71,10 +71,14 @@ class SeededSampling:
             dropped = torch.zeros_like(logps, dtype=torch.bool).scatter(-1, order, before >= self.top_p)
             logps = logps.masked_fill(dropped, -math.inf)
         if self.generators is None:
-            self.generators = [torch.Generator(logps.device).manual_seed(seed) for seed in self.seeds]
-        uniform = torch.empty_like(logps)
+            try:
+                self.generators = [torch.Generator(logps.device).manual_seed(seed) for seed in self.seeds]
+            except RuntimeError:  # no generator on this device type
+                self.generators = [torch.Generator().manual_seed(seed) for seed in self.seeds]
+        uniform = torch.empty(logps.shape, device=self.generators[0].device)
         for row, generator in zip(uniform, self.generators):
             row.uniform_(generator=generator)  # as torch.rand(vocabulary, generator=generator), in place
+        uniform = uniform.to(logps.device)  # no copy where they were made
         return logps - torch.log(-torch.log(uniform.clamp(min=1e-20, max=1 - 1e-7)))
 
 
@@ -186,7 +190,11 @@ def score_completions(accelerator: Accelerator, rewards: dict, completions: list
     """All ranks call this (one gather): each reward function of `rewards` ({function: weight}) on this rank's
     completions and their records. Returns (per function rewards (completions, functions), their weighted sum).
     A function that raises, returns NaN or returns the wrong number of values ends the run on every rank, in
-    one line that names the function and the record."""
+    one line that names the function (and the completion and its record where one value is wrong: the record by
+    its row in the training file where a held-out share numbered it, `raw_data.RECORD_COLUMN`, which the functions
+    do not see)."""
+    numbers = [record.get(RECORD_COLUMN) for record in records]
+    records = [{key: value for key, value in record.items() if key != RECORD_COLUMN} for record in records]
     values, problem = np.zeros((len(completions), len(rewards))), None
     for j, function in enumerate(rewards):
         name = getattr(function, "__name__", repr(function))
@@ -205,7 +213,7 @@ def score_completions(accelerator: Accelerator, rewards: dict, completions: list
             if problem is None and len(bad):
                 i = int(bad[0])
                 problem = f"reward function {name} returned {values[i, j]} for the completion {completions[i]!r}"
-                problem += f" of train record {records[i][RECORD_COLUMN]}" if RECORD_COLUMN in records[i] else ""
+                problem += f" of train record {numbers[i]}" if numbers[i] is not None else ""
         if problem:
             problem += "; fix it in the DATA section, it must return one finite number per completion"
             break
