@@ -23,7 +23,7 @@ def add_side_by_side_args(p, names: dict, workdir: Path) -> None:
     p.add_argument("--only", nargs="*", default=None, choices=list(names), help="run only these contenders")
     p.add_argument("--workdir", default=str(workdir), help="where runs write")
     p.add_argument("--count_ops", action="store_true", help="count each step's operators (speeds then mean nothing)")
-    p.add_argument("--profile", action="store_true", help="profile 5 steps of each run: GPU busy share, launches")
+    p.add_argument("--profile", action="store_true", help="profile 5 steps of each run: GPU busy share, host split")
 
 
 def peak_gpu_mib(data: dict) -> float | None:
@@ -142,7 +142,11 @@ def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) ->
             ratio = f"{ops / base:.2f}" if ops and base else "-"
             print(f"| {names[key]} | {ops:,} | {ratio} |" if ops else f"| {names[key]} | - | - |")
     if any(r.get("profile") for r in results.values()):
-        print("\nProfiled steps 4 to 8 (torch.profiler; they run slower than the others): where each step's time goes")
+        first, count = int(os.environ.get("PROFILE_FIRST_STEP", "3")), int(os.environ.get("PROFILE_STEPS", "5"))
+        print(
+            f"\nProfiled steps {first + 1} to {first + count} (torch.profiler; they run slower than the others): where "
+            "each step's time goes (host in operators: the GPU waits included)"
+        )
         print(
             "\n| run | s / step | GPU busy share | launches / step | GPU waits / step (s) | host in operators (s) "
             "| host outside them (s) | in `generate` (s) | top host operator |"
@@ -154,10 +158,11 @@ def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) ->
                 print(f"| {names[key]} |" + " - |" * 8)
                 continue
             busy = f"{p['gpu_busy_share']:.0%}" if p["gpu_busy_s"] is not None else "-"  # none on a CPU
-            waits = f"{p['syncs']:,.0f} ({p['sync_wait_s']:.4f})"
+            waits = f"{p.get('syncs', 0):,.0f} ({p.get('sync_wait_s', 0):.4f})"
             generate = f"{p['generate_s']:.4f}" if p.get("generate_s") is not None else "-"
             top = p["host_top"][0]["name"] if p["host_top"] else "-"
             print(
                 f"| {names[key]} | {p['step_s']:.4f} | {busy} | {p['launches']:,.0f} | {waits} "
-                f"| {p['host_in_operators_s']:.4f} | {p['host_outside_operators_s']:.4f} | {generate} | {top} |"
+                f"| {p.get('host_in_operators_s', 0):.4f} | {p.get('host_outside_operators_s', 0):.4f} | {generate} "
+                f"| {top} |"
             )

@@ -590,8 +590,7 @@ def test_the_step_profile_times_steps_4_to_8_in_any_process_also_when_it_ends_wi
     assert (profile["gpu_busy_s"], profile["gpu_busy_share"], profile["launches"]) == (None, None, 0)
     assert (profile["syncs"], profile["sync_wait_s"]) == (0, 0)
     # The step's host time split: inside torch's operators, and outside them (Python); generate's region within it.
-    assert 0 < profile["host_in_operators_s"] < profile["step_s"], profile
-    assert profile["host_in_operators_s"] + profile["host_outside_operators_s"] == pytest.approx(profile["step_s"])
+    assert 0 < profile["host_in_operators_s"] < profile["step_s"] and profile["host_outside_operators_s"] > 0, profile
     assert 0 < profile["generate_s"] < profile["step_s"], profile
     names = [row["name"] for row in profile["host_top"]]
     assert "aten::addmm" in names and profile["device_top"] == [], names

@@ -133,10 +133,11 @@ RUN_S = {
     # compilations (the dry run traces 6 graphs: the policy and the reference without gradients, each for its first
     # length and then dynamic, and evaluation with the adapters on and off), taken at 50 s each
     ("11", "bench_dpo"): (30.0, 400),
-    # 12 steps of each contender (ours and TRL), steps 4 to 8 under torch.profiler: start-ups as in steps 9 and 10's
-    # runs (about 25 s each there), the steps and the profiler's cost, the prompts' or pairs' preparation
-    ("12", "bench_grpo"): (11.0, 80),  # the dry run's: 3 tiny steps of ours alone (2026-11-27)
-    ("12", "bench_dpo"): (11.3, 80),
+    # 12 steps of each contender (ours and TRL), steps 4 to 8 under torch.profiler: two start-ups as in steps 9 and
+    # 10's runs (about 20 s for GRPO's, 30 s for DPO's there), the steps, the profiler's cost and its trace's reading
+    # (taken at 10 s a run), the prompts' or pairs' preparation; the dry run's: 3 tiny steps of ours alone
+    ("12", "bench_grpo"): (11.0, 90),
+    ("12", "bench_dpo"): (11.3, 100),
 }
 # Each run's wall seconds on the first GPU session (an H200, 2026-11-26; the LLM's weights drawn at random, the
 # runs as the steps make them): they replace RUN_S's estimates, which were 1.1 to 3 times too short for the LLM.
@@ -174,10 +175,10 @@ CALLS = [
     # The profiles that steps 9 and 10's shortfalls lack; --torch_compile by regions, which came after session 3; then
     # the steps that have not run at all.
     {"session": 4, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["12", "3"]},
-    {"session": 4, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["6", "2b"]},  # 2b: full_gc
+    {"session": 4, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["2b"]},  # its full_gc case
     # DPO with --torch_compile: step 9 found its step launch-bound, 1.31x TRL against a target of 1.5x.
     {"session": 5, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["11"]},
-    {"session": 6, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["5", "8"]},
+    {"session": 6, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["5", "8", "6"]},
     # The demo LLM's own weights: generation accuracy on a GPU (two calls carry them).
     {"session": 7, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
     {"session": 7, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["2a", "4"]},

@@ -8,9 +8,11 @@ Each process writes STEP_PROFILE_DIR/profile-<pid>.json, a step's mean over the 
   so the share of the step it was busy;
 - its kernel launches, and its waits for the GPU (stream, event and device synchronizations: an `.item()`, a copy
   from pageable memory) with the host seconds spent in them;
-- the host seconds inside torch's operators (those no other operator called, on any thread: the dispatch, the
-  launches and the CPU's own work), and the rest of the step: Python and everything else outside them;
-- the host seconds inside transformers' `generate` (its outermost call), where the process calls it;
+- the host seconds inside torch's operators (those no other operator called, the union of their spans on all
+  threads: the dispatch, the launches, the CPU's own work and the waits above, which are inside operators too),
+  and the rest of the step: Python and everything else outside them;
+- the host seconds inside transformers' `generate` (its outermost call), where the process calls it (ours draws
+  each sample's first token from its prompt's pass before `generate`; TRL's `generate` makes that pass too);
 - the operators that took the most time on the host and on the device.
 A GPU busy for a small share of the step waits on the host: the host's split then says whether operators (their
 count) or Python between them is the cost, the measured cause a launch-bound step needs. The profiled steps run
@@ -37,6 +39,7 @@ if os.environ.get("STEP_PROFILE_DIR"):
     _LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
     _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
     _GENERATE = "transformers generate"  # the region _time_generate marks
+    _CLOSING = "step_profile: the window's closing synchronize"  # this file's own wait: left out of the figures
     _depth = threading.local()
 
     def _sync() -> None:
@@ -89,10 +92,15 @@ if os.environ.get("STEP_PROFILE_DIR"):
         generation.GenerationMixin.generate = generate
 
     def _write(seconds: float, profiler) -> None:
-        events, averages = profiler.events(), profiler.key_averages()
+        closing = [e.time_range for e in profiler.events() if e.name == _CLOSING and e.device_type == DeviceType.CPU]
+        events = [  # the closing synchronize and what it called are this file's, not the step's
+            e for e in profiler.events() if not any(c.start <= e.time_range.start <= c.end for c in closing)
+        ]
+        averages = profiler.key_averages()
         device = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
         busy = _union_s([(e.time_range.start, e.time_range.end) for e in device]) / _count if device else None
-        host_ops = sum(e.time_range.elapsed_us() for e in events if _outermost_op(e)) / 1e6 / _count
+        host_ops = _union_s([(e.time_range.start, e.time_range.end) for e in events if _outermost_op(e)]) / _count
+        syncs = [e for e in events if e.name in _SYNCS]
         generate = [e for e in events if e.name == _GENERATE and e.device_type == DeviceType.CPU]
         step = seconds / _count
         summary = {
@@ -101,10 +109,10 @@ if os.environ.get("STEP_PROFILE_DIR"):
             "gpu_busy_s": busy,
             "gpu_busy_share": busy / step if busy is not None else None,
             "launches": sum(e.count for e in averages if e.key in _LAUNCHES) / _count,
-            "syncs": sum(e.count for e in averages if e.key in _SYNCS) / _count,
-            "sync_wait_s": sum(e.self_cpu_time_total for e in averages if e.key in _SYNCS) / 1e6 / _count,
+            "syncs": len(syncs) / _count,
+            "sync_wait_s": sum(e.time_range.elapsed_us() for e in syncs) / 1e6 / _count,
             "host_in_operators_s": host_ops,
-            "host_outside_operators_s": step - host_ops,  # Python and all else; negative where threads overlap
+            "host_outside_operators_s": step - host_ops,  # Python and all else
             "generate_s": sum(e.time_range.elapsed_us() for e in generate) / 1e6 / _count if generate else None,
             "host_top": _top(averages, "self_cpu_time_total"),
             "device_top": _top(averages, "self_device_time_total") if device else [],
@@ -124,7 +132,8 @@ if os.environ.get("STEP_PROFILE_DIR"):
             _state["profiler"].__enter__()
             _state["start"] = time.perf_counter()
         elif _state["steps"] == _first + _count and _state["profiler"] is not None:
-            _sync()
+            with torch.profiler.record_function(_CLOSING):
+                _sync()
             seconds, profiler = time.perf_counter() - _state["start"], _state["profiler"]
             profiler.__exit__(None, None, None)
             _state["profiler"] = None
