@@ -241,7 +241,8 @@ def template_head_end(tokenizer, messages: list[dict], text: str) -> int:
     except (TemplateError, TypeError):  # the template's own refusal: no head found, the cut takes from the start
         return 0
     head = plain[: max(plain.find(first), 0)]  # what comes before the first turn's text
-    opened, at, ends = framed.find(system), framed.find(system) + len(system), framed.find(first)
+    opened, ends = framed.find(system), framed.find(first)
+    at = opened + len(system)
     if not head or opened < 0 or ends < at or not text.startswith(head):
         return 0
     before, after = framed[:opened], framed[at:ends]  # the system turn's opening; its close and the next turn's header

@@ -213,9 +213,10 @@ def add_lora(model, args):
     fetch_adapted_parameters_under_zero3(model)
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    for module in model.modules():  # peft reads it at each call: no cast where autocast casts anyway
+    outside_autocast = CastOutsideAutocast()  # peft reads it at each call: no cast where autocast casts anyway
+    for module in model.modules():
         if isinstance(module, BaseTunerLayer):
-            module.cast_input_dtype_enabled = CastOutsideAutocast()
+            module.cast_input_dtype_enabled = outside_autocast
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3: partitioned
     trainable = sum(size for size, requires_grad in sizes if requires_grad)
     logger.info(f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(size for size, _ in sizes):,} parameters")
