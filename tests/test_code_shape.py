@@ -253,6 +253,30 @@ def test_no_doc_copies_the_code_of_the_scripts_or_ddp_utils():
     assert copied == [], f"docs copy code; name it and link to its lines instead: {copied[:3]}"
 
 
+@pytest.mark.fast
+def test_every_link_to_lines_of_code_holds_the_code_its_sentence_names():
+    """A doc that links to lines (`train.py#L168-L211`) names what they hold in `backticks` in the same sentence:
+    the range starts on the line of the first name and ends with the block of the last one, so that an edit that
+    moves the lines fails here instead of sending readers to the wrong code."""
+    wrong = []
+    for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md"), REPO / "bench" / "README.md"]:
+        text = doc.read_text()
+        for link in re.finditer(r"\]\(([^)#]+)#L(\d+)-L(\d+)\)", text):
+            lines = (doc.parent / link.group(1)).resolve().read_text().splitlines()
+            first, last = int(link.group(2)), int(link.group(3))
+            sentence = text[link.end() :].split(". ", 1)[0].split("\n\n", 1)[0].replace("\n", " ")
+            names = [name for name in re.findall(r"`([^`]+)`", sentence) if any(name in line for line in lines)]
+            where = [next((n for n in range(first - 1, len(lines)) if name in lines[n]), None) for name in names]
+            if not names or where[0] != first - 1 or None in where or max(where) >= last:
+                wrong.append(f"{doc.name}: {link.group(0)} does not start on `{names[:1]}` or lacks one of {names}")
+                continue
+            indent = len(lines[max(where)]) - len(lines[max(where)].lstrip())
+            after = next((line for line in lines[last:] if line.strip()), "")
+            if len(after) - len(after.lstrip()) > indent:
+                wrong.append(f"{doc.name}: {link.group(0)} ends inside the block of `{names[where.index(max(where))]}`")
+    assert wrong == [], wrong
+
+
 # Each sub-package of ddp_utils and the ones it may import (their docstrings say the same): a newcomer can
 # tell what a change may touch, and no two modules import each other.
 MAY_IMPORT = {
