@@ -46,8 +46,14 @@ from ddp_utils.language_models.grpo import (
     rollout_sums,
     sample_completions,
     score_completions,
+    settle_grpo_metric,
 )
-from ddp_utils.language_models.grpo_data import PromptCollator, fit_prompts_in_block, tokenize_prompts
+from ddp_utils.language_models.grpo_data import (
+    PromptCollator,
+    fit_prompts_in_block,
+    reference_answers,
+    tokenize_prompts,
+)
 from ddp_utils.language_models.pair_scoring import choose_pair_layout
 from ddp_utils.language_models.static_decoding import StaticDecoding
 
@@ -159,11 +165,14 @@ def prepare_data(args):
         raw, {"prompt": "GRPO"}, limits=limits, seed=args.seed, hold_out_percentage=args.validation_split_percentage
     )
     config, tokenizer, _ = ddp_utils.load_config_and_tokenizer(args)
-    evaluated = "answer" in raw["validation"].column_names  # greedy answers to score, of --eval_max_new_tokens
-    fit_prompts_in_block(args, model_context(config, tokenizer), evaluated)  # a prompt and its answer in the context
+    references = reference_answers(raw["validation"], args)  # what greedy answers are scored against; None: not
+    settle_grpo_metric(args, references)  # rank checkpoints by accuracy, exact match, or nothing to rank by
+    fit_prompts_in_block(args, model_context(config, tokenizer), references is not None)  # prompt and answer fit
     chat = tokenizer.chat_template is not None
     processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
     tokenized = tokenize_prompts(raw, tokenizer, args.max_prompt_length, chat, processes)
+    if references is not None:  # scored against the greedy answers at evaluation
+        tokenized["validation"] = tokenized["validation"].add_column("reference", references)
     return tokenized, tokenizer, config, raw
 
 
@@ -184,8 +193,8 @@ def main():
         tokenized["train"], args, accelerator, PromptCollator(tokenizer.pad_token_id), length_column="length"
     )
     generate_prompts = None
-    if args.eval_max_new_tokens and "answer" in raw["validation"].column_names:
-        generate_prompts = tokenized["validation"].add_column("reference", raw["validation"]["answer"])
+    if "reference" in tokenized["validation"].column_names:  # the held-out prompts' answers, to score greedy ones
+        generate_prompts = tokenized["validation"]
         generate_dataloader = make_generation_dataloader(
             generate_prompts, args.per_device_eval_batch_size, tokenizer, config
         )

@@ -753,6 +753,8 @@ def test_a_run_preempted_mid_epoch_resumes_bit_for_bit(grpo_runs, chat_lm, promp
     reference = load_file(str(grpo_runs["two_processes_batch_B"]["dir"] / "adapter_model.safetensors"))
     ours = load_file(str(output_dir / "adapter_model.safetensors"))
     assert [k for k in reference if not np.array_equal(ours[k], reference[k])] == [], "not bit for bit"
+    metrics = json.loads((output_dir / "metrics.json").read_text())  # the epoch's checkpoint ranked by default
+    assert metrics["metric_for_best_model"] == "eval_accuracy" and metrics["best_step"] == 4, metrics
 
 
 @pytest.mark.fast
@@ -923,6 +925,74 @@ def test_options_that_cannot_train_are_refused_with_the_fix(chat_lm, prompts, tm
     if "--beta" in extra:
         args[args.index("--lora_r") + 1] = 0
     refused_in_process("train_grpo", args, expected)
+
+
+@pytest.mark.fast
+def test_checkpoints_are_ranked_by_the_greedy_answers_accuracy_or_exact_match_or_not_at_all(chat_lm, prompts, tmp_path):
+    """--metric_for_best_model is checked against what GRPO's evaluation gives (it was taken as typed: `accuracy`
+    ranked nothing, `eval_accuracy` kept the worst checkpoint): accuracy by default, exact match where the answers
+    are not labels; without an 'answer' column nothing is ranked, and a metric asked for is refused."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+    module = load_script("train_grpo")
+
+    def settled(data, *extra):
+        args = module.parse_args([str(a) for a in grpo_args(chat_lm, data, tmp_path / "o", *extra)])
+        module.prepare_data(args)
+        return args.metric_for_best_model, args.greater_is_better
+
+    def with_answers(name, answer):  # the same prompts, their answers changed or left out
+        files = {}
+        for split, path in prompts.items():
+            files[split] = tmp_path / f"{name}-{split}.jsonl"
+            records = [json.loads(line) for line in path.read_text().splitlines()]
+            files[split].write_text("".join(json.dumps(answer(r, n)) + "\n" for n, r in enumerate(records)))
+        return files
+
+    assert settled(prompts) == ("eval_accuracy", True)
+    assert settled(prompts, "--metric_for_best_model", "exact_match") == ("eval_exact_match", True)
+    expected = "'reward' is not a score of this script's evaluation, so no checkpoint would be ranked; it gives "
+    refused_in_process("train_grpo", grpo_args(chat_lm, prompts, tmp_path, "--metric_for_best_model", "reward"),
+                       expected + "exact_match, accuracy")  # fmt: skip
+    no_eval = grpo_args(chat_lm, prompts, tmp_path, "--eval_max_new_tokens", 0, "--metric_for_best_model", "accuracy")
+    refused_in_process("train_grpo", no_eval, "it gives no scores, with these options")
+    free = with_answers("free", lambda record, n: {**record, "answer": f"{record['answer']} {n}"})  # not labels
+    assert settled(free) == ("eval_exact_match", True)
+    unanswered = with_answers("none", lambda record, n: {"prompt": record["prompt"]})
+    assert settled(unanswered)[0] is None
+    refused_in_process("train_grpo", grpo_args(chat_lm, unanswered, tmp_path, "--metric_for_best_model", "accuracy"),
+                       "against their 'answer' column, which these prompts lack")  # fmt: skip
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "answers, expected",
+    [
+        ([42, 7.0, 2.5, "x"], ["42", "7", "2.5", "x"]),  # a math set's numbers: the greedy answer "42" matches 42
+        ([42, None, 1, 2], "validation record 1: its 'answer' is None; give each held-out prompt one answer"),
+        ([42, float("nan"), 1, 2], "validation record 1: its 'answer' is nan"),
+        (["a", ["a", "b"], "c", "d"], "validation record 1: its 'answer' is ['a', 'b']"),
+    ],
+)
+def test_held_out_answers_that_are_numbers_are_scored_as_written_and_missing_ones_are_refused(
+    chat_lm, prompts, tmp_path, answers, expected
+):
+    """Numbers in the "answer" column (GSM8K's and MATH's final answers, as users store them) ended the run with a
+    TypeError at the first evaluation, after the model had loaded."""
+    files = {"train": prompts["train"], "validation": tmp_path / "validation.jsonl"}
+    records = [{"prompt": f"what is {n} plus one", "answer": answer} for n, answer in enumerate(answers)]
+    files["validation"].write_text("".join(json.dumps(record) + "\n" for record in records))
+    if isinstance(expected, str):
+        return refused_in_process("train_grpo", grpo_args(chat_lm, files, tmp_path), expected)
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+    module = load_script("train_grpo")
+    args = module.parse_args([str(a) for a in grpo_args(chat_lm, files, tmp_path / "o")])
+    tokenized = module.prepare_data(args)[0]
+    assert tokenized["validation"]["reference"] == expected
+    assert args.metric_for_best_model == "eval_exact_match"  # four distinct answers in four are not labels
 
 
 @pytest.mark.fast

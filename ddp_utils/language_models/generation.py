@@ -299,7 +299,7 @@ def settle_accuracy_metric(args, references: list[str]) -> None:
             f"distinct ones), and these {len(references)} answers hold {distinct} distinct ones; rank by exact_match "
             "or loss instead"
         )
-    args.metric_for_best_model = "eval_loss" if args.eval_perplexity else "eval_exact_match"
+    args.metric_for_best_model = "eval_loss" if getattr(args, "eval_perplexity", False) else "eval_exact_match"
     args.greater_is_better = None  # the default metric's default direction
     check_metric_for_best_model(args, [args.metric_for_best_model])
     logger.info(

@@ -22,12 +22,13 @@ from ..core.errors import UsageError
 from ..core.ranks import fail_together
 from ..core.sharded import is_sharded
 from ..data.dataloaders import SAMPLE_WEIGHT
+from ..data.evaluation import check_metric_for_best_model
 from ..data.raw_data import RECORD_COLUMN
 from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import root_ready_for_generation
 from .cache_rows import cache_of, counts_its_tokens, empty_cache, forget_rope_deltas, repeat_rows
-from .generation import only_this_config, sampling_precision, stop_token_ids
+from .generation import GENERATION_SCORES, only_this_config, sampling_precision, settle_accuracy_metric, stop_token_ids
 from .group_scoring import completion_logps, one_row_per_prompt
 from .lora import merged_for_generation
 from .pair_scoring import ONE_ROW
@@ -343,3 +344,22 @@ def check_grpo_args(args) -> None:
             "--beta > 0 needs a reference model: with LoRA (--lora_r) it is the model with its adapters off; "
             "without, a second copy of the model would double its memory, which this script does not do"
         )
+    # Evaluation scores the greedy answers alone: accuracy by default (exact match where the answers are not labels).
+    args.metric_for_best_model_by_default = args.metric_for_best_model is None
+    scores = GENERATION_SCORES if args.eval_max_new_tokens else ()
+    check_metric_for_best_model(args, scores, default="eval_accuracy" if scores else None)
+
+
+def settle_grpo_metric(args, references: list | None) -> None:
+    """--metric_for_best_model once the held-out prompts are read (`references`: their "answer" column, None without
+    one): with no answers to score nothing is ranked, and a metric asked for is refused; accuracy needs answers that
+    are labels (`generation.settle_accuracy_metric`). Every rank calls it with the same data; no communication."""
+    if references is not None:
+        settle_accuracy_metric(args, references)
+    elif args.metric_for_best_model and not args.metric_for_best_model_by_default:
+        raise UsageError(
+            f"--metric_for_best_model {args.metric_for_best_model.removeprefix('eval_')} scores the greedy answers to "
+            "the held-out prompts against their 'answer' column, which these prompts lack: add one, or leave it out"
+        )
+    else:
+        args.metric_for_best_model = None  # nothing scored: the last checkpoints are kept, none ranked

@@ -8,7 +8,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..data.dataloaders import SAMPLE_WEIGHT
-from ..data.raw_data import record_in_file
+from ..data.raw_data import RECORD_COLUMN, record_in_file
 from .chat import bos_head, check_tool_turns, cut_middle, cut_prompt, refused_by_template, render
 from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
 
@@ -35,6 +35,28 @@ def fit_prompts_in_block(args, context: int, evaluated: bool) -> None:
             f"that an answer of {longest} fits in {block} (--block_size, else the model's context)"
         )
         args.max_prompt_length = block - longest
+
+
+def reference_answers(validation, args) -> list[str] | None:
+    """The held-out prompts' "answer" column as the text their greedy answers are scored against: text as given,
+    numbers as written (42, not 42.0: math sets store them as numbers), and a missing answer or a list refused in
+    one line naming its record; None without the column or --eval_max_new_tokens (nothing scored). No communication."""
+    if "answer" not in validation.column_names or not args.eval_max_new_tokens:
+        return None
+    columns = [column for column in ("answer", RECORD_COLUMN) if column in validation.column_names]
+    references = []
+    for index, record in enumerate(validation.select_columns(columns)):
+        answer = record["answer"]
+        if isinstance(answer, float) and answer.is_integer():
+            answer = int(answer)
+        if answer is None or answer != answer or isinstance(answer, (list, dict)):  # answer != answer: NaN
+            number, split = record_in_file(record, index, "validation")
+            raise UsageError(
+                f"{split} record {number}: its 'answer' is {answer!r}; give each held-out prompt one answer as "
+                "text or a number (the greedy answer is scored against it), or drop the column to score none"
+            )
+        references.append(str(answer))
+    return references
 
 
 def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: bool, num_proc=None):
