@@ -135,6 +135,7 @@ def test_every_pair_shape_gives_the_same_prompt_and_answers(chat_lm, tmp_path):
             "rejected": [{"role": "user", "content": question}, {"role": "assistant", "content": bad}],
         },
         "alpaca": {"instruction": question, "input": "", "chosen": good, "rejected": bad},
+        "input": {"input": question, "chosen": good, "rejected": bad},  # argilla's distilabel pairs
         # UltraFeedback's: the prompt as text, and each answer as the whole conversation.
         "strings_ultrafeedback": {
             "prompt": question,
@@ -156,6 +157,19 @@ def test_every_pair_shape_gives_the_same_prompt_and_answers(chat_lm, tmp_path):
             kind
         )
         assert row["length"] == len(prompt) + 3 + 2 and report["train_pairs"] == 1, kind  # prompt, both answers
+
+
+@pytest.mark.fast
+def test_argilla_pairs_keep_their_input_as_the_question(chat_lm, tmp_path):
+    """argilla's distilabel pairs (system, input, chosen, rejected) were read as an implicit prompt: the answers'
+    shared first words became the prompt and the question was dropped; with none shared, "its prompt is empty"."""
+    tokenizer = load_tokenizer(str(chat_lm))
+    record = {"system": "be brief", "input": "the movie was", "chosen": "w1 w2 w3", "rejected": "w1 w2 w4"}
+    tokenized, _ = tokenize(tmp_path, [record, {**record, "system": ""}], tokenizer, "input")
+    with_system, plain = tokenized["train"]
+    assert with_system["prompt_ids"] == ids(tokenizer, "<s> system: be brief user: the movie was assistant:")
+    assert plain["prompt_ids"] == ids(tokenizer, "<s> user: the movie was assistant:")
+    assert with_system["chosen_ids"] == ids(tokenizer, "w1 w2 w3 </s>"), "the answers are whole"
 
 
 @pytest.mark.fast

@@ -22,7 +22,8 @@ logger = get_logger(__name__)
 PAIR_FORMATS = (
     "prompt/chosen/rejected as strings or as conversations (TRL), chosen/rejected conversations that share their "
     "first turns (an implicit prompt), LLaMA-Factory's instruction/input/chosen/rejected, system/question/chosen/"
-    "rejected (orca_dpo_pairs), or ShareGPT's conversations/chosen/rejected"
+    "rejected (orca_dpo_pairs), system/input/chosen/rejected (argilla's distilabel pairs), or ShareGPT's "
+    "conversations/chosen/rejected"
 )
 NAMES = {
     "strings": "prompt/chosen/rejected strings",
@@ -30,6 +31,7 @@ NAMES = {
     "implicit": "chosen/rejected with an implicit prompt",
     "alpaca": "LLaMA-Factory instruction/input/chosen/rejected",
     "question": "system/question/chosen/rejected (Intel's orca_dpo_pairs)",
+    "input": "system/input/chosen/rejected (argilla's distilabel pairs)",
     "sharegpt": "ShareGPT conversations/chosen/rejected",
 }
 
@@ -51,8 +53,9 @@ class PairFormat:
         record = {**record, **json_turns(record, ("prompt", "chosen", "rejected"))}  # a CSV's cells
         if self.kind == "implicit":
             prompt, chosen, rejected = _split_implicit(record["chosen"], record["rejected"], where)
-        elif self.kind in ("alpaca", "question"):  # orca_dpo_pairs: a system text and a question
-            asked = record if self.kind == "alpaca" else {**record, "instruction": record["question"]}
+        elif self.kind in ("alpaca", "question", "input"):  # orca_dpo_pairs, argilla's: a system text and a question
+            asked = {**record, "instruction": record["question"]} if self.kind == "question" else record
+            asked = {**record, "instruction": record["input"], "input": None} if self.kind == "input" else asked
             prompt = alpaca_prompt_turns(asked, where)
             chosen, rejected = record["chosen"], record["rejected"]
             if isinstance(chosen, str) and isinstance(rejected, str) and len(prompt) == 1:
@@ -102,6 +105,8 @@ def detect_pair_format(raw, chat_template: bool | None) -> PairFormat:
         kind = "alpaca"
     elif "question" in columns and "prompt" not in columns:
         kind = "question"
+    elif "input" in columns and "prompt" not in columns:  # else the question is lost to an implicit prompt
+        kind = "input"
     elif "prompt" in columns:
         kind = "conversational" if not isinstance(first["prompt"], str) or json_turns(first, ("prompt",)) else "strings"
     else:
