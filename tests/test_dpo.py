@@ -219,6 +219,11 @@ REFUSED = {
         "chosen and rejected answers are the same",
     ),
     "an_empty_side": ({"prompt": "the", "chosen": "w1", "rejected": " "}, "is empty"),
+    # Equal but for a trailing space: the same tokens, a loss of log 2 and no gradient (the run trained on nothing).
+    "the_same_tokens": (
+        {"prompt": "the", "chosen": "w1 w2", "rejected": "w1 w2 "},
+        "train record 0: its chosen and rejected answers are the same tokens",
+    ),
     "sft_data": ({"prompt": "the", "completion": "w1"}, "this looks like SFT data: scripts/train_sft.py takes it"),
     "kto_data": ({"prompt": "the", "completion": "w1", "label": True}, "unpaired preference data (KTO)"),
     "a_user_turn_in_an_answer": (

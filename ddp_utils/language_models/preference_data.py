@@ -255,8 +255,14 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
         out = {key: [] for key in columns}
         for n, index in enumerate(indices):
             record = {key: values[n] for key, values in batch.items()}
-            pair = fmt.pair(record, *record_in_file(record, index, split))
+            where = record_in_file(record, index, split)
+            pair = fmt.pair(record, *where)
             prompt, chosen, rejected, reference = tokenize_pair(pair, fmt, tokenizer)
+            if chosen == rejected:  # texts that differ in trailing white space only: no gradient, nothing learned
+                raise UsageError(
+                    f"{where[1]} record {where[0]}: its chosen and rejected answers are the same tokens (they differ "
+                    "only in white space or in what the tokenizer drops), so it teaches nothing; drop it"
+                )
             longest = max(len(chosen), len(rejected))
             cut = max(len(prompt) + longest - block_size, 0)
             fits = cut < len(prompt)  # a prompt token must be left to predict the answers' first token
