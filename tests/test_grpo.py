@@ -28,7 +28,7 @@ from ddp_utils.language_models.grpo import (
     sample_completions,
     score_completions,
 )
-from ddp_utils.language_models.grpo_data import PromptCollator
+from ddp_utils.language_models.grpo_data import PromptCollator, asked_prompt
 from ddp_utils.language_models.pair_scoring import TWO_ROWS
 from ddp_utils.training.exact_loss import global_mean_loss
 
@@ -993,6 +993,59 @@ def test_held_out_answers_that_are_numbers_are_scored_as_written_and_missing_one
     tokenized = module.prepare_data(args)[0]
     assert tokenized["validation"]["reference"] == expected
     assert args.metric_for_best_model == "eval_exact_match"  # four distinct answers in four are not labels
+
+
+USER = [{"role": "user", "content": "What is 6 x 7?"}]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "prompt, asked",
+    [
+        ("What is 6 x 7?", "What is 6 x 7?"),
+        ("[INST] What is 6 x 7? [/INST]", "[INST] What is 6 x 7? [/INST]"),  # text, though it starts with "["
+        (json.dumps(USER), USER),  # a CSV's cell of JSON turns
+        ([{"from": "human", "value": "What is 6 x 7?"}], USER),  # ShareGPT
+        ([{"role": "user", "content": [{"type": "text", "text": "What is 6 x 7?"}]}], USER),  # content parts
+        ([{"role": "system", "content": "", "name": None}, *USER], [{"role": "system", "content": ""}, *USER]),
+    ],
+    ids=["text", "inst-text", "json-cell", "sharegpt", "parts", "nulls"],
+)  # fmt: skip
+def test_prompts_in_the_shapes_users_bring_are_asked_as_text_or_turns(prompt, asked):
+    """JSON turns in a CSV cell were asked as their JSON text, content parts as a Python repr, ShareGPT's turns
+    ended in a raw KeyError."""
+    assert asked_prompt(prompt, 3, "train") == asked
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("  ", "train record 3: its prompt is empty; fill it or drop the record"),
+        ([], "train record 3: its prompt is a list '[]'; give text or a list of chat turns"),
+        ({"text": "hi"}, "train record 3: its prompt is a dict"),
+        ([{"role": "user"}], "train record 3: its prompt's turns must each have a 'role'"),
+        ([{"role": "human", "content": "hi"}], "train record 3: its prompt's turns must each have a 'role'"),
+        ([{"role": "user", "content": " "}], "train record 3: its prompt's turns are empty"),
+        ([*USER, {"role": "assistant", "content": "42"}], "ends with an assistant turn, the answer GRPO samples"),
+        ([{"role": "user", "content": [{"type": "image"}]}], "holds a part of type 'image'"),
+    ],
+    ids=["blank", "no-turns", "dict", "no-content", "unknown-role", "empty-turn", "answered", "image"],
+)  # fmt: skip
+def test_prompts_that_ask_nothing_or_hold_their_answer_are_refused_naming_the_record(prompt, expected):
+    """An empty prompt trained on nothing and an empty list ended in a raw ValueError; a conversation that ends
+    with the answer (SFT's messages renamed to prompt) put the answer in the prompt, without a word."""
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        asked_prompt(prompt, 3, "train")
+
+
+@pytest.mark.fast
+def test_chat_turns_without_a_chat_template_are_refused_in_one_line(prompts, tmp_path):
+    plain = make_tiny_causal_lm(tmp_path / "plain", chat_template=False)
+    files = {"train": tmp_path / "train.jsonl", "validation": prompts["validation"]}
+    files["train"].write_text("".join(json.dumps({"prompt": USER, "answer": "42"}) + "\n" for _ in range(8)))
+    expected = "train record 0 has chat turns or tools, which only a chat template shows: use a tokenizer with a chat"
+    refused_in_process("train_grpo", grpo_args(plain, files, tmp_path), expected)
 
 
 @pytest.mark.fast

@@ -750,7 +750,7 @@ def test_a_hub_dataset_with_its_own_split_names_is_read_with_train_split_and_val
         ("train_dpo", {"prompt": "w1", "chosen": "w2", "rejected": "w2"},
          "train record 13: its chosen and rejected answers are the same"),
         ("train_grpo", {"prompt": "w1", "tools": [{"type": "function", "function": {"name": "f"}}]},
-         "train record 13 has tools, which only a chat template shows"),
+         "train record 13 has chat turns or tools, which only a chat template shows"),
     ],
     ids=["sft", "dpo", "grpo"],
 )  # fmt: skip

@@ -10,7 +10,9 @@ from ..core.errors import UsageError
 from ..data.dataloaders import SAMPLE_WEIGHT
 from ..data.raw_data import RECORD_COLUMN, record_in_file
 from .chat import bos_head, check_tool_turns, cut_middle, cut_prompt, refused_by_template, render
-from .turns import NEEDS_TEMPLATE, clean_turn, record_tools
+from .turns import ROLES, clean_turn, is_turn_list, json_turns, record_tools, sharegpt_turns, text_content
+
+TEMPLATE_FIX = "use a tokenizer with a chat template (an instruct model's), or give the prompts as text"
 
 logger = get_logger(__name__)
 
@@ -59,6 +61,37 @@ def reference_answers(validation, args) -> list[str] | None:
     return references
 
 
+def asked_prompt(prompt, number: int, split: str):
+    """A record's prompt as the model is asked it: text, or role/content turns that end with a turn the model
+    answers (ShareGPT's from/value turns converted, content parts joined into text, a CSV cell's JSON turns parsed,
+    tool calls as templates take them). A UsageError naming the record (`split` record `number`) for what would ask
+    nothing or leak the answer: empty text, no turns, a turn without content, an unknown role, a last turn of the
+    assistant's."""
+    where = f"{split} record {number}"
+    prompt = json_turns({"prompt": prompt}, ("prompt",)).get("prompt", prompt)  # text that is JSON turns: turns
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise UsageError(f"{where}: its prompt is empty; fill it or drop the record")
+        return prompt
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(turn, dict) for turn in prompt):
+        given = f"{type(prompt).__name__} {str(prompt)[:60]!r}"
+        raise UsageError(f"{where}: its prompt is a {given}; give text or a list of chat turns ({{'role', 'content'}})")
+    if is_turn_list(prompt, "from", "value"):
+        prompt = sharegpt_turns(prompt, where, "GRPO", "give text or a list of chat turns")
+    turns = [clean_turn(turn, where) for turn in prompt]
+    if not is_turn_list(turns, "role", "content") or set(t["role"] for t in turns) - ROLES:
+        raise UsageError(
+            f"{where}: its prompt's turns must each have a 'role' ({', '.join(sorted(ROLES))}) and a 'content', got "
+            f"{str(prompt)[:100]!r}"
+        )
+    turns = text_content(turns, number, split)
+    if turns[-1]["role"] == "assistant":  # rendered with the generation prompt after it, the answer is in the prompt
+        raise UsageError(f"{where}: its prompt ends with an assistant turn, the answer GRPO samples; drop that turn")
+    if not any(isinstance(t["content"], str) and t["content"].strip() for t in turns if t["role"] != "system"):
+        raise UsageError(f"{where}: its prompt's turns are empty; fill them or drop the record")
+    return turns
+
+
 def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: bool, num_proc=None):
     """Every split's "prompt" column (a string, or a conversation of {"role", "content"} turns) as the ids that
     ask for an answer, with "index" (the record's place in its split: its samples' seed, and where the rewards
@@ -71,23 +104,20 @@ def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: 
     def encode(record, index, split):
         number, source = record_in_file(record, index, split)
         where = f"{source} record {number}"
-        prompt, tools = record["prompt"], record_tools(record.get("tools"), where)
+        prompt, tools = asked_prompt(record["prompt"], number, source), record_tools(record.get("tools"), where)
         if isinstance(prompt, str) and use_chat_template:
             prompt = [{"role": "user", "content": prompt}]
-        if tools and not isinstance(prompt, list):
-            raise UsageError(f"{where} has tools, which only a chat template shows: {NEEDS_TEMPLATE}")
+        if not isinstance(prompt, list) and tools or isinstance(prompt, list) and tokenizer.chat_template is None:
+            raise UsageError(f"{where} has chat turns or tools, which only a chat template shows: {TEMPLATE_FIX}")
         if isinstance(prompt, list):
-            prompt = [clean_turn(turn, where) if isinstance(turn, dict) else turn for turn in prompt]
             try:
                 text = render(tokenizer, prompt, generation_prompt=True, tools=tools)
             except (TemplateError, TypeError) as error:  # as chat.tokenize_conversation
                 raise refused_by_template(tokenizer, where, error) from None
             check_tool_turns(tokenizer, text, prompt, tools, where)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, str):
-            ids = tokenizer(prompt)["input_ids"]
         else:
-            raise UsageError(f"{where}: its prompt is a {type(prompt).__name__}; give a string or chat turns")
+            ids = tokenizer(prompt)["input_ids"]
         cut = max(len(ids) - max_prompt_length, 0)
         if cut and isinstance(prompt, list):
             ids = cut_prompt(tokenizer, prompt, text, ids, tools, cut)
