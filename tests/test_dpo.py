@@ -31,7 +31,7 @@ from conftest import (
     put_in_hub_cache,
     refused_in_process,
 )
-from ddp_utils import SAMPLE_WEIGHT
+from ddp_utils import SAMPLE_WEIGHT, read_data_files
 from ddp_utils.language_models.causal_lm import load_tokenizer
 from ddp_utils.language_models.dpo import PairLogps, Reference, pair_logps, preference_losses
 from ddp_utils.language_models.pair_batches import PairCollator
@@ -170,6 +170,34 @@ def test_argilla_pairs_keep_their_input_as_the_question(chat_lm, tmp_path):
     assert with_system["prompt_ids"] == ids(tokenizer, "<s> system: be brief user: the movie was assistant:")
     assert plain["prompt_ids"] == ids(tokenizer, "<s> user: the movie was assistant:")
     assert with_system["chosen_ids"] == ids(tokenizer, "w1 w2 w3 </s>"), "the answers are whole"
+
+
+@pytest.mark.fast
+def test_a_validation_file_in_another_shape_is_read_in_its_own(chat_lm, tiny_lm, tmp_path):
+    """The shape was found from the training split alone: a validation file in another one ended in a raw
+    KeyError: 'prompt'. Each split is now read in its own; where the chat template would render one split and
+    not the other (Anthropic HH's texts are whole), its scores would not measure training's format: refused."""
+    pairs = [("the movie was", "w1 w2", "w3"), ("it was", "w4", "w5 w6")]
+    shapes = {
+        "strings": [{"prompt": q, "chosen": good, "rejected": bad} for q, good, bad in pairs],
+        "question": [{"system": "", "question": q, "chosen": good, "rejected": bad} for q, good, bad in pairs],
+        "hh": [{"chosen": f"Human: {q} Assistant: {a}", "rejected": f"Human: {q} Assistant: {b}"} for q, a, b in pairs],
+    }  # fmt: skip
+    for name, records in shapes.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    files = {"train": str(tmp_path / "strings.jsonl"), "validation": str(tmp_path / "question.jsonl")}
+    raw = read_data_files(files)  # each file read on its own, as the script reads them
+    fmt = detect_pair_format(raw, None)
+    assert (fmt.kind, fmt.validation_kind) == ("strings", "question")
+    tokenized, _ = tokenize_pairs(raw, fmt, load_tokenizer(str(chat_lm)), 48)
+    assert tokenized["validation"].to_list() == tokenized["train"].to_list(), "the same pairs, the same rows"
+    args = ["--train_file", files["train"], "--validation_file", tmp_path / "hh.jsonl", "--output_dir", tmp_path / "o"]
+    refused = "the train pairs (prompt/chosen/rejected strings) are rendered by the chat template, the validation "
+    refused_in_process("train_dpo", ["--model_name_or_path", chat_lm, *args], refused + "pairs (chosen/rejected")
+    # Without a template both are plain text, each in its own shape.
+    raw = read_data_files({**files, "validation": str(tmp_path / "hh.jsonl")})
+    tokenized, _ = tokenize_pairs(raw, detect_pair_format(raw, None), load_tokenizer(str(tiny_lm)), 48)
+    assert tokenized["validation"]["chosen_ids"] == tokenized["train"]["chosen_ids"]
 
 
 @pytest.mark.fast

@@ -44,6 +44,7 @@ class PairFormat:
 
     kind: str
     chat_template: bool | None  # plain strings as chat turns; None: if the tokenizer has a template
+    validation_kind: str | None = None  # a validation split in another shape, read in its own (`tokenize_pairs`)
 
     def pair(self, record: dict, index: int, split: str):
         """(prompt, chosen, rejected): three strings, or a prompt of turns and two answers of
@@ -80,15 +81,27 @@ class PairFormat:
 
 
 def detect_pair_format(raw, chat_template: bool | None) -> PairFormat:
-    """The preference format of `raw` from its training split's columns, logged. Data that is not
-    preference pairs is a UsageError that says what it is and which script takes it."""
+    """The preference format of `raw` from each split's columns, logged: a validation split in another shape is
+    read in its own (before, in the training's: a raw KeyError). Data that is not preference pairs is a UsageError
+    that says what it is and which script takes it."""
     train = raw["train"] if "train" in raw else next(iter(raw.values()))
-    columns = train.column_names
+    kind = _pair_kind(train, "train")
+    logger.info(f"preference data format: {NAMES[kind]}")
+    held_out = next((raw[split] for split in ("validation", "test") if split in raw and raw[split] is not train), None)
+    validation = _pair_kind(held_out, "validation") if held_out is not None and len(held_out) else kind
+    if validation != kind:
+        logger.info(f"validation preference data format: {NAMES[validation]}")
+    return PairFormat(kind, chat_template, validation if validation != kind else None)
+
+
+def _pair_kind(data, split: str) -> str:
+    """The kind (a key of NAMES) of a split's records, from its columns (and its first record's prompt)."""
+    columns = data.column_names
     if not ("chosen" in columns and "rejected" in columns):
         sft = {"messages", "conversations", "completion", "output"} & set(columns)
-        kto = any(getattr(train.features.get(c), "dtype", None) == "bool" for c in ("label", "kto_tag"))
+        kto = any(getattr(data.features.get(c), "dtype", None) == "bool" for c in ("label", "kto_tag"))
         raise UsageError(
-            f"the train data's columns {columns} hold no preference pairs (a 'chosen' and a 'rejected' answer per "
+            f"the {split} data's columns {columns} hold no preference pairs (a 'chosen' and a 'rejected' answer per "
             "record); "
             + (
                 "this looks like SFT data: scripts/train_sft.py takes it"
@@ -98,21 +111,18 @@ def detect_pair_format(raw, chat_template: bool | None) -> PairFormat:
                 else f"the formats: {PAIR_FORMATS}"
             )
         )
-    first = train[0]
     if "conversations" in columns:
-        kind = "sharegpt"
-    elif "instruction" in columns:
-        kind = "alpaca"
-    elif "question" in columns and "prompt" not in columns:
-        kind = "question"
-    elif "input" in columns and "prompt" not in columns:  # else the question is lost to an implicit prompt
-        kind = "input"
-    elif "prompt" in columns:
-        kind = "conversational" if not isinstance(first["prompt"], str) or json_turns(first, ("prompt",)) else "strings"
-    else:
-        kind = "implicit"
-    logger.info(f"preference data format: {NAMES[kind]}")
-    return PairFormat(kind, chat_template)
+        return "sharegpt"
+    if "instruction" in columns:
+        return "alpaca"
+    if "question" in columns and "prompt" not in columns:
+        return "question"
+    if "input" in columns and "prompt" not in columns:  # else the question is lost to an implicit prompt
+        return "input"
+    if "prompt" in columns:
+        first = data[0]
+        return "conversational" if not isinstance(first["prompt"], str) or json_turns(first, ("prompt",)) else "strings"
+    return "implicit"
 
 
 def _holds_prompt_turns(answer) -> bool:
@@ -246,11 +256,17 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
     pair whose longer answer alone does not fit is dropped; both counted in the report and logged.
     "generate": the validation prompts (index, input_ids, reference: the chosen answer), when
     `eval_max_new_tokens`, for `generation.score_by_generation`."""
-    # Plain strings become chat turns as in train_sft.py; an implicit prompt's texts are whole as given.
-    template = fmt.kind != "implicit" and settle_chat_template(fmt.chat_template, tokenizer, NAMES[fmt.kind])
-    fmt = PairFormat(fmt.kind, template)
+
+    def settled(kind):  # plain strings become chat turns as in train_sft.py; an implicit prompt's texts are whole
+        return PairFormat(kind, kind != "implicit" and settle_chat_template(fmt.chat_template, tokenizer, NAMES[kind]))
+
+    formats = {"train": settled(fmt.kind)}
+    formats["validation"] = settled(fmt.validation_kind) if fmt.validation_kind else formats["train"]
+    if fmt.validation_kind:
+        _check_same_rendering(raw, formats)
 
     def encode(batch, indices, split):
+        fmt = formats[split]
         columns = ("prompt_ids", "chosen_ids", "rejected_ids", "length", "prompt_cut", "prompt_head", "reference")
         out = {key: [] for key in columns}
         for n, index in enumerate(indices):
@@ -299,6 +315,24 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
             raise UsageError(f"no {split} pair's answers fit in --block_size {block_size} tokens; raise --block_size")
         tokenized[split] = rows.add_column("index", np.arange(len(rows)))
     return tokenized, report
+
+
+def _check_same_rendering(raw, formats: dict) -> None:
+    """A UsageError where the chat template renders one split's pairs and the other's are plain text: the
+    validation scores would measure a format training never showed (each split's first pair decides)."""
+    rendered = {}
+    for split, fmt in formats.items():
+        record = raw[split][0]
+        prompt = fmt.pair(record, *record_in_file(record, 0, split))[0]
+        rendered[split] = (
+            "as plain text" if isinstance(prompt, str) and not fmt.chat_template else "by the chat template"
+        )
+    if rendered["train"] != rendered["validation"]:
+        raise UsageError(
+            f"the train pairs ({NAMES[formats['train'].kind]}) are rendered {rendered['train']}, the validation pairs "
+            f"({NAMES[formats['validation'].kind]}) {rendered['validation']}: give the validation pairs in the "
+            "training's shape"
+        )
 
 
 def _count_cuts(cut: np.ndarray, split: str, block_size: int) -> dict:
