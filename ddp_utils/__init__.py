@@ -28,7 +28,8 @@ What the scripts call, one job a line, in the order a script uses it:
   check_positive                    the options every script shares, checked (lifecycle/args.py)
   load_on_main_first                the main process reads first, every rank shares its verdict (core/ranks.py)
   refuse_together                   a problem one rank found, refused on every rank (core/ranks.py)
-  read_data_files, check_splits     one data check for all; named_splits, preparation_processes (data/raw_data.py)
+  read_data_files                   local files read, each checked as read (data/data_files.py)
+  check_splits                      one data check for all; named_splits, preparation_processes (data/raw_data.py)
   make_train_dataloader             the training order: whole steps, the same on any layout (data/dataloaders.py)
   make_eval_dataloader, longest_first, SAMPLE_WEIGHT   evaluation batches; a filler row weighs 0 (same)
   load_metric, gather_for_eval      metrics offline; each example gathered once (data/evaluation.py)
@@ -57,9 +58,10 @@ from .core.files import write_jsonl
 from .core.ranks import load_on_main_first, refuse_together
 from .core.sharded import is_sharded
 from .data.classification import evaluate_classification, label_config, label_mapping
+from .data.data_files import read_data_files
 from .data.dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader, make_train_dataloader
 from .data.evaluation import check_metric_for_best_model, gather_for_eval, load_metric
-from .data.raw_data import check_splits, named_splits, preparation_processes, read_data_files
+from .data.raw_data import check_splits, named_splits, preparation_processes
 from .language_models.causal_lm import load_causal_lm, load_config_and_tokenizer
 from .language_models.lora import save_with_merged
 from .lifecycle.args import (

@@ -162,7 +162,7 @@ def prepare_data(args):
     raw = load_raw_datasets(args)
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
     raw = ddp_utils.check_splits(
-        raw, {"prompt": "GRPO"}, limits=limits, seed=args.seed, hold_out_percentage=args.validation_split_percentage
+        raw, {"prompt": "prompts"}, limits=limits, seed=args.seed, hold_out_percentage=args.validation_split_percentage
     )
     config, tokenizer, _ = ddp_utils.load_config_and_tokenizer(args)
     references = reference_answers(raw["validation"], args)  # what greedy answers are scored against; None: not

@@ -1040,6 +1040,15 @@ def test_prompts_that_ask_nothing_or_hold_their_answer_are_refused_naming_the_re
 
 
 @pytest.mark.fast
+def test_a_gsm8k_shaped_file_is_told_to_rename_its_question_column(chat_lm, prompts, tmp_path):
+    """The fix read "Name the right one with GRPO": the script has no option for it, the DATA section renames."""
+    files = {"train": tmp_path / "gsm8k.jsonl", "validation": prompts["validation"]}
+    files["train"].write_text(json.dumps({"question": "What is 6 x 7?", "answer": "6 x 7 = 42\n#### 42"}) + "\n")
+    expected = "no column 'prompt'; its columns are ['question', 'answer']. Rename yours in the script's DATA section "
+    refused_in_process("train_grpo", grpo_args(chat_lm, files, tmp_path), expected + "(data.rename_columns({'question'")
+
+
+@pytest.mark.fast
 def test_chat_turns_without_a_chat_template_are_refused_in_one_line(prompts, tmp_path):
     plain = make_tiny_causal_lm(tmp_path / "plain", chat_template=False)
     files = {"train": tmp_path / "train.jsonl", "validation": prompts["validation"]}

@@ -1,7 +1,8 @@
 """Data: the user's files read and checked, the training order, and the evaluation gathered.
 
-- raw_data.py        read_data_files, check_splits: local CSV, TSV, JSON, JSONL, Parquet or text, checked once;
-                     a Hub dataset's own split names (named_splits)
+- data_files.py      read_data_files: local CSV, TSV, JSON, JSONL, Parquet or text, each file checked as it is read
+- raw_data.py        check_splits: the splits' columns checked once, a share held out; a Hub dataset's own split names
+                     (named_splits)
 - dataloaders.py     the training order: whole steps, shuffled from (seed, epoch), dealt to the ranks
 - evaluation.py      each example gathered once; metrics loaded offline (metrics/); the score that ranks checkpoints
 - classification.py  labels to classes, accuracy, F1, the confusion matrix, regression scores; which task a column is
