@@ -4,6 +4,7 @@ processes and accumulation training the same model as one big batch, an exact re
 validation pair evaluated once, the pair shapes users bring, and what is refused."""
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -198,6 +199,21 @@ def test_a_validation_file_in_another_shape_is_read_in_its_own(chat_lm, tiny_lm,
     raw = read_data_files({**files, "validation": str(tmp_path / "hh.jsonl")})
     tokenized, _ = tokenize_pairs(raw, detect_pair_format(raw, None), load_tokenizer(str(tiny_lm)), 48)
     assert tokenized["validation"]["chosen_ids"] == tokenized["train"]["chosen_ids"]
+
+
+@pytest.mark.fast
+def test_prompts_formatted_as_human_and_assistant_turns_are_warned_about_under_a_template(chat_lm, tiny_lm, caplog):
+    """Dahoas' pairs: the prompt already "Human: ... Assistant:", wrapped in the chat template's turns as well,
+    said only at INFO before."""
+    record = {"prompt": "\n\nHuman: the movie\n\nAssistant:", "chosen": " w1", "rejected": " w2"}
+    raw = datasets.DatasetDict({split: datasets.Dataset.from_list([record]) for split in ("train", "validation")})
+    expected = "train: 1 prompts carry 'Human:'/'Assistant:' markers, a format of their own, and the chat template "
+    expected += "wraps them in its turns too; --no-chat_template trains them as written"
+    for model, warned in ((chat_lm, True), (tiny_lm, False)):  # no template: trained as written
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            tokenize_pairs(raw, detect_pair_format(raw, None), load_tokenizer(str(model)), 48)
+        assert (expected in caplog.text) is warned, caplog.text
 
 
 @pytest.mark.fast

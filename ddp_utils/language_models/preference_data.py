@@ -5,6 +5,7 @@ the script calls `tokenize_pairs` inside `load_on_main_first`."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import datasets
@@ -34,6 +35,7 @@ NAMES = {
     "input": "system/input/chosen/rejected (argilla's distilabel pairs)",
     "sharegpt": "ShareGPT conversations/chosen/rejected",
 }
+ROLE_MARKERS = re.compile(r"(?:^|\n)\s*(?:Human|Assistant):")  # a prompt already formatted, Anthropic HH's way
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,7 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
     def encode(batch, indices, split):
         fmt = formats[split]
         columns = ("prompt_ids", "chosen_ids", "rejected_ids", "length", "prompt_cut", "prompt_head", "reference")
+        columns += ("prompt_marked",)  # counted for a warning, then dropped
         out = {key: [] for key in columns}
         for n, index in enumerate(indices):
             record = {key: values[n] for key, values in batch.items()}
@@ -292,6 +295,9 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
             out["length"].append(len(prompt) - cut + len(chosen) + len(rejected) if fits else 0)
             out["prompt_cut"].append(cut if fits else -1)  # -1: dropped
             out["reference"].append(reference)
+            out["prompt_marked"].append(
+                bool(fmt.chat_template and isinstance(pair[0], str) and ROLE_MARKERS.search(pair[0]))
+            )
         return out
 
     tokenized, report = datasets.DatasetDict(), {}
@@ -307,10 +313,11 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
         )
         cut = np.asarray(rows.with_format("numpy")["prompt_cut"])
         report.update(_count_cuts(cut, split, block_size))
+        _warn_of_formatted_prompts(rows, split)
         if split == "validation" and eval_max_new_tokens:
             tokenized["generate"] = _generation_prompts(rows, block_size - eval_max_new_tokens)
         rows = rows.filter(lambda c: c >= 0, input_columns="prompt_cut")
-        rows = rows.remove_columns(["prompt_cut", "prompt_head", "reference"])
+        rows = rows.remove_columns(["prompt_cut", "prompt_head", "reference", "prompt_marked"])
         if len(rows) == 0:
             raise UsageError(f"no {split} pair's answers fit in --block_size {block_size} tokens; raise --block_size")
         tokenized[split] = rows.add_column("index", np.arange(len(rows)))
@@ -332,6 +339,17 @@ def _check_same_rendering(raw, formats: dict) -> None:
             f"the train pairs ({NAMES[formats['train'].kind]}) are rendered {rendered['train']}, the validation pairs "
             f"({NAMES[formats['validation'].kind]}) {rendered['validation']}: give the validation pairs in the "
             "training's shape"
+        )
+
+
+def _warn_of_formatted_prompts(rows, split: str) -> None:
+    """A warning where the chat template wraps prompts that carry a format of their own (Dahoas' "Human: ...
+    Assistant:"): the model then learns both; before, said only in the INFO line of the template."""
+    marked = int(np.sum(rows.with_format("numpy")["prompt_marked"]))
+    if marked:
+        logger.warning(
+            f"{split}: {marked} prompts carry 'Human:'/'Assistant:' markers, a format of their own, and the chat "
+            "template wraps them in its turns too; --no-chat_template trains them as written"
         )
 
 
