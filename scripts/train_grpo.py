@@ -42,18 +42,14 @@ from ddp_utils.language_models.grpo import (
     finish_rollouts,
     group_advantages,
     grpo_losses,
+    learning_signal,
     reference_logps,
     rollout_sums,
     sample_completions,
     score_completions,
     settle_grpo_metric,
 )
-from ddp_utils.language_models.grpo_data import (
-    PromptCollator,
-    fit_prompts_in_block,
-    reference_answers,
-    tokenize_prompts,
-)
+from ddp_utils.language_models.grpo_data import PromptCollator, fit_prompts_in_block, held_out_answers, tokenize_prompts
 from ddp_utils.language_models.pair_scoring import choose_pair_layout
 from ddp_utils.language_models.static_decoding import StaticDecoding
 
@@ -165,7 +161,7 @@ def prepare_data(args):
         raw, {"prompt": "prompts"}, limits=limits, seed=args.seed, hold_out_percentage=args.validation_split_percentage
     )
     config, tokenizer, _ = ddp_utils.load_config_and_tokenizer(args)
-    references = reference_answers(raw["validation"], args)  # what greedy answers are scored against; None: not
+    references = held_out_answers(raw["validation"], args)  # what greedy answers are scored against; None: not
     settle_grpo_metric(args, references)  # rank checkpoints by accuracy, exact match, or nothing to rank by
     fit_prompts_in_block(args, model_context(config, tokenizer), references is not None)  # prompt and answer fit
     chat = tokenizer.chat_template is not None
@@ -292,7 +288,8 @@ def main():
     log.close()
     # The model (or with LoRA the adapter, and with --merge_lora also merged/) as safetensors, with the tokenizer.
     ddp_utils.save_with_merged(accelerator, model, args, tokenizer)  # all ranks
-    facts = {"rewards": dict(zip(names, REWARDS.values())), "group_layout": layout, **checkpointer.facts()}
+    facts = {"rewards": dict(zip(names, REWARDS.values())), "group_layout": layout, **learning_signal(log)}
+    facts.update(checkpointer.facts())  # the best checkpoint
     ddp_utils.write_results(accelerator, args, plan, {**scores, **zero_shot}, facts, confusion=confusion)  # all ranks
     accelerator.end_training()
 

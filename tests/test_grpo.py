@@ -689,6 +689,7 @@ def test_two_processes_and_accumulation_sample_and_train_the_same_model_as_one_b
             for key in sampled:
                 assert ours[key] == pytest.approx(theirs[key], abs=1e-9), f"{name}, step {ours['step']}: {key}"
         assert run["metrics"]["optimizer_steps"] == 4 and run["metrics"]["train_prompts_seen"] == 16
+        assert 0 <= run["metrics"]["no_signal_groups"] < 1
     card = (reference["dir"] / "README.md").read_text()  # the model card names the rewards and the sampling
     assert "Rewards (GRPO): `right_word` x 1, `short_answer` x 0.5." in card and "| `num_generations` | 4 |" in card
     weights = load_file(str(reference["dir"] / "adapter_model.safetensors"))
@@ -738,6 +739,22 @@ def test_compiled_training_and_compiled_decoding_together_sample_and_train_what_
     ours = load_file(str(output_dir / "adapter_model.safetensors"))
     for key in theirs:
         np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_a_run_whose_groups_never_differ_in_reward_says_it_learned_nothing(chat_lm, prompts, tmp_path):
+    """A reward the model never earns (an answer it never gives) and one-token answers (all equally short): no
+    group ever has a signal, every gradient is 0, and the run saved the model it started from as a success."""
+    files = {}
+    for split, path in prompts.items():  # answers that are not the demo's labels: right_word is 0 for all
+        records = [{**json.loads(line), "answer": "unheard"} for line in path.read_text().splitlines()]
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps(record) + "\n" for record in records))
+    args = grpo_args(chat_lm, files, tmp_path / "run", "--max_train_steps", 2, "--skip_zero_shot")
+    args[args.index("--max_completion_length") + 1] = 1
+    result = launch(TRAIN_GRPO, *args, num_processes=2)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "no signal: in each of the 32 groups sampled, every answer got the same reward" in result.output  # 2 x 16
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["no_signal_groups"] == 1.0
 
 
 def test_a_run_preempted_mid_epoch_resumes_bit_for_bit(grpo_runs, chat_lm, prompts, tmp_path):

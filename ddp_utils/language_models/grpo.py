@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..core.ranks import fail_together
@@ -33,6 +34,8 @@ from .group_scoring import completion_logps, one_row_per_prompt
 from .lora import merged_for_generation
 from .pair_scoring import ONE_ROW
 from .weight_reads import weights_read_whole
+
+logger = get_logger(__name__)
 
 LOSS_TYPES = ("token", "sequence")  # DAPO's and TRL's default: a mean over tokens; the original GRPO's: over answers
 LOSS_WEIGHT = "loss_weight"  # per rollout row: its completion tokens (token loss), or 1 (sequence loss); 0 for fillers
@@ -321,6 +324,23 @@ def rollout_sums(rollouts: list[dict], rewards: np.ndarray, total: np.ndarray, n
         spread = rewards[:, j].reshape(-1, group).std(axis=1)
         out[f"reward/{name}_std"] = (torch.tensor((spread * real_groups).sum()), torch.tensor(real_groups.sum()))
     return {key: (num.float().to(device), den.float().to(device)) for key, (num, den) in out.items()}
+
+
+def learning_signal(log) -> dict:
+    """For metrics.json once training is over: the share of this run's groups (since its start or resume) whose
+    samples all got one reward, which give no gradient; where that is every group, a warning that the model learned
+    nothing. Every rank calls it with the same `log` (a `TrainingLog`); no communication."""
+    numerator, denominator = (float(value) for value in log.run_means.get("no_signal_groups", (0.0, 0.0)))
+    if not denominator:
+        return {}
+    if numerator == denominator:
+        logger.warning(
+            f"no signal: in each of the {denominator:.0f} groups sampled, every answer got the same reward, so GRPO "
+            "changed nothing and the saved model is the one it started from; check that your rewards tell this "
+            "model's answers apart (one it never earns, such as an exact answer it never gives, is the same for all), "
+            "or raise --num_generations or --temperature"
+        )
+    return {"no_signal_groups": numerator / denominator}
 
 
 def check_grpo_args(args) -> None:

@@ -39,7 +39,7 @@ def fit_prompts_in_block(args, context: int, evaluated: bool) -> None:
         args.max_prompt_length = block - longest
 
 
-def reference_answers(validation, args) -> list[str] | None:
+def held_out_answers(validation, args) -> list[str] | None:
     """The held-out prompts' "answer" column as the text their greedy answers are scored against: text as given,
     numbers as written (42, not 42.0: math sets store them as numbers), and a missing answer or a list refused in
     one line naming its record; None without the column or --eval_max_new_tokens (nothing scored). No communication."""

@@ -97,6 +97,7 @@ class TrainingLog:
         self.path = os.path.join(args.output_dir, TRAIN_LOG)
         self.finite = NonFiniteWatch(accelerator, args)
         self.last_evaluation: tuple[int, dict] | None = None  # (step, scores) of the newest evaluation
+        self.run_means: dict[str, torch.Tensor] = {}  # name -> [numerator, denominator] over this run's records
         resumed_step = plan.step
         if accelerator.is_main_process and os.path.isfile(self.path):
             # After a resume, drop the records of the steps after the checkpoint: the run takes them again.
@@ -139,7 +140,8 @@ class TrainingLog:
         stops the run on every rank if a step's loss or gradient norm was not finite. Between records
         nothing leaves the device: one host sync per record. `means`, {name: (numerator, denominator)} of
         this rank's step (the same names every step and on every rank), are logged as train/<name>: the
-        numerators over the window and all ranks, divided by the denominators."""
+        numerators over the window and all ranks, divided by the denominators; `run_means` adds them up over the
+        run (since its start or resume), the same on every rank."""
         self._loss_sum += loss_sum.detach().float()
         for name, (numerator, denominator) in (means or {}).items():
             pair = torch.stack([torch.as_tensor(numerator), torch.as_tensor(denominator)]).float()
@@ -189,6 +191,7 @@ class TrainingLog:
         totals = everyone[:, 4 + len(memory) : 4 + len(memory) + 2 * len(self._means)].sum(dim=0)
         for i, name in enumerate(self._means):
             record[f"train/{name}"] = totals[2 * i].item() / max(totals[2 * i + 1].item(), 1e-12)
+            self.run_means[name] = self.run_means.get(name, 0) + totals[2 * i : 2 * i + 2]  # the same on every rank
         self._write(record, plan.step)
         speed = f"{record['train/samples_per_second']:,.1f} samples/s"
         if tokens:
