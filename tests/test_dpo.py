@@ -217,6 +217,19 @@ def test_prompts_formatted_as_human_and_assistant_turns_are_warned_about_under_a
 
 
 @pytest.mark.fast
+def test_answers_that_both_repeat_their_prompt_are_counted_in_a_warning(tiny_lm, tmp_path, caplog):
+    """The prompt trains as part of such answers (with --sft_weight, in SimPO's mean per token), without a word
+    before; a warning, not a refusal nor a silent cut, as the data may mean it."""
+    records = [
+        {"prompt": "the movie was", "chosen": "the movie was w1", "rejected": "the movie was w2 w3"},
+        {"prompt": "it was", "chosen": "it was w4", "rejected": "w5"},  # one answer only: not counted
+    ]
+    with caplog.at_level(logging.WARNING):
+        tokenize(tmp_path, records, load_tokenizer(str(tiny_lm)), "strings")
+    assert "train: in 1 pairs both answers start with their prompt's text, which trains as part of" in caplog.text
+
+
+@pytest.mark.fast
 def test_plain_strings_without_a_template_and_an_implicit_text_prompt(tiny_lm, tmp_path):
     tokenizer = load_tokenizer(str(tiny_lm))  # no chat template: BOS + prompt + separator, answer + EOS
     tokenized, _ = tokenize(

@@ -270,7 +270,7 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
     def encode(batch, indices, split):
         fmt = formats[split]
         columns = ("prompt_ids", "chosen_ids", "rejected_ids", "length", "prompt_cut", "prompt_head", "reference")
-        columns += ("prompt_marked",)  # counted for a warning, then dropped
+        columns += ("prompt_marked", "prompt_repeated")  # counted for a warning, then dropped
         out = {key: [] for key in columns}
         for n, index in enumerate(indices):
             record = {key: values[n] for key, values in batch.items()}
@@ -295,9 +295,9 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
             out["length"].append(len(prompt) - cut + len(chosen) + len(rejected) if fits else 0)
             out["prompt_cut"].append(cut if fits else -1)  # -1: dropped
             out["reference"].append(reference)
-            out["prompt_marked"].append(
-                bool(fmt.chat_template and isinstance(pair[0], str) and ROLE_MARKERS.search(pair[0]))
-            )
+            marked = fmt.chat_template and isinstance(pair[0], str) and ROLE_MARKERS.search(pair[0])
+            out["prompt_marked"].append(bool(marked))
+            out["prompt_repeated"].append(_repeats_prompt(pair))
         return out
 
     tokenized, report = datasets.DatasetDict(), {}
@@ -313,11 +313,11 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
         )
         cut = np.asarray(rows.with_format("numpy")["prompt_cut"])
         report.update(_count_cuts(cut, split, block_size))
-        _warn_of_formatted_prompts(rows, split)
+        _warn_of_prompts(rows, split)
         if split == "validation" and eval_max_new_tokens:
             tokenized["generate"] = _generation_prompts(rows, block_size - eval_max_new_tokens)
         rows = rows.filter(lambda c: c >= 0, input_columns="prompt_cut")
-        rows = rows.remove_columns(["prompt_cut", "prompt_head", "reference", "prompt_marked"])
+        rows = rows.remove_columns(["prompt_cut", "prompt_head", "reference", "prompt_marked", "prompt_repeated"])
         if len(rows) == 0:
             raise UsageError(f"no {split} pair's answers fit in --block_size {block_size} tokens; raise --block_size")
         tokenized[split] = rows.add_column("index", np.arange(len(rows)))
@@ -327,29 +327,37 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
 def _check_same_rendering(raw, formats: dict) -> None:
     """A UsageError where the chat template renders one split's pairs and the other's are plain text: the
     validation scores would measure a format training never showed (each split's first pair decides)."""
-    rendered = {}
+    seen = {}
     for split, fmt in formats.items():
         record = raw[split][0]
         prompt = fmt.pair(record, *record_in_file(record, 0, split))[0]
-        rendered[split] = (
-            "as plain text" if isinstance(prompt, str) and not fmt.chat_template else "by the chat template"
-        )
-    if rendered["train"] != rendered["validation"]:
+        seen[split] = "as plain text" if isinstance(prompt, str) and not fmt.chat_template else "by the chat template"
+    if seen["train"] != seen["validation"]:
         raise UsageError(
-            f"the train pairs ({NAMES[formats['train'].kind]}) are rendered {rendered['train']}, the validation pairs "
-            f"({NAMES[formats['validation'].kind]}) {rendered['validation']}: give the validation pairs in the "
-            "training's shape"
+            f"the train pairs ({NAMES[formats['train'].kind]}) are rendered {seen['train']}, the validation pairs "
+            f"({NAMES[formats['validation'].kind]}) {seen['validation']}: give them in the training's shape"
         )
 
 
-def _warn_of_formatted_prompts(rows, split: str) -> None:
-    """A warning where the chat template wraps prompts that carry a format of their own (Dahoas' "Human: ...
-    Assistant:"): the model then learns both; before, said only in the INFO line of the template."""
-    marked = int(np.sum(rows.with_format("numpy")["prompt_marked"]))
+def _repeats_prompt(pair) -> bool:
+    """Whether both answers start with the prompt's text (its last turn's): the prompt then trains as theirs."""
+    asked = (pair[0] if isinstance(pair[0], str) else pair[0][-1]["content"]).strip()
+    return all((text if isinstance(text, str) else text[0]["content"]).lstrip().startswith(asked) for text in pair[1:])
+
+
+def _warn_of_prompts(rows, split: str) -> None:
+    """Warnings (the data may mean it): prompts with a format of their own (Dahoas' "Human: ... Assistant:") that
+    the chat template wraps too, said only at INFO before; pairs whose answers both repeat their prompt."""
+    marked, repeated = (int(np.sum(rows.with_format("numpy")[key])) for key in ("prompt_marked", "prompt_repeated"))
     if marked:
         logger.warning(
             f"{split}: {marked} prompts carry 'Human:'/'Assistant:' markers, a format of their own, and the chat "
             "template wraps them in its turns too; --no-chat_template trains them as written"
+        )
+    if repeated:
+        logger.warning(
+            f"{split}: in {repeated} pairs both answers start with their prompt's text, which trains as part of the "
+            "answers then (with --sft_weight, in SimPO's mean per token); drop it from them if it is not theirs"
         )
 
 
