@@ -158,7 +158,7 @@ def prepare_data(args):
     raw = load_raw_datasets(args)
     fmt = detect_pair_format(raw, args.chat_template)  # TRL's shapes, implicit prompt, LLaMA-Factory's, ShareGPT
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
-    needed = {column: "the preference format" for column in ("chosen", "rejected")}
+    needed = {"chosen": "the preferred answers", "rejected": "the answers not preferred"}
     raw = ddp_utils.check_splits(
         raw, needed, limits=limits, seed=args.seed, hold_out_percentage=args.validation_split_percentage
     )

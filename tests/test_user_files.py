@@ -488,9 +488,11 @@ def test_orca_pairs_keep_their_question_and_a_null_prompt_is_one_line(record, ex
     """Intel's orca_dpo_pairs (system, question, chosen, rejected) was read as an implicit prompt: the answers'
     shared first words became the prompt, and the question was dropped. A null prompt was a raw TypeError."""
     import datasets
+    from accelerate import PartialState
 
     from ddp_utils.language_models.preference_data import detect_pair_format
 
+    PartialState(cpu=True)  # the format found is logged
     raw = datasets.DatasetDict({"train": datasets.Dataset.from_list([record])})
     fmt = detect_pair_format(raw, None)
     if isinstance(expected, str) and "missing" in expected:
