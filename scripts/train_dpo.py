@@ -37,8 +37,9 @@ from ddp_utils.language_models.dpo import (
 )
 from ddp_utils.language_models.generation import GENERATION_SCORES, make_generation_dataloader, score_by_generation
 from ddp_utils.language_models.pair_batches import PairCollator
+from ddp_utils.language_models.pair_formats import detect_pair_format
 from ddp_utils.language_models.pair_scoring import TWO_ROWS, choose_pair_layout
-from ddp_utils.language_models.preference_data import detect_pair_format, tokenize_pairs
+from ddp_utils.language_models.preference_data import tokenize_pairs
 
 logger = get_logger(__name__)
 

@@ -125,7 +125,8 @@ def test_a_long_prompt_without_a_system_turn_keeps_the_one_the_template_adds(fam
     in SFT, DPO (a string prompt rendered as a user turn too) and GRPO (`chat.head_length`). Other templates: as
     before, BOS where they have one."""
     from ddp_utils.language_models.chat import cut_prompt, head_length, render, template_head_end
-    from ddp_utils.language_models.preference_data import PairFormat, prompt_head
+    from ddp_utils.language_models.pair_formats import PairFormat
+    from ddp_utils.language_models.preference_data import prompt_head
 
     tokenizer = tokenizers[family]
     question = " ".join(["good"] * 60) + " what do you think"
@@ -208,7 +209,8 @@ def test_the_saved_tokenizer_keeps_the_pad_token_it_had(tmp_path):
 @pytest.mark.fast
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_dpo_prompts_keep_the_system_turn_and_answers_end_with_the_end_of_turn(family, tokenizers):
-    from ddp_utils.language_models.preference_data import PairFormat, tokenize_pair
+    from ddp_utils.language_models.pair_formats import PairFormat
+    from ddp_utils.language_models.preference_data import tokenize_pair
 
     tokenizer = tokenizers[family]
     pair = (ASKED, [{"role": "assistant", "content": "positive"}], [{"role": "assistant", "content": "negative"}])

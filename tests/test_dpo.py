@@ -36,7 +36,8 @@ from ddp_utils import SAMPLE_WEIGHT, read_data_files
 from ddp_utils.language_models.causal_lm import load_tokenizer
 from ddp_utils.language_models.dpo import PairLogps, Reference, pair_logps, preference_losses
 from ddp_utils.language_models.pair_batches import PairCollator
-from ddp_utils.language_models.preference_data import detect_pair_format, tokenize_pairs
+from ddp_utils.language_models.pair_formats import detect_pair_format
+from ddp_utils.language_models.preference_data import tokenize_pairs
 from ddp_utils.training.exact_loss import INPUT_TOKENS, _local_step_size
 from ddp_utils.training.oom_backoff import split_batch
 

@@ -330,7 +330,7 @@ def test_dpo_pairs_with_tool_calls_are_refused_and_grpo_prompts_show_their_tools
 
     from ddp_utils.language_models.chat import render
     from ddp_utils.language_models.grpo_data import tokenize_prompts
-    from ddp_utils.language_models.preference_data import PairFormat
+    from ddp_utils.language_models.pair_formats import PairFormat
 
     record = openai_record("paris")
     pair = {"prompt": record["messages"][:2], "chosen": record["messages"][2:3], "rejected": record["messages"][4:]}

@@ -490,7 +490,7 @@ def test_orca_pairs_keep_their_question_and_a_null_prompt_is_one_line(record, ex
     import datasets
     from accelerate import PartialState
 
-    from ddp_utils.language_models.preference_data import detect_pair_format
+    from ddp_utils.language_models.pair_formats import detect_pair_format
 
     PartialState(cpu=True)  # the format found is logged
     raw = datasets.DatasetDict({"train": datasets.Dataset.from_list([record])})
@@ -637,7 +637,7 @@ def test_preference_pairs_in_a_csv_are_json_text_and_read_as_the_jsonl_does(tmp_
     import datasets
     from accelerate import PartialState
 
-    from ddp_utils.language_models.preference_data import detect_pair_format
+    from ddp_utils.language_models.pair_formats import detect_pair_format
 
     PartialState(cpu=True)  # ddp_utils logs through Accelerate's logger
     turns = {

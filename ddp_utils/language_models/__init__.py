@@ -6,7 +6,8 @@
 - sft_data.py         SFT records in their shapes (chat, Alpaca, ShareGPT, prompt/completion) as training rows
 - turns.py            ShareGPT turns and tool calls (OpenAI's, LLaMA-Factory's) as the turns and tools templates render;
                       the checks every record's turns pass
-- preference_data.py  preference pairs in their shapes, checked and tokenized
+- pair_formats.py     preference pairs in the shapes users bring (per split), each record read and checked
+- preference_data.py  preference pairs tokenized as training rows, the same way on both sides
 - pair_batches.py     a batch of pairs: a pair as one row (its prompt computed once), or as two
 - pair_scoring.py     both sides of a pair in one forward pass, and the probe that refuses where it is not exact
 - dpo.py              the DPO, IPO and SimPO losses; the reference without a second model; preference evaluation

@@ -1,12 +1,10 @@
-"""Preference pairs as training rows: each record's prompt, its chosen and its rejected answer,
-found in the shapes users bring (`detect_pair_format`), checked, and tokenized the same way for
-both sides (`tokenize_pairs`), batched by `pair_batches.PairCollator`. Nothing here communicates:
-the script calls `tokenize_pairs` inside `load_on_main_first`."""
+"""Preference pairs as training rows: each record's prompt, its chosen and its rejected answer, read in its shape
+(`pair_formats`), tokenized the same way for both sides (`tokenize_pairs`), batched by `pair_batches.PairCollator`.
+Nothing here communicates: the script calls `tokenize_pairs` inside `load_on_main_first`."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import datasets
 import numpy as np
@@ -15,192 +13,12 @@ from accelerate.logging import get_logger
 from ..core.errors import UsageError
 from ..data.raw_data import record_in_file
 from .chat import cut_middle, head_length, plain_prompt_ids, render
+from .pair_formats import NAMES, PairFormat
 from .sft_data import PROMPT_SEPARATOR, settle_chat_template
-from .turns import alpaca_prompt_turns, json_turns, sharegpt_turns, text_content
 
 logger = get_logger(__name__)
 
-PAIR_FORMATS = (
-    "prompt/chosen/rejected as strings or as conversations (TRL), chosen/rejected conversations that share their "
-    "first turns (an implicit prompt), LLaMA-Factory's instruction/input/chosen/rejected, system/question/chosen/"
-    "rejected (orca_dpo_pairs), system/input/chosen/rejected (argilla's distilabel pairs), or ShareGPT's "
-    "conversations/chosen/rejected"
-)
-NAMES = {
-    "strings": "prompt/chosen/rejected strings",
-    "conversational": "prompt/chosen/rejected conversations",
-    "implicit": "chosen/rejected with an implicit prompt",
-    "alpaca": "LLaMA-Factory instruction/input/chosen/rejected",
-    "question": "system/question/chosen/rejected (Intel's orca_dpo_pairs)",
-    "input": "system/input/chosen/rejected (argilla's distilabel pairs)",
-    "sharegpt": "ShareGPT conversations/chosen/rejected",
-}
 ROLE_MARKERS = re.compile(r"(?:^|\n)\s*(?:Human|Assistant):")  # a prompt already formatted, Anthropic HH's way
-
-
-@dataclass(frozen=True)
-class PairFormat:
-    """How a preference dataset's records read as (prompt, chosen, rejected): `kind` is one of
-    NAMES, found from its columns (`detect_pair_format`). Small and hashable: the tokenizing
-    function closes over it, so a second launch on the same data finds the `datasets` cache."""
-
-    kind: str
-    chat_template: bool | None  # plain strings as chat turns; None: if the tokenizer has a template
-    validation_kind: str | None = None  # a validation split in another shape, read in its own (`tokenize_pairs`)
-
-    def pair(self, record: dict, index: int, split: str):
-        """(prompt, chosen, rejected): three strings, or a prompt of turns and two answers of
-        assistant turns. A record that does not fit, an empty side, or a pair whose two answers are
-        the same is a UsageError that names the record and the fix."""
-        where = f"{split} record {index}"
-        record = {**record, **json_turns(record, ("prompt", "chosen", "rejected"))}  # a CSV's cells
-        if self.kind == "implicit":
-            prompt, chosen, rejected = _split_implicit(record["chosen"], record["rejected"], where)
-        elif self.kind in ("alpaca", "question", "input"):  # orca_dpo_pairs, argilla's: a system text and a question
-            asked = {**record, "instruction": record["question"]} if self.kind == "question" else record
-            asked = {**record, "instruction": record["input"], "input": None} if self.kind == "input" else asked
-            prompt = alpaca_prompt_turns(asked, where)
-            chosen, rejected = record["chosen"], record["rejected"]
-            if isinstance(chosen, str) and isinstance(rejected, str) and len(prompt) == 1:
-                prompt = prompt[0]["content"]  # a plain pair: rendered as the strings shape is
-            elif self.chat_template is False:  # else some records by the template, others plain, in one run
-                raise UsageError(f"{where} has a system text or a history, which only a chat template shows: "
-                                 "drop --no-chat_template")  # fmt: skip
-        elif self.kind == "sharegpt":
-            fix = f"the formats: {PAIR_FORMATS}"
-            prompt = sharegpt_turns(record["conversations"], where, "preference", fix)
-            if record.get("system"):
-                prompt.insert(0, {"role": "system", "content": record["system"]})
-            chosen, rejected = (
-                sharegpt_turns([record[side]], where, "preference", fix) for side in ("chosen", "rejected")
-            )
-        else:
-            prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
-            if _holds_prompt_turns(chosen) and _holds_prompt_turns(rejected):
-                # Whole conversations next to their prompt (UltraFeedback's shape): their shared turns are the prompt.
-                prompt, chosen, rejected = _split_implicit(chosen, rejected, where)
-        return _checked(prompt, chosen, rejected, index, split)
-
-
-def detect_pair_format(raw, chat_template: bool | None) -> PairFormat:
-    """The preference format of `raw` from each split's columns, logged: a validation split in another shape is
-    read in its own (before, in the training's: a raw KeyError). Data that is not preference pairs is a UsageError
-    that says what it is and which script takes it."""
-    train = raw["train"] if "train" in raw else next(iter(raw.values()))
-    kind = _pair_kind(train, "train")
-    logger.info(f"preference data format: {NAMES[kind]}")
-    held_out = next((raw[split] for split in ("validation", "test") if split in raw and raw[split] is not train), None)
-    validation = _pair_kind(held_out, "validation") if held_out is not None and len(held_out) else kind
-    if validation != kind:
-        logger.info(f"validation preference data format: {NAMES[validation]}")
-    return PairFormat(kind, chat_template, validation if validation != kind else None)
-
-
-def _pair_kind(data, split: str) -> str:
-    """The kind (a key of NAMES) of a split's records, from its columns (and its first record's prompt)."""
-    columns = data.column_names
-    if not ("chosen" in columns and "rejected" in columns):
-        sft = {"messages", "conversations", "completion", "output"} & set(columns)
-        kto = any(getattr(data.features.get(c), "dtype", None) == "bool" for c in ("label", "kto_tag"))
-        raise UsageError(
-            f"the {split} data's columns {columns} hold no preference pairs (a 'chosen' and a 'rejected' answer per "
-            "record); "
-            + (
-                "this looks like SFT data: scripts/train_sft.py takes it"
-                if sft and not kto
-                else "unpaired preference data (KTO) is not trained here (TRL's KTOTrainer does)"
-                if kto
-                else f"the formats: {PAIR_FORMATS}"
-            )
-        )
-    if "conversations" in columns:
-        return "sharegpt"
-    if "instruction" in columns:
-        return "alpaca"
-    if "question" in columns and "prompt" not in columns:
-        return "question"
-    if "input" in columns and "prompt" not in columns:  # else the question is lost to an implicit prompt
-        return "input"
-    if "prompt" in columns:
-        first = data[0]
-        return "conversational" if not isinstance(first["prompt"], str) or json_turns(first, ("prompt",)) else "strings"
-    return "implicit"
-
-
-def _holds_prompt_turns(answer) -> bool:
-    """Whether an answer is a conversation that holds a turn that is not the assistant's (its prompt)."""
-    return isinstance(answer, list) and any(isinstance(t, dict) and t.get("role") != "assistant" for t in answer)
-
-
-def _shared_length(first, second) -> int:
-    """How many items (turns or characters) `first` and `second` share at their start."""
-    shared = 0
-    while shared < min(len(first), len(second)) and first[shared] == second[shared]:
-        shared += 1
-    return shared
-
-
-def _split_implicit(chosen, rejected, where: str):
-    """(prompt, chosen answer, rejected answer) of two full conversations (or texts) that share
-    their start: the shared turns are the prompt; for texts, the shared characters up to the last
-    white space before they differ."""
-    if chosen == rejected:
-        raise UsageError(f"{where}: its chosen and rejected answers are the same, so it teaches nothing; drop it")
-    if isinstance(chosen, str) and isinstance(rejected, str):
-        shared = _shared_length(chosen, rejected)
-        # The prompt ends before the last white space the two share: both answers start at a word.
-        spaces = [i for i, char in enumerate(chosen[:shared]) if char.isspace()]
-        prompt = chosen[: spaces[-1]].rstrip() if spaces else ""
-        return prompt, chosen[len(prompt) :], rejected[len(prompt) :]
-    if not (isinstance(chosen, list) and isinstance(rejected, list)):
-        raise UsageError(
-            f"{where}: without a prompt column, 'chosen' and 'rejected' must both be conversations (lists of turns) "
-            f"or both texts; the formats: {PAIR_FORMATS}"
-        )
-    shared = _shared_length(chosen, rejected)
-    return chosen[:shared], chosen[shared:], rejected[shared:]
-
-
-def _checked(prompt, chosen, rejected, index: int, split: str):
-    """The pair with each answer as a list of assistant turns when the prompt is turns (or an
-    answer is); a UsageError for an empty side, answers that are not the assistant's, or two
-    answers that are the same."""
-    where = f"{split} record {index}"
-    for side, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
-        if value is None:  # a null, a missing key, an empty CSV cell
-            raise UsageError(f"{where}: its {side} is missing; fill it or drop the record")
-    if isinstance(prompt, list) or not (isinstance(chosen, str) and isinstance(rejected, str)):
-        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        chosen, rejected = (_as_turns(answer) for answer in (chosen, rejected))
-        if not all(isinstance(turns, list) for turns in (prompt, chosen, rejected)):
-            raise UsageError(f"{where} fits none of the preference formats: {PAIR_FORMATS}")
-        turns = prompt + chosen + rejected
-        if any(isinstance(t, dict) and (t.get("tool_calls") or t.get("role") == "tool") for t in turns):
-            raise UsageError(f"{where} holds tool calls or results: DPO here learns text; train_sft.py learns calls")
-        if not all(isinstance(t, dict) and t.get("role") and t.get("content") is not None for t in turns):
-            raise UsageError(f"{where}: every turn needs a 'role' and a 'content', got {str(turns)[:160]!r}")
-        prompt, chosen, rejected = (text_content(turns, index, split) for turns in (prompt, chosen, rejected))
-        for side, answer in (("chosen", chosen), ("rejected", rejected)):
-            other = next((turn["role"] for turn in answer if turn["role"] != "assistant"), None)
-            if other is not None:
-                raise UsageError(
-                    f"{where}: its {side} answer holds a {other!r} turn where only the assistant's turns may be: the "
-                    "two answers must differ only after the prompt's last turn"
-                )
-    for side, answer in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
-        text = answer if isinstance(answer, str) else "".join(turn["content"] for turn in answer)
-        if not text.strip():
-            raise UsageError(f"{where}: its {side} is empty; fill it or drop the record")
-    if chosen == rejected:
-        raise UsageError(f"{where}: its chosen and rejected answers are the same, so it teaches nothing; drop it")
-    return prompt, chosen, rejected
-
-
-def _as_turns(answer):
-    """An answer as a list of turns: a string is one assistant turn, a dict one turn."""
-    if isinstance(answer, str):
-        return [{"role": "assistant", "content": answer}]
-    return [answer] if isinstance(answer, dict) else answer
 
 
 def tokenize_pair(pair, fmt: PairFormat, tokenizer) -> tuple[list[int], list[int], list[int], str]:
