@@ -136,6 +136,11 @@ def test_every_pair_shape_gives_the_same_prompt_and_answers(chat_lm, tmp_path):
             "chosen": [{"role": "user", "content": question}, {"role": "assistant", "content": good}],
             "rejected": [{"role": "user", "content": question}, {"role": "assistant", "content": bad}],
         },
+        "implicit_with_an_input_column": {  # an "input" beside whole conversations is not the question
+            "input": "metadata",
+            "chosen": [{"role": "user", "content": question}, {"role": "assistant", "content": good}],
+            "rejected": [{"role": "user", "content": question}, {"role": "assistant", "content": bad}],
+        },
         "alpaca": {"instruction": question, "input": "", "chosen": good, "rejected": bad},
         "input": {"input": question, "chosen": good, "rejected": bad},  # argilla's distilabel pairs
         # UltraFeedback's: the prompt as text, and each answer as the whole conversation.
@@ -284,6 +289,13 @@ REFUSED = {
     ),
     "sft_data": ({"prompt": "the", "completion": "w1"}, "this looks like SFT data: scripts/train_sft.py takes it"),
     "kto_data": ({"prompt": "the", "completion": "w1", "label": True}, "unpaired preference data (KTO)"),
+    "other_column_names": (
+        {"prompt": "the", "preferred": "w1", "dispreferred": "w2"},
+        "rename yours in the script's DATA section: data.rename_columns({'preferred': 'chosen', 'dispreferred': "
+        "'rejected'})",
+    ),
+    # A system text with an empty question: the prompt asked nothing, and the answers counted as repeating it.
+    "an_empty_question": ({"system": "be brief", "input": "", "chosen": "w1", "rejected": "w2"}, "its input is empty"),
     "a_user_turn_in_an_answer": (
         {
             "chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "w1"}],

@@ -116,9 +116,9 @@ OTHER_COLUMN_NAMES = {
 }
 
 
-def _likely(column: str, names: list[str]) -> str:
-    """The column of `names` that likely holds what `column` names, for the fix of a missing one ("yours": none)."""
-    return next((name for name in OTHER_COLUMN_NAMES.get(column, ()) if name in names), "yours")
+def likely_column(column: str, names: list[str]) -> str | None:
+    """The column of `names` that likely holds what `column` names, for the fix of a missing one; None: none."""
+    return next((name for name in OTHER_COLUMN_NAMES.get(column, ()) if name in names), None)
 
 
 def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, text=()):
@@ -133,11 +133,12 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, tex
         if column not in dataset.column_names:
             names = dataset.column_names
             separator = next((s for s in (";", "\t", "|") if len(names) == 1 and s in names[0]), None)
+            guess = likely_column(column, names)
             fix = (  # Excel in many locales saves "CSV" with semicolons: one column whose name holds them all
                 f"Its header looks separated by {separator!r}: save it separated by commas as .csv, or tabs as .tsv"
                 if separator else f"Name the right one with {option}" if option.startswith("--") else
-                f"Rename yours in the script's DATA section (data.rename_columns({{{_likely(column, names)!r}: "
-                f"{column!r}}})), the column of {option}"
+                f"Rename yours to {column!r} in the script's DATA section"
+                + (f": data.rename_columns({{{guess!r}: {column!r}}})" if guess else f" (the column of {option})")
             )  # fmt: skip
             raise UsageError(f"the {split} data has no column {column!r}; its columns are {names}. {fix}")
         values = table[column]

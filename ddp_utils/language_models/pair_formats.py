@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
+from ..data.raw_data import likely_column
 from .turns import alpaca_prompt_turns, json_turns, sharegpt_turns, text_content
 
 logger = get_logger(__name__)
@@ -51,6 +52,9 @@ class PairFormat:
         elif self.kind in ("alpaca", "question", "input"):  # orca_dpo_pairs, argilla's: a system text and a question
             asked = {**record, "instruction": record["question"]} if self.kind == "question" else record
             asked = {**record, "instruction": record["input"], "input": None} if self.kind == "input" else asked
+            question = asked.get("instruction")
+            if self.kind != "alpaca" and not (isinstance(question, str) and question.strip()):  # a system text alone
+                raise UsageError(f"{where}: its {self.kind} is empty; fill it or drop the record")
             prompt = alpaca_prompt_turns(asked, where)
             chosen, rejected = record["chosen"], record["rejected"]
             if isinstance(chosen, str) and isinstance(rejected, str) and len(prompt) == 1:
@@ -94,6 +98,7 @@ def _pair_kind(data, split: str) -> str:
     if not ("chosen" in columns and "rejected" in columns):
         sft = {"messages", "conversations", "completion", "output"} & set(columns)
         kto = any(getattr(data.features.get(c), "dtype", None) == "bool" for c in ("label", "kto_tag"))
+        renames = {guess: c for c in ("chosen", "rejected") if (guess := likely_column(c, columns))}
         raise UsageError(
             f"the {split} data's columns {columns} hold no preference pairs (a 'chosen' and a 'rejected' answer per "
             "record); "
@@ -102,6 +107,8 @@ def _pair_kind(data, split: str) -> str:
                 if sft and not kto
                 else "unpaired preference data (KTO) is not trained here (TRL's KTOTrainer does)"
                 if kto
+                else f"rename yours in the script's DATA section: data.rename_columns({renames})"
+                if renames
                 else f"the formats: {PAIR_FORMATS}"
             )
         )
@@ -109,12 +116,11 @@ def _pair_kind(data, split: str) -> str:
         return "sharegpt"
     if "instruction" in columns:
         return "alpaca"
-    if "question" in columns and "prompt" not in columns:
-        return "question"
-    if "input" in columns and "prompt" not in columns:  # else the question is lost to an implicit prompt
-        return "input"
+    first = data[0]
+    asked = next((column for column in ("question", "input") if column in columns), None)  # orca's, argilla's
+    if asked and "prompt" not in columns and not _holds_prompt_turns(first["chosen"]):  # else answers hold the prompt
+        return asked
     if "prompt" in columns:
-        first = data[0]
         return "conversational" if not isinstance(first["prompt"], str) or json_turns(first, ("prompt",)) else "strings"
     return "implicit"
 

@@ -160,7 +160,8 @@ def _check_same_rendering(raw, formats: dict) -> None:
 def _repeats_prompt(pair) -> bool:
     """Whether both answers start with the prompt's text (its last turn's): the prompt then trains as theirs."""
     asked = (pair[0] if isinstance(pair[0], str) else pair[0][-1]["content"]).strip()
-    return all((text if isinstance(text, str) else text[0]["content"]).lstrip().startswith(asked) for text in pair[1:])
+    answers = [(text if isinstance(text, str) else text[0]["content"]).lstrip() for text in pair[1:]]
+    return bool(asked) and all(answer.startswith(asked) for answer in answers)
 
 
 def _warn_of_prompts(rows, split: str) -> None:
