@@ -36,20 +36,18 @@ from ddp_utils.language_models.group_scoring import completion_logps
 from ddp_utils.language_models.grpo import (
     LOSS_TYPES,
     LOSS_WEIGHT,
-    GenerationClock,
     check_grpo_args,
     decode_completions,
     finish_rollouts,
     group_advantages,
     grpo_losses,
-    learning_signal,
     reference_logps,
-    rollout_sums,
     sample_completions,
     score_completions,
     settle_grpo_metric,
 )
 from ddp_utils.language_models.grpo_data import PromptCollator, fit_prompts_in_block, held_out_answers, tokenize_prompts
+from ddp_utils.language_models.grpo_log import GenerationClock, learning_signal, rollout_sums
 from ddp_utils.language_models.pair_scoring import choose_pair_layout
 from ddp_utils.language_models.static_decoding import StaticDecoding
 

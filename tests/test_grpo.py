@@ -741,6 +741,24 @@ def test_compiled_training_and_compiled_decoding_together_sample_and_train_what_
         np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.fast
+def test_a_resumed_run_without_signal_says_since_when(caplog):
+    from types import SimpleNamespace
+
+    from accelerate import PartialState
+
+    from ddp_utils.language_models.grpo_log import learning_signal
+
+    PartialState(cpu=True)
+    log = SimpleNamespace(run_means={"no_signal_groups": torch.tensor([6.0, 6.0])}, first_step=3)
+    assert learning_signal(log) == {"no_signal_groups": 1.0, "no_signal_from_step": 3}
+    assert "in each of the 6 groups since the resume at step 3, every answer got the same reward, so these" in (
+        caplog.text
+    )
+    log = SimpleNamespace(run_means={"no_signal_groups": torch.tensor([2.0, 6.0])}, first_step=0)
+    assert learning_signal(log) == {"no_signal_groups": pytest.approx(1 / 3)}
+
+
 def test_a_run_whose_groups_never_differ_in_reward_says_it_learned_nothing(chat_lm, prompts, tmp_path):
     """A reward the model never earns (an answer it never gives) and one-token answers (all equally short): no
     group ever has a signal, every gradient is 0, and the run saved the model it started from as a success."""
@@ -947,8 +965,8 @@ def test_options_that_cannot_train_are_refused_with_the_fix(chat_lm, prompts, tm
 @pytest.mark.fast
 def test_checkpoints_are_ranked_by_the_greedy_answers_accuracy_or_exact_match_or_not_at_all(chat_lm, prompts, tmp_path):
     """--metric_for_best_model is checked against what GRPO's evaluation gives (it was taken as typed: `accuracy`
-    ranked nothing, `eval_accuracy` kept the worst checkpoint): accuracy by default, exact match where the answers
-    are not labels; without an 'answer' column nothing is ranked, and a metric asked for is refused."""
+    ranked nothing, `eval_accuracy` kept the worst checkpoint): accuracy by default where the answers are labels,
+    else nothing unless asked; without an 'answer' column nothing is ranked, and a metric asked for is refused."""
     from accelerate import PartialState
 
     PartialState(cpu=True)
@@ -975,7 +993,10 @@ def test_checkpoints_are_ranked_by_the_greedy_answers_accuracy_or_exact_match_or
     no_eval = grpo_args(chat_lm, prompts, tmp_path, "--eval_max_new_tokens", 0, "--metric_for_best_model", "accuracy")
     refused_in_process("train_grpo", no_eval, "it gives no scores, with these options")
     free = with_answers("free", lambda record, n: {**record, "answer": f"{record['answer']} {n}"})  # not labels
-    assert settled(free) == ("eval_exact_match", True)
+    assert settled(free)[0] is None  # exact match of whole answers can stay 0: the first checkpoint would win
+    assert settled(free, "--metric_for_best_model", "exact_match") == ("eval_exact_match", True)
+    refused_in_process("train_grpo", grpo_args(chat_lm, free, tmp_path, "--metric_for_best_model", "accuracy"),
+                       "these 6 answers hold 6 distinct ones; rank by exact_match instead")  # fmt: skip
     unanswered = with_answers("none", lambda record, n: {"prompt": record["prompt"]})
     assert settled(unanswered)[0] is None
     refused_in_process("train_grpo", grpo_args(chat_lm, unanswered, tmp_path, "--metric_for_best_model", "accuracy"),
@@ -1009,10 +1030,15 @@ def test_held_out_answers_that_are_numbers_are_scored_as_written_and_missing_one
     args = module.parse_args([str(a) for a in grpo_args(chat_lm, files, tmp_path / "o")])
     tokenized = module.prepare_data(args)[0]
     assert tokenized["validation"]["reference"] == expected
-    assert args.metric_for_best_model == "eval_exact_match"  # four distinct answers in four are not labels
+    assert args.metric_for_best_model is None  # four distinct answers in four are not labels: nothing ranked
 
 
 USER = [{"role": "user", "content": "What is 6 x 7?"}]
+CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+}  # noqa: E501
 
 
 @pytest.mark.fast
@@ -1025,8 +1051,10 @@ USER = [{"role": "user", "content": "What is 6 x 7?"}]
         ([{"from": "human", "value": "What is 6 x 7?"}], USER),  # ShareGPT
         ([{"role": "user", "content": [{"type": "text", "text": "What is 6 x 7?"}]}], USER),  # content parts
         ([{"role": "system", "content": "", "name": None}, *USER], [{"role": "system", "content": ""}, *USER]),
+        ([{"role": "system", "content": "Write a haiku."}], [{"role": "system", "content": "Write a haiku."}]),
+        ([*USER, CALL, {"role": "tool", "content": {"x": 1}}], [*USER, CALL, {"role": "tool", "content": '{"x": 1}'}]),
     ],
-    ids=["text", "inst-text", "json-cell", "sharegpt", "parts", "nulls"],
+    ids=["text", "inst-text", "json-cell", "sharegpt", "parts", "nulls", "system-only", "agent"],
 )  # fmt: skip
 def test_prompts_in_the_shapes_users_bring_are_asked_as_text_or_turns(prompt, asked):
     """JSON turns in a CSV cell were asked as their JSON text, content parts as a Python repr, ShareGPT's turns
@@ -1039,15 +1067,15 @@ def test_prompts_in_the_shapes_users_bring_are_asked_as_text_or_turns(prompt, as
     "prompt, expected",
     [
         ("  ", "train record 3: its prompt is empty; fill it or drop the record"),
-        ([], "train record 3: its prompt is a list '[]'; give text or a list of chat turns"),
-        ({"text": "hi"}, "train record 3: its prompt is a dict"),
+        ([], "train record 3: its prompt is '[]' (list); give text or a list of chat turns"),
+        ({"text": "hi"}, "train record 3: its prompt is \"{'text': 'hi'}\" (dict)"),
         ([{"role": "user"}], "train record 3: its prompt's turns must each have a 'role'"),
-        ([{"role": "human", "content": "hi"}], "train record 3: its prompt's turns must each have a 'role'"),
         ([{"role": "user", "content": " "}], "train record 3: its prompt's turns are empty"),
         ([*USER, {"role": "assistant", "content": "42"}], "ends with an assistant turn, the answer GRPO samples"),
+        ([*USER, CALL], "train record 3: its prompt ends with a tool call; add the tool's result after it"),
         ([{"role": "user", "content": [{"type": "image"}]}], "holds a part of type 'image'"),
     ],
-    ids=["blank", "no-turns", "dict", "no-content", "unknown-role", "empty-turn", "answered", "image"],
+    ids=["blank", "no-turns", "dict", "no-content", "empty-turn", "answered", "awaits-result", "image"],
 )  # fmt: skip
 def test_prompts_that_ask_nothing_or_hold_their_answer_are_refused_naming_the_record(prompt, expected):
     """An empty prompt trained on nothing and an empty list ended in a raw ValueError; a conversation that ends
@@ -1061,8 +1089,9 @@ def test_a_gsm8k_shaped_file_is_told_to_rename_its_question_column(chat_lm, prom
     """The fix read "Name the right one with GRPO": the script has no option for it, the DATA section renames."""
     files = {"train": tmp_path / "gsm8k.jsonl", "validation": prompts["validation"]}
     files["train"].write_text(json.dumps({"question": "What is 6 x 7?", "answer": "6 x 7 = 42\n#### 42"}) + "\n")
-    expected = "no column 'prompt'; its columns are ['question', 'answer']. Rename yours in the script's DATA section "
-    refused_in_process("train_grpo", grpo_args(chat_lm, files, tmp_path), expected + "(data.rename_columns({'question'")
+    expected = "no column 'prompt'; its columns are ['question', 'answer']. Rename yours to 'prompt' in the script's "
+    expected += "DATA section: data.rename_columns({'question': 'prompt'})"
+    refused_in_process("train_grpo", grpo_args(chat_lm, files, tmp_path), expected)
 
 
 @pytest.mark.fast

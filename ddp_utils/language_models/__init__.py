@@ -15,6 +15,7 @@
 - cache_rows.py       a first pass's cache, of the model's own class; repeated for more rows (GRPO's samples)
 - grpo.py             GRPO: completions sampled by (seed, step, prompt), rewards, advantages, the clipped loss
 - grpo_data.py        GRPO's prompts: tokenized, fitted with their answers in the context, batched on the left
+- grpo_log.py         what GRPO's log shows: generation's share, rewards, groups without signal, lengths
 - group_scoring.py    a group's completions scored in one pass: one row per prompt, or a row per completion
 - static_decoding.py  GRPO's --compile_generation: a static KV cache kept across steps, the decoding step compiled
 - lora.py             LoRA set-up, --lora_last_layers, an MoE's fused experts, the model saved with merged/

@@ -296,8 +296,9 @@ def settle_accuracy_metric(args, references: list[str]) -> None:
     if not getattr(args, "metric_for_best_model_by_default", False):
         raise UsageError(
             f"--metric_for_best_model accuracy needs validation answers that are labels (at most {MAX_LABELS} "
-            f"distinct ones), and these {len(references)} answers hold {distinct} distinct ones; rank by exact_match "
-            "or loss instead"
+            f"distinct ones), and these {len(references)} answers hold {distinct} distinct ones; rank by exact_match"
+            + (" or loss" if getattr(args, "eval_perplexity", False) else "")
+            + " instead"
         )
     args.metric_for_best_model = "eval_loss" if getattr(args, "eval_perplexity", False) else "eval_exact_match"
     args.greater_is_better = None  # the default metric's default direction

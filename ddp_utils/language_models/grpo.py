@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import time
 
 import numpy as np
 import torch
@@ -29,7 +28,14 @@ from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import root_ready_for_generation
 from .cache_rows import cache_of, counts_its_tokens, empty_cache, forget_rope_deltas, repeat_rows
-from .generation import GENERATION_SCORES, only_this_config, sampling_precision, settle_accuracy_metric, stop_token_ids
+from .generation import (
+    GENERATION_SCORES,
+    are_labels,
+    only_this_config,
+    sampling_precision,
+    settle_accuracy_metric,
+    stop_token_ids,
+)
 from .group_scoring import completion_logps, one_row_per_prompt
 from .lora import merged_for_generation
 from .pair_scoring import ONE_ROW
@@ -284,65 +290,6 @@ def finish_rollouts(rollouts: list[dict], advantages: torch.Tensor, args, layout
         start += rows
 
 
-class GenerationClock:
-    """How much of each step's time went to generation, for the log: `new_step()`, then `with clock:` around
-    generation, then `share()`. No communication."""
-
-    def new_step(self) -> None:
-        self.step_started, self.generating = time.perf_counter(), 0.0
-
-    def __enter__(self):
-        self.started = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.generating += time.perf_counter() - self.started
-
-    def share(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seconds generating, seconds in the step so far): a mean for `TrainingLog.step`."""
-        return torch.tensor(self.generating), torch.tensor(time.perf_counter() - self.step_started)
-
-
-def rollout_sums(rollouts: list[dict], rewards: np.ndarray, total: np.ndarray, names: list[str], group: int, device):
-    """(numerator, denominator) pairs for the log over this rank's rollouts of a step: each reward function's
-    mean and spread, the share of groups whose rewards are all equal (no signal), completion lengths, and the
-    share cut at the maximum. No communication."""
-    weight = torch.cat([r[SAMPLE_WEIGHT] for r in rollouts]).double().cpu().numpy()
-    lengths = torch.cat([r["completion_mask"].sum(dim=1) for r in rollouts]).double().cpu().numpy()
-    cut = torch.cat([r["truncated"] for r in rollouts]).double().cpu().numpy()
-    flat = total.reshape(-1, group)
-    real_groups = weight.reshape(-1, group)[:, 0]
-    sums = {
-        "no_signal_groups": ((np.ptp(flat, axis=1) == 0) * real_groups).sum(),
-        "completion_length": (lengths * weight).sum(),
-        "cut_at_max_length": (cut * weight).sum(),
-    }
-    sums.update({f"reward/{name}": (rewards[:, j] * weight).sum() for j, name in enumerate(names)})
-    counts = {"no_signal_groups": real_groups.sum()}
-    out = {key: (torch.tensor(value), torch.tensor(counts.get(key, weight.sum()))) for key, value in sums.items()}
-    for j, name in enumerate(names):  # the spread within groups, averaged over the groups
-        spread = rewards[:, j].reshape(-1, group).std(axis=1)
-        out[f"reward/{name}_std"] = (torch.tensor((spread * real_groups).sum()), torch.tensor(real_groups.sum()))
-    return {key: (num.float().to(device), den.float().to(device)) for key, (num, den) in out.items()}
-
-
-def learning_signal(log) -> dict:
-    """For metrics.json once training is over: the share of this run's groups (since its start or resume) whose
-    samples all got one reward, which give no gradient; where that is every group, a warning that the model learned
-    nothing. Every rank calls it with the same `log` (a `TrainingLog`); no communication."""
-    numerator, denominator = (float(value) for value in log.run_means.get("no_signal_groups", (0.0, 0.0)))
-    if not denominator:
-        return {}
-    if numerator == denominator:
-        logger.warning(
-            f"no signal: in each of the {denominator:.0f} groups sampled, every answer got the same reward, so GRPO "
-            "changed nothing and the saved model is the one it started from; check that your rewards tell this "
-            "model's answers apart (one it never earns, such as an exact answer it never gives, is the same for all), "
-            "or raise --num_generations or --temperature"
-        )
-    return {"no_signal_groups": numerator / denominator}
-
-
 def check_grpo_args(args) -> None:
     """The GRPO options, each checked with the fix in one line. Every rank calls it while parsing."""
     if args.num_generations < 2:
@@ -372,14 +319,21 @@ def check_grpo_args(args) -> None:
 
 def settle_grpo_metric(args, references: list | None) -> None:
     """--metric_for_best_model once the held-out prompts are read (`references`: their "answer" column, None without
-    one): with no answers to score nothing is ranked, and a metric asked for is refused; accuracy needs answers that
-    are labels (`generation.settle_accuracy_metric`). Every rank calls it with the same data; no communication."""
-    if references is not None:
-        settle_accuracy_metric(args, references)
-    elif args.metric_for_best_model and not args.metric_for_best_model_by_default:
+    one): accuracy needs answers that are labels (`generation.settle_accuracy_metric`); by default, answers that are
+    not labels rank nothing (a worked solution's exact match can stay 0, and the first checkpoint would win every
+    tie); with no answers to score nothing is ranked, and a metric asked for is refused. Every rank calls it with the
+    same data; no communication."""
+    by_default = args.metric_for_best_model_by_default
+    if references is not None and not (by_default and not are_labels(references)):
+        return settle_accuracy_metric(args, references)
+    if args.metric_for_best_model and not by_default:
         raise UsageError(
             f"--metric_for_best_model {args.metric_for_best_model.removeprefix('eval_')} scores the greedy answers to "
             "the held-out prompts against their 'answer' column, which these prompts lack: add one, or leave it out"
         )
-    else:
-        args.metric_for_best_model = None  # nothing scored: the last checkpoints are kept, none ranked
+    if references is not None and args.metric_for_best_model:
+        logger.info(
+            "checkpoints are not ranked: the held-out answers are not labels, and an exact match of whole answers can "
+            "stay 0; --metric_for_best_model exact_match ranks by it"
+        )
+    args.metric_for_best_model = None  # the last checkpoints are kept, none ranked

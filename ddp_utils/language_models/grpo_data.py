@@ -10,9 +10,9 @@ from ..core.errors import UsageError
 from ..data.dataloaders import SAMPLE_WEIGHT
 from ..data.raw_data import RECORD_COLUMN, record_in_file
 from .chat import bos_head, check_tool_turns, cut_middle, cut_prompt, refused_by_template, render
-from .turns import ROLES, clean_turn, is_turn_list, json_turns, record_tools, sharegpt_turns, text_content
+from .turns import TEMPLATE_TOKENIZER, clean_turn, is_turn_list, json_turns, record_tools, sharegpt_turns, text_content
 
-TEMPLATE_FIX = "use a tokenizer with a chat template (an instruct model's), or give the prompts as text"
+TEMPLATE_FIX = f"{TEMPLATE_TOKENIZER}, or give the prompts as text"
 
 logger = get_logger(__name__)
 
@@ -64,9 +64,9 @@ def held_out_answers(validation, args) -> list[str] | None:
 def asked_prompt(prompt, number: int, split: str):
     """A record's prompt as the model is asked it: text, or role/content turns that end with a turn the model
     answers (ShareGPT's from/value turns converted, content parts joined into text, a CSV cell's JSON turns parsed,
-    tool calls as templates take them). A UsageError naming the record (`split` record `number`) for what would ask
-    nothing or leak the answer: empty text, no turns, a turn without content, an unknown role, a last turn of the
-    assistant's."""
+    tool calls as templates take them; the roles are the template's to take). A UsageError naming the record (`split`
+    record `number`) for what would ask nothing or leak the answer: empty text, no turns, a turn without a role or a
+    content, turns all empty, a last turn of the assistant's."""
     where = f"{split} record {number}"
     prompt = json_turns({"prompt": prompt}, ("prompt",)).get("prompt", prompt)  # text that is JSON turns: turns
     if isinstance(prompt, str):
@@ -74,20 +74,19 @@ def asked_prompt(prompt, number: int, split: str):
             raise UsageError(f"{where}: its prompt is empty; fill it or drop the record")
         return prompt
     if not isinstance(prompt, list) or not prompt or not all(isinstance(turn, dict) for turn in prompt):
-        given = f"{type(prompt).__name__} {str(prompt)[:60]!r}"
-        raise UsageError(f"{where}: its prompt is a {given}; give text or a list of chat turns ({{'role', 'content'}})")
+        given = f"{str(prompt)[:60]!r} ({type(prompt).__name__})"
+        raise UsageError(f"{where}: its prompt is {given}; give text or a list of chat turns ({{'role', 'content'}})")
     if is_turn_list(prompt, "from", "value"):
         prompt = sharegpt_turns(prompt, where, "GRPO", "give text or a list of chat turns")
     turns = [clean_turn(turn, where) for turn in prompt]
-    if not is_turn_list(turns, "role", "content") or set(t["role"] for t in turns) - ROLES:
-        raise UsageError(
-            f"{where}: its prompt's turns must each have a 'role' ({', '.join(sorted(ROLES))}) and a 'content', got "
-            f"{str(prompt)[:100]!r}"
-        )
+    if not is_turn_list(turns, "role", "content"):
+        raise UsageError(f"{where}: its prompt's turns must each have a 'role' and a 'content': {str(prompt)[:90]!r}")
     turns = text_content(turns, number, split)
+    if turns[-1].get("tool_calls"):  # an agent's call waits for its result, which the model would make up
+        raise UsageError(f"{where}: its prompt ends with a tool call; add the tool's result after it")
     if turns[-1]["role"] == "assistant":  # rendered with the generation prompt after it, the answer is in the prompt
         raise UsageError(f"{where}: its prompt ends with an assistant turn, the answer GRPO samples; drop that turn")
-    if not any(isinstance(t["content"], str) and t["content"].strip() for t in turns if t["role"] != "system"):
+    if not any(isinstance(t["content"], str) and t["content"].strip() for t in turns):  # a system turn asks too
         raise UsageError(f"{where}: its prompt's turns are empty; fill them or drop the record")
     return turns
 

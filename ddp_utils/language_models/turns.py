@@ -18,7 +18,8 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 SHAREGPT_TOOL_ROLES = ("function_call", "observation")
 # Tested with the templates these models ship (tests/test_tool_calls.py).
 TEMPLATES_WITH_TOOLS = "Qwen 2.5 to 3.6, Llama 3.1 and 3.2, Gemma 4, gpt-oss, GLM-4.5, LFM2.5"
-NEEDS_TEMPLATE = "use a tokenizer with a chat template (an instruct model's), without --no-chat_template"
+TEMPLATE_TOKENIZER = "use a tokenizer with a chat template (an instruct model's)"
+NEEDS_TEMPLATE = f"{TEMPLATE_TOKENIZER}, without --no-chat_template"
 # A conversation with a tool, a call and a result under names no data holds: what a template shows of each.
 PROBE_TOOL, PROBE_CALL, PROBE_RESULT = "Tq7tool", "Zq9call", "Rz8result"
 

@@ -98,7 +98,7 @@ class TrainingLog:
         self.finite = NonFiniteWatch(accelerator, args)
         self.last_evaluation: tuple[int, dict] | None = None  # (step, scores) of the newest evaluation
         self.run_means: dict[str, torch.Tensor] = {}  # name -> [numerator, denominator] over this run's records
-        resumed_step = plan.step
+        resumed_step = self.first_step = plan.step  # 0, or the step a resumed run starts from
         if accelerator.is_main_process and os.path.isfile(self.path):
             # After a resume, drop the records of the steps after the checkpoint: the run takes them again.
             kept = [record for record in read_train_log(args.output_dir) if record["step"] <= resumed_step]
@@ -141,7 +141,7 @@ class TrainingLog:
         nothing leaves the device: one host sync per record. `means`, {name: (numerator, denominator)} of
         this rank's step (the same names every step and on every rank), are logged as train/<name>: the
         numerators over the window and all ranks, divided by the denominators; `run_means` adds them up over the
-        run (since its start or resume), the same on every rank."""
+        run (since `first_step`: its start or resume), the same on every rank."""
         self._loss_sum += loss_sum.detach().float()
         for name, (numerator, denominator) in (means or {}).items():
             pair = torch.stack([torch.as_tensor(numerator), torch.as_tensor(denominator)]).float()
