@@ -133,13 +133,17 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, tex
         if column not in dataset.column_names:
             names = dataset.column_names
             separator = next((s for s in (";", "\t", "|") if len(names) == 1 and s in names[0]), None)
-            guess = likely_column(column, names)
-            fix = (  # Excel in many locales saves "CSV" with semicolons: one column whose name holds them all
-                f"Its header looks separated by {separator!r}: save it separated by commas as .csv, or tabs as .tsv"
-                if separator else f"Name the right one with {option}" if option.startswith("--") else
-                f"Rename yours to {column!r} in the script's DATA section"
-                + (f": data.rename_columns({{{guess!r}: {column!r}}})" if guess else f" (the column of {option})")
-            )  # fmt: skip
+            guess, rename = likely_column(column, names), f"Rename yours to {column!r} in the script's DATA section"
+            if separator:  # Excel in many locales saves "CSV" with semicolons: one column whose name holds them all
+                fix = (
+                    f"Its header looks separated by {separator!r}: save it separated by commas as .csv, or tabs as .tsv"
+                )
+            elif option.startswith("--"):
+                fix = f"Name the right one with {option}"
+            elif guess:  # a script without a column option: renamed in its DATA section
+                fix = f"{rename}: data.rename_columns({{{guess!r}: {column!r}}})"
+            else:
+                fix = f"{rename} (the column of {option})"
             raise UsageError(f"the {split} data has no column {column!r}; its columns are {names}. {fix}")
         values = table[column]
         bad, what = values.is_null(), "an empty or missing"

@@ -311,7 +311,7 @@ def check_grpo_args(args) -> None:
             "--beta > 0 needs a reference model: with LoRA (--lora_r) it is the model with its adapters off; "
             "without, a second copy of the model would double its memory, which this script does not do"
         )
-    # Evaluation scores the greedy answers alone: accuracy by default (exact match where the answers are not labels).
+    # Evaluation scores the greedy answers alone: accuracy by default, settled with the data (`settle_grpo_metric`).
     args.metric_for_best_model_by_default = args.metric_for_best_model is None
     scores = GENERATION_SCORES if args.eval_max_new_tokens else ()
     check_metric_for_best_model(args, scores, default="eval_accuracy" if scores else None)

@@ -50,8 +50,9 @@ class PairFormat:
         if self.kind == "implicit":
             prompt, chosen, rejected = _split_implicit(record["chosen"], record["rejected"], where)
         elif self.kind in ("alpaca", "question", "input"):  # orca_dpo_pairs, argilla's: a system text and a question
-            asked = {**record, "instruction": record["question"]} if self.kind == "question" else record
-            asked = {**record, "instruction": record["input"], "input": None} if self.kind == "input" else asked
+            asked = record if self.kind == "alpaca" else {**record, "instruction": record[self.kind]}
+            if self.kind == "input":  # argilla's input is the question itself, not text after it
+                asked["input"] = None
             question = asked.get("instruction")
             if self.kind != "alpaca" and not (isinstance(question, str) and question.strip()):  # a system text alone
                 raise UsageError(f"{where}: its {self.kind} is empty; fill it or drop the record")
