@@ -166,7 +166,7 @@ def prepare_data(args):
     config, tokenizer, block_size = ddp_utils.load_config_and_tokenizer(args)
     processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
     tokenized, report = tokenize_pairs(raw, fmt, tokenizer, block_size, args.eval_max_new_tokens, processes)
-    return tokenized, tokenizer, config, {"block_size": block_size, "preference_format": fmt.kind, **report}
+    return tokenized, tokenizer, config, {"block_size": block_size, **report}
 
 
 def main():

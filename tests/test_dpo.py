@@ -196,8 +196,9 @@ def test_a_validation_file_in_another_shape_is_read_in_its_own(chat_lm, tiny_lm,
     raw = read_data_files(files)  # each file read on its own, as the script reads them
     fmt = detect_pair_format(raw, None)
     assert (fmt.kind, fmt.validation_kind) == ("strings", "question")
-    tokenized, _ = tokenize_pairs(raw, fmt, load_tokenizer(str(chat_lm)), 48)
+    tokenized, report = tokenize_pairs(raw, fmt, load_tokenizer(str(chat_lm)), 48)
     assert tokenized["validation"].to_list() == tokenized["train"].to_list(), "the same pairs, the same rows"
+    assert (report["preference_format"], report["validation_preference_format"]) == ("strings", "question")
     args = ["--train_file", files["train"], "--validation_file", tmp_path / "hh.jsonl", "--output_dir", tmp_path / "o"]
     refused = "the train pairs (prompt/chosen/rejected strings) are rendered by the chat template, the validation "
     refused_in_process("train_dpo", ["--model_name_or_path", chat_lm, *args], refused + "pairs (chosen/rejected")
@@ -229,10 +230,43 @@ def test_answers_that_both_repeat_their_prompt_are_counted_in_a_warning(tiny_lm,
     records = [
         {"prompt": "the movie was", "chosen": "the movie was w1", "rejected": "the movie was w2 w3"},
         {"prompt": "it was", "chosen": "it was w4", "rejected": "w5"},  # one answer only: not counted
+        {"prompt": "Hi", "chosen": "Hi! w1", "rejected": "Hi, w2"},  # a greeting answered with one: not counted
     ]
     with caplog.at_level(logging.WARNING):
         tokenize(tmp_path, records, load_tokenizer(str(tiny_lm)), "strings")
     assert "train: in 1 pairs both answers start with their prompt's text, which trains as part of" in caplog.text
+
+
+@pytest.mark.fast
+def test_pairs_their_data_marks_as_ties_are_counted_in_a_warning(caplog):
+    """UltraFeedback binarized keeps pairs whose two answers scored the same; argilla's distilabel pairs mark them
+    status "tie", and their card drops them. DPO pushes such answers apart all the same: warned, with the filter."""
+    ultrafeedback = [
+        {"prompt": "q", "chosen": "a", "rejected": "b", "score_chosen": score, "score_rejected": 7.0}
+        for score in (8.0, 7.0, 7.0, 6.5, None)  # one tie for two, one reversed, a missing score counts as neither
+    ]
+    argilla = [{"input": "q", "chosen": "a", "rejected": "b", "status": s} for s in ("tie", "unchanged", "swapped")]
+    rated = [{"prompt": "q", "chosen": "a", "rejected": "b", "chosen-rating": 5, "rejected-rating": 5}]
+    wordy = [{"prompt": "q", "chosen": "a", "rejected": "b", "score_chosen": "good", "score_rejected": "bad"}]
+    expected = {
+        "ultrafeedback": "train: in 2 pairs score_chosen equals score_rejected and in 1 it is lower: nothing tells "
+        "their answers apart, and DPO pushes them apart all the same; to drop them, in the DATA section: data = "
+        "data.filter(lambda r: r['score_chosen'] > r['score_rejected'])",
+        "argilla": "train: 1 pairs have status 'tie' (argilla's: the two answers rated the same), and DPO pushes "
+        "them apart all the same; to drop them, in the DATA section: data = data.filter(lambda r: r['status'] != "
+        "'tie')",
+        "rated": "validation: in 1 pairs chosen-rating equals rejected-rating and in 0 it is lower",
+        "wordy": None,  # scores that are not numbers: nothing to compare, no warning, no traceback
+    }
+    for name, records in (("ultrafeedback", ultrafeedback), ("argilla", argilla), ("rated", rated), ("wordy", wordy)):
+        data = datasets.Dataset.from_list(records)
+        raw = datasets.DatasetDict({"train": data if name != "rated" else data.remove_columns(["chosen-rating"])})
+        if name == "rated":
+            raw["validation"] = data
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            detect_pair_format(raw, None)
+        assert (expected[name] in caplog.text) if expected[name] else "DPO pushes" not in caplog.text, caplog.text
 
 
 @pytest.mark.fast

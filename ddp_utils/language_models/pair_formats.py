@@ -4,8 +4,10 @@ naming the record. No communication; any rank may call these."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+import numpy as np
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
@@ -90,6 +92,9 @@ def detect_pair_format(raw, chat_template: bool | None) -> PairFormat:
     validation = _pair_kind(held_out, "validation") if held_out is not None and len(held_out) else kind
     if validation != kind:
         logger.info(f"validation preference data format: {NAMES[validation]}")
+    for split, data in (("train", train), ("validation", held_out)):
+        if data is not None:
+            _warn_of_ties(data, split)
     return PairFormat(kind, chat_template, validation if validation != kind else None)
 
 
@@ -124,6 +129,40 @@ def _pair_kind(data, split: str) -> str:
     if "prompt" in columns:
         return "conversational" if not isinstance(first["prompt"], str) or json_turns(first, ("prompt",)) else "strings"
     return "implicit"
+
+
+def _score_columns(columns) -> tuple[str, str] | None:
+    """The chosen and rejected answers' score columns, where the data has a pair named alike: UltraFeedback's
+    score_chosen/score_rejected, argilla's chosen-rating/rejected-rating or rating_chosen/rating_rejected."""
+    for column in columns:
+        other = column.replace("chosen", "rejected")
+        if other != column and other in columns and re.search("score|rating", column):
+            return column, other
+    return None
+
+
+def _warn_of_ties(data, split: str) -> None:
+    """A warning for pairs their own data marks as no preference: a chosen answer scored no higher than the
+    rejected one (UltraFeedback binarized keeps its ties), or argilla's status "tie" (their card drops those). DPO
+    pushes the two apart all the same; the data may mean it, so they are counted, not dropped."""
+    scores, columns = _score_columns(data.column_names), data.column_names
+    try:
+        chosen, rejected = (np.asarray(data[c], dtype=float) for c in scores) if scores else ([], [])
+    except (TypeError, ValueError):  # scores that are not numbers: not scores to compare
+        chosen = rejected = []
+    if len(chosen):
+        tied, below = int(np.sum(chosen == rejected)), int(np.sum(chosen < rejected))
+        if tied or below:
+            logger.warning(
+                f"{split}: in {tied} pairs {scores[0]} equals {scores[1]} and in {below} it is lower: nothing tells "
+                f"their answers apart, and DPO pushes them apart all the same; to drop them, in the DATA section: "
+                f"data = data.filter(lambda r: r[{scores[0]!r}] > r[{scores[1]!r}])"
+            )
+    if "status" in columns and (ties := sum(status == "tie" for status in data["status"])):
+        logger.warning(
+            f"{split}: {ties} pairs have status 'tie' (argilla's: the two answers rated the same), and DPO pushes them "
+            "apart all the same; to drop them, in the DATA section: data = data.filter(lambda r: r['status'] != 'tie')"
+        )
 
 
 def _holds_prompt_turns(answer) -> bool:

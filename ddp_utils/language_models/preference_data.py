@@ -73,7 +73,8 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
     (the row's number, by which evaluation gathers each pair once). `block_size` bounds what the
     model sees as one sequence, the prompt and one answer: both sides keep the same prompt, cut after
     BOS and the system turn (`chat.head_length`) when it and the longer answer pass `block_size`; a
-    pair whose longer answer alone does not fit is dropped; both counted in the report and logged.
+    pair whose longer answer alone does not fit is dropped; both counted in the report and logged. The report also
+    names each split's shape (preference_format, and validation_preference_format where the validation's differs).
     "generate": the validation prompts (index, input_ids, reference: the chosen answer), when
     `eval_max_new_tokens`, for `generation.score_by_generation`."""
 
@@ -118,7 +119,9 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
             out["prompt_repeated"].append(_repeats_prompt(pair))
         return out
 
-    tokenized, report = datasets.DatasetDict(), {}
+    tokenized, report = datasets.DatasetDict(), {"preference_format": fmt.kind}
+    if fmt.validation_kind:  # the report tells what each split was read as
+        report["validation_preference_format"] = fmt.validation_kind
     for split in ("train", "validation"):
         rows = raw[split].map(
             encode,
@@ -158,10 +161,11 @@ def _check_same_rendering(raw, formats: dict) -> None:
 
 
 def _repeats_prompt(pair) -> bool:
-    """Whether both answers start with the prompt's text (its last turn's): the prompt then trains as theirs."""
+    """Whether both answers start with the prompt's text (its last turn's): the prompt then trains as theirs. A prompt
+    of fewer than 3 words ("Hi") is not counted: answers may well start with it."""
     asked = (pair[0] if isinstance(pair[0], str) else pair[0][-1]["content"]).strip()
     answers = [(text if isinstance(text, str) else text[0]["content"]).lstrip() for text in pair[1:]]
-    return bool(asked) and all(answer.startswith(asked) for answer in answers)
+    return len(asked.split()) >= 3 and all(answer.startswith(asked) for answer in answers)
 
 
 def _warn_of_prompts(rows, split: str) -> None:
