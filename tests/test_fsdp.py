@@ -514,3 +514,23 @@ def test_image_classifier_with_batchnorm_under_fsdp_trains_what_ddp_trains(tmp_p
     ok(ddp("train_image", *image_args(model, images, tmp_path / "ddp", *extra)))
     assert "every rank read the weights" in sharded.output  # Accelerate cannot send BatchNorm's statistics
     assert_close(tmp_path / "fsdp", tmp_path / "ddp", atol=1e-5)
+
+
+@pytest.mark.fast
+def test_an_fsdp1_launch_config_is_warned_of_as_never_run(caplog):
+    """A config from an older `accelerate config` leaves fsdp_version out, which is FSDP1. Accelerate cannot build
+    its plugin without a GPU, so nothing here has run it: said at the start, with the line that moves to FSDP2."""
+    import logging
+    from argparse import Namespace
+
+    from accelerate import PartialState
+
+    from ddp_utils.training.fsdp import fix_fsdp2_preparation
+
+    PartialState(cpu=True)  # ddp_utils logs through Accelerate's logger
+    expected = "this launch config runs FSDP1 (fsdp_version 1, the default where the config leaves it out)"
+    for plugin, warned in ((Namespace(fsdp_version=1), True), (Namespace(), True), (None, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            fix_fsdp2_preparation(Namespace(state=Namespace(fsdp_plugin=plugin)))
+        assert (expected in caplog.text) is warned, (plugin, caplog.text)

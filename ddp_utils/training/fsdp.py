@@ -51,9 +51,16 @@ def fix_fsdp2_preparation(accelerator) -> None:
     answers None; a model with persistent buffers is not sent from rank 0 (every rank read it); and
     a wrapped class that holds the input embeddings is left out of the wrapped ones, so the embeddings
     become their own unit (as Accelerate shards them anyway) and the rest of that module joins the
-    root's: the same computation, the all-gathers grouped otherwise. Any rank may call it; every rank
-    does. No communication."""
+    root's: the same computation, the all-gathers grouped otherwise. Under FSDP1, a warning: it has never run
+    here. Any rank may call it; every rank does. No communication."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)  # the state has no such attribute outside FSDP
+    if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
+        # Older `accelerate config` files leave fsdp_version out, which is 1. Accelerate cannot build FSDP1's plugin
+        # without a GPU, so no test here has run it; FSDP2's path is run on CPU processes by the tests.
+        logger.warning(
+            "this launch config runs FSDP1 (fsdp_version 1, the default where the config leaves it out), which has "
+            "never run with these scripts; set fsdp_version: 2 in it, as accelerate_configs/fsdp.yaml does"
+        )
     if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
         return
     set_policy = plugin.set_auto_wrap_policy
