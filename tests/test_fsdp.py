@@ -518,8 +518,9 @@ def test_image_classifier_with_batchnorm_under_fsdp_trains_what_ddp_trains(tmp_p
 
 @pytest.mark.fast
 def test_an_fsdp1_launch_config_is_warned_of_as_never_run(caplog):
-    """A config from an older `accelerate config` leaves fsdp_version out, which is FSDP1. Accelerate cannot build
-    its plugin without a GPU, so nothing here has run it: said at the start, with the line that moves to FSDP2."""
+    """A config from an older `accelerate config` leaves fsdp_version out, which is FSDP1. Its path in Accelerate does
+    not run on CPU processes (measured: its plugin asks for a GPU; FSDP1 then refuses the CPU device), so nothing
+    here has run it: said at the start, with the line that moves to FSDP2."""
     import logging
     from argparse import Namespace
 

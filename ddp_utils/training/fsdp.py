@@ -55,8 +55,8 @@ def fix_fsdp2_preparation(accelerator) -> None:
     here. Any rank may call it; every rank does. No communication."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)  # the state has no such attribute outside FSDP
     if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
-        # Older `accelerate config` files leave fsdp_version out, which is 1. Accelerate cannot build FSDP1's plugin
-        # without a GPU, so no test here has run it; FSDP2's path is run on CPU processes by the tests.
+        # Older `accelerate config` files leave fsdp_version out, which is 1. Accelerate's FSDP1 path does not run on
+        # CPU processes (its plugin asks for a GPU; FSDP1 refuses Accelerate's CPU device), so no test has run it.
         logger.warning(
             "this launch config runs FSDP1 (fsdp_version 1, the default where the config leaves it out), which has "
             "never run with these scripts; set fsdp_version: 2 in it, as accelerate_configs/fsdp.yaml does"
