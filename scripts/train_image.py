@@ -24,8 +24,15 @@ import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT
 from ddp_utils.data.classification import CLASSIFICATION_SCORES
 from ddp_utils.data.demo import demo_resnet_path, load_demo_digits
+from ddp_utils.data.image_columns import image_columns, mixed_before_limits
 from ddp_utils.data.image_folders import drop_bad_images, image_folders
-from ddp_utils.data.vision import EXAMPLE_ID, ImageCollator, check_sync_batchnorm, convert_sync_batchnorm
+from ddp_utils.data.vision import (
+    EXAMPLE_ID,
+    ImageCollator,
+    check_image_processor,
+    check_sync_batchnorm,
+    convert_sync_batchnorm,
+)
 
 logger = get_logger(__name__)
 
@@ -55,13 +62,13 @@ def parse_args(argv=None):
         "--max_train_samples",
         type=int,
         default=None,
-        help="use only N training images (an image folder: mixed classes)",
+        help="use only N training images, of mixed classes",
     )
     p.add_argument(
         "--max_eval_samples",
         type=int,
         default=None,
-        help="use only N validation images (an image folder: mixed classes)",
+        help="use only N validation images, of mixed classes",
     )
     ddp_utils.add_training_args(p)  # batch sizes, learning rate, checkpoints, output, tracking
     p.set_defaults(per_device_train_batch_size=32, per_device_eval_batch_size=64, output_dir="outputs/train_image")
@@ -82,8 +89,8 @@ def parse_args(argv=None):
 # ==================================== DATA ====================================
 # The one place to edit for your own dataset: return a DatasetDict with a "train" split (and
 # "validation" or "test" if you have one; else some training images are held out) holding the
-# image column (PIL images) and the label column. Your own names and labels, on what the --train_file
-# branch below returns:
+# image column (PIL images, or file paths) and the label column. Your own names and labels, on what the
+# --dataset_name branch below returns (or name the columns with --image_column and --label_column):
 #   data = data.rename_columns({"img": "image", "kind": "label"})
 #   data = data.map(lambda row: {"label": "cat" if row["label"] in ("tabby", "siamese") else "dog"})
 def load_raw_datasets(args):
@@ -105,6 +112,7 @@ def prepare_data(args):
     raw = load_raw_datasets(args)
     columns = {args.image_column: "--image_column", args.label_column: "--label_column"}
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
+    raw = raw if args.train_dir else mixed_before_limits(raw, limits, args.seed)  # folders: mixed, stable order
     raw = ddp_utils.check_splits(
         raw,
         columns,
@@ -114,6 +122,7 @@ def prepare_data(args):
         seed=args.seed,
         stratify_by=args.label_column,
     )
+    raw = image_columns(raw, args.image_column, args.label_column)  # paths read as images; validation ids by name
     skipped = drop_bad_images(raw, args.image_column, args.skip_bad_images)
     label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
     if to_label_id is not int:  # labels given as strings: their ids (reads the label column only, not the images)
@@ -137,6 +146,8 @@ def main():
         check_sync_batchnorm(accelerator)  # before any work: SyncBatchNorm runs on GPUs only
 
     data, image_processor, config, skipped = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
+    channels = getattr(config, "num_channels", 3)
+    square = check_image_processor(image_processor, channels)  # fails here, not at the first step; True: crop square
     # Every rank builds the model at the same time: under DeepSpeed ZeRO-3 building it is a collective.
     if args.demo_model:  # random weights: the same on every rank (same seed)
         model = AutoModelForImageClassification.from_config(config)
@@ -149,7 +160,6 @@ def main():
             trust_remote_code=args.trust_remote_code,
         )  # a new head
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
-    channels = getattr(model.config, "num_channels", 3)
     train_collate = ImageCollator(
         image_processor,
         args.image_column,
@@ -158,8 +168,9 @@ def main():
         augment=args.augment != "none",
         flip="flip" in args.augment,
         seed=args.seed,
+        square=square,
     )
-    eval_collate = ImageCollator(image_processor, args.image_column, args.label_column, channels)
+    eval_collate = ImageCollator(image_processor, args.image_column, args.label_column, channels, square=square)
     # epoch_in_rows: each image's augmentation depends on (seed, epoch, image) only, in any loader worker
     train_dataloader = ddp_utils.make_train_dataloader(
         data["train"], args, accelerator, train_collate, epoch_in_rows=True

@@ -357,6 +357,19 @@ def test_an_image_folder_labels_each_image_by_its_class_subfolder_at_any_depth(t
 
 
 @pytest.mark.fast
+def test_the_folders_a_nas_or_a_drive_adds_are_not_classes_nor_images(tmp_path):
+    """A folder copied from a Synology NAS holds @eaDir/<image>/SYNOFILE_THUMB_*.jpg beside every image (and in the
+    top folder: a class of thumbnails), a drive its recycle bin and lost+found: each was read as a class or as more
+    images of one."""
+    from ddp_utils.data.image_folders import image_folders
+
+    train = write_image_folder(tmp_path / "train", {"cat": 2, "dog": 2}, seed=0)
+    for folder in ("@eaDir/0.png", "cat/@eaDir/0.png", "#recycle/cat", "$RECYCLE.BIN", "lost+found"):
+        write_image_folder(train / folder, {"SYNOFILE_THUMB": 1}, seed=1)
+    assert sorted(image_folders(str(train))["train"]["label"]) == ["cat", "cat", "dog", "dog"]
+
+
+@pytest.mark.fast
 def test_classes_one_level_too_high_are_warned_of_and_a_double_underscore_class_is_kept(tmp_path, caplog):
     """--train_dir data, holding data/train/cat and data/val/cat: the classes would be "train" and "val".
     datasets' imagefolder named the deepest folders; this reads the first level, and says so where the class
@@ -517,3 +530,257 @@ def test_offline_default_runs_a_few_steps(tmp_path):
     assert (output_dir / "preprocessor_config.json").is_file() and (
         output_dir / "report" / "confusion_matrix.png"
     ).is_file()
+
+
+# --- the data ML engineers bring: Hub-dataset shapes, odd modes, processors that cannot feed the model ----------
+
+
+@pytest.fixture(scope="module")
+def tiny_vit(tmp_path_factory):
+    return make_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))
+
+
+def prepared(monkeypatch, raw, *argv):
+    """scripts/train_image.py's parse_args and prepare_data on `raw`, as its DATA section would return it."""
+    from accelerate import PartialState
+
+    from conftest import load_script
+
+    PartialState(cpu=True)  # the script logs through Accelerate
+    script = load_script("train_image")
+    monkeypatch.setattr(script, "load_raw_datasets", lambda args: raw)
+    args = script.parse_args([str(a) for a in (*argv, "--dataset_name", "stand-in", "--report_to", "none")])
+    return args, script.prepare_data(args)
+
+
+def collated(args, data, split="train"):
+    """Every image of `split` through the collator the script builds (unaugmented), as one batch."""
+    from ddp_utils.data.vision import ImageCollator
+
+    collate = ImageCollator(data[1], args.image_column, args.label_column, 3)
+    return collate(list(data[0][split]))
+
+
+def hub_split(labels, feature=None, seed=0, image_column="image", label_column="label"):
+    """A datasets.Dataset built in memory as Hub image datasets are: PIL images of the class named by each label
+    (a name, or an id of `feature`'s names), in class order."""
+    import datasets
+
+    rng = random.Random(seed)
+    kinds = [feature.int2str(label) if isinstance(label, int) and feature else label for label in labels]
+    features = datasets.Features({image_column: datasets.Image(), label_column: feature or datasets.Value("string")})
+    images = [class_image({"a": "dark", "b": "bright"}.get(kind, "striped"), rng) for kind in kinds]
+    return datasets.Dataset.from_dict({image_column: images, label_column: labels}, features=features)
+
+
+@pytest.mark.fast
+def test_pixel_arrays_of_integers_keep_their_values():
+    """MNIST read with NumPy or pandas is int64: datasets stores such arrays as 32-bit images (I), and in_mode
+    scaled every I image as 16-bit values: every pixel 0 or 1, a run at chance reported as a success."""
+    import datasets
+
+    from ddp_utils.data.vision import in_mode
+
+    pixels = np.random.default_rng(0).integers(0, 256, (28, 28))
+    for dtype in (np.int64, np.int32, np.uint16):
+        features = datasets.Features({"image": datasets.Image()})
+        image = datasets.Dataset.from_dict({"image": [pixels.astype(dtype)]}, features=features)[0]["image"]
+        assert image.mode in ("I", "I;16"), image.mode
+        np.testing.assert_array_equal(np.asarray(in_mode(image, "L")), pixels.astype(np.uint8), err_msg=str(dtype))
+
+
+@pytest.mark.fast
+def test_a_cielab_tiff_is_converted_not_a_traceback_at_the_first_step(tmp_path):
+    """Pillow opens a CIELab TIFF (print and photo pipelines) as LAB, which it converts to nothing else: the check of
+    every image passed, and the collator failed in the middle of the first epoch."""
+    from PIL import ImageCms
+
+    from ddp_utils.data.vision import in_mode
+
+    rgb = class_image("striped", random.Random(0)).convert("RGB")
+    to_lab = ImageCms.buildTransform(ImageCms.createProfile("sRGB"), ImageCms.createProfile("LAB"), "RGB", "LAB")
+    ImageCms.applyTransform(rgb, to_lab).save(tmp_path / "scan.tif")
+    scan = Image.open(tmp_path / "scan.tif")
+    assert scan.mode == "LAB"
+    back = np.asarray(in_mode(scan, "RGB"), dtype=int)
+    assert np.abs(back - np.asarray(rgb, dtype=int)).max() <= 3
+    assert in_mode(scan, "L").mode == "L"
+
+
+@pytest.mark.fast
+def test_a_hub_dataset_of_file_paths_or_pixel_arrays_trains_and_other_columns_are_refused(
+    tmp_path, monkeypatch, tiny_vit
+):
+    """An image column of paths (a CSV of file names, datasets' own path column): the check read the files, and
+    the collator then met a path where it expected an image, a traceback at the first step. Pixel arrays (lists)
+    are read as images too; numbers, or relative paths not found from here, are refused in one line."""
+    import datasets
+
+    from ddp_utils.core.errors import UsageError
+    from ddp_utils.data.image_columns import image_columns
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    folder = write_image_folder(tmp_path / "train", {"dark": 4, "bright": 4}, seed=0)
+    paths = sorted(str(path) for path in folder.rglob("*.png"))
+    rows = {"image": paths, "label": [os.path.basename(os.path.dirname(path)) for path in paths]}
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)})
+    args, data = prepared(monkeypatch, raw, "--model_name_or_path", tiny_vit, "--output_dir", tmp_path / "out")
+    batch = collated(args, data)
+    assert batch["pixel_values"].shape == (len(data[0]["train"]), 3, 16, 16)
+
+    arrays = datasets.Dataset.from_dict({"image": [np.full((6, 6), 200).tolist()] * 2, "label": ["a", "b"]})
+    image = image_columns(datasets.DatasetDict({"train": arrays}), "image", "label")["train"][0]["image"]
+    assert image.size == (6, 6) and np.asarray(image).max() == 200
+
+    cases = {
+        "counts": ([1, 2], "holds Value('int64'), not images (files, paths, pixel arrays); name the image column"),
+        "relative": (["img/1.png", "img/2.png"], "holds file paths, and none of its first 2 exists from the working"),
+    }
+    for values, expected in cases.values():
+        split = datasets.Dataset.from_dict({"image": values, "label": ["a", "b"]})
+        with pytest.raises(UsageError, match=re.escape(expected)):
+            image_columns(datasets.DatasetDict({"train": split}), "image", "label")
+
+
+@pytest.mark.fast
+def test_class_names_read_as_large_strings_become_class_ids(tmp_path, monkeypatch, tiny_vit):
+    """datasets 5 reads the text of CSV, JSON and Parquet files as large_string, and its map keeps that type: the
+    class ids were written back as '0', '1', ..., and the first batch failed ("too many dimensions 'str'")."""
+    import datasets
+    import pyarrow as pa
+
+    def split(labels, seed):
+        images = hub_split(labels, seed=seed).remove_columns("label")
+        return images.add_column("label", pa.array(labels, pa.large_string()))
+
+    raw = datasets.DatasetDict({"train": split(["a", "b", "c"] * 2, 0), "validation": split(["c", "a"], 1)})
+    assert raw["train"].features["label"] == datasets.Value("large_string")
+    args, data = prepared(monkeypatch, raw, "--model_name_or_path", tiny_vit, "--output_dir", tmp_path / "out")
+    assert data[0]["validation"]["label"] == [2, 0]
+    assert collated(args, data)["labels"].tolist() == [["a", "b", "c"].index(x) for x in ["a", "b", "c"] * 2]
+
+
+@pytest.mark.fast
+def test_validation_labels_numbered_otherwise_than_trainings_are_renumbered_by_name(tmp_path, monkeypatch, tiny_vit):
+    """Each split read with its own ClassLabel (imagefolder on a validation folder that lacks a class): the
+    validation ids were read as the training ones, its 'c' scored as 'b'. A ClassLabel beside names failed with a
+    traceback, or was refused as labels never seen in training."""
+    import datasets
+
+    three, two = datasets.ClassLabel(names=["a", "b", "c"]), datasets.ClassLabel(names=["a", "c"])
+    cases = {
+        "two ClassLabels": (hub_split([0, 1, 2] * 3, three), hub_split([0, 1, 1], two, seed=1)),
+        "ClassLabel, names": (hub_split([0, 1, 2] * 3, three), hub_split(["a", "c", "c"], seed=1)),
+        "names, ClassLabel": (hub_split(["a", "b", "c"] * 3), hub_split([0, 2, 2], three, seed=1)),
+    }
+    for case, (train, validation) in cases.items():
+        raw = datasets.DatasetDict({"train": train, "validation": validation})
+        args, data = prepared(monkeypatch, raw, "--model_name_or_path", tiny_vit, "--output_dir", tmp_path / "out")
+        names = data[2].id2label
+        assert [names[i] for i in data[0]["validation"]["label"]] == ["a", "c", "c"], case
+
+
+@pytest.mark.fast
+def test_max_samples_of_a_hub_dataset_in_class_order_take_every_class(tmp_path, monkeypatch, tiny_vit):
+    """A Hub dataset pushed from class folders is in class order: --max_train_samples 12 took 12 images of its
+    first class, refused as "one class only" (a classifier needs two), and --max_eval_samples scored one class."""
+    import datasets
+
+    names = datasets.ClassLabel(names=["a", "b", "c"])
+    labels = [0] * 20 + [1] * 20 + [2] * 20
+    raw = datasets.DatasetDict({"train": hub_split(labels, names), "validation": hub_split(labels, names, seed=1)})
+    args, data = prepared(
+        monkeypatch, raw, "--model_name_or_path", tiny_vit, "--output_dir", tmp_path / "out",
+        "--max_train_samples", 12, "--max_eval_samples", 9,
+    )  # fmt: skip
+    assert (len(data[0]["train"]), len(data[0]["validation"])) == (12, 9)
+    assert set(data[0]["train"]["label"]) == set(data[0]["validation"]["label"]) == {0, 1, 2}
+
+
+@pytest.mark.fast
+def test_an_image_processor_that_cannot_feed_the_model_is_refused_before_training(tmp_path):
+    """A 1-channel model with ImageNet's 3-value mean, or with a processor that converts to RGB, and a 4-channel
+    model: a traceback at the first step. A processor that keeps the aspect ratio (a shortest-edge resize without
+    a crop) could not stack a batch of wide and tall images: each is now cropped to its centred square, as
+    transformers' run_image_classification.py does."""
+    from accelerate import PartialState
+    from transformers import BitImageProcessor, ViTImageProcessor
+
+    from ddp_utils.core.errors import UsageError
+    from ddp_utils.data.vision import ImageCollator, check_image_processor
+
+    PartialState(cpu=True)
+    refused = {
+        "normalises 3 channels (image_mean [0.5, 0.5, 0.5]) and the model takes 1": (ViTImageProcessor(), 1),
+        "converts every image to RGB (do_convert_rgb) and the model takes 1 channel (num_channels in its config.json)"
+        ": set do_convert_rgb to false": (BitImageProcessor(image_mean=[0.5], image_std=[0.5]), 1),
+        "the model takes 4-channel images": (ViTImageProcessor(), 4),
+    }
+    for expected, (processor, channels) in refused.items():
+        with pytest.raises(UsageError, match=re.escape(expected)):
+            check_image_processor(processor, channels)
+    assert check_image_processor(ViTImageProcessor(size={"height": 16, "width": 16}), 3) is False
+    assert check_image_processor(ViTImageProcessor(do_resize=False), 3) is False  # images of one size: as given
+    keeps_ratio = ViTImageProcessor(size={"shortest_edge": 16})
+    assert check_image_processor(keeps_ratio, 3) is True
+    rng = random.Random(0)
+    rows = [{"image": class_image("dark", rng).resize(size), "label": 0} for size in ((30, 12), (12, 30), (14, 14))]
+    with pytest.raises(ValueError):
+        ImageCollator(keeps_ratio, "image", "label", 3)(rows)
+    assert ImageCollator(keeps_ratio, "image", "label", 3, square=True)(rows)["pixel_values"].shape == (3, 3, 16, 16)
+
+
+@pytest.mark.fast
+def test_an_image_over_pillows_size_limit_names_its_fix_and_a_raised_limit_checks_again(tmp_path, monkeypatch):
+    """A gigapixel scan is whole, but over Pillow's decompression-bomb limit: it was called unreadable ("fix or
+    remove them"), and after the limit was raised the cached answer still called it so."""
+    import datasets
+    from PIL import Image as PILImage
+
+    from ddp_utils.core.errors import UsageError
+    from ddp_utils.data.image_folders import drop_bad_images, image_folders
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 30 * 30)  # refused over twice that: a 60x60 image
+    train = write_image_folder(tmp_path / "train", {"dark": 3, "bright": 3}, seed=0)
+    class_image("dark", random.Random(1)).resize((60, 61)).save(train / "dark" / "scan.png")
+    with pytest.raises(UsageError, match=re.escape("1 train image(s) are over Pillow's limit of 1,800 pixels")) as no:
+        drop_bad_images(image_folders(str(train)), "image", skip=False)
+    assert "dark/scan.png" in str(no.value) and "raise PIL.Image.MAX_IMAGE_PIXELS in load_raw_datasets" in str(no.value)
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 60 * 61)
+    assert drop_bad_images(image_folders(str(train)), "image", skip=False) == {"train_images_skipped": 0}
+
+
+def test_a_csv_of_image_paths_of_mixed_shapes_trains_on_two_processes_each_image_once(tmp_path):
+    """Shapes users bring through --dataset_name: a folder of train.csv and validation.csv naming image files and
+    their classes, wide and tall images, and a model whose image processor keeps the aspect ratio. Each failed at
+    the first step; now 2 processes train, see every training image once per epoch and score each of the 13
+    validation images once."""
+    from transformers import ViTImageProcessor
+
+    model = make_tiny_vit(tmp_path / "vit")
+    ViTImageProcessor(size={"shortest_edge": 16}, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(model)
+    rng, data = random.Random(0), tmp_path / "data"
+    for split, count in (("train", 24), ("validation", 13)):
+        (tmp_path / "images" / split).mkdir(parents=True)
+        lines = ["image,label"]
+        for i in range(count):
+            kind = CLASSES[i % 3]
+            path = tmp_path / "images" / split / f"{i}.jpg"
+            class_image(kind, rng).convert("RGB").resize((28, 14) if i % 2 else (14, 28)).save(path)
+            lines.append(f"{path},{kind}")
+        data.mkdir(exist_ok=True)
+        (data / f"{split}.csv").write_text("\n".join(lines) + "\n")
+    output_dir = tmp_path / "out"
+    args = [
+        "--model_name_or_path", model, "--dataset_name", data, "--output_dir", output_dir, "--num_train_epochs", 2,
+        "--per_device_train_batch_size", 4, "--per_device_eval_batch_size", 4, "--checkpointing_steps", "no",
+        "--report_to", "none",
+    ]  # fmt: skip
+    result = launch(TRAIN_IMAGE, *args, num_processes=2)
+    assert result.returncode == 0, result.output[-4000:]
+    assert "keeps each image's aspect ratio (size {'shortest_edge': 16}, no crop)" in result.output
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert (metrics["eval_examples"], metrics["train_samples_seen"]) == (13, 2 * 24)
+    confusion = json.loads((output_dir / "report" / "confusion_matrix.json").read_text())
+    assert np.sum(confusion["counts"]) == 13 and confusion["labels"] == sorted(CLASSES)

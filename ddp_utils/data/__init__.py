@@ -8,6 +8,7 @@
 - classification.py  labels to classes, accuracy, F1, the confusion matrix, regression scores; which task a column is
 - multi_label.py     label lists (names, class labels, 0/1 vectors) as multi-hot; exact match, micro and macro F1
 - image_folders.py   image folders: a class per subfolder, the unreadable images found once per node
+- image_columns.py   other image datasets' columns: paths and arrays as images, validation labels matched by name
 - vision.py          images into inputs (any mode), a seeded augmentation, SyncBatchNorm
 - demo.py            the offline demos' models (demo_models/) and data
 

@@ -98,12 +98,14 @@ def _image_problem(value: dict) -> tuple[str | None, str] | None:
 def _checked_images_key(raw, image_column: str) -> str | None:
     """What identifies a check's answer: the images' files (path, size, time of change), or for images held in the
     data (a Hub dataset's) its fingerprint where the datasets cache gives it one; None where neither tells (the
-    check then runs again). Reads each file's metadata, not its pixels."""
+    check then runs again). Reads each file's metadata, not its pixels. Pillow's size limit is part of it: a run that
+    raised it checks its images again."""
     import pyarrow.compute as pc
+    from PIL import Image
 
     values = raw.with_format("arrow")[image_column]
     paths, held = pc.struct_field(values, "path").to_pylist(), pc.struct_field(values, "bytes").null_count < len(values)
-    digest = hashlib.sha256(f"{len(values)}".encode())
+    digest = hashlib.sha256(f"{len(values)}\0{Image.MAX_IMAGE_PIXELS}".encode())
     if not held and all(paths):
         for path in paths:
             try:
@@ -145,6 +147,9 @@ def image_folders(train_dir: str, validation_dir: str | None = None):
 
 METADATA = ("metadata.csv", "metadata.jsonl", "metadata.parquet")  # what datasets' imagefolder read labels from
 SKIPPED = (".", "__MACOSX")  # hidden files and folders (.DS_Store, .ipynb_checkpoints, ._1.jpg), macOS's zip folder
+# What file systems add, never a class: a Synology NAS's thumbnails (@eaDir/1.jpg/SYNOFILE_THUMB_M.jpg, read as a
+# class of thumbnails, or as extra images of each class) and recycle bin, Windows' and ext4's own folders.
+SKIPPED += ("@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN", "System Volume Information", "lost+found")
 
 
 def _class_images(folder: str, option: str) -> dict:
@@ -228,15 +233,27 @@ def _counted(counts: dict) -> str:
 
 def drop_bad_images(raw, image_column: str, skip: bool) -> dict:
     """Check every split's images; refuse unreadable ones with their count and names, or with
-    `skip`, drop them and return how many each split lost (for the report). Any rank may call it."""
+    `skip`, drop them and return how many each split lost (for the report). Images over Pillow's size limit (twice
+    MAX_IMAGE_PIXELS) are whole: their fix is named apart. Any rank may call it."""
+    from PIL import Image
+
     skipped = {}
     for split in raw:
         bad = find_bad_images(raw[split], image_column)
+        large = [name for _, name in bad if name.endswith("(DecompressionBombError)")]  # whole and readable
+        if large and not skip and len(large) == len(bad):
+            raise UsageError(
+                f"{len(bad)} {split} image(s) are over Pillow's limit of {2 * Image.MAX_IMAGE_PIXELS:,} pixels, its "
+                f"guard against decompression bombs: {', '.join(large[:10])}. Downscale them, or where you trust the "
+                "files raise PIL.Image.MAX_IMAGE_PIXELS in load_raw_datasets (the script's DATA section); or pass "
+                "--skip_bad_images to train without them"
+            )
         if bad and not skip:
             names = ", ".join(name for _, name in bad[:10]) + (", ..." if len(bad) > 10 else "")
             raise UsageError(
                 f"{len(bad)} {split} image(s) cannot be read: {names}. Fix or remove them, "
                 "or pass --skip_bad_images to train without them"
+                + (f" ({len(large)} only over Pillow's size limit: PIL.Image.MAX_IMAGE_PIXELS)" if large else "")
             )
         if bad:
             logger.warning(

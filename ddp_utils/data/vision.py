@@ -1,5 +1,7 @@
-"""Images into model inputs: any mode to the model's (16-bit scans scaled), a light augmentation that depends only
-on the seed, the epoch and the example, and SyncBatchNorm. Reading and checking image folders: image_folders.py.
+"""Images into model inputs: any mode to the model's (16-bit scans scaled, CIELab converted), the image processor
+checked against the model before training, a light augmentation that depends only on the seed, the epoch and the
+example, and SyncBatchNorm. Reading and checking image folders: image_folders.py; other datasets' columns:
+image_columns.py.
 
 PIL and NumPy only: torchvision has no CPU wheel on many machines and pulls CUDA packages.
 """
@@ -33,26 +35,96 @@ def random_shift(image, rng: np.random.Generator, fraction: float = 0.125, flip:
 
 def in_mode(image, mode: str):
     """`image` in `mode` (RGB or L). An image of 16-bit or 32-bit integers (16-bit PNG and TIFF scans: I;16, I) or of
-    floats (F) is first scaled to 8 bits: PIL's own conversion clips it, which turned most 16-bit pixels white."""
+    floats (F) is first scaled to 8 bits: PIL's own conversion clips it, which turned most 16-bit pixels white. An
+    integer image whose values all fit in 8 bits is taken as 8-bit: `datasets` stores arrays of int64 pixels 0-255
+    (MNIST read with NumPy or pandas) as I, which the scaling turned black. CIELab (TIFF) goes through ImageCms."""
     from PIL import Image
 
     if image.mode.startswith("I;16") or image.mode == "I":  # 16-bit values, also where PIL holds them as I
-        pixels = np.asarray(image, dtype=np.float64) / 257
+        pixels = np.asarray(image, dtype=np.float64)
+        pixels = pixels / 257 if pixels.size and pixels.max() > 255 else pixels
         image = Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8))
     elif image.mode == "F":  # floats: in [0, 1] as most tools write them, else taken as 0 to 255
         pixels = np.asarray(image, dtype=np.float64)
         pixels = pixels * 255 if pixels.size and np.nanmax(pixels) <= 1 else pixels
         image = Image.fromarray(np.clip(np.rint(np.nan_to_num(pixels)), 0, 255).astype(np.uint8))
+    elif image.mode == "LAB":  # PIL converts it to nothing else ("conversion from LAB to RGB not supported")
+        from PIL import ImageCms
+
+        lab, srgb = ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB")
+        image = ImageCms.applyTransform(image, ImageCms.buildTransform(lab, srgb, "LAB", "RGB"))
     return image.convert(mode)
+
+
+def check_image_processor(image_processor, num_channels: int) -> bool:
+    """Run the model's image processor on four blank images (wide, tall, two squares) in the collator's mode, before
+    training: a UsageError naming the fix where it fails on them or makes other channels than the model takes (a
+    3-value image_mean for a 1-channel model, do_convert_rgb), instead of a traceback at the first step. Returns
+    True where it keeps each image's aspect ratio (a shortest-edge resize without a crop), whose batches of mixed
+    shapes cannot stack: the collator then crops each image to its centred square first, as transformers'
+    run_image_classification.py does (Resize and CenterCrop to the shortest edge). No communication."""
+    from PIL import Image
+
+    if num_channels not in (1, 3):
+        raise UsageError(
+            f"the model takes {num_channels}-channel images (num_channels in its config.json), and this script feeds "
+            "RGB (3) or grey (1) ones: choose a model of 3 or 1 channels, or convert your images in ImageCollator"
+        )
+    mode, name = ("RGB" if num_channels == 3 else "L"), type(image_processor).__name__
+    mean = getattr(image_processor, "image_mean", None) if getattr(image_processor, "do_normalize", False) else None
+    if isinstance(mean, (list, tuple)) and len(mean) != num_channels:  # a 1-channel model given ImageNet's mean
+        raise UsageError(
+            f"the model's image processor ({name}) normalises {len(mean)} channels (image_mean {list(mean)}) and the "
+            f"model takes {num_channels} (num_channels in its config.json): give image_mean and image_std one value "
+            "per channel in its preprocessor_config.json"
+        )
+    if num_channels == 1 and getattr(image_processor, "do_convert_rgb", False):  # grey images made RGB again
+        raise UsageError(
+            f"the model's image processor ({name}) converts every image to RGB (do_convert_rgb) and the model takes "
+            "1 channel (num_channels in its config.json): set do_convert_rgb to false in its preprocessor_config.json"
+        )
+    shapes = []
+    for size in ((48, 24), (24, 48), (48, 48), (24, 24)):
+        try:
+            pixels = image_processor([Image.new(mode, size, 128)], return_tensors="pt")["pixel_values"]
+        except Exception as error:  # any of a processor's own checks: ValueError, TypeError, RuntimeError, ...
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            raise UsageError(
+                f"the model's image processor ({name}) fails on a {mode} image, the model's {num_channels} channel(s)"
+                f" ({reason}); make its preprocessor_config.json match the model"
+            ) from None
+        shapes.append(tuple(pixels.shape))
+    if shapes[0][1] != num_channels:
+        raise UsageError(
+            f"the model's image processor ({name}) makes {shapes[0][1]}-channel inputs and the model takes "
+            f"{num_channels} (num_channels in its config.json): make its preprocessor_config.json match the model"
+        )
+    if shapes[0] == shapes[1] or shapes[2] != shapes[3]:  # a fixed size; or none (do_resize off): as given
+        return False
+    logger.warning(
+        f"the image processor ({name}) keeps each image's aspect ratio (size {image_processor.to_dict().get('size')},"
+        " no crop), so images of other shapes cannot share a batch: each is cropped to its centred square first; "
+        "set do_center_crop and crop_size, or a size of height and width, in preprocessor_config.json to choose"
+    )
+    return True
+
+
+def centred_square(image):
+    """The largest square in the middle of `image`."""
+    width, height = image.size
+    side = min(width, height)
+    left, top = (width - side) // 2, (height - side) // 2
+    return image.crop((left, top, left + side, top + side))
 
 
 class ImageCollator:
     """Rows with an image and a label -> `pixel_values`, `labels` (and `sample_weight` for training).
 
     Every image is converted to one mode, RGB or L to match the model's channels, whatever mode
-    its file has. With `augment`, each training image is shifted (and with `flip`, mirrored) by a
-    random draw seeded by (seed, epoch, example id): the same for any number of processes or
-    loader workers, and after a resume. The rows must carry their epoch: build the training
+    its file has; with `square` (`check_image_processor`), cropped to its centred square. With
+    `augment`, each training image is shifted (and with `flip`, mirrored) by a random draw seeded
+    by (seed, epoch, example id): the same for any number of processes or loader workers, and
+    after a resume. The rows must carry their epoch: build the training
     dataloader with `make_train_dataloader(..., epoch_in_rows=True)`.
     """
 
@@ -65,13 +137,16 @@ class ImageCollator:
         augment: bool = False,
         flip: bool = False,
         seed: int = 0,
+        square: bool = False,
     ):
         self.image_processor, self.image_column, self.label_column = image_processor, image_column, label_column
         self.mode = "RGB" if num_channels == 3 else "L"
-        self.augment, self.flip, self.seed = augment, flip, seed
+        self.augment, self.flip, self.seed, self.square = augment, flip, seed, square
 
     def __call__(self, rows: list[dict]) -> dict:
         images = [in_mode(row[self.image_column], self.mode) for row in rows]
+        if self.square:
+            images = [centred_square(image) for image in images]
         if self.augment:
             images = [
                 random_shift(image, np.random.default_rng([self.seed, row[EPOCH], row[EXAMPLE_ID]]), flip=self.flip)
