@@ -49,6 +49,7 @@ def label_mapping(raw, label_column: str):
     train, validation = (distinct_values(raw[split], label_column) for split in ("train", "validation"))
     feature = raw["train"].features[label_column]
     if isinstance(feature, datasets.ClassLabel):
+        _check_numbered_as_training(raw, label_column, feature)
         names, to_id, unseen = feature.names, int, sorted(set(validation) - set(train))
         for split, values in (("training", train), ("validation", validation)):
             if values and min(values) < 0:
@@ -76,6 +77,30 @@ def label_mapping(raw, label_column: str):
             "a classifier needs examples of at least two"
         )
     return [str(name) for name in names], to_id
+
+
+def _check_numbered_as_training(raw, column: str, feature) -> None:
+    """A UsageError where the validation split's labels are not the training ClassLabel's ids: another ClassLabel
+    (each split read with its own) or class names. Its ids were read as training's (a 'c' scored as a 'b'), or its
+    names ended in a raw TypeError."""
+    import datasets
+
+    held_out = raw["validation"].features.get(column) if "validation" in raw else None
+    if held_out is None or held_out == feature or not isinstance(held_out, (datasets.ClassLabel, datasets.Value)):
+        return
+    fix = "data['validation'] = data['validation']."
+    if isinstance(held_out, datasets.ClassLabel):
+        fix += f"align_labels_with_mapping({{n: i for i, n in enumerate(data['train'].features[{column!r}].names)}}, "
+        fix += f"{column!r})"
+    elif held_out.dtype in ("string", "large_string"):
+        fix += f"cast_column({column!r}, data['train'].features[{column!r}])"
+    else:
+        return  # plain ids beside a ClassLabel: read as its ids
+    numbered = f"ClassLabel {held_out.names[:10]}" if isinstance(held_out, datasets.ClassLabel) else "class names"
+    raise UsageError(
+        f"the training labels are a ClassLabel {feature.names[:10]} and the validation labels {numbered}, whose ids "
+        f"would be read as training's; number them by name in the script's DATA section: {fix}"
+    )
 
 
 class LabelIds:
