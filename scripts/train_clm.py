@@ -58,7 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration, e.g. wikitext-2-raw-v1")
     p.add_argument("--train_split", default=None, help="the Hub dataset's training split (default: train)")
     p.add_argument("--validation_split", default=None, help="its validation split (default: validation, else test)")
-    p.add_argument("--train_file", default=None, help="local training text: .txt, .csv, .json, .jsonl or .parquet")
+    text_files = "a file, folder or glob: .txt (a line a record), .csv, .json(l), .parquet, code (a file a record)"
+    p.add_argument("--train_file", default=None, help=f"local training text, {text_files}")
     p.add_argument("--validation_file", default=None, help="local validation text (default: split off the training)")
     p.add_argument("--validation_split_percentage", type=int, default=5, help="%% held out without a validation split")
     p.add_argument("--text_column", default="text", help="the column of raw text (a .txt file's lines are 'text')")
@@ -91,7 +92,7 @@ def parse_args(argv=None):
 def load_raw_datasets(args):
     if args.train_file:
         files = {"train": args.train_file, **({"validation": args.validation_file} if args.validation_file else {})}
-        return ddp_utils.read_data_files(files)
+        return ddp_utils.read_data_files(files, raw_text=True)  # a folder or glob too; code: a file a record
     if args.dataset_name:
         raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
         return ddp_utils.named_splits(raw, args.train_split, args.validation_split)  # the Hub's own split names
@@ -105,7 +106,8 @@ def tokenize_in_blocks(raw, tokenizer, args, block_size):
     """Each split's text as one stream of tokens (BOS text EOS per row) cut into blocks of
     `block_size`; the report counts the tail that does not fill a block, dropped."""
     column, eos = args.text_column, [tokenizer.eos_token_id]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    # GPT-2's one token for both (<|endoftext|>) goes once between documents, not twice
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id not in (None, tokenizer.eos_token_id) else []
 
     def encode(batch):  # it sees only what it needs, so a second launch finds the datasets cache
         return {
@@ -120,10 +122,13 @@ def tokenize_in_blocks(raw, tokenizer, args, block_size):
     for split in ("train", "validation"):
         total = int(token_lengths(encoded[split]).sum())
         if len(blocks[split]) == 0:
+            more = "give more text"
+            if split == "validation":  # a file given: the held-out share is not what to change
+                held_out = " (a --validation_file, or a larger --validation_split_percentage)"
+                more = "add text to --validation_file" if args.validation_file else more + held_out
             raise UsageError(
-                f"the {split} data holds {total} tokens, fewer than one block of {block_size}; give more text "
-                + ("(a --validation_file, or a larger --validation_split_percentage) " if split == "validation" else "")
-                + "or lower --block_size"
+                f"the {split} data holds {total} tokens, fewer than one block of {block_size}; {more}, "
+                "or lower --block_size"
             )
         report[f"{split}_tokens_dropped"] = total - len(blocks[split]) * block_size
         logger.info(

@@ -59,6 +59,96 @@ def write_sentences(path, lines: int = 120, seed: int = 0):
     return path
 
 
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+CODE = "def f(x):\n    return x + 1\n\n\nclass A:\n    pass\n"
+
+
+def write_code_folder(directory, picture=False):
+    """A repository's files: modules, an empty __init__.py, a README, a Makefile, .git (hidden: left out)."""
+    (directory / "pkg").mkdir(parents=True)
+    (directory / ".git").mkdir()
+    (directory / ".git" / "HEAD").write_bytes(b"\x00\x01 not text")
+    for i in range(20):
+        (directory / "pkg" / f"m{i}.py").write_text(CODE.replace("f(", f"f{i}("))
+    (directory / "pkg" / "__init__.py").write_text("")
+    (directory / "README.md").write_text("# Title\n\nSome text.\n")
+    (directory / "Makefile").write_text("test:\n\tpytest\n")
+    if picture:
+        (directory / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    return directory
+
+
+def byte_level_lm(directory, bos="<s>"):
+    """A 2-layer Llama with a byte-level tokenizer (every character kept, line breaks and indents too); EOS is
+    </s>, and BOS `bos` (GPT-2's way: the same token)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from conftest import _byte_level_alphabet
+
+    tokens = _byte_level_alphabet() + ["<s>", "</s>"]
+    backend = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token="</s>", model_max_length=64)
+    config = LlamaConfig(vocab_size=len(tokens), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def clm_blocks(model, *extra):
+    """train_clm.py's own parse_args and prepare_data: (its blocks, the tokenizer)."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+    clm = load_script("train_clm")
+    argv = ["--model_name_or_path", model, "--block_size", 16, "--output_dir", "unused", "--report_to", "none", *extra]
+    blocks, tokenizer, *_ = clm.prepare_data(clm.parse_args([str(a) for a in argv]))
+    return blocks, tokenizer
+
+
+@pytest.mark.fast
+def test_code_markdown_and_files_without_an_extension_train_whole_with_their_line_breaks(tmp_path):
+    """Users train on code. A .py, .md or extensionless file was refused ("unknown extension", use .txt), and
+    renamed .txt each line became a record: BOS line EOS, its line break and the code's shape gone. Now such a file
+    is one record, its text as it is (a Windows BOM and CRLF read as text files are), in a folder too."""
+    model = byte_level_lm(tmp_path / "bytes")
+    for name in ("module.py", "README.md", "Makefile"):
+        path = tmp_path / name
+        path.write_bytes(("\ufeff" + CODE * 6).replace("\n", "\r\n").encode())
+        blocks, tokenizer = clm_blocks(model, "--train_file", path, "--validation_file", path)
+        stream = [token for block in blocks["train"]["input_ids"] for token in block]
+        whole = [tokenizer.bos_token_id, *tokenizer(CODE * 6, add_special_tokens=False)["input_ids"]]
+        assert stream == whole[: len(stream)] and len(whole) + 1 - len(stream) < 16, name
+    blocks, tokenizer = clm_blocks(model, "--train_file", write_code_folder(tmp_path / "repo"))
+    text = tokenizer.decode([token for block in blocks["train"]["input_ids"] for token in block])
+    assert "</s><s>def f" in text and "    return x + 1\n\n\nclass A:\n" in text and "not text" not in text
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("bos", ["<s>", "</s>"], ids=["bos", "bos-is-eos"])
+def test_documents_are_kept_apart_by_one_eos_and_bos_where_the_tokenizer_has_its_own(bos, tmp_path):
+    """Each record: BOS, its text, EOS. Where BOS and EOS are one token (GPT-2's <|endoftext|>, OPT's </s>), it
+    went twice between documents, and the model learned that an end of text is followed by another."""
+    model = byte_level_lm(tmp_path / "bytes", bos=bos)
+    docs = [f"document {i} says hello" for i in range(12)]
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": doc} for doc in docs])
+    blocks, tokenizer = clm_blocks(model, "--train_file", path, "--validation_file", path)
+    first = [tokenizer.bos_token_id] if bos == "<s>" else []
+    eos = [tokenizer.eos_token_id]
+    whole = [t for doc in docs for t in first + tokenizer(doc, add_special_tokens=False)["input_ids"] + eos]
+    stream = [token for block in blocks["validation"]["input_ids"] for token in block]
+    assert stream == whole[: len(stream)] and len(whole) - len(stream) < 16
+
+
 @pytest.fixture(scope="module")
 def text_runs(tiny_lm, tmp_path_factory):
     """The same 3 epochs on 1 process x batch 4 and 2 processes x batch 2."""
@@ -274,7 +364,12 @@ def test_lora_leaves_out_the_linear_layers_whose_weight_the_model_uses_directly(
 
 
 def test_every_token_trained_exactly_once_per_epoch_across_ranks(tiny_lm, tmp_path):
-    corpus = write_text_corpus(tmp_path / "corpus.txt")
+    """The text given as a folder (--train_file data/) of .txt files of odd sizes, one in a subfolder, one empty."""
+    lines = write_text_corpus(tmp_path / "corpus.txt").read_text().splitlines(keepends=True)
+    corpus = tmp_path / "data"
+    (corpus / "more").mkdir(parents=True)
+    for name, part in (("a.txt", lines[:7]), ("more/b.txt", lines[7:12]), ("c.txt", lines[12:]), ("d.txt", [])):
+        (corpus / name).write_text("".join(part))
     out = tmp_path / "tokens.json"
     result = launch(
         COUNT_TOKENS,
@@ -351,11 +446,29 @@ BAD_INPUT = {
     "missing_text_column": (lambda d: ["--text_column", "body"], "has no column 'body'"),
     "fewer_tokens_than_a_block": (
         lambda d: ["--validation_file", write_text_corpus(d / "v.txt", ["w1", "w2"])],
-        "the validation data holds 4 tokens, fewer than one block of 16; give more text (a --validation_file, or a",
+        "the validation data holds 4 tokens, fewer than one block of 16; add text to --validation_file, or lower",
     ),
     "block_size_above_context": (
         lambda d: ["--block_size", 100],
         "--block_size 100 is above this model's context of 64",
+    ),
+    "text_column_of_another_name": (  # the Stack's, RedPajama's: the fix now names the column
+        lambda d: ["--train_file", write_jsonl(d / "c.jsonl", [{"id": i, "content": f"w{i} w1"} for i in range(30)])],
+        "its columns are ['id', 'content']. Name the right one with --text_column content",
+    ),
+    "text_of_mixed_types": (  # was "holds extension<arrow.json>", showing record 0, which is text
+        lambda d: ["--train_file", write_jsonl(d / "m.jsonl", [{"text": 5 if i == 3 else "w1 w2"} for i in range(30)])],
+        "'text' holds values of mixed types (text in some records, numbers or lists in others), not text (first: "
+        "record 3, '5')",
+    ),
+    "a_folder_of_files_of_two_kinds": (
+        lambda d: ["--train_file", d],  # corpus.txt, and c.jsonl written here
+        "holds files read in different ways (.jsonl, .txt); give one kind, with a glob:",
+    ),
+    "a_picture_among_the_code": (
+        lambda d: ["--train_file", write_code_folder(d / "repo", picture=True)],
+        "logo.png' is not UTF-8 ('utf-8' codec can't decode byte 0x89 in position 0: invalid start byte); save it "
+        "as UTF-8, or leave it out with a glob",
     ),
     "block_of_one_token": (  # no next token to learn: it trained on nothing and reported a loss of 0 as a success
         lambda d: ["--block_size", 1],
@@ -369,6 +482,8 @@ def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, tmp_path):
     change, expected = BAD_INPUT[case]
     output_dir = tmp_path / "out"
     corpus = write_text_corpus(tmp_path / "corpus.txt")
+    if case == "a_folder_of_files_of_two_kinds":
+        write_jsonl(tmp_path / "c.jsonl", [{"text": "w1"}])
     args = [*text_args(tiny_lm, corpus, output_dir, "--max_train_steps", 2), *[str(a) for a in change(tmp_path)]]
     if case != "fewer_tokens_than_a_block":  # launched: the main process's check reaches every rank
         return refused_in_process("train_clm", args, expected)

@@ -126,6 +126,55 @@ def test_files_not_in_utf8_a_bom_and_a_folder_are_read_or_named_in_one_line(tmp_
         read_data_files({"train": str(tmp_path)})
 
 
+@pytest.mark.fast
+def test_a_folder_or_a_glob_of_text_files_is_read_for_raw_text_each_file_named_in_its_message(tmp_path):
+    """train_clm.py's --train_file data/ or 'data/**/*.txt' (a corpus often ships as many files) was refused: "give
+    the path of one file". With `raw_text` a folder's files at every level (hidden ones and empty ones left out) or a
+    glob's are read, of one kind; a file that is not UTF-8 is named, not the folder. The other scripts still take
+    one file."""
+    from accelerate import PartialState
+
+    from ddp_utils import read_data_files
+
+    PartialState(cpu=True)  # it logs the files it read through Accelerate's logger
+    (tmp_path / "data" / "more").mkdir(parents=True)
+    (tmp_path / "data" / ".hidden").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("first line\nsecond line\n")
+    (tmp_path / "data" / "more" / "b.txt").write_text("third line")  # no line break at its end
+    (tmp_path / "data" / "empty.txt").write_text("")
+    (tmp_path / "data" / ".hidden" / "c.txt").write_text("not read\n")
+    lines = ["first line", "second line", "third line"]
+    for given in ("data", "data/**/*.txt", "data/*/*.txt"):
+        read = read_data_files({"train": str(tmp_path / given)}, raw_text=True)["train"]["text"]
+        assert list(read) == (lines[2:] if given == "data/*/*.txt" else lines), given
+    (tmp_path / "data" / "notes.md").write_text("# notes\n")
+    for given, expected in (
+        ("data", "holds files read in different ways (.md, .txt); give one kind, with a glob:"),
+        ("data/*.csv", "matches no file"),
+        ("data/*.md", None),
+    ):
+        if expected is None:  # a Markdown file: one record, its whole text
+            assert read_data_files({"train": str(tmp_path / given)}, raw_text=True)["train"]["text"] == ["# notes\n"]
+            continue
+        with pytest.raises(UsageError, match=re.escape(expected)):
+            read_data_files({"train": str(tmp_path / given)}, raw_text=True)
+    (tmp_path / "data" / "notes.md").unlink()
+    (tmp_path / "data" / "more" / "latin1.txt").write_bytes("café\n".encode("latin-1"))
+    with pytest.raises(UsageError, match=r"latin1.txt' is not UTF-8 \('utf-8' codec can't decode byte 0xe9"):
+        read_data_files({"validation": str(tmp_path / "data")}, raw_text=True)
+    with pytest.raises(UsageError, match="is a folder; give the path of one file"):
+        read_data_files({"train": str(tmp_path / "data")})
+    import gzip  # datasets opens it through: C4's .json.gz was read as one record, its JSON as text
+
+    with gzip.open(tmp_path / "c4.json.gz", "wt") as handle:
+        handle.write('{"text": "first line", "url": "https://example.com"}\n')
+    with pytest.raises(UsageError, match=r"c4.json.gz' is compressed; decompress it \(gunzip"):
+        read_data_files({"train": str(tmp_path / "c4.json.gz")}, raw_text=True)
+    with pytest.raises(UsageError, match=re.escape("unknown extension '.md'")):
+        (tmp_path / "notes.md").write_text("# notes\n")
+        read_data_files({"train": str(tmp_path / "notes.md")})
+
+
 def write_stsb(path, rows, seed):
     """STS-B's shape: two sentences and a float similarity score from 0 to 5 (here: how positive)."""
     rng = random.Random(seed)
@@ -381,7 +430,8 @@ def test_labels_with_spaces_around_them_are_one_class_and_said(tiny_model, tmp_p
         ({"t.jsonl": '{"text": "a", "label": 0}\n{"text": "b", "label": "1"}\n'}, [],
          "the train data's 'label' mixes types from record to record"),
         ({"t.jsonl": '{"text": 5, "label": 0}\n{"text": 6, "label": 1}\n'}, [],
-         "the train data's 'text' holds numbers (int64), not text (first: '5'); name a text column with --text_column"),
+         "the train data's 'text' holds numbers (int64), not text (first: record 0, '5'); name a text column with "
+         "--text_column"),
         ({"t.csv": "s,score\na,1.5\nb,NA\nc,2.0\nd,0.25\n"}, ["--text_column", "s", "--label_column", "score"],
          "the train data's 'score' holds numbers and 'NA', a gap written as text: leave those cells empty"),
     ],

@@ -1,6 +1,7 @@
 """Data: the user's files read and checked, the training order, and the evaluation gathered.
 
-- data_files.py      read_data_files: local CSV, TSV, JSON, JSONL, Parquet or text, each file checked as it is read
+- data_files.py      read_data_files: local CSV, TSV, JSON, JSONL, Parquet or text, each file checked as it is read;
+                     for raw text, a folder or glob of files too, and code a file a record
 - raw_data.py        check_splits: the splits' columns checked once, a share held out; a Hub dataset's own split names
                      (named_splits)
 - dataloaders.py     the training order: whole steps, shuffled from (seed, epoch), dealt to the ranks

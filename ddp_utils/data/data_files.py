@@ -1,10 +1,12 @@
 """Reading the user's data files: local CSV, TSV, JSON, JSONL, Parquet or text, each read with one clear line for a
 file that is missing, empty, not UTF-8 or unparsable, and a warning where its rows look merged or quoted as CSV in a
-.tsv. Nothing here communicates: any rank may call these functions."""
+.tsv; for raw text, also a folder or glob of files, and code as whole files. Nothing here communicates: any rank may
+call these functions."""
 
 from __future__ import annotations
 
 import csv
+import glob
 import os
 
 from accelerate.logging import get_logger
@@ -15,56 +17,129 @@ logger = get_logger(__name__)
 
 # File extension -> the `datasets` builder that reads it.
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+_PACKED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar", ".tgz", ".7z")  # raw text's: not a text file
 
 
-def read_data_files(data_files: dict[str, str]):
+def read_data_files(data_files: dict[str, str], raw_text: bool = False):
     """Read local CSV/TSV, JSON/JSONL, Parquet or text files into a `DatasetDict`, with a clear
-    error for a missing, empty or unparsable file. `data_files` maps split name -> path."""
+    error for a missing, empty or unparsable file. `data_files` maps split name -> path.
+
+    With `raw_text` (train_clm.py) a path may also be a folder (its files, at every level, hidden ones left out) or a
+    glob, of one kind of file; a file of another extension (code, Markdown, none) is one record, its whole text with
+    its line breaks: as lines of a .txt, code would be cut apart."""
     import datasets
 
     splits = {}
     for split, path in data_files.items():
-        if not os.path.isfile(path):
-            problem = "is a folder" if os.path.isdir(path) else "does not exist"  # a folder of .txt files, say
-            raise UsageError(
-                f"--{split}_file {path!r} {problem}; give the path of one file: {', '.join(sorted(_BUILDERS))}"
-            )
-        extension = os.path.splitext(path)[1].lower()
-        if extension not in _BUILDERS:
-            raise UsageError(
-                f"--{split}_file {path!r}: unknown extension {extension!r}; use one of {sorted(_BUILDERS)}"
-            )
-        if os.path.getsize(path) == 0:
-            needs = "a header and at least one example" if extension in (".csv", ".tsv") else "at least one example"
-            raise UsageError(f"--{split}_file {path!r} is empty; it needs {needs}")
-        if not _has_examples(path, extension):
-            raise UsageError(f"--{split}_file {path!r} holds no examples; add at least one row")
-        # TSV as GLUE and SentEval ship it: tabs split the fields and a quote is text. With CSV quoting, a sentence
-        # that starts with a quote swallowed the lines after it, silently.
-        builder_kwargs = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if extension == ".tsv" else {}
-        if extension in (".csv", ".tsv"):  # only an empty cell is missing: pandas took "None", "NA", "null" for one
-            builder_kwargs.update(keep_default_na=False, na_values=[""])
-        if extension == ".txt":  # each line a record; a BOM (Windows' Notepad) is not text to train on
-            builder_kwargs.update(encoding="utf-8-sig")
+        paths = _named_files(path, split, raw_text)
+        kind = _kind_of(paths, path, split, raw_text)
+        if len(paths) == 1:  # one file: refused when it holds nothing; in a folder, an empty one is left out
+            extension = os.path.splitext(paths[0])[1].lower()
+            if os.path.getsize(paths[0]) == 0:
+                needs = "a header and at least one example" if kind == "csv" else "at least one example"
+                raise UsageError(f"--{split}_file {path!r} is empty; it needs {needs}")
+            if kind != "document" and not _has_examples(paths[0], extension):
+                raise UsageError(f"--{split}_file {path!r} holds no examples; add at least one row")
+        else:
+            empty = [name for name in paths if os.path.getsize(name) == 0]
+            if len(empty) == len(paths):
+                raise UsageError(f"--{split}_file {path!r}: its {len(paths)} files are all empty")
+            paths = [name for name in paths if name not in empty]
+            left_out = f", {len(empty)} empty left out" if empty else ""
+            logger.info(f"--{split}_file {path!r}: {len(paths)} files{left_out}")
+        if kind == "document":
+            logger.info(f"--{split}_file {path!r}: each file is one record, its whole text with its line breaks")
+        builder = {"document": "text", "tsv": "csv"}.get(kind, kind)
         try:
-            dataset = datasets.load_dataset(
-                _BUILDERS[extension], data_files={split: path}, split=split, **builder_kwargs
-            )
+            dataset = datasets.load_dataset(builder, data_files={split: paths}, split=split, **_builder_kwargs(kind))
         except Exception as exc:
-            fix = "; save it as UTF-8" if "codec can't decode" in _first_line(exc) else ""
-            raise UsageError(
-                f"--{split}_file {path!r} could not be parsed as {_BUILDERS[extension]}: {_first_line(exc)}{fix}"
-            ) from exc
+            problem = _first_line(exc)
+            fix = "; save it as UTF-8" if "codec can't decode" in problem else ""
+            if fix and len(paths) > 1:  # name the file; a picture among text files is left out, not converted
+                problem, fix = f"{_not_utf8(paths)!r} is not UTF-8 ({problem})", fix + ", or leave it out with a glob"
+            raise UsageError(f"--{split}_file {path!r} could not be parsed as {builder}: {problem}{fix}") from exc
         if len(dataset) == 0:
             raise UsageError(f"--{split}_file {path!r} holds no examples")
-        if extension in (".json", ".jsonl"):
+        if kind == "json":
             _check_utf8(dataset, path, split)
-        if extension in (".csv", ".tsv"):
-            warn_if_rows_look_merged(dataset, path, split)
-        if extension == ".tsv":
+        if kind in ("csv", "tsv"):
+            warn_if_rows_look_merged(dataset, paths, split, path)
+        if kind == "tsv":
             warn_if_quoted_as_csv(dataset, path, split)
         splits[split] = dataset
     return datasets.DatasetDict(splits)
+
+
+def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
+    """The files `path` names: itself, or with `raw_text` a folder's files (every level, hidden ones left out) or a
+    glob's matches, sorted."""
+    if os.path.isfile(path):
+        return [path]
+    pattern = any(sign in path for sign in "*?[")
+    if not raw_text or not (pattern or os.path.isdir(path)):
+        problem = "is a folder" if os.path.isdir(path) else "does not exist"  # a folder of .txt files, say
+        raise UsageError(
+            f"--{split}_file {path!r} {problem}; give the path of one file: {', '.join(sorted(_BUILDERS))}"
+        )
+    if pattern:
+        found = [name for name in glob.glob(path, recursive=True) if os.path.isfile(name)]
+    else:
+        found = []
+        for root, folders, names in os.walk(path):
+            folders[:] = [name for name in folders if not name.startswith(".")]  # .git, .ipynb_checkpoints
+            found += [os.path.join(root, name) for name in names if not name.startswith(".")]
+    if not found:
+        raise UsageError(f"--{split}_file {path!r} " + ("matches no file" if pattern else "holds no files"))
+    return sorted(found)
+
+
+def _kind_of(paths: list[str], path: str, split: str, raw_text: bool) -> str:
+    """How `paths` are read, one way for all: a `datasets` builder, "tsv", or "document" (a file a record)."""
+    kinds = {}
+    for name in paths:
+        extension = os.path.splitext(name)[1].lower()
+        if extension not in _BUILDERS and not raw_text:
+            raise UsageError(
+                f"--{split}_file {path!r}: unknown extension {extension!r}; use one of {sorted(_BUILDERS)}"
+            )
+        if extension in _PACKED and raw_text:  # datasets opens a .gz as it is: C4's .json.gz would be one record
+            where = f"--{split}_file {path!r}" + (f": {name!r}" if name != path else "")
+            raise UsageError(f"{where} is compressed; decompress it (gunzip, unzip, ...)")
+        kind = "tsv" if extension == ".tsv" else _BUILDERS.get(extension, "document")
+        kinds.setdefault(kind, set()).add(extension or "no extension")
+    if len(kinds) > 1:
+        found = ", ".join(sorted(extension for extensions in kinds.values() for extension in extensions))
+        folder = path.rstrip(os.sep) if os.path.isdir(path) else os.path.dirname(path.split("*")[0]) or "."
+        raise UsageError(
+            f"--{split}_file {path!r} holds files read in different ways ({found}); give one kind, with a glob: "
+            f"'{folder}/**/*.txt', say"
+        )
+    return next(iter(kinds))
+
+
+def _builder_kwargs(kind: str) -> dict:
+    # TSV as GLUE and SentEval ship it: tabs split the fields and a quote is text. With CSV quoting, a sentence
+    # that starts with a quote swallowed the lines after it, silently.
+    builder_kwargs = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if kind == "tsv" else {}
+    if kind in ("csv", "tsv"):  # only an empty cell is missing: pandas took "None", "NA", "null" for one
+        builder_kwargs.update(keep_default_na=False, na_values=[""])
+    if kind in ("text", "document"):  # a BOM (Windows' Notepad) is not text to train on
+        builder_kwargs.update(encoding="utf-8-sig")
+    if kind == "document":
+        builder_kwargs.update(sample_by="document")
+    return builder_kwargs
+
+
+def _not_utf8(paths: list[str]) -> str | None:
+    """The first of `paths` that is not UTF-8 text."""
+    for name in paths:
+        try:
+            with open(name, encoding="utf-8-sig") as handle:
+                while handle.read(1 << 24):
+                    pass
+        except UnicodeDecodeError:
+            return name
+    return None
 
 
 def _check_utf8(dataset, path: str, split: str) -> None:
@@ -117,14 +192,16 @@ def _first_text_where(dataset, test):
     return None
 
 
-def warn_if_rows_look_merged(dataset, path: str, split: str) -> None:
+def warn_if_rows_look_merged(dataset, paths: list[str], split: str, path: str) -> None:
     """Warn, naming the row, when a CSV or TSV file's rows look merged: fewer rows than lines of
     data (a quoted field spanning lines), or a text field holding a newline or a tab (a row or a
     field swallowed by another). Legal in CSV, and in a file of sentences usually a mistake."""
     import pyarrow.compute as pc
 
-    with open(path, errors="replace") as handle:
-        lines = sum(1 for line in handle if line.strip()) - 1  # the header
+    lines = 0
+    for name in paths:
+        with open(name, errors="replace") as handle:
+            lines += sum(1 for line in handle if line.strip()) - 1  # the header
     merged = _first_text_where(
         dataset, lambda values: pc.or_(pc.match_substring(values, "\n"), pc.match_substring(values, "\t"))
     )

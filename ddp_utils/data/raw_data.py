@@ -113,6 +113,7 @@ OTHER_COLUMN_NAMES = {
     "prompt": ("question", "problem", "query", "instruction", "input"),
     "chosen": ("preferred", "good", "accepted"),
     "rejected": ("dispreferred", "bad"),
+    "text": ("content", "body", "document", "article", "raw_content", "story", "passage", "sentence", "review"),
 }
 
 
@@ -138,8 +139,8 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, tex
                 fix = (
                     f"Its header looks separated by {separator!r}: save it separated by commas as .csv, or tabs as .tsv"
                 )
-            elif option.startswith("--"):
-                fix = f"Name the right one with {option}"
+            elif option.startswith("--"):  # a text column of another name (the Stack's "content"): named
+                fix = f"Name the right one with {option}" + (f" {guess}" if guess else "")
             elif guess:  # a script without a column option: renamed in its DATA section
                 fix = f"{rename}: data.rename_columns({{{guess!r}: {column!r}}})"
             else:
@@ -158,9 +159,10 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, tex
                 f"(first: record {pc.index(bad, True).as_py()}); fill or drop them"
             )
         if column in text and not is_text(values):
+            row = _first_not_text(values)
             raise UsageError(
-                f"the {split} data's {column!r} holds {_type_name(values.type)}, not text (first: "
-                f"{str(values[0].as_py())[:40]!r}); name a text column with {option}, or give every record text there"
+                f"the {split} data's {column!r} holds {_type_name(values.type)}, not text (first: record {row}, "
+                f"{str(values[row].as_py())[:40]!r}); name a text column with {option}, or give every record text there"
             )
         if blank == "drop" and is_text(values):
             keep = pc.invert(_is_blank(values)) if keep is None else pc.and_(keep, pc.invert(_is_blank(values)))
@@ -175,11 +177,24 @@ def _type_name(arrow_type) -> str:
     """What a column holds, in words: "int64 numbers", "values of mixed types (JSON)", "lists", ..."""
     import pyarrow as pa
 
-    if isinstance(arrow_type, pa.ExtensionType):  # datasets' Json: a column whose records differ in type
+    if isinstance(arrow_type, pa.BaseExtensionType):  # datasets' Json (Arrow's JsonType): records differ in type
         return "values of mixed types (text in some records, numbers or lists in others)"
     if pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type):
         return f"numbers ({arrow_type})"
     return "lists" if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) else str(arrow_type)
+
+
+def _first_not_text(values) -> int:
+    """The first record of a column that is not all text: of a column of mixed types (datasets' Json, each value
+    JSON), the first whose value is not a JSON string; else the first."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not isinstance(values.type, pa.BaseExtensionType):
+        return 0
+    storage = pa.chunked_array([chunk.storage for chunk in values.chunks], values.type.storage_type)
+    found = pc.invert(pc.fill_null(pc.starts_with(storage, '"'), False))
+    return pc.index(found, True).as_py() if pc.any(found).as_py() else 0
 
 
 def _is_blank(values):
