@@ -44,7 +44,8 @@ What the scripts call, one job a line, in the order a script uses it:
                                     OOMBackoff (lifecycle/start.py)
   is_sharded                        whether the weights are split over the ranks (core/sharded.py)
   count_step, global_mean_loss      what the step holds on all ranks; the exact loss (training/exact_loss.py)
-  evaluate_classification           accuracy and F1; label_config, label_mapping (data/classification.py)
+  evaluate_classification           accuracy and F1; label_config, label_mapping, labels_numbered_as_training
+                                    (data/classification.py)
   save_model, save_with_merged      the unwrapped model, and LoRA merged (results/output.py, language_models/lora.py)
   write_results                     metrics.json, training_args.json, report/ (results/report.py)
   write_jsonl                       predictions, atomically, by the main process (core/files.py)
@@ -57,7 +58,7 @@ from .core.errors import UsageError
 from .core.files import write_jsonl
 from .core.ranks import load_on_main_first, refuse_together
 from .core.sharded import is_sharded
-from .data.classification import evaluate_classification, label_config, label_mapping
+from .data.classification import evaluate_classification, label_config, label_mapping, labels_numbered_as_training
 from .data.data_files import read_data_files
 from .data.dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader, make_train_dataloader
 from .data.evaluation import check_metric_for_best_model, gather_for_eval, load_metric
@@ -109,6 +110,7 @@ __all__ = [
     "is_sharded",
     "label_config",
     "label_mapping",
+    "labels_numbered_as_training",
     "load_causal_lm",
     "load_config_and_tokenizer",
     "load_metric",

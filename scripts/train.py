@@ -103,6 +103,7 @@ def prepare_data(args):
         load_raw_datasets(args), columns, limits=limits, hold_out_percentage=hold_out, seed=args.seed,
         stratify_by=args.label_column, text=args.text_columns,
     )  # fmt: skip
+    raw = ddp_utils.labels_numbered_as_training(raw, args.label_column)  # each split its own ClassLabel: by name
     task, labels, to_label = label_task(raw, args.label_column, args.task)  # regression: a column of floats
     ddp_utils.check_metric_for_best_model(args, TASKS[task], default=TASK_METRIC[task])  # ranks the checkpoints
     config = ddp_utils.load_model_config(args.model_name_or_path, args.trust_remote_code, **labels)

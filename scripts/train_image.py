@@ -106,9 +106,13 @@ def load_raw_datasets(args):
 
 
 def prepare_data(args):
-    """Load and check the images (every one decoded once) and their labels; load the image
-    processor and the model's config (with the labels). Runs on the main process first, then on
-    the others."""
+    """Load the image processor, checked against the model before any image is read; load and check the images
+    (every one decoded once) and their labels, and the model's config (with the labels). Runs on the main process
+    first, then on the others."""
+    source = demo_resnet_path() if args.demo_model else args.model_name_or_path
+    image_processor = AutoImageProcessor.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    channels = getattr(AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code), "num_channels", 3)
+    square = check_image_processor(image_processor, channels)  # before any image is read; True: crop them square
     raw = load_raw_datasets(args)
     columns = {args.image_column: "--image_column", args.label_column: "--label_column"}
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
@@ -122,21 +126,21 @@ def prepare_data(args):
         seed=args.seed,
         stratify_by=args.label_column,
     )
-    raw = image_columns(raw, args.image_column, args.label_column)  # paths read as images; validation ids by name
+    raw = image_columns(raw, args.image_column, args.label_column)  # paths and pixel arrays read as images
+    raw = ddp_utils.labels_numbered_as_training(raw, args.label_column)  # each split its own ClassLabel: by name
     skipped = drop_bad_images(raw, args.image_column, args.skip_bad_images)
     label_names, to_label_id = ddp_utils.label_mapping(raw, args.label_column)
     if to_label_id is not int:  # labels given as strings: their ids (reads the label column only, not the images)
         raw = raw.map(lambda label: {args.label_column: to_label_id(label)}, input_columns=[args.label_column])
     labels = ddp_utils.label_config(label_names)
-    source = demo_resnet_path() if args.demo_model else args.model_name_or_path
-    image_processor = AutoImageProcessor.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     if args.demo_model:
         config = AutoConfig.from_pretrained(demo_resnet_path(), **labels)
     else:
         config = ddp_utils.load_model_config(args.model_name_or_path, args.trust_remote_code, **labels)
         ddp_utils.fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     train = raw["train"].add_column(EXAMPLE_ID, list(range(len(raw["train"]))))
-    return datasets.DatasetDict({"train": train, "validation": raw["validation"]}), image_processor, config, skipped
+    report = {**skipped, **({"square_crops": True} if square else {})}  # recorded where it is so
+    return datasets.DatasetDict({"train": train, "validation": raw["validation"]}), image_processor, config, report
 
 
 def main():
@@ -145,9 +149,8 @@ def main():
     if args.sync_batchnorm:
         check_sync_batchnorm(accelerator)  # before any work: SyncBatchNorm runs on GPUs only
 
-    data, image_processor, config, skipped = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
-    channels = getattr(config, "num_channels", 3)
-    square = check_image_processor(image_processor, channels)  # fails here, not at the first step; True: crop square
+    data, image_processor, config, data_report = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
+    channels, square = getattr(config, "num_channels", 3), data_report.get("square_crops", False)
     # Every rank builds the model at the same time: under DeepSpeed ZeRO-3 building it is a collective.
     if args.demo_model:  # random weights: the same on every rank (same seed)
         model = AutoModelForImageClassification.from_config(config)
@@ -233,7 +236,7 @@ def main():
 
     log.close()
     ddp_utils.save_model(accelerator, model, args.output_dir, image_processor, dtype=args.save_dtype)  # all ranks
-    facts = {**skipped, **backoff.facts(), **checkpointer.facts()}
+    facts = {**data_report, **backoff.facts(), **checkpointer.facts()}
     ddp_utils.write_results(accelerator, args, plan, scores, facts, confusion=confusion)  # all ranks: metrics.json
     accelerator.end_training()
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -348,30 +349,31 @@ def test_limits_after_a_held_out_split_take_a_sample_of_every_class_not_the_file
 
 
 @pytest.mark.fast
-def test_validation_labels_not_numbered_by_the_training_classlabel_are_refused_with_the_fix_that_works():
-    """Two splits each read with its own ClassLabel (a folder per split, a validation set lacking a class): the
-    validation ids were read as training's, so its 'c' (id 1 of [a, c]) was scored as 'b'; class names beside a
-    ClassLabel ended in a raw TypeError. Refused, naming the DATA-section line, which is run here as given."""
+def test_validation_labels_numbered_otherwise_than_the_training_classlabel_are_renumbered_by_name():
+    """Two splits each read with its own ClassLabel (a folder per split, a validation set lacking a class): train.py
+    read the validation ids as training's, so its 'c' (id 1 of [a, c]) was scored as 'b'; class names beside a
+    ClassLabel ended in a raw TypeError. Both scripts now number them by name; a class training lacks is refused."""
     import datasets
 
-    from ddp_utils.data.classification import label_mapping
+    from ddp_utils.data.classification import label_mapping, labels_numbered_as_training
 
     def split(labels, feature):
         return datasets.Dataset.from_dict({"label": labels}, features=datasets.Features({"label": feature}))
 
     names, text = datasets.ClassLabel(names=["a", "b", "c"]), datasets.Value("string")
     train = split([0, 1, 2, 0], names)
-    cases = [(split([0, 1], datasets.ClassLabel(names=["a", "c"])), [0, 2]), (split(["c", "a"], text), [2, 0])]
+    cases = [
+        (split([0, 1], datasets.ClassLabel(names=["a", "c"])), [0, 2]),
+        (split(["c", " a"], text), [2, 0]),  # names, one with a space around it
+        (split([2, 1], names), [2, 1]),  # one ClassLabel for both: as it was
+        (split([2, 1], datasets.Value("int64")), [2, 1]),  # plain ids beside it: read as its ids
+    ]
     for validation, ids_in_training in cases:
-        data = datasets.DatasetDict({"train": train, "validation": validation})
-        with pytest.raises(UsageError, match="the training labels are a ClassLabel \\['a', 'b', 'c'\\]") as refused:
-            label_mapping(data, "label")
-        exec(str(refused.value).split("DATA section: ")[1], {}, {"data": data})  # the fix, as a user pastes it
+        data = labels_numbered_as_training(datasets.DatasetDict({"train": train, "validation": validation}), "label")
         assert label_mapping(data, "label")[0] == ["a", "b", "c"] and data["validation"]["label"][:] == ids_in_training
-    same = datasets.DatasetDict({"train": train, "validation": split([2, 1], names)})
-    assert label_mapping(same, "label")[0] == ["a", "b", "c"]  # one ClassLabel for both: as before
-    ids = datasets.DatasetDict({"train": train, "validation": split([2, 1], datasets.Value("int64"))})
-    assert label_mapping(ids, "label")[0] == ["a", "b", "c"]  # plain ids beside it: read as its ids
+    fish = datasets.DatasetDict({"train": train, "validation": split([0, 1], datasets.ClassLabel(names=["a", "fish"]))})
+    with pytest.raises(UsageError, match=re.escape("validation labels ['fish'] never occur in the training data")):
+        labels_numbered_as_training(fish, "label")
 
 
 @pytest.mark.fast

@@ -251,7 +251,8 @@ def test_pairs_their_data_marks_as_ties_are_counted_in_a_warning(caplog):
     expected = {
         "ultrafeedback": "train: in 2 pairs score_chosen equals score_rejected and in 1 it is lower: nothing tells "
         "their answers apart, and DPO pushes them apart all the same; to drop them, in the DATA section: data = "
-        "data.filter(lambda r: r['score_chosen'] > r['score_rejected'])",
+        "data.filter(lambda r: None in (r['score_chosen'], r['score_rejected']) or "
+        "r['score_chosen'] > r['score_rejected'])",
         "argilla": "train: 1 pairs have status 'tie' (argilla's: the two answers rated the same), and DPO pushes "
         "them apart all the same; to drop them, in the DATA section: data = data.filter(lambda r: r['status'] != "
         "'tie')",
@@ -267,6 +268,11 @@ def test_pairs_their_data_marks_as_ties_are_counted_in_a_warning(caplog):
         with caplog.at_level(logging.WARNING):
             detect_pair_format(raw, None)
         assert (expected[name] in caplog.text) if expected[name] else "DPO pushes" not in caplog.text, caplog.text
+        if name in ("ultrafeedback", "argilla"):  # the filter, as a user pastes it: ties dropped, None kept
+            scope = {"data": raw["train"]}
+            exec(expected[name].split("in the DATA section: ")[1], {}, scope)
+            kept = scope["data"]["score_chosen" if name == "ultrafeedback" else "status"]
+            assert list(kept) == ([8.0, None] if name == "ultrafeedback" else ["unchanged", "swapped"]), kept
 
 
 @pytest.mark.fast

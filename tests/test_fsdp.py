@@ -530,7 +530,8 @@ def test_an_fsdp1_launch_config_is_warned_of_as_never_run(caplog):
 
     PartialState(cpu=True)  # ddp_utils logs through Accelerate's logger
     expected = "this launch config runs FSDP1 (fsdp_version 1, the default where the config leaves it out)"
-    for plugin, warned in ((Namespace(fsdp_version=1), True), (Namespace(), True), (None, False)):
+    fsdp2 = Namespace(fsdp_version=2, set_auto_wrap_policy=None)  # the hook wraps its policy setter: no warning
+    for plugin, warned in ((Namespace(fsdp_version=1), True), (Namespace(), True), (None, False), (fsdp2, False)):
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             fix_fsdp2_preparation(Namespace(state=Namespace(fsdp_plugin=plugin)))

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -582,11 +583,14 @@ def test_pixel_arrays_of_integers_keep_their_values():
     from ddp_utils.data.vision import in_mode
 
     pixels = np.random.default_rng(0).integers(0, 256, (28, 28))
-    for dtype in (np.int64, np.int32, np.uint16):
+    for dtype in (np.int64, np.int32):
         features = datasets.Features({"image": datasets.Image()})
         image = datasets.Dataset.from_dict({"image": [pixels.astype(dtype)]}, features=features)[0]["image"]
-        assert image.mode in ("I", "I;16"), image.mode
+        assert image.mode == "I", image.mode
         np.testing.assert_array_equal(np.asarray(in_mode(image, "L")), pixels.astype(np.uint8), err_msg=str(dtype))
+    # A 16-bit file opens as I;16: scaled whatever its brightest pixel, so a dim scan is not read 257 times brighter
+    dim = Image.fromarray(np.full((4, 4), 200, dtype=np.uint16))
+    assert dim.mode == "I;16" and np.asarray(in_mode(dim, "L")).max() == 1
 
 
 @pytest.mark.fast
@@ -698,11 +702,12 @@ def test_max_samples_of_a_hub_dataset_in_class_order_take_every_class(tmp_path, 
 
 
 @pytest.mark.fast
-def test_an_image_processor_that_cannot_feed_the_model_is_refused_before_training(tmp_path):
+def test_an_image_processor_that_cannot_feed_the_model_is_refused_before_training(tmp_path, tiny_vit, monkeypatch):
     """A 1-channel model with ImageNet's 3-value mean, or with a processor that converts to RGB, and a 4-channel
     model: a traceback at the first step. A processor that keeps the aspect ratio (a shortest-edge resize without
     a crop) could not stack a batch of wide and tall images: each is now cropped to its centred square, as
     transformers' run_image_classification.py does."""
+    import datasets
     from accelerate import PartialState
     from transformers import BitImageProcessor, ViTImageProcessor
 
@@ -719,6 +724,15 @@ def test_an_image_processor_that_cannot_feed_the_model_is_refused_before_trainin
     for expected, (processor, channels) in refused.items():
         with pytest.raises(UsageError, match=re.escape(expected)):
             check_image_processor(processor, channels)
+    # In the script: before any image is read (checking ImageNet's images takes about 100 minutes)
+    grey = tmp_path / "grey-vit"
+    shutil.copytree(tiny_vit, grey)
+    config = json.loads((grey / "config.json").read_text())
+    (grey / "config.json").write_text(json.dumps({**config, "num_channels": 1}))
+    # a path that is not there: read first, it would be refused as such
+    images_read = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"image": ["never"], "label": ["a"]})})
+    with pytest.raises(UsageError, match=re.escape("normalises 3 channels (image_mean [0.5, 0.5, 0.5])")):
+        prepared(monkeypatch, images_read, "--model_name_or_path", grey, "--output_dir", tmp_path / "out")
     assert check_image_processor(ViTImageProcessor(size={"height": 16, "width": 16}), 3) is False
     assert check_image_processor(ViTImageProcessor(do_resize=False), 3) is False  # images of one size: as given
     keeps_ratio = ViTImageProcessor(size={"shortest_edge": 16})

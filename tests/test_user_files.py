@@ -5,8 +5,10 @@ refused in one line that names the record and the fix; most are checked through 
 `parse_args` and `prepare_data`, the regression through the launcher on 1 and 2 processes."""
 
 import json
+import logging
 import random
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -127,7 +129,7 @@ def test_files_not_in_utf8_a_bom_and_a_folder_are_read_or_named_in_one_line(tmp_
 
 
 @pytest.mark.fast
-def test_a_folder_or_a_glob_of_text_files_is_read_for_raw_text_each_file_named_in_its_message(tmp_path):
+def test_a_folder_or_a_glob_of_text_files_is_read_for_raw_text_each_file_named_in_its_message(tmp_path, caplog):
     """train_clm.py's --train_file data/ or 'data/**/*.txt' (a corpus often ships as many files) was refused: "give
     the path of one file". With `raw_text` a folder's files at every level (hidden ones and empty ones left out) or a
     glob's are read, of one kind; a file that is not UTF-8 is named, not the folder. The other scripts still take
@@ -173,6 +175,25 @@ def test_a_folder_or_a_glob_of_text_files_is_read_for_raw_text_each_file_named_i
     with pytest.raises(UsageError, match=re.escape("unknown extension '.md'")):
         (tmp_path / "notes.md").write_text("# notes\n")
         read_data_files({"train": str(tmp_path / "notes.md")})
+    # A code checkout: its __pycache__ and binary files (a logo, a .pyc elsewhere) are left out, said in a warning;
+    # a folder named like a glob is a folder; one of downloaded .json.gz files is told to decompress them.
+    code = tmp_path / "repo [main]"
+    (code / "pkg" / "__pycache__").mkdir(parents=True)
+    (code / "pkg" / "a.py").write_text("def f():\n    return 1\n")
+    (code / "pkg" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0")
+    (code / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    (code / "README").write_text("a package\n")
+    with caplog.at_level(logging.WARNING):
+        read = read_data_files({"train": str(code)}, raw_text=True)["train"]["text"]
+    assert list(read) == ["a package\n", "def f():\n    return 1\n"]
+    assert "1 binary files left out (.png: 1): not text" in caplog.text
+    (tmp_path / "c4").mkdir()
+    shutil.move(tmp_path / "c4.json.gz", tmp_path / "c4" / "c4-train.00000.json.gz")
+    with pytest.raises(UsageError, match=re.escape("holds no text files, 1 binary ones (.gz: 1); decompress them")):
+        read_data_files({"train": str(tmp_path / "c4")}, raw_text=True)
+    (tmp_path / "empty.tsv").write_text("")
+    with pytest.raises(UsageError, match="is empty; it needs a header and at least one example"):
+        read_data_files({"train": str(tmp_path / "empty.tsv")})
 
 
 def write_stsb(path, rows, seed):

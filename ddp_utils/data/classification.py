@@ -49,7 +49,6 @@ def label_mapping(raw, label_column: str):
     train, validation = (distinct_values(raw[split], label_column) for split in ("train", "validation"))
     feature = raw["train"].features[label_column]
     if isinstance(feature, datasets.ClassLabel):
-        _check_numbered_as_training(raw, label_column, feature)
         names, to_id, unseen = feature.names, int, sorted(set(validation) - set(train))
         for split, values in (("training", train), ("validation", validation)):
             if values and min(values) < 0:
@@ -79,28 +78,65 @@ def label_mapping(raw, label_column: str):
     return [str(name) for name in names], to_id
 
 
-def _check_numbered_as_training(raw, column: str, feature) -> None:
-    """A UsageError where the validation split's labels are not the training ClassLabel's ids: another ClassLabel
-    (each split read with its own) or class names. Its ids were read as training's (a 'c' scored as a 'b'), or its
-    names ended in a raw TypeError."""
+def labels_numbered_as_training(raw, column: str):
+    """`raw` with the validation split's labels numbered as the training split's, by name, where the two number
+    them differently: two ClassLabels of other names or order (each split read with its own, as imagefolder does
+    for a folder that lacks a class), or a ClassLabel beside names. Before, the validation ids were read as the
+    training ones (a 'c' scored as 'b'), or a ClassLabel beside names failed with a traceback. A validation label
+    that training lacks is refused in one line. Any rank may call it."""
     import datasets
 
-    held_out = raw["validation"].features.get(column) if "validation" in raw else None
-    if held_out is None or held_out == feature or not isinstance(held_out, (datasets.ClassLabel, datasets.Value)):
-        return
-    fix = "data['validation'] = data['validation']."
-    if isinstance(held_out, datasets.ClassLabel):
-        fix += f"align_labels_with_mapping({{n: i for i, n in enumerate(data['train'].features[{column!r}].names)}}, "
-        fix += f"{column!r})"
-    elif held_out.dtype in ("string", "large_string"):
-        fix += f"cast_column({column!r}, data['train'].features[{column!r}])"
-    else:
-        return  # plain ids beside a ClassLabel: read as its ids
-    numbered = f"ClassLabel {held_out.names[:10]}" if isinstance(held_out, datasets.ClassLabel) else "class names"
-    raise UsageError(
-        f"the training labels are a ClassLabel {feature.names[:10]} and the validation labels {numbered}, whose ids "
-        f"would be read as training's; number them by name in the script's DATA section: {fix}"
+    if "validation" not in raw or column not in raw["validation"].column_names:
+        return raw
+    train, validation = raw["train"].features[column], raw["validation"].features[column]
+    named = isinstance(validation, datasets.ClassLabel)
+    if isinstance(train, datasets.ClassLabel):
+        if named and validation.names == train.names:
+            return raw
+        if not (named or _is_text(validation)):  # plain ids beside a ClassLabel: read as its ids
+            return raw
+        values = distinct_values(raw["validation"], column)
+        names = {v: _name(validation, v) for v in values}
+        unseen = sorted({name for name in names.values() if name is not None} - set(train.names))
+        if unseen:
+            raise UsageError(
+                f"validation labels {unseen[:10]} never occur in the training data (training labels: "
+                f"{train.names[:20]}); fix the labels or give training data that covers them"
+            )
+        ids = {v: -1 if name is None else train.str2int(name) for v, name in names.items()}
+        return _relabelled(raw, column, ids, train)
+    if named and _is_text(train):  # names in training, ids in validation: the ids as names
+        values = distinct_values(raw["validation"], column)
+        if any(value < 0 for value in values):
+            raise UsageError("the validation split has unlabelled examples (label -1); use a labelled split")
+        return _relabelled(raw, column, {v: _name(validation, v) for v in values}, datasets.Value("string"))
+    return raw
+
+
+def _is_text(feature) -> bool:
+    import datasets
+
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+
+
+def _name(feature, value):
+    """The class name of a label value: a ClassLabel's id by its names (None for -1, unlabelled), text stripped."""
+    import datasets
+
+    if isinstance(feature, datasets.ClassLabel):
+        return None if value is None or value < 0 else feature.int2str(value)
+    return value.strip() if isinstance(value, str) else value
+
+
+def _relabelled(raw, column: str, new: dict, feature):
+    """`raw` with each validation label replaced by `new[label]`, the column then of `feature`."""
+    validation = raw["validation"]
+    features = validation.features.copy()
+    features[column] = feature
+    raw["validation"] = validation.map(
+        lambda value: {column: new[value]}, input_columns=[column], features=features, desc="validation labels"
     )
+    return raw
 
 
 class LabelIds:

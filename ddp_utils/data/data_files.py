@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import glob
 import os
+from collections import Counter
 
 from accelerate.logging import get_logger
 
@@ -17,6 +18,7 @@ logger = get_logger(__name__)
 
 # File extension -> the `datasets` builder that reads it.
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+SKIPPED_FOLDERS = ("__pycache__", "node_modules")  # what a code checkout holds that is no one's text
 _PACKED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar", ".tgz", ".7z")  # raw text's: not a text file
 
 
@@ -24,9 +26,9 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False):
     """Read local CSV/TSV, JSON/JSONL, Parquet or text files into a `DatasetDict`, with a clear
     error for a missing, empty or unparsable file. `data_files` maps split name -> path.
 
-    With `raw_text` (train_clm.py) a path may also be a folder (its files, at every level, hidden ones left out) or a
-    glob, of one kind of file; a file of another extension (code, Markdown, none) is one record, its whole text with
-    its line breaks: as lines of a .txt, code would be cut apart."""
+    With `raw_text` (train_clm.py) a path may also be a folder (its files, at every level; hidden ones, __pycache__
+    and binary files left out, the last said) or a glob, of one kind of file; a file of another extension (code,
+    Markdown, none) is one record, its whole text with its line breaks: as lines of a .txt, code would be cut apart."""
     import datasets
 
     splits = {}
@@ -36,7 +38,7 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False):
         if len(paths) == 1:  # one file: refused when it holds nothing; in a folder, an empty one is left out
             extension = os.path.splitext(paths[0])[1].lower()
             if os.path.getsize(paths[0]) == 0:
-                needs = "a header and at least one example" if kind == "csv" else "at least one example"
+                needs = "a header and at least one example" if kind in ("csv", "tsv") else "at least one example"
                 raise UsageError(f"--{split}_file {path!r} is empty; it needs {needs}")
             if kind != "document" and not _has_examples(paths[0], extension):
                 raise UsageError(f"--{split}_file {path!r} holds no examples; add at least one row")
@@ -51,11 +53,12 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False):
             logger.info(f"--{split}_file {path!r}: each file is one record, its whole text with its line breaks")
         builder = {"document": "text", "tsv": "csv"}.get(kind, kind)
         try:
-            dataset = datasets.load_dataset(builder, data_files={split: paths}, split=split, **_builder_kwargs(kind))
+            files = [glob.escape(name) for name in paths]  # datasets takes each as a glob: 'v[2]/a.txt' matched nothing
+            dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, **_builder_kwargs(kind))
         except Exception as exc:
             problem = _first_line(exc)
             fix = "; save it as UTF-8" if "codec can't decode" in problem else ""
-            if fix and len(paths) > 1:  # name the file; a picture among text files is left out, not converted
+            if fix and len(paths) > 1:  # name the file (binary ones are left out already: this one is text)
                 problem, fix = f"{_not_utf8(paths)!r} is not UTF-8 ({problem})", fix + ", or leave it out with a glob"
             raise UsageError(f"--{split}_file {path!r} could not be parsed as {builder}: {problem}{fix}") from exc
         if len(dataset) == 0:
@@ -75,7 +78,7 @@ def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
     glob's matches, sorted."""
     if os.path.isfile(path):
         return [path]
-    pattern = any(sign in path for sign in "*?[")
+    pattern = not os.path.isdir(path) and any(sign in path for sign in "*?[")  # a folder named 'corpus [clean]'
     if not raw_text or not (pattern or os.path.isdir(path)):
         problem = "is a folder" if os.path.isdir(path) else "does not exist"  # a folder of .txt files, say
         raise UsageError(
@@ -85,12 +88,29 @@ def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
         found = [name for name in glob.glob(path, recursive=True) if os.path.isfile(name)]
     else:
         found = []
-        for root, folders, names in os.walk(path):
-            folders[:] = [name for name in folders if not name.startswith(".")]  # .git, .ipynb_checkpoints
+        for root, folders, names in os.walk(path, followlinks=True):  # symlinked folders too, as image folders
+            folders[:] = [name for name in folders if not name.startswith(".") and name not in SKIPPED_FOLDERS]
             found += [os.path.join(root, name) for name in names if not name.startswith(".")]
     if not found:
         raise UsageError(f"--{split}_file {path!r} " + ("matches no file" if pattern else "holds no files"))
-    return sorted(found)
+    binary = [name for name in found if _is_binary(name)]  # a checkout's logo.png, a .pdf, a downloaded .json.gz
+    if binary:
+        counts = Counter(os.path.splitext(name)[1].lower() or "no extension" for name in binary)
+        kinds = ", ".join(f"{extension}: {count}" for extension, count in counts.most_common())
+        if len(binary) == len(found):
+            packed = any(extension in _PACKED for extension in counts)
+            raise UsageError(
+                f"--{split}_file {path!r} holds no text files, {len(binary)} binary ones ({kinds}); "
+                + ("decompress them (gunzip, unzip, ...)" if packed else "give text files")
+            )
+        logger.warning(f"--{split}_file {path!r}: {len(binary)} binary files left out ({kinds}): not text")
+    return sorted(name for name in found if name not in binary)
+
+
+def _is_binary(path: str) -> bool:
+    """Whether a file holds a NUL byte in its first 8 KiB, as git tells binary files from text (UTF-16 too)."""
+    with open(path, "rb") as handle:
+        return b"\0" in handle.read(8192)
 
 
 def _kind_of(paths: list[str], path: str, split: str, raw_text: bool) -> str:

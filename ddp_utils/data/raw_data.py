@@ -108,7 +108,8 @@ def record_in_file(record: dict, index: int, split: str) -> tuple[int, str]:
     return index, split
 
 
-# Other datasets' names for the columns the scripts without a column option read (GSM8K's question, MATH's problem).
+# Other datasets' names for the columns the scripts read (GSM8K's question, MATH's problem, the Stack's content): named
+# in the fix of a missing column, as the option's value or as a rename in the DATA section.
 OTHER_COLUMN_NAMES = {
     "prompt": ("question", "problem", "query", "instruction", "input"),
     "chosen": ("preferred", "good", "accepted"),

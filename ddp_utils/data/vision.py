@@ -35,14 +35,16 @@ def random_shift(image, rng: np.random.Generator, fraction: float = 0.125, flip:
 
 def in_mode(image, mode: str):
     """`image` in `mode` (RGB or L). An image of 16-bit or 32-bit integers (16-bit PNG and TIFF scans: I;16, I) or of
-    floats (F) is first scaled to 8 bits: PIL's own conversion clips it, which turned most 16-bit pixels white. An
-    integer image whose values all fit in 8 bits is taken as 8-bit: `datasets` stores arrays of int64 pixels 0-255
-    (MNIST read with NumPy or pandas) as I, which the scaling turned black. CIELab (TIFF) goes through ImageCms."""
+    floats (F) is first scaled to 8 bits: PIL's own conversion clips it, which turned most 16-bit pixels white. A
+    32-bit image (I) whose values all fit in 8 bits is taken as 8-bit: `datasets` stores arrays of int64 or int32
+    pixels 0-255 (MNIST read with NumPy or pandas) as I, which the scaling turned black; 16-bit files open as I;16
+    (Pillow 13), always scaled, so a dim scan stays as dim as its siblings. CIELab (TIFF) goes through ImageCms."""
     from PIL import Image
 
     if image.mode.startswith("I;16") or image.mode == "I":  # 16-bit values, also where PIL holds them as I
         pixels = np.asarray(image, dtype=np.float64)
-        pixels = pixels / 257 if pixels.size and pixels.max() > 255 else pixels
+        eight_bit = image.mode == "I" and pixels.size and pixels.max() <= 255
+        pixels = pixels if eight_bit else pixels / 257
         image = Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8))
     elif image.mode == "F":  # floats: in [0, 1] as most tools write them, else taken as 0 to 255
         pixels = np.asarray(image, dtype=np.float64)

@@ -156,7 +156,8 @@ def _warn_of_ties(data, split: str) -> None:
             logger.warning(
                 f"{split}: in {tied} pairs {scores[0]} equals {scores[1]} and in {below} it is lower: nothing tells "
                 f"their answers apart, and DPO pushes them apart all the same; to drop them, in the DATA section: "
-                f"data = data.filter(lambda r: r[{scores[0]!r}] > r[{scores[1]!r}])"
+                f"data = data.filter(lambda r: None in (r[{scores[0]!r}], r[{scores[1]!r}]) or "
+                f"r[{scores[0]!r}] > r[{scores[1]!r}])"
             )
     if "status" in columns and (ties := sum(status == "tie" for status in data["status"])):
         logger.warning(

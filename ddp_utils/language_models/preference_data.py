@@ -162,10 +162,11 @@ def _check_same_rendering(raw, formats: dict) -> None:
 
 def _repeats_prompt(pair) -> bool:
     """Whether both answers start with the prompt's text (its last turn's): the prompt then trains as theirs. A prompt
-    of fewer than 3 words ("Hi") is not counted: answers may well start with it."""
+    of fewer than 12 characters ("Hi") is not counted: answers may well start with it (characters, not words, as
+    Chinese and Japanese write no spaces)."""
     asked = (pair[0] if isinstance(pair[0], str) else pair[0][-1]["content"]).strip()
     answers = [(text if isinstance(text, str) else text[0]["content"]).lstrip() for text in pair[1:]]
-    return len(asked.split()) >= 3 and all(answer.startswith(asked) for answer in answers)
+    return len(asked) >= 12 and all(answer.startswith(asked) for answer in answers)
 
 
 def _warn_of_prompts(rows, split: str) -> None:
