@@ -39,7 +39,8 @@ from ddp_utils.language_models.generation import (
     settle_accuracy_metric,
     settle_sft_metric,
 )
-from ddp_utils.language_models.sft_data import detect_format, tokenize_sft
+from ddp_utils.language_models.sft_data import tokenize_sft
+from ddp_utils.language_models.sft_formats import detect_format
 
 logger = get_logger(__name__)
 

@@ -161,7 +161,8 @@ SHAREGPT = [
 def test_the_common_sft_formats_are_found_from_the_columns_and_read_as_the_same_turns(tokenizer):
     import datasets
 
-    from ddp_utils.language_models.sft_data import detect_format, tokenize_record
+    from ddp_utils.language_models.sft_data import tokenize_record
+    from ddp_utils.language_models.sft_formats import detect_format
 
     def data(rows):
         return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
@@ -197,7 +198,7 @@ def test_the_common_sft_formats_are_found_from_the_columns_and_read_as_the_same_
 def test_a_record_that_fits_no_format_is_named_with_the_formats_and_the_fix():
     import datasets
 
-    from ddp_utils.language_models.sft_data import detect_format
+    from ddp_utils.language_models.sft_formats import detect_format
 
     with pytest.raises(
         UsageError, match=r"columns \['text', 'label'\] fit none of the SFT formats: messages .*ShareGPT"
@@ -205,6 +206,22 @@ def test_a_record_that_fits_no_format_is_named_with_the_formats_and_the_fix():
         detect_format(
             datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "a", "label": 1}])}), sft_options()
         )
+    # The sets users bring most, each told the line that reads it (it was only "name ... with --prompt_column ...")
+    fixes = {
+        ("question", "answer"): "; name them: --prompt_column question --completion_column answer",  # GSM8K
+        ("query", "response", "type"): "; name them: --prompt_column query --completion_column response",  # MetaMathQA
+        ("instruction", "context", "response", "category"): "; read it as Alpaca's in the script's DATA section: "
+        "data = data.rename_columns({'context': 'input', 'response': 'output'})",  # Dolly
+    }
+    for names, fix in fixes.items():
+        data = datasets.DatasetDict({"train": datasets.Dataset.from_list([dict.fromkeys(names, "a")])})
+        with pytest.raises(UsageError) as refused:
+            detect_format(data, sft_options())
+        assert str(refused.value).endswith(fix), refused.value
+        if "rename_columns" in fix:  # the line, as a user pastes it, makes Alpaca records
+            scope = {"data": data}
+            exec(fix.split("DATA section: ")[1], {}, scope)
+            assert detect_format(scope["data"], sft_options())[0].kind == "alpaca"
     raw = datasets.DatasetDict(
         {"train": datasets.Dataset.from_list([{"conversations": SHAREGPT}, {"conversations": [{"from": "human"}]}])}
     )

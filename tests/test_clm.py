@@ -266,7 +266,8 @@ def test_blocks_and_packed_rows_are_the_same_whatever_processes_prepare_them(tin
     from accelerate import PartialState
     from transformers import AutoTokenizer
 
-    from ddp_utils.language_models.sft_data import detect_format, tokenize_sft
+    from ddp_utils.language_models.sft_data import tokenize_sft
+    from ddp_utils.language_models.sft_formats import detect_format
 
     PartialState(cpu=True)  # the scripts log through Accelerate's logger
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm)

@@ -29,7 +29,8 @@ from conftest import (
 )
 from ddp_utils import UsageError
 from ddp_utils.language_models.causal_lm import CausalLMCollator, causal_lm_loss, load_causal_lm, load_tokenizer
-from ddp_utils.language_models.sft_data import detect_format, tokenize_sft
+from ddp_utils.language_models.sft_data import tokenize_sft
+from ddp_utils.language_models.sft_formats import detect_format
 
 TRAIN_SFT = REPO / "scripts" / "train_sft.py"
 COUNT_TOKENS = REPO / "tests" / "launched" / "count_tokens.py"

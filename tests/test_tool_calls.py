@@ -80,7 +80,7 @@ def read(tmp_path, records, name="train.jsonl"):
     """`records` as a JSONL file read by `datasets`, and its SFT format."""
     import datasets
 
-    from ddp_utils.language_models.sft_data import detect_format
+    from ddp_utils.language_models.sft_formats import detect_format
 
     path = tmp_path / name
     path.write_text("".join(json.dumps(record) + "\n" for record in records))

@@ -3,7 +3,8 @@
 - causal_lm.py        load_causal_lm, the collator, the causal-LM loss, perplexity
 - token_blocks.py     raw text cut into blocks, examples packed into rows: the same whatever processes prepare them
 - chat.py             conversations rendered by the chat template; the assistant-only targets; end-of-turn tokens
-- sft_data.py         SFT records in their shapes (chat, Alpaca, ShareGPT, prompt/completion) as training rows
+- sft_formats.py      SFT data in the shapes users bring (chat, Alpaca, ShareGPT, prompt/completion), each record read
+- sft_data.py         SFT records as training rows: labels on what is learned, cut to the block, packed
 - turns.py            ShareGPT turns and tool calls (OpenAI's, LLaMA-Factory's) as the turns and tools templates render;
                       the checks every record's turns pass
 - pair_formats.py     preference pairs in the shapes users bring (per split), each record read and checked

@@ -14,7 +14,7 @@ from accelerate.utils import gather_object
 
 import ddp_utils
 from ddp_utils.language_models.causal_lm import TARGET_TOKENS, CausalLMCollator
-from ddp_utils.language_models.sft_data import detect_format
+from ddp_utils.language_models.sft_formats import detect_format
 from ddp_utils.lifecycle.start import make_accelerator
 
 
