@@ -51,8 +51,7 @@ def label_mapping(raw, label_column: str):
     if isinstance(feature, datasets.ClassLabel):
         names, to_id, unseen = feature.names, int, sorted(set(validation) - set(train))
         for split, values in (("training", train), ("validation", validation)):
-            if values and min(values) < 0:
-                raise UsageError(f"the {split} split has unlabelled examples (label -1); use a labelled split")
+            _refuse_unlabelled(values, split)
         if unseen:
             raise UsageError(
                 f"validation labels {[names[i] for i in unseen][:10]} never occur in the training data; "
@@ -64,12 +63,7 @@ def label_mapping(raw, label_column: str):
             logger.warning(f"labels of {label_column!r} with spaces around them are read without: {padded[:5]}")
         to_id = LabelIds(sorted({LabelIds.key(v) for v in train}, key=lambda v: (isinstance(v, str), v)))
         names = to_id.names
-        unseen = sorted({LabelIds.key(v) for v in validation} - set(names), key=str)
-        if unseen:
-            raise UsageError(
-                f"validation labels {unseen[:10]} never occur in the training data (training labels: {names[:20]}); "
-                "fix the labels or give training data that covers them"
-            )
+        _refuse_unseen(sorted({LabelIds.key(v) for v in validation} - set(names), key=str), names)
     if len({to_id(value) for value in train}) < 2:  # the classes present, not those a ClassLabel names
         raise UsageError(
             f"the training data holds one class only ({names[to_id(train[0])]!r}); "
@@ -97,18 +91,12 @@ def labels_numbered_as_training(raw, column: str):
             return raw
         values = distinct_values(raw["validation"], column)
         names = {v: _name(validation, v) for v in values}
-        unseen = sorted({name for name in names.values() if name is not None} - set(train.names))
-        if unseen:
-            raise UsageError(
-                f"validation labels {unseen[:10]} never occur in the training data (training labels: "
-                f"{train.names[:20]}); fix the labels or give training data that covers them"
-            )
+        _refuse_unseen(sorted({name for name in names.values() if name is not None} - set(train.names)), train.names)
         ids = {v: -1 if name is None else train.str2int(name) for v, name in names.items()}
         return _relabelled(raw, column, ids, train)
     if named and _is_text(train):  # names in training, ids in validation: the ids as names
         values = distinct_values(raw["validation"], column)
-        if any(value < 0 for value in values):
-            raise UsageError("the validation split has unlabelled examples (label -1); use a labelled split")
+        _refuse_unlabelled(values, "validation")
         return _relabelled(raw, column, {v: _name(validation, v) for v in values}, datasets.Value("string"))
     return raw
 
@@ -125,7 +113,22 @@ def _name(feature, value):
 
     if isinstance(feature, datasets.ClassLabel):
         return None if value is None or value < 0 else feature.int2str(value)
-    return value.strip() if isinstance(value, str) else value
+    return LabelIds.key(value)
+
+
+def _refuse_unlabelled(values: list, split: str) -> None:
+    """A UsageError where a split of ClassLabel ids holds -1, the Hub's mark of an unlabelled example."""
+    if values and min(values) < 0:
+        raise UsageError(f"the {split} split has unlabelled examples (label -1); use a labelled split")
+
+
+def _refuse_unseen(unseen: list, names: list) -> None:
+    """A UsageError naming the validation labels that never occur in training, with training's."""
+    if unseen:
+        raise UsageError(
+            f"validation labels {unseen[:10]} never occur in the training data (training labels: {names[:20]}); "
+            "fix the labels or give training data that covers them"
+        )
 
 
 def _relabelled(raw, column: str, new: dict, feature):
