@@ -52,8 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--label_column", default="label", help="label column: class names or ids, lists of them, numbers")
     p.add_argument("--task", choices=TASKS, default="auto", help="auto: regression for floats, multi_label for lists")
     p.add_argument("--max_length", type=int, default=128, help="truncate inputs to this many tokens")
-    p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training examples")
-    p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation examples")
+    p.add_argument("--max_train_samples", type=int, default=None, help="use only N training examples (a sample)")
+    p.add_argument("--max_eval_samples", type=int, default=None, help="use only N validation examples (a sample)")
     ddp_utils.add_training_args(p, lengths=True)  # batch sizes, learning rate, checkpoints, output, tracking
     p.set_defaults(learning_rate=1e-4, per_device_eval_batch_size=32, output_dir="outputs/train")
     args = p.parse_args(argv)
@@ -101,7 +101,7 @@ def prepare_data(args):
     hold_out = args.validation_split_percentage
     raw = ddp_utils.check_splits(  # a held-out share keeps each class's share (stratified by the label)
         load_raw_datasets(args), columns, limits=limits, hold_out_percentage=hold_out, seed=args.seed,
-        stratify_by=args.label_column, text=args.text_columns,
+        stratify_by=args.label_column, text=args.text_columns, text_pairs=True, sample_limits=True,
     )  # fmt: skip
     raw = ddp_utils.labels_numbered_as_training(raw, args.label_column)  # each split its own ClassLabel: by name
     task, labels, to_label = label_task(raw, args.label_column, args.task)  # regression: a column of floats

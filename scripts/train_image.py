@@ -24,7 +24,7 @@ import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT
 from ddp_utils.data.classification import CLASSIFICATION_SCORES
 from ddp_utils.data.demo import demo_resnet_path, load_demo_digits
-from ddp_utils.data.image_columns import image_columns, mixed_before_limits
+from ddp_utils.data.image_columns import image_columns
 from ddp_utils.data.image_folders import drop_bad_images, image_folders
 from ddp_utils.data.vision import (
     EXAMPLE_ID,
@@ -116,7 +116,6 @@ def prepare_data(args):
     raw = load_raw_datasets(args)
     columns = {args.image_column: "--image_column", args.label_column: "--label_column"}
     limits = {"train": args.max_train_samples, "validation": args.max_eval_samples}
-    raw = raw if args.train_dir else mixed_before_limits(raw, limits, args.seed)  # folders: mixed, stable order
     raw = ddp_utils.check_splits(
         raw,
         columns,
@@ -125,6 +124,7 @@ def prepare_data(args):
         hold_out_percentage=args.validation_split_percentage,
         seed=args.seed,
         stratify_by=args.label_column,
+        sample_limits=not args.train_dir,  # a Hub split in class order; image folders are mixed, in a stable order
     )
     raw = image_columns(raw, args.image_column, args.label_column)  # paths and pixel arrays read as images
     raw = ddp_utils.labels_numbered_as_training(raw, args.label_column)  # each split its own ClassLabel: by name

@@ -367,6 +367,14 @@ def test_an_integer_label_column_says_how_many_classes_it_made_and_regression_ne
         task, labels, _ = label_task(raw, "year")
     assert task == "classification" and labels["num_labels"] == 60
     assert "'year' holds 60 distinct integers: a classifier of 60 classes (--task regression" in caplog.text
+    # One example a year: a quantity, not classes, and nothing learned; said as a warning (before: an info line).
+    assert [r.levelname for r in caplog.records if "distinct integers" in r.message] == ["WARNING"]
+    assert "; 1.0 training examples a class, too few to learn one: are they classes?" in caplog.text
+    intents = datasets.Dataset.from_dict({"text": ["a"] * 300, "intent": list(range(30)) * 10})
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # 30 intents of 10 examples each: classes, said in the log only
+        label_task(datasets.DatasetDict({"train": intents, "validation": intents}), "intent")
+    assert [r.levelname for r in caplog.records if "distinct integers" in r.message] == ["INFO"]
     assert label_task(raw, "year", "regression")[:2] == ("regression", {"num_labels": 1, "problem_type": "regression"})
     words = datasets.Dataset.from_dict({"text": ["a", "b"], "label": ["good", "bad"]})
     with pytest.raises(UsageError, match="--task regression needs numbers in 'label'"):
@@ -469,6 +477,194 @@ def test_json_values_that_cannot_train_are_refused_in_one_line(tiny_model, tmp_p
     if "a gap written as text" in expected:
         _, _, config = classify(tmp_path, tiny_model, files, *extra, "--task", "classification")
         assert sorted(config.label2id) == ["0.25", "1.5", "2.0", "NA"]
+
+
+# --- Hub text datasets, as datasets.load_dataset returns them ------------------------------------
+
+
+def hub_text(monkeypatch, tiny_model, tmp_path, raw, *argv):
+    """train.py's parse_args and prepare_data on `raw`, a DatasetDict as `datasets.load_dataset(name)` returns it
+    (the Hub's own split names and features), through the script's --dataset_name branch; (args, data)."""
+    import datasets
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # the script logs through Accelerate
+    monkeypatch.setattr(datasets, "load_dataset", lambda *names, **options: raw)
+    script = load_script("train")
+    argv = ["--model_name_or_path", tiny_model, "--dataset_name", "stand-in", "--output_dir", tmp_path / "out", *argv]
+    args = script.parse_args([str(a) for a in [*argv, "--report_to", "none", "--max_length", 32]])
+    return args, script.prepare_data(args)
+
+
+def hub_dataset(splits: dict, features: dict, seed=0):
+    """A DatasetDict built in memory with `features` ({column: feature}): per split, its labels (or label lists);
+    each text column a few words, the label's in the first ("positive" and "negative" where a name is one)."""
+    import datasets
+
+    rng, features = random.Random(seed), datasets.Features(features)
+    texts = [c for c, f in features.items() if getattr(f, "dtype", "") == "string" and c not in ("idx", "id")]
+    label = next(c for c in features if c not in texts and c not in ("idx", "id"))
+    names = getattr(features[label], "names", None) or getattr(getattr(features[label], "feature", None), "names", [])
+
+    def words(value):
+        name = names[value] if isinstance(value, int) and 0 <= value < len(names) else str(value)
+        return " ".join(rng.choices(FILLER, k=3) + rng.choices(WORDS.get(name, FILLER), k=1))
+
+    built = {}
+    for split, labels in splits.items():
+        columns = {c: [words(v if c == texts[0] else None) for v in labels] for c in texts}
+        columns.update({label: labels, "idx": list(range(len(labels))), "id": [str(i) for i in range(len(labels))]})
+        columns = {c: values for c, values in columns.items() if c in features}
+        built[split] = datasets.Dataset.from_dict(columns, features=features)
+    return datasets.DatasetDict(built)
+
+
+SENTIMENT = ["negative", "positive"]
+
+
+@pytest.mark.fast
+def test_hub_text_datasets_as_load_dataset_gives_them_train_with_their_names(tiny_model, tmp_path, monkeypatch):
+    """GLUE's SST-2 (an idx column, a test split labelled -1 left unread), MNLI's pairs and validation_matched, STS-B's
+    float scores (regression), Yelp's class names with spaces, GoEmotions' lists of class labels (multi-label), a
+    ClassLabel of numbers named out of order: each read with the names the saved config gives pipeline()."""
+    import datasets
+
+    CL, V = datasets.ClassLabel, datasets.Value
+    sst2 = hub_dataset(
+        {"train": [0, 1] * 6, "validation": [1, 0, 1], "test": [-1] * 3},
+        {"sentence": V("string"), "label": CL(names=SENTIMENT), "idx": V("int32")},
+    )
+    _, (tokenized, _, config) = hub_text(monkeypatch, tiny_model, tmp_path, sst2, "--text_column", "sentence")
+    assert config.id2label == {0: "negative", 1: "positive"} and tokenized["validation"]["labels"] == [1, 0, 1]
+    mnli = hub_dataset(
+        {"train": [0, 1, 2] * 4, "validation_matched": [2, 1], "validation_mismatched": [0], "test_matched": [-1]},
+        {"premise": V("string"), "hypothesis": V("string"), "label": CL(names=["entailment", "neutral", "contra"])},
+    )
+    argv = ["--text_column", "premise,hypothesis", "--validation_split", "validation_matched"]
+    _, (tokenized, tokenizer, config) = hub_text(monkeypatch, tiny_model, tmp_path, mnli, *argv)
+    assert tokenized["validation"]["labels"] == [2, 1] and config.label2id["contra"] == 2
+    assert tokenizer.decode(tokenized["train"][0]["input_ids"]).count("[SEP]") == 2, "the pair, both sentences"
+    stsb = hub_dataset({"train": [0.5, 4.2, 3.0, 1.25], "validation": [2.0, 5.0]},
+                       {"sentence1": V("string"), "sentence2": V("string"), "label": V("float32")})  # fmt: skip
+    pairs = ["--text_column", "sentence1,sentence2"]
+    _, (tokenized, _, config) = hub_text(monkeypatch, tiny_model, tmp_path, stsb, *pairs)
+    assert config.problem_type == "regression" and tokenized["validation"]["labels"] == [2.0, 5.0]
+    stars = CL(names=["1 star", "2 star", "3 stars", "4 stars", "5 stars"])
+    yelp = hub_dataset({"train": [0, 1, 2, 3, 4] * 2, "test": [4, 0]}, {"label": stars, "text": V("string")})
+    _, (tokenized, _, config) = hub_text(monkeypatch, tiny_model, tmp_path, yelp)
+    assert list(config.id2label.values()) == stars.names and tokenized["validation"]["labels"] == [4, 0]
+    emotions = datasets.Sequence(CL(names=["admiration", "anger", "joy"]))
+    go = hub_dataset({"train": [[0], [1, 2], [2], []], "validation": [[2, 0]]},
+                     {"text": V("string"), "labels": emotions, "id": V("string")})  # fmt: skip
+    _, (tokenized, _, config) = hub_text(monkeypatch, tiny_model, tmp_path, go, "--label_column", "labels")
+    assert config.problem_type == "multi_label_classification" and tokenized["validation"]["labels"] == [[1, 0, 1]]
+    numbers = hub_dataset({"train": [0, 1, 1, 0], "test": [0]}, {"text": V("string"), "label": CL(names=["1", "0"])})
+    _, (tokenized, _, config) = hub_text(monkeypatch, tiny_model, tmp_path, numbers)
+    assert config.id2label == {0: "1", 1: "0"} and tokenized["validation"]["labels"] == [0], "the ClassLabel's order"
+
+
+@pytest.mark.fast
+def test_max_samples_of_a_hub_text_split_in_class_order_take_every_class(tiny_model, tmp_path, monkeypatch):
+    """IMDB's train and test splits are sorted by label: --max_train_samples 10 took 'neg' alone, refused as
+    "validation labels ['pos'] never occur in the training data; add training examples of them", a fix that
+    named the data, not the option; --max_eval_samples 6 scored one class. Each is now a sample, by --seed."""
+    import datasets
+
+    imdb = hub_dataset(
+        {"train": [0] * 20 + [1] * 20, "test": [0] * 10 + [1] * 10, "unsupervised": [-1] * 5},
+        {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["neg", "pos"])},
+    )
+    _, (tokenized, _, _) = hub_text(
+        monkeypatch, tiny_model, tmp_path, imdb, "--max_train_samples", 10, "--max_eval_samples", 6
+    )
+    assert (len(tokenized["train"]), len(tokenized["validation"])) == (10, 6)
+    assert set(tokenized["train"]["labels"]) == set(tokenized["validation"]["labels"]) == {0, 1}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "texts, label, argv, expected",
+    [
+        (["text"], "labels", [], "has no column 'label'; its columns are ['text', 'labels', 'id']. Name the right one "
+         "with --label_column labels"),  # GoEmotions
+        (["text"], "target", [], "Name the right one with --label_column target"),
+        (["review"], "category", ["--text_column", "review"], "Name the right one with --label_column category"),
+        (["text"], "stars", [], "Name the right one with --label_column stars"),
+        (["sentence1", "sentence2"], "label", [], "Name the right one with --text_column sentence1,sentence2"),
+        (["question1", "question2"], "label", [], "Name the right one with --text_column question1,question2"),
+        (["title", "content"], "label", [], "Name the right one with --text_column title,content"),  # Amazon polarity
+        (["tweet"], "label", [], "Name the right one with --text_column tweet"),
+        (["Text"], "Label", ["--text_column", "Text"], "Name the right one with --label_column Label"),
+    ],
+    ids=["labels", "target", "category", "stars", "mrpc", "qqp", "amazon", "tweet", "capitals"],
+)  # fmt: skip
+def test_a_hub_dataset_of_other_column_names_is_told_the_option_with_its_column(
+    tiny_model, tmp_path, monkeypatch, texts, label, argv, expected
+):
+    """The fix said "Name the right one with --label_column", no value, for GoEmotions' 'labels' and a 'target',
+    'category' or 'stars'; for MRPC's and QQP's sentence pairs it named no column, and for Amazon polarity its
+    'content' alone (the title dropped)."""
+    import datasets
+
+    names = datasets.ClassLabel(names=SENTIMENT)
+    features = {**{c: datasets.Value("string") for c in texts}, label: names}
+    if label == "labels":  # GoEmotions: lists of class labels, and an id
+        features.update(labels=datasets.Sequence(names), id=datasets.Value("string"))
+    raw = hub_dataset({"train": [[0], [1]] if label == "labels" else [0, 1]}, features)
+    with pytest.raises(UsageError) as refused:
+        hub_text(monkeypatch, tiny_model, tmp_path, raw, *argv)
+    assert expected in str(refused.value)
+
+
+@pytest.mark.fast
+def test_one_column_of_a_sentence_pair_is_warned_about(tiny_model, tmp_path, monkeypatch, caplog):
+    """MNLI with --text_column premise trained on the premise alone, the hypothesis (and the task) dropped unsaid."""
+    import datasets
+
+    mnli = hub_dataset(
+        {"train": [0, 1, 2] * 2, "validation_matched": [1, 2]},
+        {"premise": datasets.Value("string"), "hypothesis": datasets.Value("string"),
+         "label": datasets.ClassLabel(names=["entailment", "neutral", "contradiction"])},
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        hub_text(monkeypatch, tiny_model, tmp_path, mnli, "--text_column", "premise", "--validation_split",
+                 "validation_matched")  # fmt: skip
+    assert "'hypothesis' is not read, only 'premise'; for the pair: --text_column premise,hypothesis" in caplog.text
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "splits, argv, expected",
+    [
+        ({"train": [0, -1, 1, 2, -1, 0], "validation": [1, 2]}, [],
+         "2 of the 6 train examples are unlabelled (label -1, as SNLI's without a gold label); drop them in the DATA "
+         "section: data = data.filter(lambda row: row['label'] >= 0)"),
+        ({"train": [0, 1, 2], "validation": [1, 2], "test": [-1, -1]}, ["--validation_split", "test"],
+         "the validation split is unlabelled (label -1 in every example, as in GLUE's test splits); name a labelled "
+         "split with --validation_split"),
+        ({"train": [0, 1, 2], "unsupervised": [-1, -1], "test": [1]}, ["--train_split", "unsupervised"],
+         "the train split is unlabelled (label -1 in every example"),
+        ({"train": [0.5, 4.0, 2.5], "validation": [1.0, 3.0], "test": [-1.0, -1.0, -1.0]},
+         ["--validation_split", "test"],
+         "the validation data's 'label' is -1.0 in every example, nothing to learn or score (an unlabelled split, as "
+         "GLUE's STS-B test: -1); name a labelled one with --validation_split"),
+    ],
+    ids=["snli-some-unlabelled", "glue-test", "imdb-unsupervised", "stsb-test"],
+)  # fmt: skip
+def test_unlabelled_hub_examples_are_refused_with_the_fix_that_applies(
+    tiny_model, tmp_path, monkeypatch, splits, argv, expected
+):
+    """SNLI's training split holds examples without a gold label (-1) among the others: "use a labelled split", the
+    fix given, exists for none of its splits. STS-B's test split (-1.0 throughout) trained and scored as a success:
+    an MSE against -1, correlations of 0."""
+    import datasets
+
+    regression = isinstance(splits["train"][0], float)
+    label = datasets.Value("float32") if regression else datasets.ClassLabel(names=["entailment", "neutral", "c"])
+    raw = hub_dataset(splits, {"premise": datasets.Value("string"), "label": label})
+    with pytest.raises(UsageError) as refused:
+        hub_text(monkeypatch, tiny_model, tmp_path, raw, "--text_column", "premise", *argv)
+    assert expected in str(refused.value)
 
 
 # --- SFT: prompts and answers, content parts, media, long conversations, other data -----------------

@@ -6,10 +6,11 @@
                      (named_splits)
 - dataloaders.py     the training order: whole steps, shuffled from (seed, epoch), dealt to the ranks
 - evaluation.py      each example gathered once; metrics loaded offline (metrics/); the score that ranks checkpoints
-- classification.py  labels to classes, accuracy, F1, the confusion matrix, regression scores; which task a column is
+- classification.py  labels to classes (validation numbered by name), accuracy, F1, the confusion matrix, regression
+                     scores; which task a column is
 - multi_label.py     label lists (names, class labels, 0/1 vectors) as multi-hot; exact match, micro and macro F1
 - image_folders.py   image folders: a class per subfolder, the unreadable images found once per node
-- image_columns.py   other image datasets' columns: paths and arrays as images, validation labels matched by name
+- image_columns.py   other image datasets' columns: paths and pixel arrays read as images
 - vision.py          images into inputs (any mode), a seeded augmentation, SyncBatchNorm
 - demo.py            the offline demos' models (demo_models/) and data
 

@@ -23,6 +23,7 @@ logger = get_logger(__name__)
 CLASSIFICATION_SCORES = ("eval_loss", "eval_accuracy", "eval_f1")
 REGRESSION_SCORES = ("eval_loss", "eval_mse", "eval_pearson", "eval_spearman")  # what `evaluate_regression` gives
 MANY_CLASSES = 20  # an integer label column with more distinct values than this is said in the log
+FEW_PER_CLASS = 5  # and warned about where its classes have fewer training examples each, on average
 
 
 class ConfusionMatrix(NamedTuple):
@@ -50,8 +51,8 @@ def label_mapping(raw, label_column: str):
     feature = raw["train"].features[label_column]
     if isinstance(feature, datasets.ClassLabel):
         names, to_id, unseen = feature.names, int, sorted(set(validation) - set(train))
-        for split, values in (("training", train), ("validation", validation)):
-            _refuse_unlabelled(values, split)
+        for split in ("train", "validation"):
+            _refuse_unlabelled(raw[split], label_column, split)
         if unseen:
             raise UsageError(
                 f"validation labels {[names[i] for i in unseen][:10]} never occur in the training data; "
@@ -95,8 +96,8 @@ def labels_numbered_as_training(raw, column: str):
         ids = {v: -1 if name is None else train.str2int(name) for v, name in names.items()}
         return _relabelled(raw, column, ids, train)
     if named and _is_text(train):  # names in training, ids in validation: the ids as names
+        _refuse_unlabelled(raw["validation"], column, "validation")
         values = distinct_values(raw["validation"], column)
-        _refuse_unlabelled(values, "validation")
         return _relabelled(raw, column, {v: _name(validation, v) for v in values}, datasets.Value("string"))
     return raw
 
@@ -116,10 +117,23 @@ def _name(feature, value):
     return LabelIds.key(value)
 
 
-def _refuse_unlabelled(values: list, split: str) -> None:
-    """A UsageError where a split of ClassLabel ids holds -1, the Hub's mark of an unlabelled example."""
-    if values and min(values) < 0:
-        raise UsageError(f"the {split} split has unlabelled examples (label -1); use a labelled split")
+def _refuse_unlabelled(dataset, column: str, split: str) -> None:
+    """A UsageError where a split of ClassLabel ids holds -1, the Hub's mark of an unlabelled example: a split
+    unlabelled throughout (GLUE's test splits) is replaced with --train_split or --validation_split; a few among
+    labelled ones (SNLI's examples without a gold label) are dropped in the DATA section, which one split cannot."""
+    import pyarrow.compute as pc
+
+    unlabelled = pc.sum(pc.less(dataset.with_format("arrow")[column], 0)).as_py() or 0
+    if unlabelled == len(dataset):
+        raise UsageError(
+            f"the {split} split is unlabelled (label -1 in every example, as in GLUE's test splits); "
+            f"name a labelled split with --{split}_split"
+        )
+    if unlabelled:
+        raise UsageError(
+            f"{unlabelled} of the {len(dataset)} {split} examples are unlabelled (label -1, as SNLI's without a gold "
+            f"label); drop them in the DATA section: data = data.filter(lambda row: row[{column!r}] >= 0)"
+        )
 
 
 def _refuse_unseen(unseen: list, names: list) -> None:
@@ -202,14 +216,23 @@ def label_task(raw, label_column: str, task: str = "auto"):
                     f"--task regression needs numbers in {label_column!r}, and the {split} data holds "
                     f"{raw[split].features[label_column]}; give numeric labels, or --task classification"
                 )
+            low, high = _min_max(raw[split], label_column)
+            if low == high and len(raw[split]) > 1:  # STS-B's test split: -1.0 throughout, a success measuring nothing
+                raise UsageError(
+                    f"the {split} data's {label_column!r} is {low} in every example, nothing to learn or score (an "
+                    f"unlabelled split, as GLUE's STS-B test: -1); name a labelled one with --{split}_split"
+                )
         logger.info(f"task: regression on {label_column!r} (one output, its squared error)")
         return "regression", {"num_labels": 1, "problem_type": "regression"}, float
     names, to_id = label_mapping(raw, label_column)
     if kind == "int" and len(names) > MANY_CLASSES:
-        logger.info(
-            f"{label_column!r} holds {len(names)} distinct integers: a classifier of {len(names)} classes "
-            "(--task regression predicts them as numbers)"
-        )
+        each = len(raw["train"]) / len(names)  # a year, a price, an id: few examples a class, nothing learned
+        said = f"{label_column!r} holds {len(names)} distinct integers: a classifier of {len(names)} classes "
+        said += "(--task regression predicts them as numbers)"
+        if each < FEW_PER_CLASS:
+            logger.warning(f"{said}; {each:.1f} training examples a class, too few to learn one: are they classes?")
+        else:
+            logger.info(said)
     # Said, not left to the config read: a multi-label or regression checkpoint's would choose the wrong loss.
     return "classification", {**label_config(names), "problem_type": "single_label_classification"}, to_id
 
@@ -251,6 +274,13 @@ def _value_kind(dataset, column: str) -> str | None:
         getattr(dataset.features[column], "dtype", "") if isinstance(dataset.features[column], datasets.Value) else ""
     )
     return "float" if dtype.startswith("float") else "int" if dtype.startswith(("int", "uint")) else None
+
+
+def _min_max(dataset, column: str) -> tuple:
+    import pyarrow.compute as pc
+
+    found = pc.min_max(dataset.with_format("arrow")[column])
+    return found["min"].as_py(), found["max"].as_py()
 
 
 def distinct_values(dataset, column: str) -> list:

@@ -1,7 +1,6 @@
 """A Hub dataset's columns (or those the DATA section returns) made what the image script reads: an image column of
-file paths, of undecoded files or of pixel arrays read as images; a given split cut by --max_train_samples or
---max_eval_samples shuffled first. Image folders (image_folders.py) need none of it. Nothing
-here communicates: any rank may call these functions."""
+file paths, of undecoded files or of pixel arrays read as images. Image folders (image_folders.py) need none of it.
+Nothing here communicates: any rank may call these functions."""
 
 from __future__ import annotations
 
@@ -10,20 +9,6 @@ import os
 from ..core.errors import UsageError
 
 PATHS_CHECKED = 20  # a column of paths none of whose first 20 exist is read from the wrong folder
-
-
-def mixed_before_limits(raw, limits: dict, seed: int):
-    """`raw` with each given split that `limits` ("train", "validation") cuts shuffled by `seed` first, so that its
-    first N images are of every class. A Hub dataset's images are often in class order (one pushed from class
-    folders): the first N were one class (refused as "one class only"), missed some (refused as validation labels
-    never seen in training), or scored one class only. transformers' run_image_classification.py shuffles first too.
-    Without a validation split nothing is shuffled here: the held-out share is drawn from the rows as given, the same
-    with a limit as without (and the share's split shuffles both parts)."""
-    validation = "validation" if "validation" in raw else "test" if "test" in raw else None
-    for split, limit in (("train", limits.get("train")), (validation, limits.get("validation"))):
-        if validation and limit and limit < len(raw[split]):
-            raw[split] = raw[split].shuffle(seed=seed)
-    return raw
 
 
 def image_columns(raw, image_column: str, label_column: str):

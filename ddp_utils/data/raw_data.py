@@ -56,6 +56,8 @@ def check_splits(
     stratify_by: str | None = None,
     blank: str = "keep",
     text: tuple = (),
+    text_pairs: bool = False,
+    sample_limits: bool = False,
 ):
     """The data check of every script: refuse data a run cannot use, naming the problem and the
     fix, and return a `DatasetDict` with the "train" and "validation" splits.
@@ -67,8 +69,12 @@ def check_splits(
       a missing value in one (NaN too), is refused with that option; so is a column of `text` that holds other
       values (numbers, or types that differ by record).
     - Text columns: `blank="refuse"` refuses empty or blank values too, `"drop"` drops their rows
-      (blank lines of a .txt file), `"keep"` keeps them.
-    - An empty split is refused. Each split is then cut to its entry in `limits` (None: all).
+      (blank lines of a .txt file), `"keep"` keeps them. `text_pairs`: the option takes a pair of text columns
+      (train.py), named in the fix of a missing one, and one column of a known pair given alone is warned about.
+    - An empty split is refused. Each split is then cut to its entry in `limits` (None: all): its first rows, or
+      with `sample_limits` a sample drawn by `seed` from a split the data gives (a Hub split in class order gave one
+      class, as transformers' run_image_classification.py knows); a held-out share is drawn shuffled anyway, and
+      the same with a limit as without.
     - A held-out share numbers the training records first (`RECORD_COLUMN`, read by `record_in_file`), except
       where blank rows were dropped.
 
@@ -88,13 +94,20 @@ def check_splits(
         raise UsageError(f"the data has no 'validation' split (it has {sorted(raw)}); give {data_options}")
     splits = {"train": raw["train"], **({"validation": raw[validation]} if validation else {})}
     for split in list(splits):
-        splits[split] = _checked_split(splits[split], split, columns, blank, text)
+        splits[split] = _checked_split(splits[split], split, columns, blank, text, text_pairs)
+    partner = text_pair(text[0], splits["train"].column_names) if text_pairs and len(text) == 1 else None
+    if partner:  # MNLI's premise alone: the hypothesis dropped, and the task with it
+        other = next(c for c in partner if c != text[0])
+        logger.warning(f"{other!r} is not read, only {text[0]!r}; for the pair: --text_column {','.join(partner)}")
+    limits = limits or {}
+    for split in list(splits) if sample_limits and validation else ():  # the given splits: a sample, not the head
+        if limits.get(split) and limits[split] < len(splits[split]):
+            splits[split] = splits[split].shuffle(seed=seed)
     if validation is None:
         train = splits["train"]
         if blank != "drop" and RECORD_COLUMN not in train.column_names:  # rows as given: a column, not a copy
             train = train.add_column(RECORD_COLUMN, np.arange(len(train)))
         splits = _hold_out(train, hold_out_percentage, seed, stratify_by, data_options)
-    limits = limits or {}
     return datasets.DatasetDict(
         {split: data.select(range(min(len(data), limits.get(split) or len(data)))) for split, data in splits.items()}
     )
@@ -114,18 +127,33 @@ OTHER_COLUMN_NAMES = {
     "prompt": ("question", "problem", "query", "instruction", "input"),
     "chosen": ("preferred", "good", "accepted"),
     "rejected": ("dispreferred", "bad"),
-    "text": ("content", "body", "document", "article", "raw_content", "story", "passage", "sentence", "review"),
-}
+    "text": ("content", "body", "document", "article", "raw_content", "story", "passage", "sentence", "review",
+             "tweet", "utterance", "comment_text", "question", "title"),
+    "label": ("labels", "target", "category", "class", "sentiment", "stars", "rating", "emotion", "intent", "score"),
+}  # fmt: skip
+# Hub datasets' sentence pairs (GLUE's MRPC, QQP, MNLI, QNLI; BoolQ; Amazon polarity), in their order.
+TEXT_PAIRS = (
+    ("sentence1", "sentence2"), ("question1", "question2"), ("premise", "hypothesis"), ("question", "sentence"),
+    ("question", "passage"), ("title", "content"),
+)  # fmt: skip
 
 
 def likely_column(column: str, names: list[str]) -> str | None:
-    """The column of `names` that likely holds what `column` names, for the fix of a missing one; None: none."""
-    return next((name for name in OTHER_COLUMN_NAMES.get(column, ()) if name in names), None)
+    """The column of `names` that likely holds what `column` names, for the fix of a missing one; None: none.
+    The same name in other capitals ("Text", "Label") first."""
+    same = [name for name in names if name.lower() == column.lower()]
+    return next(iter(same), None) or next((name for name in OTHER_COLUMN_NAMES.get(column, ()) if name in names), None)
 
 
-def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, text=()):
+def text_pair(column: str, names: list[str]) -> tuple | None:
+    """The known pair of text columns (`TEXT_PAIRS`) of `names` that holds `column` ("" : any); None: none."""
+    return next((p for p in TEXT_PAIRS if all(c in names for c in p) and (not column or column in p)), None)
+
+
+def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, text=(), text_pairs=False):
     """`dataset` with its columns checked (and the rows of blank text dropped, with blank="drop"); the `text`
-    columns must hold text. Record numbers in the messages count the rows as given, before anything is dropped."""
+    columns must hold text. Record numbers in the messages count the rows as given, before anything is dropped.
+    `text_pairs`: a missing text column's fix names a known pair of the data (`text_pair`)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -136,6 +164,8 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, tex
             names = dataset.column_names
             separator = next((s for s in (";", "\t", "|") if len(names) == 1 and s in names[0]), None)
             guess, rename = likely_column(column, names), f"Rename yours to {column!r} in the script's DATA section"
+            pair = text_pair("", names) if text_pairs and column in text else None
+            guess = ",".join(pair) if pair and (guess is None or guess in pair) else guess  # MRPC: both sentences
             if separator:  # Excel in many locales saves "CSV" with semicolons: one column whose name holds them all
                 fix = (
                     f"Its header looks separated by {separator!r}: save it separated by commas as .csv, or tabs as .tsv"
