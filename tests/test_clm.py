@@ -67,8 +67,9 @@ def write_jsonl(path, records):
 CODE = "def f(x):\n    return x + 1\n\n\nclass A:\n    pass\n"
 
 
-def write_code_folder(directory, picture=False):
-    """A repository's files: modules, an empty __init__.py, a README, a Makefile, .git (hidden: left out)."""
+def write_code_folder(directory, latin1=False):
+    """A repository's files: modules, an empty __init__.py, a README, a Makefile, .git (hidden: left out), a logo
+    (binary: left out); with `latin1`, a module saved in Latin-1."""
     (directory / "pkg").mkdir(parents=True)
     (directory / ".git").mkdir()
     (directory / ".git" / "HEAD").write_bytes(b"\x00\x01 not text")
@@ -77,8 +78,9 @@ def write_code_folder(directory, picture=False):
     (directory / "pkg" / "__init__.py").write_text("")
     (directory / "README.md").write_text("# Title\n\nSome text.\n")
     (directory / "Makefile").write_text("test:\n\tpytest\n")
-    if picture:
-        (directory / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    (directory / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    if latin1:
+        (directory / "pkg" / "old.py").write_bytes("# café\n".encode("latin-1"))
     return directory
 
 
@@ -466,10 +468,10 @@ BAD_INPUT = {
         lambda d: ["--train_file", d],  # corpus.txt, and c.jsonl written here
         "holds files read in different ways (.jsonl, .txt); give one kind, with a glob:",
     ),
-    "a_picture_among_the_code": (
-        lambda d: ["--train_file", write_code_folder(d / "repo", picture=True)],
-        "logo.png' is not UTF-8 ('utf-8' codec can't decode byte 0x89 in position 0: invalid start byte); save it "
-        "as UTF-8, or leave it out with a glob",
+    "a_latin1_module_among_the_code": (  # the logo beside it is binary, left out: this one is text to save again
+        lambda d: ["--train_file", write_code_folder(d / "repo", latin1=True)],
+        "old.py' is not UTF-8 ('utf-8' codec can't decode byte 0xe9 in position 5: invalid continuation byte); save "
+        "it as UTF-8, or leave it out with a glob",
     ),
     "block_of_one_token": (  # no next token to learn: it trained on nothing and reported a loss of 0 as a success
         lambda d: ["--block_size", 1],
