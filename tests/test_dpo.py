@@ -334,6 +334,10 @@ REFUSED = {
         "rename yours in the script's DATA section: data.rename_columns({'preferred': 'chosen', 'dispreferred': "
         "'rejected'})",
     ),
+    "one_column_of_another_name": (  # the column present is not renamed to itself
+        {"prompt": "the", "chosen": "w1", "bad": "w2"},
+        "rename yours in the script's DATA section: data.rename_columns({'bad': 'rejected'})",
+    ),
     # A system text with an empty question: the prompt asked nothing, and the answers counted as repeating it.
     "an_empty_question": ({"system": "be brief", "input": "", "chosen": "w1", "rejected": "w2"}, "its input is empty"),
     "a_user_turn_in_an_answer": (

@@ -646,10 +646,13 @@ def test_one_column_of_a_sentence_pair_is_warned_about(tiny_model, tmp_path, mon
          "the train split is unlabelled (label -1 in every example"),
         ({"train": [0.5, 4.0, 2.5], "validation": [1.0, 3.0], "test": [-1.0, -1.0, -1.0]},
          ["--validation_split", "test"],
-         "the validation data's 'label' is -1.0 in every example, nothing to learn or score (an unlabelled split, as "
-         "GLUE's STS-B test: -1); name a labelled one with --validation_split"),
+         "the validation data's 'label' is -1.0 in every example (an unlabelled split, as GLUE's STS-B test), "
+         "nothing to learn from or score; give validation data of labelled, varied values (of a Hub dataset: another "
+         "split, --validation_split)"),
+        ({"train": [2.0, 2.0, 2.0], "validation": [1.0, 3.0]}, [],
+         "the train data's 'label' is 2.0 in every example, nothing to learn from or score; give train data"),
     ],
-    ids=["snli-some-unlabelled", "glue-test", "imdb-unsupervised", "stsb-test"],
+    ids=["snli-some-unlabelled", "glue-test", "imdb-unsupervised", "stsb-test", "constant-train"],
 )  # fmt: skip
 def test_unlabelled_hub_examples_are_refused_with_the_fix_that_applies(
     tiny_model, tmp_path, monkeypatch, splits, argv, expected
@@ -665,6 +668,21 @@ def test_unlabelled_hub_examples_are_refused_with_the_fix_that_applies(
     with pytest.raises(UsageError) as refused:
         hub_text(monkeypatch, tiny_model, tmp_path, raw, "--text_column", "premise", *argv)
     assert expected in str(refused.value)
+
+
+@pytest.mark.fast
+def test_sparse_regression_scores_whose_validation_is_constant_train_with_a_warning(
+    tiny_model, tmp_path, monkeypatch, caplog
+):
+    """Toxicity-like scores, mostly 0: a validation split of zeros only is data, not an unlabelled split; refused
+    at first (and told --validation_split, which local files cannot take), it trains, its correlations said NaN."""
+    import datasets
+
+    raw = hub_dataset({"train": [0.0, 0.0, 0.7, 0.0, 0.2], "validation": [0.0, 0.0]},
+                      {"premise": datasets.Value("string"), "label": datasets.Value("float32")})  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        hub_text(monkeypatch, tiny_model, tmp_path, raw, "--text_column", "premise")
+    assert "the validation data's 'label' is 0.0 in every example: its Pearson and Spearman" in caplog.text
 
 
 # --- SFT: prompts and answers, content parts, media, long conversations, other data -----------------

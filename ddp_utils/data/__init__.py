@@ -2,8 +2,8 @@
 
 - data_files.py      read_data_files: local CSV, TSV, JSON, JSONL, Parquet or text, each file checked as it is read;
                      for raw text, a folder or glob of files too, and code a file a record
-- raw_data.py        check_splits: the splits' columns checked once, a share held out; a Hub dataset's own split names
-                     (named_splits)
+- raw_data.py        check_splits: the splits' columns checked once, a share held out, limits as first rows or a
+                     sample; a Hub dataset's own split names (named_splits)
 - dataloaders.py     the training order: whole steps, shuffled from (seed, epoch), dealt to the ranks
 - evaluation.py      each example gathered once; metrics loaded offline (metrics/); the score that ranks checkpoints
 - classification.py  labels to classes (validation numbered by name), accuracy, F1, the confusion matrix, regression

@@ -117,13 +117,36 @@ def _name(feature, value):
     return LabelIds.key(value)
 
 
+def _check_regression_values(dataset, column: str, split: str) -> None:
+    """A regression split whose label is one value in every example: refused where it is training's or -1 (STS-B's
+    test split, unlabelled: it trained and scored as a success, an MSE against -1); warned of for a validation split
+    (sparse scores held out may all be 0): its correlations are undefined, its loss still scores."""
+    low, high = _min_max(dataset, column)
+    if low is None or low != high or len(dataset) < 2:
+        return
+    if split == "train" or low == -1:
+        unlabelled = " (an unlabelled split, as GLUE's STS-B test)" if low == -1 else ""
+        raise UsageError(
+            f"the {split} data's {column!r} is {low} in every example{unlabelled}, nothing to learn from or score; "
+            f"give {split} data of labelled, varied values (of a Hub dataset: another split, --{split}_split)"
+        )
+    logger.warning(
+        f"the validation data's {column!r} is {low} in every example: its Pearson and Spearman correlations are "
+        "undefined (NaN); its loss still scores the model"
+    )
+
+
 def _refuse_unlabelled(dataset, column: str, split: str) -> None:
     """A UsageError where a split of ClassLabel ids holds -1, the Hub's mark of an unlabelled example: a split
     unlabelled throughout (GLUE's test splits) is replaced with --train_split or --validation_split; a few among
     labelled ones (SNLI's examples without a gold label) are dropped in the DATA section, which one split cannot."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    unlabelled = pc.sum(pc.less(dataset.with_format("arrow")[column], 0)).as_py() or 0
+    values = dataset.with_format("arrow")[column]
+    if len(dataset) == 0 or not pa.types.is_integer(values.type):  # ids only: an empty split is refused elsewhere
+        return
+    unlabelled = pc.sum(pc.less(values, 0)).as_py() or 0
     if unlabelled == len(dataset):
         raise UsageError(
             f"the {split} split is unlabelled (label -1 in every example, as in GLUE's test splits); "
@@ -216,12 +239,7 @@ def label_task(raw, label_column: str, task: str = "auto"):
                     f"--task regression needs numbers in {label_column!r}, and the {split} data holds "
                     f"{raw[split].features[label_column]}; give numeric labels, or --task classification"
                 )
-            low, high = _min_max(raw[split], label_column)
-            if low == high and len(raw[split]) > 1:  # STS-B's test split: -1.0 throughout, a success measuring nothing
-                raise UsageError(
-                    f"the {split} data's {label_column!r} is {low} in every example, nothing to learn or score (an "
-                    f"unlabelled split, as GLUE's STS-B test: -1); name a labelled one with --{split}_split"
-                )
+            _check_regression_values(raw[split], label_column, split)
         logger.info(f"task: regression on {label_column!r} (one output, its squared error)")
         return "regression", {"num_labels": 1, "problem_type": "regression"}, float
     names, to_id = label_mapping(raw, label_column)
@@ -277,6 +295,8 @@ def _value_kind(dataset, column: str) -> str | None:
 
 
 def _min_max(dataset, column: str) -> tuple:
+    """The smallest and largest value of a numeric column ((None, None) for none); nulls and NaN are not counted,
+    which `check_splits` refuses first."""
     import pyarrow.compute as pc
 
     found = pc.min_max(dataset.with_format("arrow")[column])

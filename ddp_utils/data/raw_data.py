@@ -74,7 +74,7 @@ def check_splits(
     - An empty split is refused. Each split is then cut to its entry in `limits` (None: all): its first rows, or
       with `sample_limits` a sample drawn by `seed` from a split the data gives (a Hub split in class order gave one
       class, as transformers' run_image_classification.py knows); a held-out share is drawn shuffled anyway, and
-      the same with a limit as without.
+      the same with a limit as without. Record numbers in later messages then count the sample's rows.
     - A held-out share numbers the training records first (`RECORD_COLUMN`, read by `record_in_file`), except
       where blank rows were dropped.
 
@@ -141,7 +141,7 @@ TEXT_PAIRS = (
 def likely_column(column: str, names: list[str]) -> str | None:
     """The column of `names` that likely holds what `column` names, for the fix of a missing one; None: none.
     The same name in other capitals ("Text", "Label") first."""
-    same = [name for name in names if name.lower() == column.lower()]
+    same = [name for name in names if name != column and name.lower() == column.lower()]  # not itself: DPO asks both
     return next(iter(same), None) or next((name for name in OTHER_COLUMN_NAMES.get(column, ()) if name in names), None)
 
 

@@ -137,8 +137,9 @@ def _fix(columns: list[str]) -> str:
     question/answer, MetaMathQA's query/response), Dolly's instruction/context/response renamed to Alpaca's."""
     asked = likely_column("prompt", columns)
     answer = next((column for column in ANSWER_COLUMNS if column in columns), None)
-    if asked == "instruction" and answer:  # Dolly: its context is Alpaca's input
-        renames = {**({"context": "input"} if "context" in columns else {}), answer: "output"}
+    if asked == "instruction" and answer:  # Dolly: its context is Alpaca's input (where there is none yet)
+        context = "context" in columns and "input" not in columns
+        renames = {**({"context": "input"} if context else {}), answer: "output"}
         return f"read it as Alpaca's in the script's DATA section: data = data.rename_columns({renames})"
     if asked and answer:
         return f"name them: --prompt_column {asked} --completion_column {answer}"
