@@ -183,6 +183,8 @@ def test_a_folder_or_a_glob_of_text_files_is_read_for_raw_text_each_file_named_i
     (code / "pkg" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0")
     (code / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
     (code / "README").write_text("a package\n")
+    (code / "@eaDir" / "README").mkdir(parents=True)  # a Synology NAS's thumbnail folder, as image folders skip it
+    (code / "@eaDir" / "README" / "SYNOFILE_THUMB").write_text("not the package's\n")
     with caplog.at_level(logging.WARNING):
         read = read_data_files({"train": str(code)}, raw_text=True)["train"]["text"]
     assert list(read) == ["a package\n", "def f():\n    return 1\n"]

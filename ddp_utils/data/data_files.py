@@ -18,6 +18,10 @@ logger = get_logger(__name__)
 
 # File extension -> the `datasets` builder that reads it.
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+# What file systems and archives add to a folder, never anyone's data: hidden files and folders (.git, .DS_Store,
+# ._1.jpg), macOS's zip folder, a Synology NAS's thumbnails (@eaDir) and recycle bin, Windows' and ext4's own folders.
+NOT_DATA = (".", "__MACOSX", "@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN", "System Volume Information")
+NOT_DATA += ("lost+found",)
 SKIPPED_FOLDERS = ("__pycache__", "node_modules")  # what a code checkout holds that is no one's text
 _PACKED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar", ".tgz", ".7z")  # raw text's: not a text file
 
@@ -74,7 +78,7 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False):
 
 
 def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
-    """The files `path` names: itself, or with `raw_text` a folder's files (every level, hidden ones left out) or a
+    """The files `path` names: itself, or with `raw_text` a folder's files (every level, NOT_DATA left out) or a
     glob's matches, sorted."""
     if os.path.isfile(path):
         return [path]
@@ -89,8 +93,8 @@ def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
     else:
         found = []
         for root, folders, names in os.walk(path, followlinks=True):  # symlinked folders too, as image folders
-            folders[:] = [name for name in folders if not name.startswith(".") and name not in SKIPPED_FOLDERS]
-            found += [os.path.join(root, name) for name in names if not name.startswith(".")]
+            folders[:] = [name for name in folders if not name.startswith(NOT_DATA) and name not in SKIPPED_FOLDERS]
+            found += [os.path.join(root, name) for name in names if not name.startswith(NOT_DATA)]
     if not found:
         raise UsageError(f"--{split}_file {path!r} " + ("matches no file" if pattern else "holds no files"))
     binary = [name for name in found if _is_binary(name)]  # a checkout's logo.png, a .pdf, a downloaded .json.gz

@@ -20,6 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
+from .data_files import NOT_DATA
 from .raw_data import available_cores
 
 logger = get_logger(__name__)
@@ -146,10 +147,6 @@ def image_folders(train_dir: str, validation_dir: str | None = None):
 
 
 METADATA = ("metadata.csv", "metadata.jsonl", "metadata.parquet")  # what datasets' imagefolder read labels from
-SKIPPED = (".", "__MACOSX")  # hidden files and folders (.DS_Store, .ipynb_checkpoints, ._1.jpg), macOS's zip folder
-# What file systems add, never a class: a Synology NAS's thumbnails (@eaDir/1.jpg/SYNOFILE_THUMB_M.jpg, read as a
-# class of thumbnails, or as extra images of each class) and recycle bin, Windows' and ext4's own folders.
-SKIPPED += ("@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN", "System Volume Information", "lost+found")
 
 
 def _class_images(folder: str, option: str) -> dict:
@@ -162,7 +159,7 @@ def _class_images(folder: str, option: str) -> dict:
     Image.init()  # the formats it opens, not those it only writes (.pdf, .palm)
     readable = {extension.lower() for extension, kind in Image.registered_extensions().items() if kind in Image.OPEN}
     try:
-        entries = sorted((entry for entry in os.scandir(folder) if not entry.name.startswith(SKIPPED)), key=_name)
+        entries = sorted((entry for entry in os.scandir(folder) if not entry.name.startswith(NOT_DATA)), key=_name)
     except OSError as error:
         _unreadable(error)
     metadata = [entry.name for entry in entries if entry.name in METADATA and entry.is_file()]
@@ -174,13 +171,13 @@ def _class_images(folder: str, option: str) -> dict:
         label = unicodedata.normalize("NFC", entry.name)  # macOS writes names decomposed (NFD)
         seen = set()  # the folders walked, by their real path: a link to a folder above would repeat them
         for root, dirs, files in os.walk(entry.path, onerror=_unreadable, followlinks=True):
-            dirs[:] = sorted(d for d in dirs if not d.startswith(SKIPPED))
+            dirs[:] = sorted(d for d in dirs if not d.startswith(NOT_DATA))
             if os.path.realpath(root) in seen:
                 dirs[:], files = [], []
             seen.add(os.path.realpath(root))
             if root == entry.path:
                 inner[label] = set(dirs)
-            for name in (name for name in files if not name.startswith(SKIPPED)):
+            for name in (name for name in files if not name.startswith(NOT_DATA)):
                 extension = os.path.splitext(name)[1].lower()
                 if extension in readable:
                     images.append((os.path.join(root, name), label))
