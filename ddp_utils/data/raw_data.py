@@ -125,6 +125,7 @@ def record_in_file(record: dict, index: int, split: str) -> tuple[int, str]:
 # in the fix of a missing column, as the option's value or as a rename in the DATA section.
 OTHER_COLUMN_NAMES = {
     "prompt": ("question", "problem", "query", "instruction", "input"),
+    "completion": ("answer", "response", "output", "solution", "target"),  # GSM8K's, MetaMathQA's, Dolly's, MATH's
     "chosen": ("preferred", "good", "accepted"),
     "rejected": ("dispreferred", "bad"),
     "text": ("content", "body", "document", "article", "raw_content", "story", "passage", "sentence", "review",

@@ -129,14 +129,11 @@ def detect_format(raw, args) -> tuple[SFTFormat, dict[str, str]]:
     return fmt, needed
 
 
-ANSWER_COLUMNS = ("answer", "response", "output", "solution", "target")  # GSM8K's, MetaMathQA's, Dolly's, MATH's
-
-
 def _fix(columns: list[str]) -> str:
     """The fix for columns that fit no format: the options that name the likely prompt and answer columns (GSM8K's
     question/answer, MetaMathQA's query/response), Dolly's instruction/context/response renamed to Alpaca's."""
     asked = likely_column("prompt", columns)
-    answer = next((column for column in ANSWER_COLUMNS if column in columns), None)
+    answer = likely_column("completion", columns)
     if asked == "instruction" and answer:  # Dolly: its context is Alpaca's input (where there is none yet)
         context = "context" in columns and "input" not in columns
         renames = {**({"context": "input"} if context else {}), answer: "output"}
