@@ -3,15 +3,16 @@ transformers, datasets, peft, accelerate and ddp_utils once, instead of N fresh 
 them again (about 8 CPU seconds a process here, two thirds of a tiny run's cost).
 
 What stays real: N processes, gloo, the script run as `__main__` from its first line, the environment
-`accelerate launch` gives it, computed by Accelerate's own launcher code (`prepare_multi_gpu_env`) plus the
+`accelerate launch` gives it, computed by Accelerate's own launcher code (`prepare_multi_gpu_env`, or
+`prepare_deepspeed_cmd_env` for a DeepSpeed config on one machine, which torchrun launches too) plus the
 variables torchrun sets for each worker, and the end of a process: its non-daemon threads joined and its atexit
 functions run, as at an interpreter's exit. Each worker reseeds what a fresh interpreter seeds at import (numpy's
 global generator, datasets' random fingerprints). What it skips: the launcher process and torchrun's agent (their
 exit codes, signals, error files and summary), a fresh interpreter's imports, and the module teardown at its exit.
 It assumes that no variable the launch adds (RANK, WORLD_SIZE, ACCELERATE_*, the test hooks' own) is read at import
 time by the libraries imported here: true of the versions pinned, by a grep of their sources. `launching.launch`
-uses it only for the default CPU config; tests of the launcher, of signals and exit codes and each script's demo
-pass `real_launcher=True` and go through `accelerate launch`.
+uses it wherever `accelerate launch` would start torchrun on this machine; tests of the launcher, of signals and
+exit codes and each script's demo pass `real_launcher=True` and go through `accelerate launch`.
 
     python tests/warm_launch.py SOCKET     # serve: import once, then fork one launch per connection
 """
@@ -115,16 +116,17 @@ def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | N
     torchrun's rule that one failed worker ends the others. Returns the launch's exit code, or None (after
     saying so) where `accelerate launch` would not start torchrun on this machine: the caller launches for real."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     try:
         parsed = launch_command_parser().parse_args([*message["launcher_args"], message["script"], *message["args"]])
-        parsed, _, _ = _validate_launch_command(parsed)
+        parsed, defaults, precision_from_config = _validate_launch_command(parsed)
     except (Exception, SystemExit) as error:  # `accelerate launch` itself will say what is wrong with its arguments
         connection.send(json.dumps({"real": f"the launcher's arguments: {error!r}"}).encode())
         return None
-    # Only where `accelerate launch` would start torchrun on this one machine (its multi_gpu_launcher).
-    torchrun = (parsed.multi_gpu or parsed.use_fsdp) and not (parsed.cpu or parsed.use_deepspeed or parsed.tpu)
+    # Only where `accelerate launch` would start torchrun on this one machine: its multi_gpu_launcher, and its
+    # deepspeed_launcher on one machine (torchrun too; DeepSpeed's own launcher only for several nodes).
+    torchrun = (parsed.multi_gpu or parsed.use_fsdp or parsed.use_deepspeed) and not (parsed.cpu or parsed.tpu)
     if not torchrun or parsed.num_machines > 1:
         connection.send(json.dumps({"real": "not torchrun on one machine"}).encode())
         return None
@@ -133,7 +135,16 @@ def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | N
     os.dup2(out_fd, 1)  # what this process says goes with its workers' output, as a launcher's
     os.dup2(out_fd, 2)
     connection.send(json.dumps({"pid": os.getpid()}).encode())
-    env = {**prepare_multi_gpu_env(parsed), **message["env"]}
+    if parsed.use_deepspeed:  # as launch_command: the config's DeepSpeed fields, which the processes read back
+        fields = list(defaults.deepspeed_config) if defaults else []
+        if precision_from_config:
+            fields.append("mixed_precision")
+        parsed.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        os.chdir(message["cwd"])  # the DeepSpeed launcher puts its working directory on PYTHONPATH
+        env = prepare_deepspeed_cmd_env(parsed)[1]
+    else:
+        env = prepare_multi_gpu_env(parsed)
+    env.update(message["env"])
     world_size, port = parsed.num_processes, parsed.main_process_port
     workers = {}
     for rank in range(world_size):
