@@ -278,6 +278,35 @@ TWO_BY_TWO = ["--per_device_train_batch_size", 2]
 ONE_BY_TWO_BY_TWO = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]
 
 
+def checkpointing_config(tmp_path):
+    """accelerate_configs/fsdp.yaml with `fsdp_activation_checkpointing: true`, as `accelerate config` writes it for
+    a user who answers yes."""
+    config = FSDP_CONFIG.read_text().replace("activation_checkpointing: false", "activation_checkpointing: true")
+    assert "fsdp_activation_checkpointing: true" in config
+    (tmp_path / "fsdp_checkpointing.yaml").write_text(config)
+    return tmp_path / "fsdp_checkpointing.yaml"
+
+
+def test_the_configs_activation_checkpointing_changes_nothing_but_memory(
+    fsdp_classifier, dropout_bert, tiny_data, llama, sft_data, tmp_path
+):
+    """Before the fix, Accelerate's checkpoint wrapper recomputed each layer with other dropout masks than its forward
+    pass drew (BERT with dropout 0.1 ended 0.031 from the run without it), and renamed the layers' weights: a LoRA
+    run saved an empty adapter and reported success. transformers' checkpointing now does it: the same model, bit for
+    bit (measured 0.0), and the adapter that plain FSDP saves (LoRA's dropout 0.05 on)."""
+    config = checkpointing_config(tmp_path)
+    args = classifier(dropout_bert, tiny_data, tmp_path / "bert", *TWO_BY_FOUR, "--checkpointing_steps", 3)
+    run = ok(fsdp("train", *args, config=config))
+    assert_identical(tmp_path / "bert", fsdp_classifier)
+    assert "fsdp_activation_checkpointing checkpoints each layer as --gradient_checkpointing does" in run.output
+
+    lora = ["--lora_r", 4, *SFT_STEPS]
+    ok(fsdp("train_sft", *sft_args(llama, sft_data, tmp_path / "lora", *lora, *TWO_BY_TWO), config=config))
+    ok(fsdp("train_sft", *sft_args(llama, sft_data, tmp_path / "plain", *lora, *TWO_BY_TWO)))
+    assert len(weights(tmp_path / "lora", "adapter_model.safetensors")) == 28  # 7 projections x 2 layers x A, B
+    assert_close(tmp_path / "lora", tmp_path / "plain", atol=0.0, name="adapter_model.safetensors")
+
+
 def test_the_frozen_weights_digest_of_uneven_shards_is_the_digest_of_the_whole_model(tmp_path):
     """The digest that a resume matches the frozen base against is sampled from every rank's shard under FSDP and
     put together: on 3 processes, whose blocks of rows are unequal and one of them empty, it equals the digest of
@@ -514,6 +543,13 @@ def test_image_classifier_with_batchnorm_under_fsdp_trains_what_ddp_trains(tmp_p
     ok(ddp("train_image", *image_args(model, images, tmp_path / "ddp", *extra)))
     assert "every rank read the weights" in sharded.output  # Accelerate cannot send BatchNorm's statistics
     assert_close(tmp_path / "fsdp", tmp_path / "ddp", atol=1e-5)
+    # transformers cannot checkpoint a ResNet (Accelerate's wrapper would update BatchNorm's statistics twice a step)
+    refused = fsdp("train_image", *image_args(model, images, tmp_path / "checkpointed", *extra),
+                   config=checkpointing_config(tmp_path))  # fmt: skip
+    assert refused.returncode != 0 and refused.seconds < 60
+    expected = "fsdp_activation_checkpointing, which ResNetForImageClassification does not support in transformers"
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: the launch config asks for {expected}" in refused.output, refused.output[-3000:]
 
 
 @pytest.mark.fast

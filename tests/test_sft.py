@@ -507,7 +507,7 @@ def test_the_embeddings_requires_grad_hook_goes_only_where_every_layer_checkpoin
     layers' adapters, and keeps it; non-reentrant checkpointing, which `load_causal_lm` enables, does not."""
     from transformers import AutoModelForCausalLM
 
-    from ddp_utils.language_models.causal_lm import drop_input_require_grads
+    from ddp_utils.training.activation_checkpointing import drop_input_require_grads
 
     model = AutoModelForCausalLM.from_pretrained(tiny_lm)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})

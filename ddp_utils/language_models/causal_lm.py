@@ -24,6 +24,7 @@ from ..core.errors import UsageError
 from ..core.ranks import refuse_together
 from ..data.dataloaders import SAMPLE_WEIGHT
 from ..data.evaluation import gather_for_eval
+from ..training.activation_checkpointing import checkpoint_activations, drop_input_require_grads
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import load_pretrained
 from ..training.pretrained import causal_lm_class, fetch_weights, load_model_config
@@ -193,11 +194,7 @@ def load_causal_lm(args, config, tokenizer):
             "GPT-2, ...)"
         )
     if args.gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x's name; the old one warns
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        drop_input_require_grads(model)  # now: a second enable (peft's) would orphan transformers' hook
+        checkpoint_activations(model)
     if args.lora_r:
         from .lora import add_lora
 
@@ -205,21 +202,6 @@ def load_causal_lm(args, config, tokenizer):
         if args.gradient_checkpointing:
             drop_input_require_grads(model.get_base_model())  # peft hooks the embeddings again
     return model
-
-
-def drop_input_require_grads(model) -> None:
-    """Remove the hook that transformers and peft each put on the input embeddings to make their output require
-    grad, where every checkpointed layer checkpoints non-reentrantly (as `load_causal_lm` enables it): only reentrant
-    checkpointing needs it. It computes the gradient of layer 0's input for nothing, carries the backward pass through
-    every layer under --lora_last_layers, and breaks --torch_compile's graph at every call (`requires_grad_` on an
-    intermediate). A model whose own code checkpoints otherwise (transformers' old format, remote code) keeps it."""
-    funcs = [
-        getattr(m, "_gradient_checkpointing_func", None)
-        for m in model.modules()
-        if getattr(m, "gradient_checkpointing", False) is True
-    ]
-    if funcs and all(getattr(f, "keywords", {}).get("use_reentrant") is False for f in funcs):
-        model.disable_input_require_grads()
 
 
 def causal_lm_loss(model, batch):

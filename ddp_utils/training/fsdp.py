@@ -26,6 +26,8 @@ loading made true. Measured with Accelerate 1.15, transformers 5.23 and torch 2.
   option is turned off for it. Built empty, a model whose LM head shares the input embeddings' weight (Gemma,
   Llama 3.2 1B and 3B, Qwen2.5 up to 3B, SmolLM2) had them apart on those ranks, and Accelerate's preparation
   failed there ("FSDP2 mapping failed (missing: ['lm_head.weight'])"); they share as on rank 0 (`share_as`).
+- `fsdp_activation_checkpointing` recomputed each layer with other dropout masks, and a LoRA run saved an empty
+  adapter: transformers' own checkpointing does it instead (`activation_checkpointing.py`).
 
 `make_accelerator` calls `fix_fsdp2_preparation` once; the scripts load their model with `load_pretrained`.
 """
@@ -39,6 +41,7 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.state import PartialState
 
+from .activation_checkpointing import checkpoint_for_fsdp
 from .pretrained import build_from_config, keep_used_weight_conversions, shared_weights
 from .zero3_loading import loading_context
 
@@ -70,6 +73,9 @@ def fix_fsdp2_preparation(accelerator) -> None:
     def set_auto_wrap_policy(model):
         _distinct_addresses(model)
         _answer_input_embeddings(model)
+        if plugin.activation_checkpointing:  # transformers' checkpointing instead of Accelerate's wrapper
+            checkpoint_for_fsdp(model, offload=plugin.activation_checkpointing_offload)
+            plugin.activation_checkpointing = plugin.activation_checkpointing_offload = False
         if plugin.cpu_ram_efficient_loading and persistent_buffers(model):
             logger.info(
                 "FSDP2: this model has persistent buffers (BatchNorm statistics), which Accelerate's RAM-efficient "

@@ -1,0 +1,72 @@
+"""Activation checkpointing: each transformer layer's activations recomputed in the backward pass instead of kept,
+by transformers' own per-layer checkpointing (non-reentrant), for `--gradient_checkpointing` and for a launch
+config's `fsdp_activation_checkpointing: true` alike.
+
+Accelerate 1.15's FSDP2 path would apply the config's option its own way: it wraps each layer in torch's
+`checkpoint_wrapper` with `preserve_rng_state=False`. Measured on 2 CPU processes (tests/test_fsdp.py):
+
+- the recomputation draws other dropout masks than the forward pass drew, so the gradients are not those of the
+  loss: a BERT with dropout 0.1 ended 0.031 from the same run without checkpointing, which should change nothing;
+- the wrapper renames every parameter of a wrapped layer (`_checkpoint_wrapped_module`): a LoRA run saved an empty
+  adapter, and reported success.
+
+`fix_fsdp2_preparation` therefore turns Accelerate's off and calls `checkpoint_for_fsdp` on the model instead: the
+same layers checkpointed, dropout's random state kept for the recomputation, the names unchanged. No communication.
+"""
+
+from __future__ import annotations
+
+from accelerate.logging import get_logger
+
+from ..core.errors import UsageError
+
+logger = get_logger(__name__)
+
+
+def checkpoint_activations(model, offload: bool = False) -> None:
+    """Turn on transformers' activation checkpointing in `model` (a transformers model), non-reentrant, with the
+    activations kept for the recomputation in host memory if `offload`. Raises ValueError where the model has none."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x's name; the old one warns
+        offloading = {"offload": True} if offload else {}  # a remote-code model's own method may not take it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **offloading)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    drop_input_require_grads(model)  # now: a second enable (peft's) would orphan transformers' hook
+
+
+def checkpoint_for_fsdp(model, offload: bool = False) -> None:
+    """Checkpoint `model`'s layers (a transformers model, or a peft model around one) where the launch config asks
+    FSDP for activation checkpointing, unless `--gradient_checkpointing` already did. A model that transformers
+    cannot checkpoint is refused in one line."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False)):
+        return
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise UsageError(
+            f"the launch config asks for fsdp_activation_checkpointing, which {type(base).__name__} does not "
+            "support in transformers; set fsdp_activation_checkpointing: false in it"
+        )
+    checkpoint_activations(base, offload=offload)
+    logger.info(
+        "FSDP2: fsdp_activation_checkpointing checkpoints each layer as --gradient_checkpointing does, with "
+        "transformers' own checkpointing: Accelerate's wrapper would recompute with other dropout masks and "
+        "rename the layers' weights",
+        main_process_only=True,
+    )
+
+
+def drop_input_require_grads(model) -> None:
+    """Remove the hook that transformers and peft each put on the input embeddings to make their output require
+    grad, where every checkpointed layer checkpoints non-reentrantly (as `checkpoint_activations` enables it): only
+    reentrant checkpointing needs it. It computes the gradient of layer 0's input for nothing, carries the backward
+    pass through every layer under --lora_last_layers, and breaks --torch_compile's graph at every call
+    (`requires_grad_` on an intermediate). A model whose own code checkpoints otherwise (transformers' old format,
+    remote code) keeps it."""
+    funcs = [
+        getattr(m, "_gradient_checkpointing_func", None)
+        for m in model.modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+    ]
+    if funcs and all(getattr(f, "keywords", {}).get("use_reentrant") is False for f in funcs):
+        model.disable_input_require_grads()
