@@ -307,6 +307,19 @@ def test_the_configs_activation_checkpointing_changes_nothing_but_memory(
     assert_close(tmp_path / "lora", tmp_path / "plain", atol=0.0, name="adapter_model.safetensors")
 
 
+def test_a_size_based_wrap_config_is_refused_in_one_line(dropout_bert, tiny_data, tmp_path):
+    """`accelerate config` offers SIZE_BASED_WRAP. Under FSDP2 Accelerate's size policy picks the ModuleList that
+    holds the layers, and torch's fully_shard refused it inside `prepare`, a traceback on each rank."""
+    config = FSDP_CONFIG.read_text().replace("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP\n  fsdp_min_num_params: 2000")
+    (tmp_path / "size_based.yaml").write_text(config)
+    result = fsdp("train", *classifier(dropout_bert, tiny_data, tmp_path / "run"), config=tmp_path / "size_based.yaml")
+    assert result.returncode != 0 and result.seconds < 60
+    expected = "error: the launch config's fsdp_auto_wrap_policy SIZE_BASED_WRAP fails under FSDP2"
+    for rank in (0, 1):
+        assert f"[rank {rank}] {expected}" in result.output, result.output[-3000:]
+    assert "Traceback" not in result.output
+
+
 def test_the_frozen_weights_digest_of_uneven_shards_is_the_digest_of_the_whole_model(tmp_path):
     """The digest that a resume matches the frozen base against is sampled from every rank's shard under FSDP and
     put together: on 3 processes, whose blocks of rows are unequal and one of them empty, it equals the digest of
@@ -566,7 +579,7 @@ def test_an_fsdp1_launch_config_is_warned_of_as_never_run(caplog):
 
     PartialState(cpu=True)  # ddp_utils logs through Accelerate's logger
     expected = "this launch config runs FSDP1 (fsdp_version 1, the default where the config leaves it out)"
-    fsdp2 = Namespace(fsdp_version=2, set_auto_wrap_policy=None)  # the hook wraps its policy setter: no warning
+    fsdp2 = Namespace(fsdp_version=2, set_auto_wrap_policy=None, auto_wrap_policy=None)  # wrapped, no warning
     for plugin, warned in ((Namespace(fsdp_version=1), True), (Namespace(), True), (None, False), (fsdp2, False)):
         caplog.clear()
         with caplog.at_level(logging.WARNING):

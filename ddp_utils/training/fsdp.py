@@ -26,6 +26,8 @@ loading made true. Measured with Accelerate 1.15, transformers 5.23 and torch 2.
   option is turned off for it. Built empty, a model whose LM head shares the input embeddings' weight (Gemma,
   Llama 3.2 1B and 3B, Qwen2.5 up to 3B, SmolLM2) had them apart on those ranks, and Accelerate's preparation
   failed there ("FSDP2 mapping failed (missing: ['lm_head.weight'])"); they share as on rank 0 (`share_as`).
+- `fsdp_auto_wrap_policy: SIZE_BASED_WRAP` crashed in `prepare` ("fully_shard does not support containers that do
+  not implement forward: ModuleList"): refused at the start.
 - `fsdp_activation_checkpointing` recomputed each layer with other dropout masks, and a LoRA run saved an empty
   adapter: transformers' own checkpointing does it instead (`activation_checkpointing.py`).
 
@@ -41,6 +43,7 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.state import PartialState
 
+from ..core.errors import UsageError
 from .activation_checkpointing import checkpoint_for_fsdp
 from .pretrained import build_from_config, keep_used_weight_conversions, shared_weights
 from .zero3_loading import loading_context
@@ -54,8 +57,9 @@ def fix_fsdp2_preparation(accelerator) -> None:
     answers None; a model with persistent buffers is not sent from rank 0 (every rank read it); and
     a wrapped class that holds the input embeddings is left out of the wrapped ones, so the embeddings
     become their own unit (as Accelerate shards them anyway) and the rest of that module joins the
-    root's: the same computation, the all-gathers grouped otherwise. Under FSDP1, a warning: it has never run
-    here. Any rank may call it; every rank does. No communication."""
+    root's: the same computation, the all-gathers grouped otherwise; the config's activation checkpointing is done
+    by transformers (`activation_checkpointing.py`). SIZE_BASED_WRAP is refused. Under FSDP1, a warning: it has never
+    run here. Any rank may call it; every rank does. No communication."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)  # the state has no such attribute outside FSDP
     if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
         # Older `accelerate config` files leave fsdp_version out, which is 1. Accelerate's FSDP1 path does not run on
@@ -66,6 +70,14 @@ def fix_fsdp2_preparation(accelerator) -> None:
         )
     if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
         return
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    if plugin.auto_wrap_policy is size_based_auto_wrap_policy and plugin.min_num_params > 0:
+        raise UsageError(
+            "the launch config's fsdp_auto_wrap_policy SIZE_BASED_WRAP fails under FSDP2: it picks the ModuleList "
+            "that holds the layers, which torch's fully_shard refuses; use TRANSFORMER_BASED_WRAP, as "
+            "accelerate_configs/fsdp.yaml does"
+        )
     set_policy = plugin.set_auto_wrap_policy
 
     # Accelerate's FSDP2 preparation calls this first, with the model, before it maps the optimizer's
