@@ -278,29 +278,42 @@ TWO_BY_TWO = ["--per_device_train_batch_size", 2]
 ONE_BY_TWO_BY_TWO = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]
 
 
-def checkpointing_config(tmp_path):
-    """accelerate_configs/fsdp.yaml with `fsdp_activation_checkpointing: true`, as `accelerate config` writes it for
-    a user who answers yes."""
-    config = FSDP_CONFIG.read_text().replace("activation_checkpointing: false", "activation_checkpointing: true")
-    assert "fsdp_activation_checkpointing: true" in config
-    (tmp_path / "fsdp_checkpointing.yaml").write_text(config)
-    return tmp_path / "fsdp_checkpointing.yaml"
+# Other answers to `accelerate config`'s FSDP questions than accelerate_configs/fsdp.yaml's: the line each changes.
+CONFIG_ANSWERS = {
+    "activation checkpointing": ("fsdp_activation_checkpointing: false", "fsdp_activation_checkpointing: true"),
+    "no wrap": ("TRANSFORMER_BASED_WRAP", "NO_WRAP"),
+    "no reshard after forward": ("fsdp_reshard_after_forward: true", "fsdp_reshard_after_forward: false"),
+}
 
 
-def test_the_configs_activation_checkpointing_changes_nothing_but_memory(
-    fsdp_classifier, dropout_bert, tiny_data, llama, sft_data, tmp_path
+def answered(tmp_path, answer):
+    """accelerate_configs/fsdp.yaml with one of CONFIG_ANSWERS, as `accelerate config` writes it."""
+    before, after = CONFIG_ANSWERS[answer]
+    config = FSDP_CONFIG.read_text()
+    assert before in config
+    (tmp_path / "answered.yaml").write_text(config.replace(before, after))
+    return tmp_path / "answered.yaml"
+
+
+@pytest.mark.parametrize("answer", list(CONFIG_ANSWERS))
+def test_other_answers_to_accelerate_config_train_the_same_model_bit_for_bit(
+    answer, fsdp_classifier, dropout_bert, tiny_data, tmp_path
 ):
-    """Before the fix, Accelerate's checkpoint wrapper recomputed each layer with other dropout masks than its forward
-    pass drew (BERT with dropout 0.1 ended 0.031 from the run without it), and renamed the layers' weights: a LoRA
-    run saved an empty adapter and reported success. transformers' checkpointing now does it: the same model, bit for
-    bit (measured 0.0), and the adapter that plain FSDP saves (LoRA's dropout 0.05 on)."""
-    config = checkpointing_config(tmp_path)
-    args = classifier(dropout_bert, tiny_data, tmp_path / "bert", *TWO_BY_FOUR, "--checkpointing_steps", 3)
-    run = ok(fsdp("train", *args, config=config))
-    assert_identical(tmp_path / "bert", fsdp_classifier)
-    assert "fsdp_activation_checkpointing checkpoints each layer as --gradient_checkpointing does" in run.output
+    """Before the fix, Accelerate's activation checkpointing recomputed each layer with other dropout masks than its
+    forward pass drew: BERT (dropout 0.1) ended 0.031 from the run without it. transformers' checkpointing does it
+    now. Each answer trains what fsdp.yaml trains, bit for bit (measured 0.0)."""
+    args = classifier(dropout_bert, tiny_data, tmp_path / "run", *TWO_BY_FOUR, "--checkpointing_steps", 3)
+    run = ok(fsdp("train", *args, config=answered(tmp_path, answer)))
+    assert_identical(tmp_path / "run", fsdp_classifier)
+    checkpointed = "fsdp_activation_checkpointing checkpoints each layer as --gradient_checkpointing does"
+    assert (checkpointed in run.output) == (answer == "activation checkpointing")
 
+
+def test_the_configs_activation_checkpointing_saves_the_lora_adapter_that_plain_fsdp_saves(llama, sft_data, tmp_path):
+    """Before the fix, Accelerate's checkpoint wrapper renamed the wrapped layers' weights, and a LoRA run saved an
+    empty adapter and reported success. The same adapter as without it now, LoRA's dropout (0.05) on."""
     lora = ["--lora_r", 4, *SFT_STEPS]
+    config = answered(tmp_path, "activation checkpointing")
     ok(fsdp("train_sft", *sft_args(llama, sft_data, tmp_path / "lora", *lora, *TWO_BY_TWO), config=config))
     ok(fsdp("train_sft", *sft_args(llama, sft_data, tmp_path / "plain", *lora, *TWO_BY_TWO)))
     assert len(weights(tmp_path / "lora", "adapter_model.safetensors")) == 28  # 7 projections x 2 layers x A, B
@@ -558,7 +571,7 @@ def test_image_classifier_with_batchnorm_under_fsdp_trains_what_ddp_trains(tmp_p
     assert_close(tmp_path / "fsdp", tmp_path / "ddp", atol=1e-5)
     # transformers cannot checkpoint a ResNet (Accelerate's wrapper would update BatchNorm's statistics twice a step)
     refused = fsdp("train_image", *image_args(model, images, tmp_path / "checkpointed", *extra),
-                   config=checkpointing_config(tmp_path))  # fmt: skip
+                   config=answered(tmp_path, "activation checkpointing"))  # fmt: skip
     assert refused.returncode != 0 and refused.seconds < 60
     expected = "fsdp_activation_checkpointing, which ResNetForImageClassification does not support in transformers"
     for rank in (0, 1):
