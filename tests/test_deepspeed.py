@@ -172,6 +172,50 @@ def test_zero3_with_offload_trains_with_deepspeeds_cpu_adam_and_resumes_bit_for_
     assert_identical(tmp_path / "resumed", tmp_path / "run")
 
 
+# The ZeRO-3 config of Transformers' DeepSpeed docs, as users bring it: a JSON file of "auto" values, its own
+# optimizer and scheduler among them.
+DOCS_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}  # fmt: skip
+
+
+def config_file_launch(tmp_path, deepspeed_json: dict):
+    """An Accelerate config that points to a DeepSpeed JSON file (`accelerate config`'s "DeepSpeed config file")."""
+    (tmp_path / "ds_config.json").write_text(json.dumps(deepspeed_json))
+    config = (CONFIGS / "deepspeed_zero3.yaml").read_text().split("deepspeed_config:")[0]
+    config += f"deepspeed_config:\n  deepspeed_config_file: {tmp_path / 'ds_config.json'}\n  zero3_init_flag: true\n"
+    (tmp_path / "from_file.yaml").write_text(config)
+    return tmp_path / "from_file.yaml"
+
+
+def test_a_deepspeed_config_file_trains_what_ddp_trains_and_its_own_optimizer_is_refused_in_one_line(
+    dropout_bert, tiny_data, ddp_classifier, tmp_path
+):
+    """Accelerate refused a file's optimizer and scheduler inside `prepare`, after the model was built, in a
+    traceback on rank 0 whose fix (`DummyOptim` in the code) is for other scripts. Without them, the file's "auto"
+    values are filled from the script's options and ZeRO-3 trains what DDP trains."""
+    args = classifier(dropout_bert, tiny_data, tmp_path / "refused")
+    refused = zero("train", *args, config=config_file_launch(tmp_path, DOCS_ZERO3))
+    assert refused.returncode != 0 and refused.seconds < 60
+    expected = 'error: the DeepSpeed config file defines "optimizer" (AdamW) and "scheduler" (WarmupDecayLR)'
+    for rank in (0, 1):
+        assert f"[rank {rank}] {expected}" in refused.output, refused.output[-3000:]
+    without = {key: value for key, value in DOCS_ZERO3.items() if key not in ("optimizer", "scheduler")}
+    args = classifier(dropout_bert, tiny_data, tmp_path / "run")
+    ok(zero("train", *args, config=config_file_launch(tmp_path, without)))
+    assert_close(tmp_path / "run", ddp_classifier, 1e-5)  # measured 1.1e-6, as deepspeed_zero3.yaml
+
+
 def test_fp16_overflows_are_skipped_counted_and_the_run_goes_on(dropout_bert, tiny_data, tmp_path):
     """DeepSpeed's loss scaler from 2**30: it skips a step at each overflow, lowering the scale from the second
     (its hysteresis), until the scaled gradients fit fp16; this model's fit from 2**16 (DeepSpeed's first scale,

@@ -114,8 +114,19 @@ def check_deepspeed_config(config: dict, gradient_accumulation_steps: int, max_g
 
     DeepSpeed accumulates and clips by its own config: a `gradient_accumulation_steps` there
     other than the script's changes the loss's normaliser, and its `gradient_clipping` replaces
-    --max_grad_norm (Accelerate fills an "auto" one with 1.0, whatever the script says).
+    --max_grad_norm (Accelerate fills an "auto" one with 1.0, whatever the script says). A config file's own
+    optimizer or scheduler (as in the DeepSpeed configs of Transformers' docs) cannot run with the script's.
     """
+    own = [
+        f'"{section}" ({config[section].get("type", "?")})'
+        for section in ("optimizer", "scheduler")
+        if section in config
+    ]
+    if own:  # Accelerate refused it inside `prepare`, after the model was built, naming a fix for other scripts
+        raise UsageError(
+            f"the DeepSpeed config file defines {' and '.join(own)}, and the script makes its own (AdamW and "
+            "--lr_scheduler_type, set by its options); remove those sections from the file"
+        )
     accumulation = config.get("gradient_accumulation_steps", "auto")
     if accumulation not in (gradient_accumulation_steps, "auto"):
         raise UsageError(
