@@ -281,6 +281,11 @@ ONE_BY_TWO_BY_TWO = ["--per_device_train_batch_size", 2, "--gradient_accumulatio
 # Other answers to `accelerate config`'s FSDP questions than accelerate_configs/fsdp.yaml's: the line each changes.
 CONFIG_ANSWERS = {
     "activation checkpointing": ("fsdp_activation_checkpointing: false", "fsdp_activation_checkpointing: true"),
+    # offloaded to host memory on a GPU; on CPU processes, where the activations are in host memory, not
+    "and its offload": (
+        "fsdp_activation_checkpointing: false",
+        "fsdp_activation_checkpointing: true\n  fsdp_activation_checkpointing_offload: true",
+    ),
     "no wrap": ("TRANSFORMER_BASED_WRAP", "NO_WRAP"),
     "no reshard after forward": ("fsdp_reshard_after_forward: true", "fsdp_reshard_after_forward: false"),
 }
@@ -306,7 +311,7 @@ def test_other_answers_to_accelerate_config_train_the_same_model_bit_for_bit(
     run = ok(fsdp("train", *args, config=answered(tmp_path, answer)))
     assert_identical(tmp_path / "run", fsdp_classifier)
     checkpointed = "fsdp_activation_checkpointing checkpoints each layer as --gradient_checkpointing does"
-    assert (checkpointed in run.output) == (answer == "activation checkpointing")
+    assert (checkpointed in run.output) == ("checkpointing" in answer or "offload" in answer)
 
 
 def test_the_configs_activation_checkpointing_saves_the_lora_adapter_that_plain_fsdp_saves(llama, sft_data, tmp_path):
@@ -327,7 +332,7 @@ def test_a_size_based_wrap_config_is_refused_in_one_line(dropout_bert, tiny_data
     (tmp_path / "size_based.yaml").write_text(config)
     result = fsdp("train", *classifier(dropout_bert, tiny_data, tmp_path / "run"), config=tmp_path / "size_based.yaml")
     assert result.returncode != 0 and result.seconds < 60
-    expected = "error: the launch config's fsdp_auto_wrap_policy SIZE_BASED_WRAP fails under FSDP2"
+    expected = "error: the launch config's fsdp_auto_wrap_policy SIZE_BASED_WRAP picks bert.encoder.layer (ModuleList"
     for rank in (0, 1):
         assert f"[rank {rank}] {expected}" in result.output, result.output[-3000:]
     assert "Traceback" not in result.output
@@ -576,6 +581,39 @@ def test_image_classifier_with_batchnorm_under_fsdp_trains_what_ddp_trains(tmp_p
     expected = "fsdp_activation_checkpointing, which ResNetForImageClassification does not support in transformers"
     for rank in (0, 1):
         assert f"[rank {rank}] error: the launch config asks for {expected}" in refused.output, refused.output[-3000:]
+
+
+@pytest.mark.fast
+def test_the_configs_activation_checkpointing_recomputes_each_layer_in_the_backward_pass(tmp_path):
+    """What `fix_fsdp2_preparation` calls for fsdp_activation_checkpointing (with its offload, which a CPU has no
+    use for) on a LoRA model: every decoder layer runs twice per step, the embeddings' grad hooks are gone, and
+    the adapter's names are the model's own."""
+    from accelerate import PartialState
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ddp_utils.training.activation_checkpointing import checkpoint_for_fsdp
+
+    PartialState(cpu=True)  # ddp_utils logs through Accelerate's logger
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_causal_lm(tmp_path / "llama"))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    names = sorted(name for name, _ in model.named_parameters())
+    calls = []
+    for layer in model.get_base_model().model.layers:  # each layer's MLP counts its calls (the recomputation
+        mlp_forward = layer.mlp.forward  # runs no module hooks again)
+
+        def counted(*args, _forward=mlp_forward, **kwargs):
+            calls.append(1)
+            return _forward(*args, **kwargs)
+
+        layer.mlp.forward = counted
+    checkpoint_for_fsdp(model, offload=True)
+    assert model.get_base_model().is_activation_checkpointing
+    assert not getattr(model.get_base_model(), "_require_grads_hooks", None)  # non-reentrant: none needed
+    model.train()
+    model(input_ids=torch.tensor([[1, 5, 9, 13]]), labels=torch.tensor([[1, 5, 9, 13]])).loss.backward()
+    assert len(calls) == 2 * len(model.get_base_model().model.layers)  # forward, then recomputed in backward
+    assert sorted(name for name, _ in model.named_parameters()) == names
 
 
 @pytest.mark.fast

@@ -11,8 +11,9 @@ global generator, datasets' random fingerprints). What it skips: the launcher pr
 exit codes, signals, error files and summary), a fresh interpreter's imports, and the module teardown at its exit.
 It assumes that no variable the launch adds (RANK, WORLD_SIZE, ACCELERATE_*, the test hooks' own) is read at import
 time by the libraries imported here: true of the versions pinned, by a grep of their sources. `launching.launch`
-uses it wherever `accelerate launch` would start torchrun on this machine; tests of the launcher, of signals and
-exit codes and each script's demo pass `real_launcher=True` and go through `accelerate launch`.
+uses it where `accelerate launch` would start torchrun on this machine, unless a test sets a variable that may be
+read at import time or a file size limit; tests of the launcher, of signals and exit codes and each script's demo
+pass `real_launcher=True` and go through `accelerate launch`.
 
     python tests/warm_launch.py SOCKET     # serve: import once, then fork one launch per connection
 """
@@ -141,10 +142,8 @@ def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | N
             fields.append("mixed_precision")
         parsed.deepspeed_fields_from_accelerate_config = ",".join(fields)
         os.chdir(message["cwd"])  # the DeepSpeed launcher puts its working directory on PYTHONPATH
-        env = prepare_deepspeed_cmd_env(parsed)[1]
-    else:
-        env = prepare_multi_gpu_env(parsed)
-    env.update(message["env"])
+    os.environ.update(message["env"])  # the launcher's own environment, which Accelerate's code starts from
+    env = prepare_deepspeed_cmd_env(parsed)[1] if parsed.use_deepspeed else prepare_multi_gpu_env(parsed)
     world_size, port = parsed.num_processes, parsed.main_process_port
     workers = {}
     for rank in range(world_size):

@@ -118,7 +118,7 @@ def check_deepspeed_config(config: dict, gradient_accumulation_steps: int, max_g
     optimizer or scheduler (as in the DeepSpeed configs of Transformers' docs) cannot run with the script's.
     """
     own = [
-        f'"{section}" ({config[section].get("type", "?")})'
+        f'"{section}" ({config[section].get("type", "?") if isinstance(config[section], dict) else config[section]})'
         for section in ("optimizer", "scheduler")
         if section in config
     ]

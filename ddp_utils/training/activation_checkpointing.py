@@ -10,12 +10,14 @@ Accelerate 1.15's FSDP2 path would apply the config's option its own way: it wra
 - the wrapper renames every parameter of a wrapped layer (`_checkpoint_wrapped_module`): a LoRA run saved an empty
   adapter, and reported success.
 
-`fix_fsdp2_preparation` therefore turns Accelerate's off and calls `checkpoint_for_fsdp` on the model instead: the
-same layers checkpointed, dropout's random state kept for the recomputation, the names unchanged. No communication.
+`fix_fsdp2_preparation` therefore turns Accelerate's off and calls `checkpoint_for_fsdp` on the model instead: each
+of transformers' layer blocks checkpointed (the decoder or encoder layers: the classes FSDP wraps by default),
+dropout's random state kept for the recomputation, the names unchanged. No communication.
 """
 
 from __future__ import annotations
 
+import torch
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
@@ -25,8 +27,12 @@ logger = get_logger(__name__)
 
 def checkpoint_activations(model, offload: bool = False) -> None:
     """Turn on transformers' activation checkpointing in `model` (a transformers model), non-reentrant, with the
-    activations kept for the recomputation in host memory if `offload`. Raises ValueError where the model has none."""
+    activations kept for the recomputation in host memory if `offload` and there is an accelerator to offload from.
+    Raises ValueError where the model has none."""
     kwargs = {"use_reentrant": False}
+    # Without an accelerator the activations are in host memory already, and transformers 5.23 would ask for pinned
+    # memory, which a CPU-only torch refuses at the first forward pass.
+    offload = offload and torch.accelerator.current_accelerator() is not None
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x's name; the old one warns
         offloading = {"offload": True} if offload else {}  # a remote-code model's own method may not take it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **offloading)
@@ -37,10 +43,14 @@ def checkpoint_activations(model, offload: bool = False) -> None:
 
 def checkpoint_for_fsdp(model, offload: bool = False) -> None:
     """Checkpoint `model`'s layers (a transformers model, or a peft model around one) where the launch config asks
-    FSDP for activation checkpointing, unless `--gradient_checkpointing` already did. A model that transformers
-    cannot checkpoint is refused in one line."""
+    FSDP for activation checkpointing (with `offload`: `fsdp_activation_checkpointing_offload`), unless
+    `--gradient_checkpointing` already did without offloading. A model that transformers cannot checkpoint is
+    refused in one line."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False)):
+    checkpointing = getattr(base, "is_activation_checkpointing", None)  # transformers 5.2x's name
+    if checkpointing is None:
+        checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    if checkpointing and not offload:
         return
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise UsageError(

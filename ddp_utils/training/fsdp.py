@@ -27,7 +27,7 @@ loading made true. Measured with Accelerate 1.15, transformers 5.23 and torch 2.
   Llama 3.2 1B and 3B, Qwen2.5 up to 3B, SmolLM2) had them apart on those ranks, and Accelerate's preparation
   failed there ("FSDP2 mapping failed (missing: ['lm_head.weight'])"); they share as on rank 0 (`share_as`).
 - `fsdp_auto_wrap_policy: SIZE_BASED_WRAP` crashed in `prepare` ("fully_shard does not support containers that do
-  not implement forward: ModuleList"): refused at the start.
+  not implement forward: ModuleList") wherever the list of layers is over its minimum size: refused in one line.
 - `fsdp_activation_checkpointing` recomputed each layer with other dropout masks, and a LoRA run saved an empty
   adapter: transformers' own checkpointing does it instead (`activation_checkpointing.py`).
 
@@ -58,8 +58,8 @@ def fix_fsdp2_preparation(accelerator) -> None:
     a wrapped class that holds the input embeddings is left out of the wrapped ones, so the embeddings
     become their own unit (as Accelerate shards them anyway) and the rest of that module joins the
     root's: the same computation, the all-gathers grouped otherwise; the config's activation checkpointing is done
-    by transformers (`activation_checkpointing.py`). SIZE_BASED_WRAP is refused. Under FSDP1, a warning: it has never
-    run here. Any rank may call it; every rank does. No communication."""
+    by transformers (`activation_checkpointing.py`); SIZE_BASED_WRAP that would pick a ModuleList is refused. Under
+    FSDP1, a warning: it has never run here. Any rank may call it; every rank does. No communication."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)  # the state has no such attribute outside FSDP
     if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
         # Older `accelerate config` files leave fsdp_version out, which is 1. Accelerate's FSDP1 path does not run on
@@ -70,19 +70,12 @@ def fix_fsdp2_preparation(accelerator) -> None:
         )
     if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
         return
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
-
-    if plugin.auto_wrap_policy is size_based_auto_wrap_policy and plugin.min_num_params > 0:
-        raise UsageError(
-            "the launch config's fsdp_auto_wrap_policy SIZE_BASED_WRAP fails under FSDP2: it picks the ModuleList "
-            "that holds the layers, which torch's fully_shard refuses; use TRANSFORMER_BASED_WRAP, as "
-            "accelerate_configs/fsdp.yaml does"
-        )
     set_policy = plugin.set_auto_wrap_policy
 
     # Accelerate's FSDP2 preparation calls this first, with the model, before it maps the optimizer's
     # parameters: the one place to act before sharding without a line in every script.
     def set_auto_wrap_policy(model):
+        _refuse_containers_by_size(plugin, model)
         _distinct_addresses(model)
         _answer_input_embeddings(model)
         if plugin.activation_checkpointing:  # transformers' checkpointing instead of Accelerate's wrapper
@@ -142,6 +135,24 @@ def classes_holding_input_embeddings(model) -> set[str]:
         if name and module is not embeddings and any(child is embeddings for child in module.modules()):
             holders.add(type(module).__name__)
     return holders
+
+
+def _refuse_containers_by_size(plugin, model) -> None:
+    """Under SIZE_BASED_WRAP, Accelerate's policy picks every module over `fsdp_min_num_params` parameters: a
+    ModuleList holding the layers too, which torch's fully_shard refuses (it has no forward), in a traceback inside
+    `prepare`. Refused in one line instead, with the fix."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    if plugin.auto_wrap_policy is not size_based_auto_wrap_policy or plugin.min_num_params <= 0:
+        return  # Accelerate takes a minimum of 0 as no wrapping
+    for name, module in model.named_modules():
+        size = sum(parameter.numel() for parameter in module.parameters())
+        if name and type(module).forward is torch.nn.Module.forward and size > plugin.min_num_params:
+            raise UsageError(
+                f"the launch config's fsdp_auto_wrap_policy SIZE_BASED_WRAP picks {name} ({type(module).__name__}, "
+                f"{size:,} parameters), which FSDP2 cannot shard as a unit; use TRANSFORMER_BASED_WRAP, as "
+                f"accelerate_configs/fsdp.yaml does, or raise fsdp_min_num_params above {size}"
+            )
 
 
 def _answer_input_embeddings(model) -> None:
