@@ -291,13 +291,17 @@ CONFIG_ANSWERS = {
 }
 
 
-def answered(tmp_path, answer):
-    """accelerate_configs/fsdp.yaml with one of CONFIG_ANSWERS, as `accelerate config` writes it."""
-    before, after = CONFIG_ANSWERS[answer]
+def fsdp_config_with(tmp_path, before: str, after: str):
+    """accelerate_configs/fsdp.yaml with `before` (a line of it, or part of one) written as `after`."""
     config = FSDP_CONFIG.read_text()
     assert before in config
-    (tmp_path / "answered.yaml").write_text(config.replace(before, after))
-    return tmp_path / "answered.yaml"
+    (tmp_path / "fsdp_answered.yaml").write_text(config.replace(before, after))
+    return tmp_path / "fsdp_answered.yaml"
+
+
+def answered(tmp_path, answer):
+    """accelerate_configs/fsdp.yaml with one of CONFIG_ANSWERS, as `accelerate config` writes it."""
+    return fsdp_config_with(tmp_path, *CONFIG_ANSWERS[answer])
 
 
 @pytest.mark.parametrize("answer", list(CONFIG_ANSWERS))
@@ -328,9 +332,8 @@ def test_the_configs_activation_checkpointing_saves_the_lora_adapter_that_plain_
 def test_a_size_based_wrap_config_is_refused_in_one_line(dropout_bert, tiny_data, tmp_path):
     """`accelerate config` offers SIZE_BASED_WRAP. Under FSDP2 Accelerate's size policy picks the ModuleList that
     holds the layers, and torch's fully_shard refused it inside `prepare`, a traceback on each rank."""
-    config = FSDP_CONFIG.read_text().replace("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP\n  fsdp_min_num_params: 2000")
-    (tmp_path / "size_based.yaml").write_text(config)
-    result = fsdp("train", *classifier(dropout_bert, tiny_data, tmp_path / "run"), config=tmp_path / "size_based.yaml")
+    config = fsdp_config_with(tmp_path, "TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP\n  fsdp_min_num_params: 2000")
+    result = fsdp("train", *classifier(dropout_bert, tiny_data, tmp_path / "run"), config=config)
     assert result.returncode != 0 and result.seconds < 60
     expected = "error: the launch config's fsdp_auto_wrap_policy SIZE_BASED_WRAP picks bert.encoder.layer (ModuleList"
     for rank in (0, 1):
@@ -364,8 +367,7 @@ def test_a_lora_checkpoint_under_fsdp_holds_the_adapter_and_resumes_bit_for_bit_
     rank in one line."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    config = tmp_path / "fsdp.yaml"
-    config.write_text(FSDP_CONFIG.read_text().replace("SHARDED_STATE_DICT", state_dict_type))
+    config = fsdp_config_with(tmp_path, "SHARDED_STATE_DICT", state_dict_type)
     steps = ["--lora_r", 4, "--max_train_steps", 4, "--checkpointing_steps", 2, "--eval_max_new_tokens", 0,
              "--report_to", "none"]  # fmt: skip
     whole = tmp_path / "whole"

@@ -20,8 +20,9 @@ logger = get_logger(__name__)
 _BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 # What file systems and archives add to a folder, never anyone's data: hidden files and folders (.git, .DS_Store,
 # ._1.jpg), macOS's zip folder, a Synology NAS's thumbnails (@eaDir) and recycle bin, Windows' and ext4's own folders.
-NOT_DATA = (".", "__MACOSX", "@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN", "System Volume Information")
-NOT_DATA += ("lost+found",)
+NOT_DATA = (
+    ".", "__MACOSX", "@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN", "System Volume Information", "lost+found"
+)  # fmt: skip
 SKIPPED_FOLDERS = ("__pycache__", "node_modules")  # what a code checkout holds that is no one's text
 _PACKED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar", ".tgz", ".7z")  # raw text's: not a text file
 
