@@ -421,9 +421,12 @@ def test_classes_one_level_too_high_are_warned_of_and_a_double_underscore_class_
     ids=["loose-image", "no-readable-image", "one-class", "empty", "metadata-file", "pdf-is-not-an-image"],
 )
 def test_an_image_folder_that_cannot_train_is_refused_in_one_line(tmp_path, layout, expected):
+    from accelerate import PartialState
+
     from ddp_utils.core.errors import UsageError
     from ddp_utils.data.image_folders import image_folders
 
+    PartialState(cpu=True)  # ddp_utils logs through Accelerate's logger (a file left out is warned of first)
     train = tmp_path / "train"
     train.mkdir()
     for path in layout:
