@@ -115,6 +115,16 @@ def slowest_profile(profile_dir: Path) -> dict | None:
     return max(profiles, key=lambda profile: profile["step_s"]) if profiles else None
 
 
+def top_host_operator(profile: dict) -> str:
+    """The profile's operator that took the most host time, with its calls' longest and median (milliseconds)."""
+    if not profile["host_top"]:
+        return "-"
+    row = profile["host_top"][0]
+    if "longest_call_s" not in row:  # a region (generate's), or a profile written before these were
+        return row["name"]
+    return f"{row['name']} (longest call {row['longest_call_s'] * 1e3:.1f} ms, median {row['median_call_s'] * 1e3:.2f})"
+
+
 def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) -> None:
     """The Markdown table: each run's `unit`/s and peak memory, and their ratios to `baseline[key]`'s."""
     print(
@@ -160,7 +170,7 @@ def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) ->
             busy = f"{p['gpu_busy_share']:.0%}" if p["gpu_busy_s"] is not None else "-"  # none on a CPU
             waits = f"{p.get('syncs', 0):,.0f} ({p.get('sync_wait_s', 0):.4f})"
             generate = f"{p['generate_s']:.4f}" if p.get("generate_s") is not None else "-"
-            top = p["host_top"][0]["name"] if p["host_top"] else "-"
+            top = top_host_operator(p)
             print(
                 f"| {names[key]} | {p['step_s']:.4f} | {busy} | {p['launches']:,.0f} | {waits} "
                 f"| {p.get('host_in_operators_s', 0):.4f} | {p.get('host_outside_operators_s', 0):.4f} | {generate} "

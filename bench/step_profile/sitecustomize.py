@@ -13,7 +13,8 @@ Each process writes STEP_PROFILE_DIR/profile-<pid>.json, a step's mean over the 
   and the rest of the step: Python and everything else outside them;
 - the host seconds inside transformers' `generate` (its outermost call), where the process calls it (ours draws
   each sample's first token from its prompt's pass before `generate`; TRL's `generate` makes that pass too);
-- the operators that took the most time on the host and on the device.
+- the operators that took the most time on the host (each with its longest call and its median one) and on the
+  device.
 A GPU busy for a small share of the step waits on the host: the host's split then says whether operators (their
 count) or Python between them is the cost, the measured cause a launch-bound step needs. The profiled steps run
 slower than the others. On the path first, this file hides any other sitecustomize (op_count's too). A
@@ -46,10 +47,18 @@ if os.environ.get("STEP_PROFILE_DIR"):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    def _top(averages, key: str, rows: int = 15) -> list:
-        """The operators that took the most `key` time (microseconds in the profile), per step."""
+    def _top(averages, key: str, rows: int = 15, calls: dict | None = None) -> list:
+        """The operators that took the most `key` time (microseconds in the profile), per step; with `calls` (each
+        operator's calls' own host seconds) also its longest call and its median one: a cost paid once per new
+        shape (a cuDNN graph built, a kernel tuned) is a few long calls among short ones, a cost of every call
+        is not."""
         ranked = sorted((e for e in averages if getattr(e, key) > 0), key=lambda e: -getattr(e, key))[:rows]
-        return [{"name": e.key, "s": getattr(e, key) / 1e6 / _count, "calls": e.count / _count} for e in ranked]
+        top = [{"name": e.key, "s": getattr(e, key) / 1e6 / _count, "calls": e.count / _count} for e in ranked]
+        for row in top if calls else []:
+            seconds = sorted(calls.get(row["name"], []))
+            if seconds:
+                row["longest_call_s"], row["median_call_s"] = seconds[-1], seconds[len(seconds) // 2]
+        return top
 
     def _union_s(intervals: list) -> float:
         """The seconds covered by (start, end) microsecond intervals, overlaps once (kernels on several streams)."""
@@ -60,6 +69,14 @@ if os.environ.get("STEP_PROFILE_DIR"):
             elif end > reach:
                 total, reach = total + (end - reach), end
         return total / 1e6
+
+    def _calls_s(events) -> dict:
+        """Each host operator's calls: their own seconds (what they called left out), by name."""
+        calls = {}
+        for event in events:
+            if event.device_type == DeviceType.CPU and not event.is_user_annotation:
+                calls.setdefault(event.name, []).append(event.self_cpu_time_total / 1e6)
+        return calls
 
     def _outermost_op(event) -> bool:
         """An operator that no other operator called (a region marked with record_function is not an operator)."""
@@ -114,7 +131,7 @@ if os.environ.get("STEP_PROFILE_DIR"):
             "host_in_operators_s": host_ops,
             "host_outside_operators_s": step - host_ops,  # Python and all else
             "generate_s": sum(e.time_range.elapsed_us() for e in generate) / 1e6 / _count if generate else None,
-            "host_top": _top(averages, "self_cpu_time_total"),
+            "host_top": _top(averages, "self_cpu_time_total", calls=_calls_s(events)),
             "device_top": _top(averages, "self_device_time_total") if device else [],
         }
         _out.parent.mkdir(parents=True, exist_ok=True)
