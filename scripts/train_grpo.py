@@ -179,6 +179,7 @@ def main():
     # All ranks: one row per prompt, its G completions after it, where that scores each as if alone; else a row each.
     block = (args.max_prompt_length + args.num_generations * args.max_completion_length) // 2 + 1
     layout = choose_pair_layout(accelerator, model, block)
+    multiple = 8 if accelerator.mixed_precision != "no" else None  # the rows per prompt: tensor cores like 8s
     decoding = None  # --compile_generation: a static cache for the samples, checked here, before training
     if args.compile_generation:
         decoding = StaticDecoding(accelerator, model, args.max_prompt_length, args.max_completion_length)
@@ -220,7 +221,7 @@ def main():
         records = [raw["train"][int(i)] for r in rollouts for i in r["index"]]
         values, rewards = score_completions(accelerator, REWARDS, decode_completions(tokenizer, rollouts), records)
         advantages = group_advantages(torch.tensor(rewards).float(), args.num_generations, args.scale_rewards)
-        finish_rollouts(rollouts, advantages, args, layout, tokenizer.pad_token_id)  # loss weights; rows per prompt
+        finish_rollouts(rollouts, advantages, args, layout, tokenizer.pad_token_id, multiple)  # weights, rows
         sums = rollout_sums(rollouts, values, rewards, names, args.num_generations, accelerator.device)
         return rollouts, sums
 

@@ -913,7 +913,8 @@ def test_records_without_what_a_reward_reads_end_the_run_on_every_rank_in_one_li
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_one_row_per_prompt_scores_each_completion_as_a_row_of_its_own_does(chat_lm, attention):
     """[prompt, completion 1, ..., completion G] with its 4D mask and positions gives every completion token the
-    log-prob that [prompt, completion] alone gives: completions of different lengths, prompts of two lengths."""
+    log-prob that [prompt, completion] alone gives: completions of different lengths, prompts of two lengths; and
+    the rows padded to a multiple of 8 give the same."""
     from transformers import AutoModelForCausalLM
 
     from ddp_utils.language_models.group_scoring import completion_logps, one_row_per_prompt
@@ -942,6 +943,12 @@ def test_one_row_per_prompt_scores_each_completion_as_a_row_of_its_own_does(chat
         own_rows = completion_logps(model, rollout, TWO_ROWS)
     torch.testing.assert_close(one_row, own_rows, atol=1e-5, rtol=0)
     assert (one_row[completion_mask.bool()] < 0).all() and (one_row[~completion_mask.bool()] == 0).all()
+    # Padded to a multiple of 8 (train_grpo.py under mixed precision): the same log-probs, from rows of 16.
+    rollout["rows"] = one_row_per_prompt(rollout, group, pad_token_id=0, pad_to_multiple_of=8)
+    assert rollout["rows"]["input_ids"].shape == (2, 16)
+    with torch.no_grad():
+        padded = completion_logps(model, rollout)
+    torch.testing.assert_close(padded, one_row, atol=1e-6, rtol=0)
 
 
 @pytest.mark.fast

@@ -56,16 +56,22 @@ def completion_logps(model, rollout: dict, layout: str = ONE_ROW, temperature: f
     return logps * rollout["completion_mask"]
 
 
-def one_row_per_prompt(rollout: dict, group: int, pad_token_id: int) -> dict:
-    """The rows [prompt, completion 1, ..., completion G], right-padded: input_ids and position_ids (B, L), the
-    boolean 4D mask (B, 1, L, L), `keep` (B, L): the positions that predict a completion token, and `source`
-    (completions, completion length): for each completion token, its predicting position's place among the
-    kept ones."""
+def one_row_per_prompt(rollout: dict, group: int, pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict:
+    """The rows [prompt, completion 1, ..., completion G], right-padded (to a multiple of `pad_to_multiple_of`, if
+    given): input_ids and position_ids (B, L), the boolean 4D mask (B, 1, L, L), `keep` (B, L): the positions that
+    predict a completion token, and `source` (completions, completion length): for each completion token, its
+    predicting position's place among the kept ones.
+
+    Padded to a multiple, the rows take a few lengths instead of one per step, as SFT's and DPO's batches do under
+    mixed precision: tensor cores want multiples of 8, and each new length costs cuDNN's attention a graph of its
+    own (built on the host) and a compiled model a recompile."""
     prompt_mask, completion_mask = rollout["prompt_mask"][::group].bool(), rollout["completion_mask"].bool()
     prompts, width = len(prompt_mask), completion_mask.shape[1]
     prompt_lengths = prompt_mask.sum(dim=1)
     lengths = completion_mask.sum(dim=1).view(prompts, group)
     length = int((prompt_lengths + lengths.sum(dim=1)).max())
+    if pad_to_multiple_of:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
     device = completion_mask.device
     input_ids = torch.full((prompts, length), pad_token_id, dtype=torch.long, device=device)
     positions = torch.zeros((prompts, length), dtype=torch.long, device=device)

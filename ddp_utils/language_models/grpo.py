@@ -272,10 +272,12 @@ def reference_logps(accelerator: Accelerator, model, rollout: dict, layout: str,
         return completion_logps(model, rollout, layout, temperature)
 
 
-def finish_rollouts(rollouts: list[dict], advantages: torch.Tensor, args, layout: str, pad_token_id: int) -> None:
+def finish_rollouts(
+    rollouts: list[dict], advantages: torch.Tensor, args, layout: str, pad_token_id: int, multiple: int | None = None
+) -> None:
     """Add to each rollout micro-batch its advantages, its rows' weights in the step's loss (LOSS_WEIGHT), their
     tokens (for the throughput), and in the one-row layout its rows [prompt, completion 1, ..., completion G]
-    (`group_scoring`). No communication."""
+    (`group_scoring`), padded to a multiple of `multiple` if given. No communication."""
     start = 0
     for rollout in rollouts:
         rows, tokens = len(rollout["index"]), rollout["completion_mask"].sum(dim=1).float()
@@ -286,7 +288,7 @@ def finish_rollouts(rollouts: list[dict], advantages: torch.Tensor, args, layout
         # The tokens the model reads: in one row per prompt, each completion carries a G-th of its prompt.
         rollout[INPUT_TOKENS] = tokens + (prompt_tokens / args.num_generations if layout == ONE_ROW else prompt_tokens)
         if layout == ONE_ROW:
-            rollout["rows"] = one_row_per_prompt(rollout, args.num_generations, pad_token_id)
+            rollout["rows"] = one_row_per_prompt(rollout, args.num_generations, pad_token_id, multiple)
         start += rows
 
 
