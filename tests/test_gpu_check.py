@@ -429,7 +429,7 @@ def test_the_call_plan_fits_each_session_and_runs_every_step_not_yet_run_on_a_gp
     estimated seconds fit its --budget_s; every step that has not yet run on a GPU is planned; README shows it."""
     checklist, payload = load(CHECKLIST), load(PAYLOAD)
     calls, rows = checklist.CALLS, checklist.plan()
-    ran_on_a_gpu = {"1", "2a", "4", "7", "9", "10"}  # sessions 1 and 2 (2026-11-26): GPU_S holds their runs
+    ran_on_a_gpu = {"1", "2a", "3", "4", "7", "9", "10", "12"}  # sessions 1 to 4: GPU_S holds their runs
     assert ran_on_a_gpu <= {step for step, _ in checklist.GPU_S}
     assert set(checklist.STEPS) - ran_on_a_gpu <= {s for call in calls for s in call["steps"]}
 

@@ -163,25 +163,32 @@ GPU_S = {
     # --compile_generation, taken as ours' run and a minute more for inductor's compilation (not yet run on a GPU).
     # Session 3 (an H100, 2026-11-27): its three runs, the third with --compile_generation (76, 90 and 112 s).
     ("10", "bench_grpo"): 284.4,
-    ("3", "eager"): 36.4,  # step 3's compiled run (whole, as it then compiled) was stopped at 438 s
+    # Session 4 (an H200, 2026-11-28): step 3's runs, its compiled one by regions; step 12's two benchmarks (223 s
+    # estimated for both: the profiler's trace, read at the end of each run, took far longer than taken).
+    ("3", "eager"): 41.5,  # 36.4 s on session 3's H100
+    ("3", "compiled"): 120.2,  # 79 s of it compiling; compiled whole (session 3) it was stopped at 438 s
+    ("12", "bench_grpo"): 263.8,
+    ("12", "bench_dpo"): 151.7,
 }
 # The device calls still to make (README "The device calls"), session by session: a session has 15 device minutes
 # and one machine start; the machine goes back 30 s after a call. `carry`: the payload's parts and folders (payload.py's
 # sets: step1 and llm_shape in one part each, llm in two); `shape`: the LLM steps run with --llm_shape (the demo LLM's
 # architecture, its weights drawn at random). Session 1 (2026-11-26) ran steps 1, 2a, 4 and 7, 2b's first case,
 # and step 10's runs (the call ended before their record); session 2 (2026-11-26) ran steps 10 and 9; session 3
-# (2026-11-27) step 10, and step 3 until its compiled run, compiled whole, was stopped (bench/gpu_check/README.md).
+# (2026-11-27) step 10, and step 3 until its compiled run, compiled whole, was stopped; session 4 (2026-11-28) steps
+# 12 and 3 (bench/gpu_check/README.md).
 CALLS = [
-    # The profiles that steps 9 and 10's shortfalls lack; --torch_compile by regions, which came after session 3; then
-    # the steps that have not run at all.
-    {"session": 4, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["12", "3"]},
-    {"session": 4, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["2b"]},  # its full_gc case
+    # Step 12 again: session 4's profile found ours' GRPO paying 0.49 s a step in cuDNN attention's host code, and
+    # GRPO's rows now pad to a multiple of 8; the profile now gives each operator's longest and median call, which
+    # tells a graph built per new length from a cost of every call. Then 2b's checkpointing case, never run.
+    {"session": 5, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["12"]},
+    {"session": 5, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["2b"]},  # its full_gc case
     # DPO with --torch_compile: step 9 found its step launch-bound, 1.31x TRL against a target of 1.5x.
-    {"session": 5, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["11"]},
-    {"session": 6, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["5", "8", "6"]},
+    {"session": 6, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["11"]},
+    {"session": 7, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["5", "8", "6"]},
     # The demo LLM's own weights: generation accuracy on a GPU (two calls carry them).
-    {"session": 7, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
-    {"session": 7, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["2a", "4"]},
+    {"session": 8, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
+    {"session": 8, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["2a", "4"]},
 ]
 SESSION_S = 900  # a session's device time
 # Which of payload.py's sets a step can run with (any one of them installed); the other steps run the LLM.
