@@ -38,7 +38,7 @@ def compile_by_regions(model, backend: str) -> None:
       SmolLM2-135M's 30 layers, SFT with LoRA) the first step took 119 s and the recompile for a new length 216 s,
       and the run (36 s uncompiled) had not finished after 438 s. On the CPU (inductor, cold caches, SFT with LoRA,
       6 steps): whole 84 s for 6 layers and 295 s for 24 (dynamic shapes from the first call); by regions 67 s and
-      68 s (bench/README.md).
+      68 s. By regions on an H200 (step 3, session 4): 79 s of compilation, then 1.47x eager (bench/README.md).
     - In place, not wrapped: Accelerate's `compile_regions` (its path outside FSDP2 and DeepSpeed) copies the model
       and its DDP wrapper, and then `unwrap_model` returned the copied DDP, which has no `save_pretrained`; in place,
       the model, its wrappers and its parameter names stay as they are (`tests/test_sft.py`, `tests/test_train.py`).
