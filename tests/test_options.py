@@ -143,7 +143,10 @@ def test_the_best_checkpoint_survives_a_resume_with_the_output_dir_spelled_anoth
     [
         ("train_sft", ["--max_seq_length", "512"], "(--max_seq_length is --block_size here)"),
         ("train", ["--max_seq_length", "128"], "(--max_seq_length is --max_length here)"),  # run_glue's name
-        ("train_dpo", ["--lr", "1e-5"], "could match --lr_scheduler_type, --lr_scheduler_kwargs (--lr is --learning"),
+        ("train_dpo", ["--lr", "1e-5"], "unrecognized arguments: --lr 1e-5 (--lr is --learning_rate here)"),
+        ("train_grpo", ["--compile"], "(--compile is --torch_compile here)"),  # not --compile_generation
+        ("train_sft", ["--model", "m"], "(--model is --model_name_or_path here)"),
+        ("train", ["--per_device_train", "4"], "unrecognized arguments: --per_device_train 4; "),  # no abbreviation
         ("train_grpo", ["--num-train-epochs", "2"], "(--num-train-epochs is --num_train_epochs here)"),
         ("train_clm", ["--dataset_text_field", "body"], "(--dataset_text_field is --text_column here)"),
         ("train_image", ["--bf16"], "(--bf16: mixed precision is the launch config's: accelerate launch"),
@@ -157,7 +160,8 @@ def test_the_best_checkpoint_survives_a_resume_with_the_output_dir_spelled_anoth
 )  # fmt: skip
 def test_another_trainers_option_name_is_answered_with_ours(script, given, expected):
     """TRL, the Trainer and axolotl name their options otherwise: their names (or ours spelled with dashes) are
-    answered with ours, or with where the setting lives here, in the one line of the refusal."""
+    answered with ours, or with where the setting lives here, in the one line of the refusal. An abbreviation of
+    ours is refused, never read as the option it begins."""
     with pytest.raises(UsageError) as refused:
         load_script(script).parse_args(given)
     assert expected in str(refused.value), str(refused.value)

@@ -35,8 +35,11 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
     for its offline demo and for a pretrained model). `lengths`: the examples are token sequences,
     so batches can be grouped by length. A bad option or value (`--epochs`, `--seed abc`) becomes
     a `UsageError`, so it is one line on every rank and the launcher's last line, as every other
-    refusal: argparse's own exit skips both."""
+    refusal: argparse's own exit skips both. An abbreviation is refused too, not read as the one option it
+    begins: `--compile` (torchtune's and litgpt's name for compiling the model) ran train_grpo.py with
+    --compile_generation (CUDA graphs for sampling) instead; the refusal names ours (`option_names`)."""
     parser.error = lambda message: _refuse_option(parser, message)
+    parser.allow_abbrev = False  # read by argparse at parse time
     p = parser.add_argument_group("training")
     p.add_argument("--per_device_train_batch_size", type=int, default=8, help="examples per process per micro-batch")
     p.add_argument("--per_device_eval_batch_size", type=int, default=16, help="examples per process per eval batch")

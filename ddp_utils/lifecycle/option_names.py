@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-# Their names: ours for the same thing (the first of these the script has), or where that setting lives here. Names
-# that are the start of only one of ours (--model, --gradient_accumulation) need none: argparse takes them as ours.
+# Their names: ours for the same thing (the first of these the script has), or where that setting lives here. The
+# scripts take no abbreviation (`add_training_args`), so a name that begins one of ours is answered here too.
 OTHER_NAMES = {
     **dict.fromkeys(
         ("--max_seq_length", "--max_length", "--sequence_len", "--seq_len"), ("--block_size", "--max_length")
@@ -20,6 +20,9 @@ OTHER_NAMES = {
     **dict.fromkeys(("--evaluation_strategy", "--eval_strategy"), "every epoch ends with an evaluation; --eval_steps N "
                     "adds one every N optimizer steps"),
     "--lora_rank": ("--lora_r",),
+    "--model": ("--model_name_or_path",),
+    "--compile": ("--torch_compile",),
+    "--gradient_accumulation": ("--gradient_accumulation_steps",),
     "--dataset_text_field": ("--text_column",),
     "--base_model": ("--model_name_or_path",),
     **dict.fromkeys(("--bf16", "--fp16", "--mixed_precision"), "mixed precision is the launch config's: accelerate "
@@ -31,14 +34,11 @@ OTHER_NAMES = {
 
 
 def option_hint(parser: argparse.ArgumentParser, message: str) -> str:
-    """For argparse's `message` about options it does not know or cannot tell apart: " (...)" naming ours for each
-    that another trainer names so, or that is ours spelled with dashes; "" for the others."""
-    if message.startswith("unrecognized arguments:"):
-        given = [word for word in message.split(":", 1)[1].split() if word.startswith("--")]
-    elif message.startswith("ambiguous option:"):  # an abbreviation of several of ours (--lr)
-        given = message.split(":", 1)[1].split()[:1]
-    else:
+    """For argparse's `message` about options it does not know: " (...)" naming ours for each that another trainer
+    names so, or that is ours spelled with dashes; "" for the others."""
+    if not message.startswith("unrecognized arguments:"):
         return ""
+    given = [word for word in message.split(":", 1)[1].split() if word.startswith("--")]
     ours, hints = parser._option_string_actions, []  # every option string the script takes
     for name in (word.split("=", 1)[0] for word in given):
         underscored = "--" + name[2:].replace("-", "_")
