@@ -120,9 +120,10 @@ def top_host_operator(profile: dict) -> str:
     if not profile["host_top"]:
         return "-"
     row = profile["host_top"][0]
-    if "longest_call_s" not in row:  # a region (generate's), or a profile written before these were
+    if "longest_call_s" not in row:  # a profile written before these were
         return row["name"]
-    return f"{row['name']} (longest call {row['longest_call_s'] * 1e3:.1f} ms, median {row['median_call_s'] * 1e3:.2f})"
+    longest, median = row["longest_call_s"] * 1e3, row["median_call_s"] * 1e3
+    return f"{row['name']} (longest call {longest:.2f} ms, median {median:.2f} ms)"
 
 
 def print_side_by_side(results: dict, names: dict, baseline: dict, unit: str) -> None:

@@ -216,7 +216,8 @@ def test_a_step_that_raises_is_recorded_and_the_next_step_runs(tmp_path):
 
 def test_a_step_whose_run_was_cut_at_the_budget_is_still_to_run(tmp_path):
     """Session 3's step 3: its eager run finished and its compiled run was cut at --budget_s; the step read "ok",
-    with no figures, so the plan would have counted it as done."""
+    with no figures, so the plan would have counted it as done. Session 4's: its compiled run was not started, for
+    the time left, and the step read "ok" too."""
     checklist = load(CHECKLIST)
     args = argparse.Namespace(
         dry_run=True, results=str(tmp_path), budget_s=None, site=None, copy_to=None, fresh=True, steps="3"
@@ -227,6 +228,21 @@ def test_a_step_whose_run_was_cut_at_the_budget_is_still_to_run(tmp_path):
     runner.run_step("3")
     step = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["3"]
     assert step["status"] == "skipped" and step["reason"] == "compiled: stopped after 438 s"
+    # Session 4's: the compiled run not started, for the budget's 58 s left against its 228; the step read "ok".
+    runner.deadline = checklist.time.monotonic() + 1  # what --budget_s 1 sets
+
+    def eager_only():
+        runner.step_record["runs"]["eager"] = {"name": "eager", "status": "ok"}
+        runner.launch("compiled", ["true"])
+
+    runner.step_3 = eager_only
+    runner.run_step("3")
+    step = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["3"]
+    assert (
+        step["status"] == "skipped"
+        and step["reason"].startswith("compiled: ")
+        and "left of --budget_s" in step["reason"]
+    ), step
 
 
 def test_steps_9_and_10_alone_have_the_llm_prepared_for_them(tmp_path):
@@ -598,9 +614,38 @@ def test_the_step_profile_times_steps_4_to_8_in_any_process_also_when_it_ends_wi
     assert addmm["calls"] == 3  # 3 layers a step
     # Its 15 calls' own seconds: the longest and the median (a cost paid once per new shape shows as the longest).
     assert addmm["s"] * 5 >= addmm["longest_call_s"] >= addmm["median_call_s"] > 0, addmm
-    assert "longest call" in top_host_operator(profile) or profile["host_top"][0]["name"] == "transformers generate"
+    assert "longest call" in top_host_operator(profile)
     assert next(row for row in profile["host_top"] if row["name"] == "transformers generate")["calls"] == 1
     assert slowest_profile(tmp_path / "7") is None
+
+
+@pytest.mark.fast
+def test_attention_shapes_logs_each_training_steps_attention_and_not_generations(tmp_path):
+    """bench/attention_shapes: the shape of each attention call autograd records, by optimizer step (a call without
+    gradients, as in generation, is not logged); lengths.py gives each step's shape."""
+    sys.path.insert(0, str(REPO / "bench" / "attention_shapes"))
+    from lengths import step_shapes
+
+    program = (
+        "import sitecustomize, torch, torch.nn.functional as F\n"
+        "weight = torch.nn.Parameter(torch.ones(1))\n"
+        "optimizer = torch.optim.SGD([weight], lr=0.1)\n"
+        "for length in (5, 8, 5):\n"
+        "    q = torch.randn(2, 3, length, 4) * weight\n"
+        "    with torch.no_grad():\n"
+        "        F.scaled_dot_product_attention(q, q, q)  # as generation: not logged\n"
+        "    F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()\n"
+        "    optimizer.step()\n"
+    )
+    env = {
+        **launch_env(),
+        "ATTENTION_SHAPES_DIR": str(tmp_path),
+        "PYTHONPATH": str(REPO / "bench" / "attention_shapes"),
+    }
+    subprocess.run([sys.executable, "-c", program], env=env, check=True, timeout=120)
+    (path,) = tmp_path.glob("shapes-*.jsonl")
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    assert step_shapes(path) == [(2, 3, 5, 4), (2, 3, 8, 4), (2, 3, 5, 4)]
 
 
 @pytest.mark.fast

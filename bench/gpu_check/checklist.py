@@ -164,7 +164,7 @@ GPU_S = {
     # Session 3 (an H100, 2026-11-27): its three runs, the third with --compile_generation (76, 90 and 112 s).
     ("10", "bench_grpo"): 284.4,
     # Session 4 (an H200, 2026-11-28): step 3's runs, its compiled one by regions; step 12's two benchmarks (223 s
-    # estimated for both: the profiler's trace, read at the end of each run, took far longer than taken).
+    # estimated for both; probably the profiler's traces, read at the end of each run, took longer than estimated).
     ("3", "eager"): 41.5,  # 36.4 s on session 3's H100
     ("3", "compiled"): 120.2,  # 79 s of it compiling; compiled whole (session 3) it was stopped at 438 s
     ("12", "bench_grpo"): 263.8,
@@ -368,9 +368,11 @@ class Checklist:
         self.step_record["runs"][name] = record
         left = self.time_left()
         estimate_s = run_estimate_s(self.step_record["id"], name)
-        if left is not None and left < estimate_s:
+        if left is not None and left < estimate_s:  # stopped: the step is still to run (run_step)
             record.update(
-                status="skipped", reason=f"{left:.0f} s left of --budget_s, this run takes about {estimate_s:.0f} s"
+                status="skipped",
+                stopped=True,
+                reason=f"{left:.0f} s left of --budget_s, this run takes about {estimate_s:.0f} s",
             )
             self.save()
             return record
@@ -473,7 +475,8 @@ class Checklist:
                     status="skipped", reason="; ".join(f"{r['name']}: {r['reason']}" for r in record["runs"].values())
                 )
             elif stopped := [r for r in record["runs"].values() if r.get("stopped")]:
-                # a run cut at the budget leaves the step's figures unmeasured: the step is still to run
+                # a run cut at the budget, or not started for it, leaves the step's figures unmeasured: the step is
+                # still to run (session 4's step 3 read "ok" with its eager run alone)
                 record.update(status="skipped", reason="; ".join(f"{r['name']}: {r['reason']}" for r in stopped))
             else:
                 record["status"] = "ok"

@@ -47,18 +47,31 @@ if os.environ.get("STEP_PROFILE_DIR"):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    def _top(averages, key: str, rows: int = 15, calls: dict | None = None) -> list:
-        """The operators that took the most `key` time (microseconds in the profile), per step; with `calls` (each
-        operator's calls' own host seconds) also its longest call and its median one: a cost paid once per new
-        shape (a cuDNN graph built, a kernel tuned) is a few long calls among short ones, a cost of every call
-        is not."""
+    def _top(averages, key: str, rows: int = 15) -> list:
+        """The operators that took the most `key` time (microseconds in the profile), per step."""
         ranked = sorted((e for e in averages if getattr(e, key) > 0), key=lambda e: -getattr(e, key))[:rows]
-        top = [{"name": e.key, "s": getattr(e, key) / 1e6 / _count, "calls": e.count / _count} for e in ranked]
-        for row in top if calls else []:
-            seconds = sorted(calls.get(row["name"], []))
-            if seconds:
-                row["longest_call_s"], row["median_call_s"] = seconds[-1], seconds[len(seconds) // 2]
-        return top
+        return [{"name": e.key, "s": getattr(e, key) / 1e6 / _count, "calls": e.count / _count} for e in ranked]
+
+    def _host_top(events, rows: int = 15) -> list:
+        """The operators (and marked regions) that took the most host time of their own, per step, from `events`
+        (the window's own: its closing synchronize left out, as everywhere here), each with its longest call and
+        its median one: a cost paid once per new shape (a cuDNN graph built, a kernel tuned) is a few long calls
+        among short ones, a cost of every call is not."""
+        calls = {}
+        for event in events:
+            if event.device_type == DeviceType.CPU:
+                calls.setdefault(event.name, []).append(event.self_cpu_time_total / 1e6)
+        ranked = sorted((item for item in calls.items() if sum(item[1]) > 0), key=lambda item: -sum(item[1]))[:rows]
+        return [
+            {
+                "name": name,
+                "s": sum(seconds) / _count,
+                "calls": len(seconds) / _count,
+                "longest_call_s": max(seconds),
+                "median_call_s": sorted(seconds)[len(seconds) // 2],
+            }
+            for name, seconds in ranked
+        ]
 
     def _union_s(intervals: list) -> float:
         """The seconds covered by (start, end) microsecond intervals, overlaps once (kernels on several streams)."""
@@ -69,14 +82,6 @@ if os.environ.get("STEP_PROFILE_DIR"):
             elif end > reach:
                 total, reach = total + (end - reach), end
         return total / 1e6
-
-    def _calls_s(events) -> dict:
-        """Each host operator's calls: their own seconds (what they called left out), by name."""
-        calls = {}
-        for event in events:
-            if event.device_type == DeviceType.CPU and not event.is_user_annotation:
-                calls.setdefault(event.name, []).append(event.self_cpu_time_total / 1e6)
-        return calls
 
     def _outermost_op(event) -> bool:
         """An operator that no other operator called (a region marked with record_function is not an operator)."""
@@ -131,7 +136,7 @@ if os.environ.get("STEP_PROFILE_DIR"):
             "host_in_operators_s": host_ops,
             "host_outside_operators_s": step - host_ops,  # Python and all else
             "generate_s": sum(e.time_range.elapsed_us() for e in generate) / 1e6 / _count if generate else None,
-            "host_top": _top(averages, "self_cpu_time_total", calls=_calls_s(events)),
+            "host_top": _host_top(events),
             "device_top": _top(averages, "self_device_time_total") if device else [],
         }
         _out.parent.mkdir(parents=True, exist_ok=True)
