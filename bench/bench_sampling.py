@@ -217,7 +217,8 @@ def count_operators(args, accelerator, model, tokenizer, batch, transformers_gen
     model.train()
     for label, layout in (("one row per prompt (ours)", ONE_ROW), ("one row per completion (TRL)", TWO_ROWS)):
         rollout = grpo.sample_completions(accelerator, model, batch, tokenizer, settings, 0)
-        grpo.finish_rollouts([rollout], torch.randn(len(rollout["index"])), settings, layout, tokenizer.pad_token_id)
+        advantages, multiple = torch.randn(len(rollout["index"])), 8 if args.bf16 else None  # as the script pads
+        grpo.finish_rollouts([rollout], advantages, settings, layout, tokenizer.pad_token_id, multiple)
         rows = len(rollout["rows"]["input_ids"]) if layout == ONE_ROW else len(rollout["index"])
         counter.ops = 0
         with counter:

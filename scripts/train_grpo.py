@@ -221,7 +221,7 @@ def main():
         records = [raw["train"][int(i)] for r in rollouts for i in r["index"]]
         values, rewards = score_completions(accelerator, REWARDS, decode_completions(tokenizer, rollouts), records)
         advantages = group_advantages(torch.tensor(rewards).float(), args.num_generations, args.scale_rewards)
-        finish_rollouts(rollouts, advantages, args, layout, tokenizer.pad_token_id, multiple)  # weights, rows
+        finish_rollouts(rollouts, advantages, args, layout, tokenizer.pad_token_id, multiple)  # loss weights
         sums = rollout_sums(rollouts, values, rewards, names, args.num_generations, accelerator.device)
         return rollouts, sums
 

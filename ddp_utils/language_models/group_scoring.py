@@ -63,8 +63,8 @@ def one_row_per_prompt(rollout: dict, group: int, pad_token_id: int, pad_to_mult
     predicting position's place among the kept ones.
 
     Padded to a multiple, the rows take a few lengths instead of one per step, as SFT's and DPO's batches do under
-    mixed precision: tensor cores want multiples of 8, and each new length costs cuDNN's attention a graph of its
-    own (built on the host) and a compiled model a recompile."""
+    mixed precision: tensor cores want multiples of 8, and each new length can cost cuDNN's attention a graph built
+    on the host (torchtune#1652), the lead of the GPU profile's step 12 (bench/README.md, session 4)."""
     prompt_mask, completion_mask = rollout["prompt_mask"][::group].bool(), rollout["completion_mask"].bool()
     prompts, width = len(prompt_mask), completion_mask.shape[1]
     prompt_lengths = prompt_mask.sum(dim=1)

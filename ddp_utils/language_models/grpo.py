@@ -277,7 +277,7 @@ def finish_rollouts(
 ) -> None:
     """Add to each rollout micro-batch its advantages, its rows' weights in the step's loss (LOSS_WEIGHT), their
     tokens (for the throughput), and in the one-row layout its rows [prompt, completion 1, ..., completion G]
-    (`group_scoring`), padded to a multiple of `multiple` if given. No communication."""
+    (`group_scoring`), their length padded to a multiple of `multiple` if given. No communication."""
     start = 0
     for rollout in rollouts:
         rows, tokens = len(rollout["index"]), rollout["completion_mask"].sum(dim=1).float()
