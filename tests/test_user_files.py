@@ -354,6 +354,35 @@ def test_multi_label_columns_map_to_multi_hot_and_score_as_scikit_learn(tmp_path
 
 
 @pytest.mark.fast
+@pytest.mark.fast
+def test_whole_numbers_written_as_decimals_are_refused_as_ambiguous_and_either_task_can_be_given(tmp_path):
+    """A CSV whose labels read 0.0 and 1.0 (pandas writes a column that once held a gap so): classes or scores? It
+    trained a regression in silence; now refused in one line naming both tasks. --task classification makes them
+    the classes "0" and "1", as an integer column's; STS-B's scores (fractions) stay a regression."""
+    import datasets
+    from accelerate import PartialState
+
+    from ddp_utils.data.classification import label_task
+
+    PartialState(cpu=True)  # label_task logs the task it chose
+    path = tmp_path / "reviews.csv"
+    path.write_text("text,label\n" + "".join(f"review {i},{i % 2}.0\n" for i in range(8)))
+    raw = datasets.load_dataset("csv", data_files={"train": str(path), "validation": str(path)})
+    assert raw["train"].features["label"].dtype == "float64"
+    with pytest.raises(UsageError) as refused:
+        label_task(raw, "label")
+    assert str(refused.value) == (
+        "the labels of 'label' are whole numbers written as decimals (0.0, 1.0): classes or scores? give --task "
+        "classification (2 classes) or --task regression"
+    )
+    task, labels, to_id = label_task(raw, "label", "classification")
+    assert task == "classification" and labels["id2label"] == {0: "0", 1: "1"}
+    assert [to_id(v) for v in (0.0, 1.0, 1)] == [0, 1, 1]
+    assert label_task(raw, "label", "regression")[0] == "regression"
+    scores = datasets.Dataset.from_dict({"text": ["a", "b", "c"], "score": [0.0, 2.4, 5.0]})
+    assert label_task(datasets.DatasetDict({"train": scores, "validation": scores}), "score")[0] == "regression"
+
+
 def test_an_integer_label_column_says_how_many_classes_it_made_and_regression_needs_numbers(caplog):
     import logging
 

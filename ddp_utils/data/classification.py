@@ -186,7 +186,9 @@ class LabelIds:
         self.names, self.ids = names, {name: i for i, name in enumerate(names)}
 
     @staticmethod
-    def key(value):
+    def key(value):  # 1.0 and 1 one class, named "1" (a float column of classes: --task classification)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
         return value.strip() if isinstance(value, str) else value
 
     def __call__(self, value) -> int:
@@ -196,9 +198,9 @@ class LabelIds:
 def label_task(raw, label_column: str, task: str = "auto"):
     """(the task, the model config's label entries, the function that maps a raw label to the
     model's) for `train.py`: "regression" for --task regression or, with --task auto, a label
-    column of floats (one output, the value as a float); "multi_label" for a column of lists of labels
-    (`multi_label_mapping`); else "classification" (`label_mapping`), and the log says how many classes an
-    integer column with many values made. Any rank may call it."""
+    column of floats (one output, the value as a float; a few whole ones, 0.0 and 1.0, are refused as ambiguous);
+    "multi_label" for a column of lists of labels (`multi_label_mapping`); else "classification" (`label_mapping`),
+    and the log says how many classes an integer column with many values made. Any rank may call it."""
     import datasets
 
     for split in raw:
@@ -231,6 +233,13 @@ def label_task(raw, label_column: str, task: str = "auto"):
             f"some labels of {label_column!r} join others with commas ({combined[0][:40]!r}); for multi-label "
             f'classification split them into lists in the DATA section (row["{label_column}"].split(",")), or give '
             "--task classification to train each combination as a class"
+        )
+    whole = _few_whole_numbers(raw["train"], label_column) if task == "auto" and kind == "float" else None
+    if whole:  # 0.0 and 1.0: a CSV written by pandas from a column that once held a gap; classes or scores?
+        raise UsageError(
+            f"the labels of {label_column!r} are whole numbers written as decimals ({', '.join(map(str, whole[:5]))}"
+            f"{', ...' if len(whole) > 5 else ''}): classes or scores? give --task classification ({len(whole)} "
+            "classes) or --task regression"
         )
     if task == "regression" or (task == "auto" and kind == "float"):
         for split in ("train", "validation"):
@@ -292,6 +301,15 @@ def _value_kind(dataset, column: str) -> str | None:
         getattr(dataset.features[column], "dtype", "") if isinstance(dataset.features[column], datasets.Value) else ""
     )
     return "float" if dtype.startswith("float") else "int" if dtype.startswith(("int", "uint")) else None
+
+
+def _few_whole_numbers(dataset, column: str) -> list | None:
+    """The distinct values of a float `column`, sorted, where they are all whole and from 2 to MANY_CLASSES (a
+    regression's scores have fractions or many values; one value is refused as nothing to learn); else None."""
+    values = distinct_values(dataset, column)
+    if not 2 <= len(values) <= MANY_CLASSES or not all(v is not None and float(v).is_integer() for v in values):
+        return None
+    return sorted(values)
 
 
 def _min_max(dataset, column: str) -> tuple:
