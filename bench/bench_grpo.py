@@ -11,7 +11,9 @@ layers), 2 prompts per process per step, 1 epoch, lr 2e-4, 2 processes, no check
     python bench/bench_grpo.py --train_prompts 8   # a smoke run
 
 A third contender, ours with --compile_generation (decoding in CUDA graphs), is for a GPU: on a CPU dynamo only
-traces it (leave it out with --only ours trl).
+traces it (leave it out with --only ours trl). With --profile a fourth, ours with cuDNN's attention kernels off
+(torch then takes its other ones; the switch is step_profile/sitecustomize.py's, nothing changed in the script):
+the GPU check's session 4 found ours' training pass spending 0.49 s a step in cuDNN attention's host code.
 
 Reports prompts/s (prompts trained per second of the training loop: generation, scoring and the update),
 wall time (launch to exit), peak resident memory per process (on a GPU: peak GPU memory too), and the
@@ -42,8 +44,9 @@ NAMES = {
     "ours": "scripts/train_grpo.py (ours)",
     "trl": "TRL GRPOTrainer",
     "ours_compiled": "ours, --compile_generation",
+    "ours_no_cudnn_attention": "ours, cuDNN attention off",
 }
-BASELINE = {"ours": "trl", "ours_compiled": "trl", "trl": "trl"}
+BASELINE = {"ours": "trl", "ours_compiled": "trl", "trl": "trl", "ours_no_cudnn_attention": "trl"}
 LORA_ALPHA = 16
 
 
@@ -57,7 +60,10 @@ def parse_args():
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (alpha 16, no dropout, all linear layers)")
     add_side_by_side_args(p, NAMES, HERE / "runs_grpo")
-    return p.parse_args()
+    args = p.parse_args()
+    if "ours_no_cudnn_attention" in (args.only or []) and not args.profile:
+        p.error("ours_no_cudnn_attention runs with --profile only: step_profile/sitecustomize.py turns cuDNN off")
+    return args
 
 
 def write_prompts(workdir: Path, train_prompts: int, eval_prompts: int = 8) -> dict[str, Path]:
@@ -104,11 +110,12 @@ def contenders(args, workdir: Path, model: str, data: dict[str, Path]):
         "--seed", args.seed, "--lora_r", args.lora_r, "--lora_alpha", LORA_ALPHA, "--model", model,
         "--train_file", data["train"], "--output_dir", workdir / "trl_out", *(["--bf16"] if args.bf16 else []),
     ]  # fmt: skip
-    return {  # the compiled run last: where its compilation overruns a budget, the other two have finished
-        "ours": ours("ours", "29651"),
-        "trl": (workdir / "trl.json", trl),
-        "ours_compiled": ours("ours_compiled", "29653", "--compile_generation"),
-    }
+    runs = {"ours": ours("ours", "29651"), "trl": (workdir / "trl.json", trl)}
+    if args.profile:  # its switch is read by step_profile/sitecustomize.py, on the path only with --profile
+        result, command = ours("ours_no_cudnn_attention", "29654")
+        runs["ours_no_cudnn_attention"] = (result, ["env", "STEP_PROFILE_NO_CUDNN_ATTENTION=1", *command])
+    # the compiled run last: where its compilation overruns a budget, the others have finished
+    return {**runs, "ours_compiled": ours("ours_compiled", "29653", "--compile_generation")}
 
 
 def figures(key: str, data: dict, workdir: Path) -> dict:
@@ -145,7 +152,7 @@ def main():
         f"{psutil.cpu_count()} CPUs, {platform.processor() or platform.machine()}\n"
     )
     print_side_by_side(results, NAMES, BASELINE, "prompts")
-    for key in ("ours", "ours_compiled"):
+    for key in ("ours", "ours_no_cudnn_attention", "ours_compiled"):
         run = results.get(key, {})
         if run.get("generation_share") is not None:
             steady = f"{run['steady_per_s']:.3f}" if run.get("steady_per_s") else "-"

@@ -70,7 +70,7 @@ STEPS = {
     "9": "train_dpo.py (LoRA) against TRL's DPOTrainer, both references: pairs/s and peak GPU memory",
     "10": "train_grpo.py (LoRA) against TRL's GRPOTrainer, no vLLM: prompts/s, peak GPU memory, generation's share",
     "11": "train_dpo.py --torch_compile (LoRA, adapters off) against TRL's DPOTrainer: pairs/s, compilations",
-    "12": "GRPO and DPO, ours and TRL's, profiled: where a step's time goes (GPU busy share, launches, host split)",
+    "12": "GRPO profiled, ours (also without cuDNN attention) and TRL's: where a step's time goes",
 }
 FP16_SCALER = REPO / "tests" / "launched" / "fp16_scaler.py"  # a script run with torch's GradScaler, first scale set
 FSDP_ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"  # a script run under FSDP2 on CPU processes
@@ -133,11 +133,9 @@ RUN_S = {
     # compilations (the dry run traces 6 graphs: the policy and the reference without gradients, each for its first
     # length and then dynamic, and evaluation with the adapters on and off), taken at 50 s each
     ("11", "bench_dpo"): (30.0, 400),
-    # 12 steps of each contender (ours and TRL), steps 4 to 8 under torch.profiler: two start-ups as in steps 9 and
-    # 10's runs (about 20 s for GRPO's, 30 s for DPO's there), the steps, the profiler's cost and its trace's reading
-    # (taken at 10 s a run), the prompts' or pairs' preparation; the dry run's: 3 tiny steps of ours alone
-    ("12", "bench_grpo"): (11.0, 90),
-    ("12", "bench_dpo"): (11.3, 100),
+    # 12 steps of each of 3 contenders, steps 4 to 8 under torch.profiler: session 4 measured 264 s for two (ours 112
+    # s, TRL's 143, the prompts' preparation 9); the third, ours without cuDNN's attention, taken as ours'
+    ("12", "bench_grpo"): (11.0, 360),
 }
 # Each run's wall seconds on the first GPU session (an H200, 2026-11-26; the LLM's weights drawn at random, the
 # runs as the steps make them): they replace RUN_S's estimates, which were 1.1 to 3 times too short for the LLM.
@@ -163,12 +161,11 @@ GPU_S = {
     # --compile_generation, taken as ours' run and a minute more for inductor's compilation (not yet run on a GPU).
     # Session 3 (an H100, 2026-11-27): its three runs, the third with --compile_generation (76, 90 and 112 s).
     ("10", "bench_grpo"): 284.4,
-    # Session 4 (an H200, 2026-11-28): step 3's runs, its compiled one by regions; step 12's two benchmarks (223 s
-    # estimated for both; probably the profiler's traces, read at the end of each run, took longer than estimated).
+    # Session 4 (an H200, 2026-11-28): step 3's runs, its compiled one by regions. Its step 12 (GRPO's and DPO's
+    # benchmarks then, two contenders each: 264 s and 152 s against 223 estimated for both, probably the profiler's
+    # traces, read at the end of each run) has three GRPO contenders since: RUN_S.
     ("3", "eager"): 41.5,  # 36.4 s on session 3's H100
     ("3", "compiled"): 120.2,  # 79 s of it compiling; compiled whole (session 3) it was stopped at 438 s
-    ("12", "bench_grpo"): 263.8,
-    ("12", "bench_dpo"): 151.7,
 }
 # The device calls still to make (README "The device calls"), session by session: a session has 15 device minutes
 # and one machine start; the machine goes back 30 s after a call. `carry`: the payload's parts and folders (payload.py's
@@ -178,9 +175,10 @@ GPU_S = {
 # (2026-11-27) step 10, and step 3 until its compiled run, compiled whole, was stopped; session 4 (2026-11-28) steps
 # 12 and 3 (bench/gpu_check/README.md).
 CALLS = [
-    # Step 12 again: session 4's profile found ours' GRPO paying 0.49 s a step in cuDNN attention's host code, and
-    # GRPO's rows now pad to a multiple of 8; the profile now gives each operator's longest and median call, which
-    # tells a graph built per new length from a cost of every call. Then 2b's checkpointing case, never run.
+    # Step 12 again: session 4's profile found ours' GRPO paying 0.49 s a step in cuDNN attention's host code. GRPO's
+    # rows now pad to a multiple of 8, the profile gives each operator's longest and median call (a graph built per
+    # new length, or a cost of every call?), and a third run goes without cuDNN's attention (what it costs a step).
+    # Then 2b's checkpointing case, never run.
     {"session": 5, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["12"]},
     {"session": 5, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["2b"]},  # its full_gc case
     # DPO with --torch_compile: step 9 found its step launch-bound, 1.31x TRL against a target of 1.5x.
@@ -236,14 +234,13 @@ class Sizes:
         tiny_grpo = ["--train_prompts", "4", "--only", "ours", "ours_compiled", "--num_generations", "2"]
         tiny_grpo += ["--max_completion_length", "4"]
         self.grpo = tiny_grpo if dry_run else ["--train_prompts", "182", "--bf16"]  # the demo's prompts, all of them
-        # step 12: 12 steps of ours and of TRL's each, steps 4 to 8 profiled (the dry run: 3 of ours, 2 and 3 profiled)
+        # step 12: 12 steps of each contender, steps 4 to 8 profiled (the dry run: 3 of ours', 2 and 3 profiled)
+        profiled = ["--profile", "--only", "ours", "ours_no_cudnn_attention"]
         if dry_run:
             self.grpo_profiled = ["--train_prompts", "6", "--num_generations", "2", "--max_completion_length", "4"]
-            self.grpo_profiled += ["--profile", "--only", "ours"]
-            self.dpo_profiled = ["--train_pairs", "12", "--profile", "--only", "ours"]
+            self.grpo_profiled += profiled
         else:
-            self.grpo_profiled = ["--train_prompts", "24", "--bf16", "--profile", "--only", "ours", "trl"]
-            self.dpo_profiled = ["--train_pairs", "48", "--bf16", "--profile", "--only", "ours", "trl"]
+            self.grpo_profiled = ["--train_prompts", "24", "--bf16", *profiled, "trl"]
         self.profile_window = {"PROFILE_FIRST_STEP": "1", "PROFILE_STEPS": "2"} if dry_run else {}
         # Dynamo traces every frame, and finds every graph break, in the first step; on 2 CPU cores each further
         # step costs 5 to 10 s of CI (the second recompiles for its new length: the GPU run counts recompiles).
@@ -1048,14 +1045,18 @@ class Checklist:
         record["target"] = "ours ≥ 1.5× TRL's pairs/s"
 
     def step_12(self) -> None:
-        """bench/bench_grpo.py and bench/bench_dpo.py --profile on one GPU, in bf16: ours against TRL's trainers, 12
-        steps each, steps 4 to 8 under torch.profiler (bench/step_profile/): where a step's time goes, the measured
-        cause of steps 9 and 10's shortfalls that their operator counts did not fully give. Each profile: the
-        step's seconds, the GPU's busy share, kernel launches and waits for the GPU, the host's seconds inside and
-        outside torch's operators and inside `generate`, and the top operators (in the step's JSON)."""
+        """bench/bench_grpo.py --profile on one GPU, in bf16: ours, ours with cuDNN's attention off, and TRL's
+        trainer, 12 steps each, steps 4 to 8 under torch.profiler (bench/step_profile/): where a step's time goes.
+        Session 4 profiled GRPO and DPO (ours' and TRL's): DPO's steps the same operators as TRL's, and ours' GRPO
+        spending 0.49 s a step in cuDNN attention's host code against TRL's 0.095; since then GRPO's rows pad to a
+        multiple of 8, and the run without cuDNN's attention measures what it costs. Each profile: the step's
+        seconds, the GPU's busy share, kernel launches and waits for the GPU, the host's seconds inside and outside
+        torch's operators and inside `generate`, and the top operators, each with its longest and median call."""
+        sys.path.insert(0, str(REPO / "bench"))
+        from side_by_side import top_host_operator
+
         record, rows = self.step_record["figures"], []
-        benches = (("bench_grpo", self.sizes.grpo_profiled, "prompts"), ("bench_dpo", self.sizes.dpo_profiled, "pairs"))
-        for bench, sizes, unit in benches:
+        for bench, sizes, unit in (("bench_grpo", self.sizes.grpo_profiled, "prompts"),):
             figures = self.side_by_side("12", bench, sizes, unit, env=self.sizes.profile_window, subdir=bench)
             for name, run in figures.items():
                 profile = run.get("profile")
@@ -1066,12 +1067,16 @@ class Checklist:
                 rows.append([f"{bench} {name}", f(profile["step_s"], 4), f(profile["gpu_busy_share"], 3)])
                 rows[-1] += [f(profile["launches"], 0), f(profile["syncs"], 0), f(profile["sync_wait_s"], 4)]
                 rows[-1] += [f(profile[key], 4) for key in ("host_in_operators_s", "host_outside_operators_s")]
-                rows[-1] += [f(profile["generate_s"], 4)]
+                rows[-1] += [f(profile["generate_s"], 4), top_host_operator(profile)]
             ours, trl = record.get(f"{bench}_ours"), record.get(f"{bench}_trl")
+            without = record.get(f"{bench}_ours_no_cudnn_attention")
             if ours and trl:
                 record[f"{bench}_ours_x_trl_step_time"] = ours["step_s"] / trl["step_s"]
+            if ours and without:
+                record[f"{bench}_no_cudnn_attention_x_ours_step_time"] = without["step_s"] / ours["step_s"]
         columns = ["run", "s / step", "GPU busy share", "launches", "GPU waits", "waiting s"]
-        self.table([*columns, "host in operators s", "host outside s", "in generate s"], rows)
+        columns += ["host in operators s", "host outside s", "in generate s", "top host operator"]
+        self.table(columns, rows)
 
     def record_compiled_against_trl(self, figures: dict) -> None:
         """Steps 10 and 11: ours and ours compiled × TRL, their steady speeds, compiled ÷ eager (steady), and what

@@ -17,8 +17,9 @@ Each process writes STEP_PROFILE_DIR/profile-<pid>.json, a step's mean over the 
   device.
 A GPU busy for a small share of the step waits on the host: the host's split then says whether operators (their
 count) or Python between them is the cost, the measured cause a launch-bound step needs. The profiled steps run
-slower than the others. On the path first, this file hides any other sitecustomize (op_count's too). A
-benchmark's tool, never a training run's."""
+slower than the others. With STEP_PROFILE_NO_CUDNN_ATTENTION=1 the process runs attention without cuDNN's kernels
+(torch's flash or memory-efficient ones instead): what cuDNN's attention costs a step. On the path first, this file
+hides any other sitecustomize (op_count's too). A benchmark's tool, never a training run's."""
 
 import os
 
@@ -34,6 +35,8 @@ if os.environ.get("STEP_PROFILE_DIR"):
     from torch.autograd import DeviceType
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    if os.environ.get("STEP_PROFILE_NO_CUDNN_ATTENTION") == "1":  # bench_grpo.py's ours_no_cudnn_attention
+        torch.backends.cuda.enable_cudnn_sdp(False)  # attention then runs on torch's other kernels
     _first, _count = int(os.environ.get("PROFILE_FIRST_STEP", "3")), int(os.environ.get("PROFILE_STEPS", "5"))
     _out = Path(os.environ["STEP_PROFILE_DIR"]) / f"profile-{os.getpid()}.json"
     _state = {"steps": 0, "profiler": None, "start": 0.0, "generate": None}
