@@ -354,7 +354,6 @@ def test_multi_label_columns_map_to_multi_hot_and_score_as_scikit_learn(tmp_path
 
 
 @pytest.mark.fast
-@pytest.mark.fast
 def test_whole_numbers_written_as_decimals_are_refused_as_ambiguous_and_either_task_can_be_given(tmp_path):
     """A CSV whose labels read 0.0 and 1.0 (pandas writes a column that once held a gap so): classes or scores? It
     trained a regression in silence; now refused in one line naming both tasks. --task classification makes them
@@ -372,7 +371,7 @@ def test_whole_numbers_written_as_decimals_are_refused_as_ambiguous_and_either_t
     with pytest.raises(UsageError) as refused:
         label_task(raw, "label")
     assert str(refused.value) == (
-        "the labels of 'label' are whole numbers written as decimals (0.0, 1.0): classes or scores? give --task "
+        "the labels of 'label' are floats, all whole numbers (0.0, 1.0): classes or scores? give --task "
         "classification (2 classes) or --task regression"
     )
     task, labels, to_id = label_task(raw, "label", "classification")
@@ -381,8 +380,19 @@ def test_whole_numbers_written_as_decimals_are_refused_as_ambiguous_and_either_t
     assert label_task(raw, "label", "regression")[0] == "regression"
     scores = datasets.Dataset.from_dict({"text": ["a", "b", "c"], "score": [0.0, 2.4, 5.0]})
     assert label_task(datasets.DatasetDict({"train": scores, "validation": scores}), "score")[0] == "regression"
+    whole = datasets.Dataset.from_dict({"text": ["a", "b", "c"], "score": [0.0, 2.0, 5.0]})
+    whole_and_fractions = datasets.DatasetDict({"train": whole, "validation": scores})  # validation's 2.4: scores
+    assert label_task(whole_and_fractions, "score")[0] == "regression"
+    # No validation file: the 10% held out keeps each class's share, as an integer column's (a rare class stays in
+    # training), where a random split could leave one class in validation alone.
+    from ddp_utils.data.raw_data import _stratified
+
+    rare = datasets.Dataset.from_dict({"label": [0.0] * 18 + [1.0] * 2})
+    held = _stratified(rare, "label", 2, seed=0)
+    assert held is not None and sorted(rare[held]["label"]) == [0.0, 0.0]
 
 
+@pytest.mark.fast
 def test_an_integer_label_column_says_how_many_classes_it_made_and_regression_needs_numbers(caplog):
     import logging
 

@@ -22,7 +22,8 @@ logger = get_logger(__name__)
 # What `evaluate_classification` gives with the metrics both scripts load (accuracy, f1), for --metric_for_best_model.
 CLASSIFICATION_SCORES = ("eval_loss", "eval_accuracy", "eval_f1")
 REGRESSION_SCORES = ("eval_loss", "eval_mse", "eval_pearson", "eval_spearman")  # what `evaluate_regression` gives
-MANY_CLASSES = 20  # an integer label column with more distinct values than this is said in the log
+MANY_CLASSES = 20  # an integer label column with more distinct values than this is said in the log; a float one
+# of whole numbers, no more than this, is refused as ambiguous (classes or scores?)
 FEW_PER_CLASS = 5  # and warned about where its classes have fewer training examples each, on average
 
 
@@ -234,10 +235,10 @@ def label_task(raw, label_column: str, task: str = "auto"):
             f'classification split them into lists in the DATA section (row["{label_column}"].split(",")), or give '
             "--task classification to train each combination as a class"
         )
-    whole = _few_whole_numbers(raw["train"], label_column) if task == "auto" and kind == "float" else None
+    whole = _few_whole_numbers(raw, label_column) if task == "auto" and kind == "float" else None
     if whole:  # 0.0 and 1.0: a CSV written by pandas from a column that once held a gap; classes or scores?
         raise UsageError(
-            f"the labels of {label_column!r} are whole numbers written as decimals ({', '.join(map(str, whole[:5]))}"
+            f"the labels of {label_column!r} are floats, all whole numbers ({', '.join(map(str, whole[:5]))}"
             f"{', ...' if len(whole) > 5 else ''}): classes or scores? give --task classification ({len(whole)} "
             "classes) or --task regression"
         )
@@ -303,11 +304,13 @@ def _value_kind(dataset, column: str) -> str | None:
     return "float" if dtype.startswith("float") else "int" if dtype.startswith(("int", "uint")) else None
 
 
-def _few_whole_numbers(dataset, column: str) -> list | None:
-    """The distinct values of a float `column`, sorted, where they are all whole and from 2 to MANY_CLASSES (a
-    regression's scores have fractions or many values; one value is refused as nothing to learn); else None."""
-    values = distinct_values(dataset, column)
-    if not 2 <= len(values) <= MANY_CLASSES or not all(v is not None and float(v).is_integer() for v in values):
+def _few_whole_numbers(raw, column: str) -> list | None:
+    """The distinct values of a float `column` in the training and validation splits of `raw`, sorted, where they
+    are all whole, no more than MANY_CLASSES and at least 2 in training (a regression's scores have fractions or many
+    values; one value in training is refused as nothing to learn); else None."""
+    train = set(distinct_values(raw["train"], column))
+    values = train | (set(distinct_values(raw["validation"], column)) if "validation" in raw else set())
+    if len(train) < 2 or len(values) > MANY_CLASSES or not all(v is not None and float(v).is_integer() for v in values):
         return None
     return sorted(values)
 

@@ -259,14 +259,17 @@ def _hold_out(train, percentage: int, seed: int, stratify_by: str | None, data_o
 def _stratified(train, column: str, held_out: int, seed: int) -> list[int] | None:
     """The rows to hold out, `held_out` of them, drawn from each class of `column` in proportion to its size
     (largest remainders first), each class keeping at least one row in training, so that no validation label is
-    missing from training; within a class, by `seed`. None where `column` holds no classes (floats, lists) or
+    missing from training; within a class, by `seed`. None where `column` holds no classes (fractions, lists) or
     the classes cannot spare the rows. `datasets`' own stratified split refused a class of one example, and
     more classes than rows held out."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     values = train.with_format("arrow")[column]
     kind = values.type.value_type if pa.types.is_dictionary(values.type) else values.type
-    if not (is_text(values) or pa.types.is_integer(kind) or pa.types.is_boolean(kind)):
+    # Whole numbers written as floats (0.0 and 1.0) are classes as integers are (--task classification gives them).
+    whole = pa.types.is_floating(kind) and all(v.is_integer() for v in pc.unique(values).to_pylist() if v is not None)
+    if not (is_text(values) or pa.types.is_integer(kind) or pa.types.is_boolean(kind) or whole):
         return None
     rows = {}
     for row, label in enumerate(values.to_pylist()):
