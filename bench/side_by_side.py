@@ -8,8 +8,6 @@ import shutil
 import statistics
 from pathlib import Path
 
-from bench_train import run_one
-
 
 def add_side_by_side_args(p, names: dict, workdir: Path) -> None:
     """The options every side-by-side benchmark takes: the seed, bf16, the processes and launch config, the
@@ -53,7 +51,10 @@ def ours_log_figures(log: list[dict], data: dict) -> dict:
 def run_contenders(args, commands: dict, names: dict, figures, workdir: Path, env: dict) -> dict:
     """Run `commands` (key -> (results file, command)) one at a time; skip those not in --only, and TRL's
     when trl is not installed; add `figures(key, results)` (a dict with "per_s", "gpu_mib", "steps")."""
+    from bench_train import run_one  # here: the GPU check reads this file's figures without psutil
+
     results, have_trl = {}, importlib.util.find_spec("trl") is not None
+    env = {k: v for k, v in env.items() if k != "STEP_PROFILE_NO_CUDNN_ATTENTION"}  # one contender's switch alone
     if args.count_ops and args.profile:  # each is a sitecustomize first on the path: one hides the other
         raise SystemExit("--count_ops and --profile cannot run together: give one")
     for key, (result_file, command) in commands.items():

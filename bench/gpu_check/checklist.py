@@ -1055,25 +1055,26 @@ class Checklist:
         sys.path.insert(0, str(REPO / "bench"))
         from side_by_side import top_host_operator
 
-        record, rows = self.step_record["figures"], []
-        for bench, sizes, unit in (("bench_grpo", self.sizes.grpo_profiled, "prompts"),):
-            figures = self.side_by_side("12", bench, sizes, unit, env=self.sizes.profile_window, subdir=bench)
-            for name, run in figures.items():
-                profile = run.get("profile")
-                if not profile:
-                    self.note(f"{bench} {name}: no profile (fewer steps than its profiled window)")
-                    continue
-                record[f"{bench}_{name}"] = profile
-                rows.append([f"{bench} {name}", f(profile["step_s"], 4), f(profile["gpu_busy_share"], 3)])
-                rows[-1] += [f(profile["launches"], 0), f(profile["syncs"], 0), f(profile["sync_wait_s"], 4)]
-                rows[-1] += [f(profile[key], 4) for key in ("host_in_operators_s", "host_outside_operators_s")]
-                rows[-1] += [f(profile["generate_s"], 4), top_host_operator(profile)]
-            ours, trl = record.get(f"{bench}_ours"), record.get(f"{bench}_trl")
-            without = record.get(f"{bench}_ours_no_cudnn_attention")
-            if ours and trl:
-                record[f"{bench}_ours_x_trl_step_time"] = ours["step_s"] / trl["step_s"]
-            if ours and without:
-                record[f"{bench}_no_cudnn_attention_x_ours_step_time"] = without["step_s"] / ours["step_s"]
+        record, rows, bench = self.step_record["figures"], [], "bench_grpo"
+        figures = self.side_by_side("12", bench, self.sizes.grpo_profiled, "prompts", self.sizes.profile_window, bench)
+        for name, run in figures.items():
+            profile = run.get("profile")
+            if not profile:
+                self.note(f"{bench} {name}: no profile (fewer steps than its profiled window)")
+                continue
+            record[f"{bench}_{name}"] = profile
+            rows.append([f"{bench} {name}", f(profile["step_s"], 4), f(profile["gpu_busy_share"], 3)])
+            rows[-1] += [f(profile["launches"], 0), f(profile["syncs"], 0), f(profile["sync_wait_s"], 4)]
+            rows[-1] += [f(profile[key], 4) for key in ("host_in_operators_s", "host_outside_operators_s")]
+            rows[-1] += [f(profile["generate_s"], 4), top_host_operator(profile)]
+        ours, trl = record.get(f"{bench}_ours"), record.get(f"{bench}_trl")
+        without = record.get(f"{bench}_ours_no_cudnn_attention")
+        if ours and trl:
+            record[f"{bench}_ours_x_trl_step_time"] = ours["step_s"] / trl["step_s"]
+        if without and (without.get("cudnn_attention") or any("_cudnn_att" in r["name"] for r in without["host_top"])):
+            self.note(f"{bench} ours_no_cudnn_attention: cuDNN's attention still ran (the switch did not take)")
+        elif ours and without:
+            record[f"{bench}_no_cudnn_attention_x_ours_step_time"] = without["step_s"] / ours["step_s"]
         columns = ["run", "s / step", "GPU busy share", "launches", "GPU waits", "waiting s"]
         columns += ["host in operators s", "host outside s", "in generate s", "top host operator"]
         self.table(columns, rows)

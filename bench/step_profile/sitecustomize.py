@@ -130,6 +130,7 @@ if os.environ.get("STEP_PROFILE_DIR"):
         step = seconds / _count
         summary = {
             "steps": _count,
+            "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),  # off in ours_no_cudnn_attention
             "step_s": step,
             "gpu_busy_s": busy,
             "gpu_busy_share": busy / step if busy is not None else None,
