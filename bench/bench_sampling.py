@@ -40,6 +40,7 @@ from bench_sft import demo_model_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ddp_utils.data.dataloaders import pad_multiple
 from ddp_utils.language_models import grpo, grpo_data
 from ddp_utils.language_models.generation import stop_token_ids
 from ddp_utils.language_models.group_scoring import completion_logps
@@ -217,7 +218,7 @@ def count_operators(args, accelerator, model, tokenizer, batch, transformers_gen
     model.train()
     for label, layout in (("one row per prompt (ours)", ONE_ROW), ("one row per completion (TRL)", TWO_ROWS)):
         rollout = grpo.sample_completions(accelerator, model, batch, tokenizer, settings, 0)
-        advantages, multiple = torch.randn(len(rollout["index"])), 8 if args.bf16 else None  # as the script pads
+        advantages, multiple = torch.randn(len(rollout["index"])), pad_multiple(accelerator)  # as the script pads
         grpo.finish_rollouts([rollout], advantages, settings, layout, tokenizer.pad_token_id, multiple)
         rows = len(rollout["rows"]["input_ids"]) if layout == ONE_ROW else len(rollout["index"])
         counter.ops = 0

@@ -32,6 +32,7 @@ What the scripts call, one job a line, in the order a script uses it:
   check_splits                      one data check for all; named_splits, preparation_processes (data/raw_data.py)
   make_train_dataloader             the training order: whole steps, the same on any layout (data/dataloaders.py)
   make_eval_dataloader, longest_first, SAMPLE_WEIGHT   evaluation batches; a filler row weighs 0 (same)
+  pad_multiple                      what batch lengths are padded to a multiple of: 8 under mixed precision (same)
   load_metric, gather_for_eval      metrics offline; each example gathered once (data/evaluation.py)
   check_metric_for_best_model       the score that ranks checkpoints (data/evaluation.py)
   load_model_config, fetch_weights  a model from the Hub or a directory (training/pretrained.py)
@@ -60,7 +61,7 @@ from .core.ranks import load_on_main_first, refuse_together
 from .core.sharded import is_sharded
 from .data.classification import evaluate_classification, label_config, label_mapping, labels_numbered_as_training
 from .data.data_files import read_data_files
-from .data.dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader, make_train_dataloader
+from .data.dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader, make_train_dataloader, pad_multiple
 from .data.evaluation import check_metric_for_best_model, gather_for_eval, load_metric
 from .data.raw_data import check_splits, named_splits, preparation_processes
 from .language_models.causal_lm import load_causal_lm, load_config_and_tokenizer
@@ -122,6 +123,7 @@ __all__ = [
     "make_eval_dataloader",
     "make_lr_scheduler",
     "make_train_dataloader",
+    "pad_multiple",
     "prepare_output_dir",
     "preparation_processes",
     "named_splits",

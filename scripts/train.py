@@ -143,7 +143,7 @@ def main():
         trust_remote_code=args.trust_remote_code,
     )  # a new head
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
-    multiple = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
+    multiple = ddp_utils.pad_multiple(accelerator)  # 8 under mixed precision: tensor cores like them
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=multiple)
     train_dataloader = ddp_utils.make_train_dataloader(tokenized["train"], args, accelerator, collate)
     eval_dataloader = ddp_utils.make_eval_dataloader(tokenized["validation"], args, collate)  # longest first

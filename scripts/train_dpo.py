@@ -180,7 +180,7 @@ def main():
     # All ranks: one row per pair (its prompt once) where that scores each answer as if alone; else two rows.
     layout = choose_pair_layout(accelerator, model, data_report["block_size"])
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates; LoRA's base stays
-    multiple = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
+    multiple = ddp_utils.pad_multiple(accelerator)  # 8 under mixed precision: tensor cores like them
     collate = PairCollator(tokenizer.pad_token_id, pad_to_multiple_of=multiple, two_rows=layout == TWO_ROWS)
     train_dataloader = ddp_utils.make_train_dataloader(
         tokenized["train"], args, accelerator, collate, length_column="length"

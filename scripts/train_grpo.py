@@ -179,7 +179,7 @@ def main():
     # All ranks: one row per prompt, its G completions after it, where that scores each as if alone; else a row each.
     block = (args.max_prompt_length + args.num_generations * args.max_completion_length) // 2 + 1
     layout = choose_pair_layout(accelerator, model, block)
-    multiple = 8 if accelerator.mixed_precision != "no" else None  # the rows per prompt: tensor cores like 8s
+    multiple = ddp_utils.pad_multiple(accelerator)  # 8 under mixed precision: tensor cores like them
     decoding = None  # --compile_generation: a static cache for the samples, checked here, before training
     if args.compile_generation:
         decoding = StaticDecoding(accelerator, model, args.max_prompt_length, args.max_completion_length)

@@ -230,6 +230,12 @@ def training_order_identity(train_dataloader) -> dict:
     return {"train_examples": sampler.num_real, "train_lengths": lengths}
 
 
+def pad_multiple(accelerator: Accelerator) -> int | None:
+    """What a batch's length is padded to a multiple of: 8 under mixed precision (tensor cores want multiples of 8,
+    and fewer lengths mean fewer cuDNN attention graphs and recompiles), None in fp32. No communication."""
+    return 8 if accelerator.mixed_precision != "no" else None
+
+
 def make_eval_dataloader(dataset, args, collate_fn, length_column: str = "input_ids") -> DataLoader:
     """An evaluation DataLoader of --per_device_eval_batch_size, longest first when the rows are
     token sequences (`longest_first` by `length_column`). Prepare it with the Accelerator. No
