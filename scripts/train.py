@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--validation_split_percentage", type=int, default=10, help="%% held out without validation data")
     p.add_argument("--text_column", default="text", help="text column, or two comma-separated ones for pairs")
     p.add_argument("--label_column", default="label", help="label column: class names or ids, lists of them, numbers")
-    p.add_argument("--task", choices=TASKS, default="auto", help="auto: regression for floats, multi_label for lists")
+    p.add_argument("--task", choices=TASKS, default="auto", help="auto: regression if fractions, multi_label if lists")
     p.add_argument("--max_length", type=int, default=128, help="truncate inputs to this many tokens")
     p.add_argument("--max_train_samples", type=int, default=None, help="use only N training examples (a sample)")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only N validation examples (a sample)")
