@@ -18,7 +18,7 @@ import datasets
 import torch
 import torch.nn.functional as F
 from accelerate.logging import get_logger
-from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageClassification
+from transformers import AutoConfig, AutoModelForImageClassification
 
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT
@@ -32,6 +32,9 @@ from ddp_utils.data.vision import (
     check_image_processor,
     check_sync_batchnorm,
     convert_sync_batchnorm,
+    expect_unused_parameters,
+    load_image_processor,
+    model_channels,
 )
 
 logger = get_logger(__name__)
@@ -110,8 +113,9 @@ def prepare_data(args):
     (every one decoded once) and their labels, and the model's config (with the labels). Runs on the main process
     first, then on the others."""
     source = demo_resnet_path() if args.demo_model else args.model_name_or_path
-    image_processor = AutoImageProcessor.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-    channels = getattr(AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code), "num_channels", 3)
+    model_config = ddp_utils.load_model_config(source, args.trust_remote_code)  # a bad path or id: one line
+    image_processor = load_image_processor(source, model_config, args.trust_remote_code)  # or why there is none
+    channels = model_channels(model_config)  # CLIP and SigLIP keep it in their vision_config
     square = check_image_processor(image_processor, channels)  # before any image is read; True: crop them square
     raw = load_raw_datasets(args)
     columns = {args.image_column: "--image_column", args.label_column: "--label_column"}
@@ -150,7 +154,7 @@ def main():
         check_sync_batchnorm(accelerator)  # before any work: SyncBatchNorm runs on GPUs only
 
     data, image_processor, config, data_report = ddp_utils.load_on_main_first(accelerator, prepare_data, args)
-    channels, square = getattr(config, "num_channels", 3), data_report.get("square_crops", False)
+    channels, square = model_channels(config), data_report.get("square_crops", False)
     # Every rank builds the model at the same time: under DeepSpeed ZeRO-3 building it is a collective.
     if args.demo_model:  # random weights: the same on every rank (same seed)
         model = AutoModelForImageClassification.from_config(config)
@@ -163,6 +167,9 @@ def main():
             trust_remote_code=args.trust_remote_code,
         )  # a new head
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
+    # One forward pass on a blank image: a model that cannot take its processor's output is refused now, and DDP is
+    # told of parameters that never reach the logits (DINOv2's mask token, CLIP's and SigLIP's unused pooling).
+    expect_unused_parameters(accelerator, model, image_processor, channels)
     train_collate = ImageCollator(
         image_processor,
         args.image_column,

@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from image_families import ENCODER, make_family_model
 from PIL import Image
 from safetensors.numpy import load_file
 
@@ -801,3 +802,115 @@ def test_a_csv_of_image_paths_of_mixed_shapes_trains_on_two_processes_each_image
     assert (metrics["eval_examples"], metrics["train_samples_seen"]) == (13, 2 * 24)
     confusion = json.loads((output_dir / "report" / "confusion_matrix.json").read_text())
     assert np.sum(confusion["counts"]) == 13 and confusion["labels"] == sorted(CLASSES)
+
+
+# --- what the sweep of the families users bring found (tests/test_families_images.py, FAMILY_SWEEP=1) ------------
+
+
+def test_a_model_with_parameters_off_the_logits_trains_on_two_processes_as_on_one(images, tmp_path):
+    """A classifier's DINOv2 mask token (pre-training only), CLIP's post-layernorm and SigLIP's attention-pooling head
+    (the classifier reads the mean of the patch tokens) get no gradient: DDP expects one for every parameter, and the
+    run stopped at its second step with a traceback ("Expected to have finished reduction in the prior iteration").
+    Now DDP is told to expect them: 2 processes train what 1 trains, and leave them as 1 does (weight decay
+    included: SigLIP's head is in the decayed group)."""
+
+    model = make_family_model("siglip", tmp_path / "siglip")
+    unused = [name for name in weights(model) if name.startswith("vision_model.head.")]
+    runs = {}
+    for layout, (num_processes, extra) in LAYOUTS.items():
+        runs[layout] = tmp_path / layout
+        result = launch(TRAIN_IMAGE, *image_args(model, images, runs[layout], *extra), num_processes=num_processes)
+        assert result.returncode == 0, result.output[-4000:]
+    assert "11 parameter(s) never reach the logits (vision_model.head.probe, " in result.output
+    initial, reference, other = weights(model), weights(runs["one_process"]), weights(runs["two_processes"])
+    for name in unused:
+        np.testing.assert_array_equal(other[name], initial[name], err_msg=name)
+        np.testing.assert_array_equal(reference[name], initial[name], err_msg=name)
+    for key in reference:
+        if key.endswith("k_proj.bias"):  # its exact gradient is zero: rounding noise (see the ViT's comparison)
+            assert np.abs(other[key]).max() < 1e-3 and np.abs(reference[key]).max() < 1e-3, key
+            continue
+        np.testing.assert_allclose(other[key], reference[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.fast
+def test_parameters_off_the_logits_are_found_and_a_model_that_cannot_take_its_processors_size_is_refused(tmp_path):
+    """One forward pass on a blank image, before training, in eval mode (no BatchNorm statistics move): the
+    parameters the logits never reach, per family; and a processor whose size is not the model's image_size, which
+    failed at the first step with a traceback ("Input image size (48*48) doesn't match model (32*32)")."""
+    from PIL import Image as PILImage
+    from transformers import AutoImageProcessor, AutoModelForImageClassification, ViTImageProcessor
+
+    from ddp_utils.core.errors import UsageError
+    from ddp_utils.data.vision import parameters_off_the_logits
+
+    expected = {
+        "dinov2": ["dinov2.embeddings.mask_token"],
+        "clip": ["vision_model.post_layernorm.weight", "vision_model.post_layernorm.bias"],
+        "vit": [],
+        "mobilevit": [],  # BatchNorm: eval mode leaves its statistics as they are
+    }
+    for family, names in expected.items():
+        directory = make_family_model(family, tmp_path / family)
+        model = AutoModelForImageClassification.from_pretrained(directory).train()
+        processor = AutoImageProcessor.from_pretrained(directory)
+        pixels = processor([PILImage.new("RGB", (40, 20), 128)], return_tensors="pt")["pixel_values"]
+        before = {name: value.clone() for name, value in model.state_dict().items()}
+        assert parameters_off_the_logits(model, pixels) == names, family
+        assert model.training, "the model is given back in training mode"
+        assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items()), family
+    vit = AutoModelForImageClassification.from_pretrained(tmp_path / "vit")
+    bigger = ViTImageProcessor(size={"height": 48, "width": 48})([PILImage.new("RGB", (48, 48))], return_tensors="pt")
+    with pytest.raises(
+        UsageError, match=re.escape("the model fails on what its image processor makes ((1, 3, 48, 48)")
+    ):
+        parameters_off_the_logits(vit, bigger["pixel_values"])
+
+
+@pytest.mark.fast
+def test_a_model_without_an_image_classifier_or_processor_is_refused_in_one_line_and_siglips_channels_are_read(
+    tmp_path, monkeypatch
+):
+    """A path that is not there, a model directory without preprocessor_config.json, CLIP's vision tower saved alone
+    (CLIPVisionModel), a text model: each was a traceback (OSError, "Unrecognized configuration class"). And a
+    1-channel SigLIP or CLIP, which keeps num_channels in its vision_config: the script read 3 from the top level
+    and refused its 1-channel processor."""
+    import datasets
+    import transformers
+
+    from conftest import make_tiny_model, refused_in_process
+
+    train = write_image_folder(tmp_path / "train", {"dark": 3, "bright": 3}, seed=0)
+    no_processor = make_family_model("vit", tmp_path / "no-processor")
+    os.remove(no_processor / "preprocessor_config.json")
+    tower = tmp_path / "clip-vision"
+    transformers.CLIPVisionModel(transformers.CLIPVisionConfig(image_size=32, patch_size=8, **ENCODER)).save_pretrained(
+        tower
+    )
+    cases = {
+        tmp_path / "nope": "is neither a local model directory nor a Hub model id; check the path",
+        no_processor: "has no image processor (preprocessor_config.json), which says how to resize and normalise",
+        tower: "is a 'clip_vision_model' model, for which transformers has no image classifier "
+        "(AutoModelForImageClassification); it is the vision tower of a 'clip' model saved alone: give the whole",
+        make_tiny_model(tmp_path / "bert"): "is a 'bert' model, for which transformers has no image classifier",
+    }
+    for model, expected in cases.items():
+        args = ["--model_name_or_path", model, "--train_dir", train, "--output_dir", tmp_path / "out"]
+        refused_in_process("train_image", args, expected)
+
+    grey = tmp_path / "grey-siglip"
+    config = transformers.SiglipConfig(
+        vision_config=dict(image_size=32, patch_size=8, num_channels=1, **ENCODER), text_config=dict(vocab_size=64)
+    )
+    transformers.SiglipForImageClassification(config).save_pretrained(grey)
+    transformers.SiglipImageProcessor(
+        size={"height": 32, "width": 32}, image_mean=[0.5], image_std=[0.5], do_convert_rgb=False
+    ).save_pretrained(grey)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    raw = datasets.DatasetDict({"train": hub_split(["a", "b"] * 3)})
+    args, data = prepared(monkeypatch, raw, "--model_name_or_path", grey, "--output_dir", tmp_path / "out")
+    from ddp_utils.data.vision import ImageCollator, model_channels
+
+    assert model_channels(data[2]) == 1
+    pixels = ImageCollator(data[1], "image", "label", 1)(list(data[0]["train"]))["pixel_values"]
+    assert pixels.shape == (len(data[0]["train"]), 1, 32, 32)

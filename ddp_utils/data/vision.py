@@ -1,7 +1,7 @@
 """Images into model inputs: any mode to the model's (16-bit scans scaled, CIELab converted), the image processor
-checked against the model before training, a light augmentation that depends only on the seed, the epoch and the
-example, and SyncBatchNorm. Reading and checking image folders: image_folders.py; other datasets' columns:
-image_columns.py.
+checked against the model before training, the model run once on its output (the parameters DDP must expect unused),
+a light augmentation that depends only on the seed, the epoch and the example, and SyncBatchNorm. Reading and
+checking image folders: image_folders.py; other datasets' columns: image_columns.py.
 
 PIL and NumPy only: torchvision has no CPU wheel on many machines and pulls CUDA packages.
 """
@@ -56,6 +56,44 @@ def in_mode(image, mode: str):
         lab, srgb = ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB")
         image = ImageCms.applyTransform(image, ImageCms.buildTransform(lab, srgb, "LAB", "RGB"))
     return image.convert(mode)
+
+
+def load_image_processor(source: str, config, trust_remote_code: bool = False):
+    """The image processor saved with the model at `source` (`config`, its config), before any image is read: a
+    UsageError naming the fix where transformers has no image classifier for the model's type (a vision tower saved
+    alone, as CLIPVisionModel; DINOv3; a text model) or where no image processor is saved beside it. Both were a
+    traceback. Any rank may call it; no communication."""
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as CLASSIFIERS
+
+    remote = "AutoModelForImageClassification" in (getattr(config, "auto_map", None) or {})
+    if not remote and type(config) not in AutoModelForImageClassification._model_mapping:
+        whole = config.model_type.removesuffix("_vision_model")  # clip_vision_model: CLIP's vision tower alone
+        fix = (
+            f"it is the vision tower of a {whole!r} model saved alone: give the whole {whole!r} checkpoint"
+            if whole in CLASSIFIERS
+            else "choose a checkpoint of a family that has one (ViT, DeiT, Swin, ConvNeXt, DINOv2, CLIP, SigLIP, ...)"
+        )
+        raise UsageError(
+            f"--model_name_or_path {source!r} is a {config.model_type!r} model, for which transformers has no image "
+            f"classifier (AutoModelForImageClassification); {fix}"
+        )
+    try:
+        return AutoImageProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # transformers' own message suggests a download
+        raise UsageError(
+            f"--model_name_or_path {source!r} has no image processor (preprocessor_config.json), which says how to "
+            "resize and normalise its images; save its base model's beside it: "
+            "AutoImageProcessor.from_pretrained(<base model>).save_pretrained(<this directory>)"
+        ) from None
+
+
+def model_channels(config) -> int:
+    """The channels `config`'s model takes: its num_channels, or its vision tower's (CLIP, SigLIP keep it there)."""
+    for part in (config, getattr(config, "vision_config", None)):
+        if getattr(part, "num_channels", None):
+            return part.num_channels
+    return 3
 
 
 def check_image_processor(image_processor, num_channels: int) -> bool:
@@ -159,6 +197,66 @@ class ImageCollator:
         if SAMPLE_WEIGHT in rows[0]:
             batch[SAMPLE_WEIGHT] = torch.tensor([row[SAMPLE_WEIGHT] for row in rows], dtype=torch.float32)
         return batch
+
+
+def parameters_off_the_logits(model, pixel_values: torch.Tensor) -> list[str]:
+    """The names of `model`'s trainable parameters that its logits on `pixel_values` do not depend on, found by
+    walking the autograd graph of one forward pass in eval mode (no backward, no BatchNorm statistics updated, no
+    random draw). A model that fails on them raises a UsageError naming the fix. No communication."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            logits = model(pixel_values=pixel_values).logits
+    except Exception as error:  # a size other than the model's image_size, channels, ...: a ValueError, RuntimeError
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise UsageError(
+            f"the model fails on what its image processor makes ({tuple(pixel_values.shape)} pixel values: {reason});"
+            " make its preprocessor_config.json match the model (its size: the image_size in config.json)"
+        ) from None
+    finally:
+        model.train(was_training)
+    reached, seen, stack = set(), set(), [logits.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad: a leaf, a parameter
+            reached.add(id(node.variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in reached]
+
+
+def expect_unused_parameters(accelerator: Accelerator, model, image_processor, num_channels: int) -> list[str]:
+    """Run `model` once on what `image_processor` makes of a blank image, before `accelerator.prepare`: a model
+    that cannot take it is refused in one line (`parameters_off_the_logits`), and where some trainable parameters
+    never reach the logits, DDP is told to expect them. Returns their names. Every rank calls it, on the same model
+    and image, so every rank makes the same choice; no communication.
+
+    DINOv2's mask token (used in pre-training only), CLIP's post-layernorm and SigLIP's attention-pooling head (they
+    make the pooled output, and the classifier reads the mean of the patch tokens) get no gradient: DDP, which
+    expects one for every parameter, failed at the second step ("Expected to have finished reduction in the prior
+    iteration"). With `find_unused_parameters` it marks them ready itself, each step; one process leaves them as
+    they are, and so do N. Nothing is done under FSDP and DeepSpeed, whose model may not be whole here (FSDP2, ZeRO-2
+    and ZeRO-3 trained DINOv2 and CLIP as they are)."""
+    from accelerate.utils import DistributedDataParallelKwargs
+    from PIL import Image
+
+    from ..core.sharded import is_sharded
+
+    if is_sharded(accelerator):
+        return []
+    mode = "RGB" if num_channels == 3 else "L"
+    pixels = image_processor([Image.new(mode, (48, 48), 128)], return_tensors="pt")["pixel_values"]
+    unused = parameters_off_the_logits(model, pixels.to(next(model.parameters()).dtype))
+    if unused:  # also on 1 process: a MULTI_CPU or MULTI_GPU launch of one process is wrapped in DDP too
+        handler = accelerator.ddp_handler or DistributedDataParallelKwargs()
+        handler.find_unused_parameters = True
+        accelerator.ddp_handler = handler  # read by accelerator.prepare when it wraps the model in DDP
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        logger.info(f"{len(unused)} parameter(s) never reach the logits ({shown}): DDP finds them unused each step")
+    return unused
 
 
 def count_batchnorm(model) -> int:
