@@ -374,6 +374,26 @@ def test_torch_compile_under_zero3_is_warned_of_at_the_start(chat_llama, tmp_pat
 # --- scripts/train_image.py: a ResNet whose checkpoint has a head for 2 classes, trained on 3 ------------------
 
 
+@pytest.mark.fast
+def test_the_main_processs_shape_check_leaves_its_random_generator_as_it_was(tmp_path):
+    """ViT (and DINOv2, CLIP, SigLIP, PVT) draws its position embeddings with torch.randn even on the meta device:
+    `mismatched_weights`, which the main process alone runs under ZeRO-3, advanced its generator, so its new head
+    was another draw than the other ranks' and DDP's (measured: a CLIP head 0.79 apart)."""
+    import torch
+    from test_image import make_tiny_vit
+    from transformers import AutoConfig, ViTForImageClassification
+
+    from ddp_utils.training.zero3_loading import mismatched_weights
+
+    model = make_tiny_vit(tmp_path / "vit")  # saved with 2 labels
+    config = AutoConfig.from_pretrained(model, num_labels=3)
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    found = mismatched_weights(ViTForImageClassification, str(model), {"config": config})
+    assert found == ["classifier.bias", "classifier.weight"]
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_a_head_of_another_shape_loads_under_zero3_and_trains_what_ddp_trains(tmp_path):
     """Before the fix, transformers 5.23 failed inside `from_pretrained` under ZeRO-3 ("size mismatch for
     classifier.1.weight" on one rank, "Fan in and fan out can not be computed" on the other): it builds the model

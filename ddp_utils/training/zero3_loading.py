@@ -84,15 +84,19 @@ def checkpoint_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
 
 def mismatched_weights(model_class, model_name_or_path: str, kwargs: dict) -> list[str]:
     """The names of the checkpoint's weights whose shape differs from the model's that `kwargs`
-    (its config) builds, compared on the names both hold; the model is built on the meta device.
-    One process calls it; no communication."""
+    (its config) builds, compared on the names both hold; the model is built on the meta device, leaving the
+    random generator as it was. One process calls it; no communication."""
     from accelerate import init_empty_weights
 
     files = weight_files(model_name_or_path)
     config = kwargs.get("config")
     if not files or config is None:
         return []
-    with built_whole(), init_empty_weights():
+    import torch
+
+    # Some models draw their position embeddings with torch.randn even on the meta device (ViT, DINOv2, CLIP,
+    # SigLIP, PVT): that advanced the main process's seed, and the new head was another draw than DDP's.
+    with built_whole(), init_empty_weights(), torch.random.fork_rng(devices=[]):
         model = build_from_config(model_class, config, kwargs)
     wanted = {name: tuple(value.shape) for name, value in model.state_dict().items()}
     saved = checkpoint_shapes(files)
