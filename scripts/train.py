@@ -24,6 +24,7 @@ from ddp_utils import SAMPLE_WEIGHT, UsageError
 from ddp_utils.data.classification import CLASSIFICATION_SCORES, REGRESSION_SCORES, evaluate_regression, label_task
 from ddp_utils.data.demo import demo_model_path, load_demo_reviews
 from ddp_utils.data.multi_label import MULTI_LABEL_SCORES, evaluate_multi_label
+from ddp_utils.data.text_classifiers import check_eos_tokens, max_input_length, pad_for_classification
 
 logger = get_logger(__name__)
 
@@ -109,8 +110,9 @@ def prepare_data(args):
     config = ddp_utils.load_model_config(args.model_name_or_path, args.trust_remote_code, **labels)
     ddp_utils.fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
-    limit = tokenizer.model_max_length if tokenizer.model_max_length < 100_000 else config.max_position_embeddings
-    if args.max_length > limit:
+    pad_for_classification(tokenizer, config, args.model_name_or_path)  # most LLMs have none; a decoder's head reads it
+    limit = max_input_length(tokenizer, config)  # None: relative positions only (T5)
+    if limit and args.max_length > limit:
         raise UsageError(f"--max_length {args.max_length} is above this model's limit of {limit} tokens; lower it")
 
     # It sees only what tokenizing needs, so a second launch with other options (an output_dir) finds the cache.
@@ -124,6 +126,7 @@ def prepare_data(args):
     processes = ddp_utils.preparation_processes(args, len(raw["train"]))  # the node's cores, for large data
     used = [*text_columns, label_column]  # a column in one split only (a file's "source") would fail in `map`
     tokenized = raw.select_columns(used).map(tokenize, batched=True, remove_columns=used, num_proc=processes)
+    check_eos_tokens(tokenized, config, tokenizer)  # BART's and T5's heads read each example's last EOS
     return tokenized, tokenizer, config
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import AUDIT_HOOK_DIR, REPO, launch, put_in_hub_cache, train_args
+from conftest import AUDIT_HOOK_DIR, REPO, launch, load_script, put_in_hub_cache, refused_in_process, train_args
 
 TRAIN = REPO / "scripts" / "train.py"
 
@@ -251,3 +251,155 @@ def test_a_launch_configs_dynamo_backend_compiles_by_regions_and_the_model_saves
     assert any(not np.array_equal(saved[name], initial[name].numpy()) for name in saved if "classifier" not in name)
     reloaded = AutoModelForSequenceClassification.from_pretrained(output_dir).state_dict()
     assert all(np.array_equal(saved[name], reloaded[name].numpy()) for name in saved)
+
+
+# --- the families users bring (tests/test_families_classifiers.py sweeps 19 of them: FAMILY_SWEEP=1) -----------------
+
+
+def logits_alone_and_padded(model, tokenizer, texts):
+    """The model's logits for each text alone, and for the texts in one batch padded by `tokenizer`."""
+    import torch
+
+    with torch.no_grad():
+        alone = torch.cat([model(**tokenizer([text], return_tensors="pt")).logits for text in texts])
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        assert (batch["attention_mask"] == 0).any(), "no padding: nothing checked"
+        return alone.numpy(), model(**batch).logits.numpy()
+
+
+def prepared(model_dir, data, tmp_path, *extra):
+    """train.py's own parse_args and prepare_data: (tokenized, tokenizer, config)."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+    script = load_script("train")
+    argv = train_args(model_dir, data, tmp_path / "out", "--report_to", "none", *extra)
+    return script.prepare_data(script.parse_args([str(a) for a in argv]))
+
+
+def test_a_decoder_llm_without_a_pad_token_trains_and_its_classifier_reads_each_examples_last_token(
+    tiny_lm, tiny_data, tmp_path
+):
+    """Llama's, Mistral's and GPT-2's tokenizers have no pad token: train.py stopped at the first batch ("Asking to
+    pad but the tokenizer does not have a padding token"). It pads with EOS now, said once and saved with the
+    model, and the config names it: the reloaded classifier reads each example's last real token, so an example
+    inside a padded batch gets the logits it gets alone."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+    output_dir = tmp_path / "llama"
+    args = train_args(tiny_lm, tiny_data, output_dir, "--max_train_steps", 3, "--checkpointing_steps", "no")
+    result = launch(TRAIN, *args, "--report_to", "none", num_processes=2)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "the tokenizer has no pad token: padding with '</s>', and saved so" in result.output
+    model = AutoModelForSequenceClassification.from_pretrained(output_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert (tokenizer.pad_token, model.config.pad_token_id, tokenizer.padding_side) == ("</s>", 2, "right")
+    alone, padded = logits_alone_and_padded(model, tokenizer, ["great", "the film was very bad </s>", "a movie"])
+    np.testing.assert_allclose(padded, alone, atol=1e-5)
+    assert pipeline("text-classification", model=str(output_dir), device="cpu")("great")[0]["label"] in {
+        "negative", "neutral", "positive"
+    }  # fmt: skip
+
+
+@pytest.mark.fast
+def test_a_config_that_names_no_pad_token_gets_the_tokenizers(tiny_data, tmp_path):
+    """Qwen's and Pythia's tokenizers pad, and their configs name no pad token: the classifier refused every batch
+    of more than one example ("Cannot handle batch sizes > 1 if no padding token is defined")."""
+    from classifier_families import save_family
+    from transformers import AutoModelForSequenceClassification
+
+    model_dir = save_family("qwen2", tmp_path / "qwen2")
+    _, tokenizer, config = prepared(model_dir, tiny_data, tmp_path)
+    assert config.pad_token_id == tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, config=config).eval()
+    alone, padded = logits_alone_and_padded(model, tokenizer, ["great", "the film was very bad"])
+    np.testing.assert_allclose(padded, alone, atol=1e-5)
+
+
+@pytest.mark.fast
+def test_a_tokenizer_that_pads_on_the_left_pads_on_the_right_where_positions_are_absolute(tiny_data, tmp_path):
+    """A GPT-2 whose tokenizer was saved to pad on the left (for generation): its positions count from the batch's
+    first column, so a left-padded example was read at other positions than alone, trained so and saved so. The
+    classifier's tokenizer pads on the right, where every family reads an example as it reads it alone."""
+    from classifier_families import save_family
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model_dir = save_family("gpt2", tmp_path / "gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    tokenizer.save_pretrained(model_dir)
+    _, tokenizer, config = prepared(model_dir, tiny_data, tmp_path)
+    assert tokenizer.padding_side == "right"
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, config=config).eval()
+    alone, padded = logits_alone_and_padded(model, tokenizer, ["great", "the film was very bad"])
+    np.testing.assert_allclose(padded, alone, atol=1e-5)
+
+
+@pytest.mark.fast
+def test_a_t5_whose_tokenizer_gives_no_length_limit_prepares(tiny_data, tmp_path):
+    """T5 v1.1's and mT5's tokenizers give no model_max_length, and T5 has relative positions only: the limit was
+    read from max_position_embeddings, which T5's config lacks (AttributeError)."""
+    from classifier_families import save_family
+
+    model_dir = save_family("t5", tmp_path / "t5")
+    tokenized, _, config = prepared(model_dir, tiny_data, tmp_path, "--max_length", 512)
+    assert config.pad_token_id == 0 and len(tokenized["train"]) == 60
+
+
+@pytest.mark.fast
+def test_a_text_holding_an_encoder_decoders_eos_is_refused_naming_it(tiny_data, tmp_path):
+    """BART's and T5's heads read each example's last EOS and need as many in every example: a review holding
+    HTML's <s>...</s> stopped the run at the first batch that mixed it with others, in a traceback."""
+    from classifier_families import save_family
+
+    train = tmp_path / "train.csv"
+    rows = tiny_data["train"].read_text().splitlines()
+    train.write_text("\n".join([*rows, "the film was <s>bad</s> really,negative"]) + "\n")
+    data = {"train": train, "validation": tiny_data["validation"]}
+    refused_in_process(
+        "train",
+        train_args(save_family("bart", tmp_path / "bart"), data, tmp_path / "out"),
+        "1 example(s) of the train data hold 2 EOS tokens '</s>' where the others hold 1, as '<s>the film was "
+        "<s>bad</s> really</s>'; this model's head reads each example's last one: remove '</s>' from the texts",
+    )
+
+
+@pytest.mark.fast
+def test_a_pad_token_outside_the_models_vocabulary_is_refused_with_the_fix(tiny_lm, tiny_data, tmp_path):
+    """A pad token added to the tokenizer without resizing the model's embeddings: an IndexError at the first batch."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = tmp_path / "added-pad"
+    AutoModelForCausalLM.from_pretrained(tiny_lm).save_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    tokenizer.save_pretrained(model_dir)
+    vocabulary = AutoConfig.from_pretrained(tiny_lm).vocab_size
+    refused_in_process(
+        "train",
+        train_args(model_dir, tiny_data, tmp_path / "out"),
+        f"the tokenizer's pad token '[PAD]' has id {vocabulary}, outside the model's vocabulary of {vocabulary}; "
+        "pad with a token the model has (tokenizer.pad_token = tokenizer.eos_token), or resize",
+    )
+
+
+def test_t5_trains_under_fsdp2_what_ddp_trains(tiny_data, tmp_path):
+    """Transformers 5 gives T5's and BART's encoder and decoder embedding modules of their own, tied to `shared` by
+    the weight; under FSDP2 torch refused the weight in `prepare` ("shared with a parameter already managed by another
+    FSDP group"). One module serves all three now (`fsdp._one_module_for_the_input_embeddings`); BART: the sweep."""
+    from classifier_families import save_family
+
+    model_dir = save_family("t5", tmp_path / "t5")
+    args = ["--max_train_steps", 3, "--checkpointing_steps", "no", "--report_to", "none"]
+    ddp = launch(TRAIN, *train_args(model_dir, tiny_data, tmp_path / "ddp", *args), num_processes=2)
+    assert ddp.returncode == 0, ddp.output[-3000:]
+    launcher = ["--config_file", REPO / "accelerate_configs" / "fsdp.yaml", "--num_processes", 2]
+    harness = REPO / "tests" / "launched" / "fsdp_on_cpu.py"
+    sharded = launch(
+        harness, "train", *train_args(model_dir, tiny_data, tmp_path / "fsdp", *args),
+        launcher_args=[str(a) for a in [*launcher, "--mixed_precision", "no"]],
+    )  # fmt: skip
+    assert sharded.returncode == 0, sharded.output[-3000:]
+    ours, theirs = weights(tmp_path / "fsdp"), weights(tmp_path / "ddp")
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5, err_msg=key)

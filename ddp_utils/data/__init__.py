@@ -8,6 +8,8 @@
 - evaluation.py      each example gathered once; metrics loaded offline (metrics/); the score that ranks checkpoints
 - classification.py  labels to classes (validation numbered by name), accuracy, F1, the confusion matrix, regression
                      scores; which task a column is
+- text_classifiers.py  what a text classifier's tokenizer and config must agree on, whatever its family: the pad
+                     token and side, the input length limit, the EOS tokens BART's and T5's heads read
 - multi_label.py     label lists (names, class labels, 0/1 vectors) as multi-hot; exact match, micro and macro F1
 - image_folders.py   image folders: a class per subfolder, the unreadable images found once per node
 - image_columns.py   other image datasets' columns: paths and pixel arrays read as images

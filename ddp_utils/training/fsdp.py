@@ -26,6 +26,10 @@ loading made true. Measured with Accelerate 1.15, transformers 5.23 and torch 2.
   option is turned off for it. Built empty, a model whose LM head shares the input embeddings' weight (Gemma,
   Llama 3.2 1B and 3B, Qwen2.5 up to 3B, SmolLM2) had them apart on those ranks, and Accelerate's preparation
   failed there ("FSDP2 mapping failed (missing: ['lm_head.weight'])"); they share as on rank 0 (`share_as`).
+- T5's and BART's classifiers failed in `prepare` ("Parameter 'transformer.shared.weight' is shared with a parameter
+  already managed by another FSDP group"): transformers 5 gives their encoder's and decoder's embeddings modules of
+  their own, tied to the input embeddings by the weight, which Accelerate shards as a unit of its own. They are made
+  that one module, as in transformers 4.
 - `fsdp_auto_wrap_policy: SIZE_BASED_WRAP` crashed in `prepare` ("fully_shard does not support containers that do
   not implement forward: ModuleList") wherever the list of layers is over its minimum size: refused in one line.
 - `fsdp_activation_checkpointing` recomputed each layer with other dropout masks, and a LoRA run saved an empty
@@ -54,7 +58,8 @@ logger = get_logger(__name__)
 def fix_fsdp2_preparation(accelerator) -> None:
     """Under FSDP2, fix what Accelerate 1.15 gets wrong while it shards a model in `prepare` (see the
     module's docstring): meta parameters get distinct addresses; a model without input embeddings
-    answers None; a model with persistent buffers is not sent from rank 0 (every rank read it); and
+    answers None; modules that share the input embeddings' weight become that one module; a model with persistent
+    buffers is not sent from rank 0 (every rank read it); and
     a wrapped class that holds the input embeddings is left out of the wrapped ones, so the embeddings
     become their own unit (as Accelerate shards them anyway) and the rest of that module joins the
     root's: the same computation, the all-gathers grouped otherwise; the config's activation checkpointing is done
@@ -78,6 +83,7 @@ def fix_fsdp2_preparation(accelerator) -> None:
         _refuse_containers_by_size(plugin, model)
         _distinct_addresses(model)
         _answer_input_embeddings(model)
+        _one_module_for_the_input_embeddings(model)
         if plugin.activation_checkpointing:  # transformers' checkpointing instead of Accelerate's wrapper
             checkpoint_for_fsdp(model, offload=plugin.activation_checkpointing_offload)
             plugin.activation_checkpointing = plugin.activation_checkpointing_offload = False
@@ -162,6 +168,38 @@ def _answer_input_embeddings(model) -> None:
         model.get_input_embeddings()
     except NotImplementedError:
         model.get_input_embeddings = lambda: None
+
+
+def _one_module_for_the_input_embeddings(model) -> None:
+    """Make each module that holds the input embeddings' weight under another name the input embeddings' module itself,
+    as transformers 4 had them. Transformers 5 gives T5's and BART's encoder and decoder `embed_tokens` modules of
+    their own, tied to `shared` by the weight; Accelerate shards the input embeddings as a unit of their own, and torch
+    then refused the weight the root saw too ("Parameter 'transformer.shared.weight' is shared with a parameter already
+    managed by another FSDP group"): T5 and BART classifiers stopped in `prepare`. One module, called by the encoder
+    and the decoder, computes the same; a tied LM head is left to Accelerate, which groups it with the embeddings."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return
+    weight = getattr(embeddings, "weight", None)
+    if weight is None:
+        return
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    scale = getattr(embeddings, "embed_scale", None)
+    for name, module in list(model.named_modules()):
+        same = type(module) is type(embeddings) and getattr(module, "weight", None) is weight
+        same = same and module.extra_repr() == embeddings.extra_repr()  # size, padding index
+        if name and module is not embeddings and module is not head and same and _equal(module, scale):
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, embeddings)
+
+
+def _equal(module, scale) -> bool:
+    """Whether `module` scales its embeddings as `scale` (BART's `embed_scale`, a float; Gemma's, a tensor) says."""
+    own = getattr(module, "embed_scale", None)
+    if isinstance(own, torch.Tensor) or isinstance(scale, torch.Tensor):
+        return isinstance(own, torch.Tensor) and isinstance(scale, torch.Tensor) and torch.equal(own, scale)
+    return own == scale
 
 
 def _distinct_addresses(model) -> None:

@@ -1,0 +1,96 @@
+"""What a text classifier's tokenizer, config and data must agree on, whatever the family it comes from: the pad token
+and the side it pads (a decoder LLM's head reads each example's last token that is not padding, and most LLMs have no
+pad token, or one their config does not name), how many tokens an input may hold, and the EOS tokens BART's and T5's
+heads read. Found by running scripts/train.py on 19 families (tests/test_families_classifiers.py). Nothing here
+communicates."""
+
+from __future__ import annotations
+
+import numpy as np
+from accelerate.logging import get_logger
+
+from ..core.errors import UsageError
+
+logger = get_logger(__name__)
+
+
+def pad_for_classification(tokenizer, config, model_name_or_path: str) -> None:
+    """Give `tokenizer` a pad token where it has none (its EOS, else its separator or unknown token) and make it pad on
+    the right, both saved with the model so that its users pad as training did; and give `config` (its text part) that
+    pad token's id, which a decoder's head reads to find each example's last real token. Before, Llama, Mistral and
+    GPT-2 stopped at the first batch ("Asking to pad but the tokenizer does not have a padding token"), and Qwen and
+    Pythia, whose tokenizers pad but whose configs name no pad token, too ("Cannot handle batch sizes > 1 if no
+    padding token is defined"). Any rank may call it."""
+    if tokenizer.pad_token is None:
+        borrowed = tokenizer.eos_token or tokenizer.sep_token or tokenizer.unk_token
+        if borrowed is None:
+            raise UsageError(
+                f"the tokenizer of {model_name_or_path!r} has no pad token, nor an EOS, separator or unknown token to "
+                "pad with; add one (tokenizer.pad_token = ...) and save it with the model"
+            )
+        # Safe for a classifier: padding is masked by position, and the head reads the last token that is not
+        # padding (an EOS the tokenizer ends each text with is skipped alike in training and in use).
+        logger.warning(f"the tokenizer has no pad token: padding with {borrowed!r}, and saved so")
+        tokenizer.pad_token = borrowed
+    if tokenizer.padding_side != "right":  # Llama 2's, Mistral's, Gemma's and Phi-3's tokenizers pad on the left
+        # Every head reads the last real token or masks the padding, on either side; but a model with absolute
+        # positions (GPT-2, BERT, BART, ...) reads a left-padded example at other positions than alone.
+        logger.info(f"padding on the right, not on the {tokenizer.padding_side} as the tokenizer says; saved so")
+        tokenizer.padding_side = "right"
+    text = config.get_text_config()
+    pad, vocabulary = tokenizer.pad_token_id, getattr(text, "vocab_size", None)
+    if vocabulary and pad is not None and pad >= vocabulary:  # an IndexError in the embeddings at the first batch
+        raise UsageError(
+            f"the tokenizer's pad token {tokenizer.pad_token!r} has id {pad}, outside the model's vocabulary of "
+            f"{vocabulary}; pad with a token the model has (tokenizer.pad_token = tokenizer.eos_token), or resize the "
+            "model's embeddings (model.resize_token_embeddings(len(tokenizer))) and save both"
+        )
+    named = getattr(text, "pad_token_id", None)
+    if named != pad:
+        if named is not None:  # the tokenizer pads the batches: the head must skip what it pads with
+            logger.warning(f"the config names pad token id {named}, the tokenizer pads with {pad}: set to {pad}")
+        text.pad_token_id = pad
+
+
+def max_input_length(tokenizer, config) -> int | None:
+    """The most tokens the model takes: what its tokenizer says, else its position embeddings' count, else None
+    (relative positions only, as T5's: no limit). Before, a T5 whose tokenizer gives no limit (T5 v1.1's, mT5's)
+    failed with an AttributeError on max_position_embeddings."""
+    if tokenizer.model_max_length < 100_000:  # a tokenizer without a limit says 10**30
+        return tokenizer.model_max_length
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def check_eos_tokens(tokenized, config, tokenizer) -> None:
+    """Refuse in one line, naming an example, data that an encoder-decoder's classification head (BART's, T5's,
+    mBART's, ...) cannot read: it reads each example's last EOS token, and needs as many in every example. A text that
+    holds the EOS token's own text ("</s>", as in HTML's <s>...</s>) has one more, and the run stopped at the first
+    batch that mixed it with others ("All examples must have the same number of <eos> tokens."). Any rank may call
+    it; read with Arrow, not row by row."""
+    import pyarrow.compute as pc
+
+    eos = getattr(config, "eos_token_id", None)
+    if not getattr(config, "is_encoder_decoder", False) or not isinstance(eos, int):
+        return
+    token = tokenizer.convert_ids_to_tokens(eos)
+    found = {}
+    for split in tokenized:
+        ids = tokenized[split].with_format("arrow")["input_ids"].combine_chunks()
+        rows, flat = pc.list_parent_indices(ids).to_numpy(), pc.list_flatten(ids).to_numpy()
+        found[split] = np.bincount(rows[flat == eos], minlength=len(ids))
+    usual = np.bincount(found["train"]).argmax()
+    if usual == 0:  # T5's head: "Each example must contain at least one <eos> token."
+        raise UsageError(
+            f"the tokenizer ends the examples without the EOS token {token!r} (id {eos}, the config's eos_token_id), "
+            "which this model's head reads; use the tokenizer the model was trained with"
+        )
+    for split, counts in found.items():
+        odd = np.flatnonzero(counts != usual)
+        if len(odd):
+            text = tokenizer.decode(tokenized[split][int(odd[0])]["input_ids"])
+            shown = text[:100] + ("..." if len(text) > 100 else "")
+            raise UsageError(
+                f"{len(odd)} example(s) of the {split} data hold {counts[odd[0]]} EOS tokens {token!r} where the "
+                f"others hold {usual}, as {shown!r}; this model's head reads each example's last one: remove "
+                f"{token!r} from the texts in the DATA section (row[column].replace({token!r}, ' '))"
+            )
