@@ -861,9 +861,8 @@ def test_parameters_off_the_logits_are_found_and_a_model_that_cannot_take_its_pr
         assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items()), family
     vit = AutoModelForImageClassification.from_pretrained(tmp_path / "vit")
     bigger = ViTImageProcessor(size={"height": 48, "width": 48})([PILImage.new("RGB", (48, 48))], return_tensors="pt")
-    with pytest.raises(
-        UsageError, match=re.escape("the model fails on what its image processor makes ((1, 3, 48, 48)")
-    ):
+    shown = "the model fails on one blank image as its image processor makes it, (1, 3, 48, 48) pixel values: Value"
+    with pytest.raises(UsageError, match=re.escape(shown) + ".*make preprocessor_config.json's size the image_size"):
         parameters_off_the_logits(vit, bigger["pixel_values"])
 
 
@@ -871,10 +870,10 @@ def test_parameters_off_the_logits_are_found_and_a_model_that_cannot_take_its_pr
 def test_a_model_without_an_image_classifier_or_processor_is_refused_in_one_line_and_siglips_channels_are_read(
     tmp_path, monkeypatch
 ):
-    """A path that is not there, a model directory without preprocessor_config.json, CLIP's vision tower saved alone
-    (CLIPVisionModel), a text model: each was a traceback (OSError, "Unrecognized configuration class"). And a
-    1-channel SigLIP or CLIP, which keeps num_channels in its vision_config: the script read 3 from the top level
-    and refused its 1-channel processor."""
+    """A path that is not there, a model directory without preprocessor_config.json (or a broken one), CLIP's vision
+    tower saved alone (CLIPVisionModel), a text model: each was a traceback (OSError, "Unrecognized configuration
+    class"). And a 1-channel SigLIP or CLIP, which keeps num_channels in its vision_config: the script read 3 from
+    the top level and refused its 1-channel processor."""
     import datasets
     import transformers
 
@@ -883,6 +882,8 @@ def test_a_model_without_an_image_classifier_or_processor_is_refused_in_one_line
     train = write_image_folder(tmp_path / "train", {"dark": 3, "bright": 3}, seed=0)
     no_processor = make_family_model("vit", tmp_path / "no-processor")
     os.remove(no_processor / "preprocessor_config.json")
+    broken = make_family_model("vit", tmp_path / "broken-processor")
+    (broken / "preprocessor_config.json").write_text('{"size": ')  # cut short: an OSError too, not a missing file
     tower = tmp_path / "clip-vision"
     transformers.CLIPVisionModel(transformers.CLIPVisionConfig(image_size=32, patch_size=8, **ENCODER)).save_pretrained(
         tower
@@ -890,6 +891,7 @@ def test_a_model_without_an_image_classifier_or_processor_is_refused_in_one_line
     cases = {
         tmp_path / "nope": "is neither a local model directory nor a Hub model id; check the path",
         no_processor: "has no image processor (preprocessor_config.json), which says how to resize and normalise",
+        broken: "its image processor does not load (OSError: ",
         tower: "is a 'clip_vision_model' model, for which transformers has no image classifier "
         "(AutoModelForImageClassification); it is the vision tower of a 'clip' model saved alone: give the whole",
         make_tiny_model(tmp_path / "bert"): "is a 'bert' model, for which transformers has no image classifier",

@@ -335,6 +335,32 @@ def test_a_tokenizer_that_pads_on_the_left_pads_on_the_right_where_positions_are
 
 
 @pytest.mark.fast
+def test_xlnet_whose_head_reads_the_last_position_pads_on_the_left_and_has_no_length_limit(tiny_data, tmp_path):
+    """XLNet's head reads position -1 whatever the mask (its tokenizer pads on the left for it): padded on the right,
+    an example in a batch was read at a pad token (measured: logits 0.028 apart). Its config says -1 positions, which
+    was taken for a limit: every --max_length was refused."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, XLNetConfig, XLNetTokenizer
+
+    from conftest import FILLER, WORDS
+
+    words = sorted({w for ws in WORDS.values() for w in ws} | set(FILLER))
+    specials = ["<unk>", "<s>", "</s>", "<cls>", "<sep>", "<pad>", "<mask>"]
+    tokenizer = XLNetTokenizer(vocab=[(t, 0.0) for t in specials] + [("\u2581" + w, -1.0) for w in words])
+    tokenizer.padding_side = "right"  # as a user may have saved it
+    model_dir = tmp_path / "xlnet"
+    tokenizer.save_pretrained(model_dir)
+    torch.manual_seed(0)
+    config = XLNetConfig(vocab_size=len(tokenizer), d_model=32, n_layer=2, n_head=2, d_inner=64, pad_token_id=5)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(model_dir)
+    _, tokenizer, config = prepared(model_dir, tiny_data, tmp_path, "--max_length", 64)
+    assert tokenizer.padding_side == "left"
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, config=config, ignore_mismatched_sizes=True)
+    alone, padded = logits_alone_and_padded(model.eval(), tokenizer, ["great", "the film was very bad"])
+    np.testing.assert_allclose(padded, alone, atol=1e-5)
+
+
+@pytest.mark.fast
 def test_a_t5_whose_tokenizer_gives_no_length_limit_prepares(tiny_data, tmp_path):
     """T5 v1.1's and mT5's tokenizers give no model_max_length, and T5 has relative positions only: the limit was
     read from max_position_embeddings, which T5's config lacks (AttributeError)."""
@@ -358,8 +384,9 @@ def test_a_text_holding_an_encoder_decoders_eos_is_refused_naming_it(tiny_data, 
     refused_in_process(
         "train",
         train_args(save_family("bart", tmp_path / "bart"), data, tmp_path / "out"),
-        "1 example(s) of the train data hold 2 EOS tokens '</s>' where the others hold 1, as '<s>the film was "
-        "<s>bad</s> really</s>'; this model's head reads each example's last one: remove '</s>' from the texts",
+        "1 example(s) of the train data hold 2 EOS tokens '</s>' where most hold 1, as '<s>the film was "
+        "<s>bad</s> really</s>'; this model's head reads each example's last one, and needs as many in each: they "
+        "hold '</s>' in their text; remove it in the DATA section",
     )
 
 

@@ -15,14 +15,23 @@ logger = get_logger(__name__)
 
 
 def pad_for_classification(tokenizer, config, model_name_or_path: str) -> None:
-    """Give `tokenizer` a pad token where it has none (its EOS, else its separator or unknown token) and make it pad on
-    the right, both saved with the model so that its users pad as training did; and give `config` (its text part) that
-    pad token's id, which a decoder's head reads to find each example's last real token. Before, Llama, Mistral and
+    """Give `tokenizer` a pad token where it has none (the one its config names, else its EOS (not an encoder-decoder's:
+    its head counts them), else its separator or unknown token) and make it pad on the right (on the left for XLNet,
+    whose head reads the last position), both saved with the model so that its users pad as training did; and give
+    `config` (its text part) that pad token's id, which a decoder's head reads to find each example's last real token.
+    Before, Llama, Mistral and
     GPT-2 stopped at the first batch ("Asking to pad but the tokenizer does not have a padding token"), and Qwen and
     Pythia, whose tokenizers pad but whose configs name no pad token, too ("Cannot handle batch sizes > 1 if no
     padding token is defined"). Any rank may call it."""
+    text = config.get_text_config()
+    named = getattr(text, "pad_token_id", None)
+    if tokenizer.pad_token is None and named is not None and 0 <= named < len(tokenizer):
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(named)  # the checkpoint's own pad token
+        logger.info(f"the tokenizer has no pad token: padding with {tokenizer.pad_token!r}, its config's, saved so")
     if tokenizer.pad_token is None:
-        borrowed = tokenizer.eos_token or tokenizer.sep_token or tokenizer.unk_token
+        # An encoder-decoder's head counts EOS tokens, padding included: padding with EOS would break it.
+        eos = None if getattr(config, "is_encoder_decoder", False) else tokenizer.eos_token
+        borrowed = eos or tokenizer.sep_token or tokenizer.unk_token
         if borrowed is None:
             raise UsageError(
                 f"the tokenizer of {model_name_or_path!r} has no pad token, nor an EOS, separator or unknown token to "
@@ -32,12 +41,13 @@ def pad_for_classification(tokenizer, config, model_name_or_path: str) -> None:
         # padding (an EOS the tokenizer ends each text with is skipped alike in training and in use).
         logger.warning(f"the tokenizer has no pad token: padding with {borrowed!r}, and saved so")
         tokenizer.pad_token = borrowed
-    if tokenizer.padding_side != "right":  # Llama 2's, Mistral's, Gemma's and Phi-3's tokenizers pad on the left
-        # Every head reads the last real token or masks the padding, on either side; but a model with absolute
-        # positions (GPT-2, BERT, BART, ...) reads a left-padded example at other positions than alone.
-        logger.info(f"padding on the right, not on the {tokenizer.padding_side} as the tokenizer says; saved so")
-        tokenizer.padding_side = "right"
-    text = config.get_text_config()
+    # Decoder heads read the last token that is not padding, encoders mask it, on either side; but a model with
+    # absolute positions (GPT-2, BERT, BART, ...) reads a left-padded example at other positions than alone. XLNet's
+    # head reads position -1 whatever the mask: it pads on the left.
+    side = "left" if getattr(text, "summary_type", None) == "last" else "right"
+    if tokenizer.padding_side != side:  # Llama 2's, Mistral's, Gemma's and Phi-3's tokenizers pad on the left
+        logger.info(f"padding on the {side}, not on the {tokenizer.padding_side} as the tokenizer says; saved so")
+        tokenizer.padding_side = side
     pad, vocabulary = tokenizer.pad_token_id, getattr(text, "vocab_size", None)
     if vocabulary and pad is not None and pad >= vocabulary:  # an IndexError in the embeddings at the first batch
         raise UsageError(
@@ -45,7 +55,6 @@ def pad_for_classification(tokenizer, config, model_name_or_path: str) -> None:
             f"{vocabulary}; pad with a token the model has (tokenizer.pad_token = tokenizer.eos_token), or resize the "
             "model's embeddings (model.resize_token_embeddings(len(tokenizer))) and save both"
         )
-    named = getattr(text, "pad_token_id", None)
     if named != pad:
         if named is not None:  # the tokenizer pads the batches: the head must skip what it pads with
             logger.warning(f"the config names pad token id {named}, the tokenizer pads with {pad}: set to {pad}")
@@ -58,7 +67,8 @@ def max_input_length(tokenizer, config) -> int | None:
     failed with an AttributeError on max_position_embeddings."""
     if tokenizer.model_max_length < 100_000:  # a tokenizer without a limit says 10**30
         return tokenizer.model_max_length
-    return getattr(config.get_text_config(), "max_position_embeddings", None)
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return positions if positions and positions > 0 else None  # XLNet's config says -1
 
 
 def check_eos_tokens(tokenized, config, tokenizer) -> None:
@@ -75,9 +85,11 @@ def check_eos_tokens(tokenized, config, tokenizer) -> None:
     token = tokenizer.convert_ids_to_tokens(eos)
     found = {}
     for split in tokenized:
-        ids = tokenized[split].with_format("arrow")["input_ids"].combine_chunks()
-        rows, flat = pc.list_parent_indices(ids).to_numpy(), pc.list_flatten(ids).to_numpy()
-        found[split] = np.bincount(rows[flat == eos], minlength=len(ids))
+        parts = []
+        for chunk in tokenized[split].with_format("arrow")["input_ids"].chunks:  # a chunk at a time: memory stays low
+            rows, flat = pc.list_parent_indices(chunk).to_numpy(), pc.list_flatten(chunk).to_numpy()
+            parts.append(np.bincount(rows[flat == eos], minlength=len(chunk)))
+        found[split] = np.concatenate(parts) if parts else np.zeros(0, dtype=int)
     usual = np.bincount(found["train"]).argmax()
     if usual == 0:  # T5's head: "Each example must contain at least one <eos> token."
         raise UsageError(
@@ -89,8 +101,10 @@ def check_eos_tokens(tokenized, config, tokenizer) -> None:
         if len(odd):
             text = tokenizer.decode(tokenized[split][int(odd[0])]["input_ids"])
             shown = text[:100] + ("..." if len(text) > 100 else "")
+            which = "they" if counts[odd[0]] > usual else "most examples"  # text joined with </s> by hand
             raise UsageError(
-                f"{len(odd)} example(s) of the {split} data hold {counts[odd[0]]} EOS tokens {token!r} where the "
-                f"others hold {usual}, as {shown!r}; this model's head reads each example's last one: remove "
-                f"{token!r} from the texts in the DATA section (row[column].replace({token!r}, ' '))"
+                f"{len(odd)} example(s) of the {split} data hold {counts[odd[0]]} EOS tokens {token!r} where most hold "
+                f"{usual}, as {shown!r}; this model's head reads each example's last one, and needs as many in each: "
+                f"{which} hold {token!r} in their text; remove it in the DATA section "
+                f"(row[column].replace({token!r}, ' '))"
             )

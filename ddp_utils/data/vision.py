@@ -8,6 +8,8 @@ PIL and NumPy only: torchvision has no CPU wheel on many machines and pulls CUDA
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from accelerate import Accelerator
@@ -80,11 +82,19 @@ def load_image_processor(source: str, config, trust_remote_code: bool = False):
         )
     try:
         return AutoImageProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):  # transformers' own message suggests a download
+    except (OSError, ValueError) as error:
+        saved = os.path.isfile(os.path.join(source, "preprocessor_config.json"))
+        if isinstance(error, OSError) and not saved:  # none there: transformers' own message suggests a download
+            raise UsageError(
+                f"--model_name_or_path {source!r} has no image processor (preprocessor_config.json), which says how to "
+                "resize and normalise its images; save its base model's beside it: "
+                "AutoImageProcessor.from_pretrained(<base model>).save_pretrained(<this directory>)"
+            ) from None
+        # A broken preprocessor_config.json (an OSError too); a processor of its own code without trust_remote_code.
+        reason = (str(error).strip().splitlines() or [""])[0][:200]
         raise UsageError(
-            f"--model_name_or_path {source!r} has no image processor (preprocessor_config.json), which says how to "
-            "resize and normalise its images; save its base model's beside it: "
-            "AutoImageProcessor.from_pretrained(<base model>).save_pretrained(<this directory>)"
+            f"--model_name_or_path {source!r}: its image processor does not load ({type(error).__name__}: {reason}); "
+            "mend its preprocessor_config.json, or give --trust_remote_code for a processor of its own code"
         ) from None
 
 
@@ -209,10 +219,11 @@ def parameters_off_the_logits(model, pixel_values: torch.Tensor) -> list[str]:
         with torch.enable_grad():
             logits = model(pixel_values=pixel_values).logits
     except Exception as error:  # a size other than the model's image_size, channels, ...: a ValueError, RuntimeError
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        reason = (str(error).strip().splitlines() or [""])[0][:200]
+        hint = "; if the sizes differ, make preprocessor_config.json's size the image_size in config.json"
         raise UsageError(
-            f"the model fails on what its image processor makes ({tuple(pixel_values.shape)} pixel values: {reason});"
-            " make its preprocessor_config.json match the model (its size: the image_size in config.json)"
+            f"the model fails on one blank image as its image processor makes it, {tuple(pixel_values.shape)} pixel "
+            f"values: {type(error).__name__}: {reason}{hint if 'size' in reason or 'match' in reason else ''}"
         ) from None
     finally:
         model.train(was_training)
