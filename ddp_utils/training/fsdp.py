@@ -56,12 +56,11 @@ logger = get_logger(__name__)
 
 
 def fix_fsdp2_preparation(accelerator) -> None:
-    """Under FSDP2, fix what Accelerate 1.15 gets wrong while it shards a model in `prepare` (see the
-    module's docstring): meta parameters get distinct addresses; a model without input embeddings
-    answers None; modules that share the input embeddings' weight become that one module; a model with persistent
-    buffers is not sent from rank 0 (every rank read it); and
-    a wrapped class that holds the input embeddings is left out of the wrapped ones, so the embeddings
-    become their own unit (as Accelerate shards them anyway) and the rest of that module joins the
+    """Under FSDP2, fix what Accelerate 1.15 gets wrong while it shards a model in `prepare` (see the module's
+    docstring): meta parameters get distinct addresses; a model without input embeddings answers None; modules that
+    share the input embeddings' weight become that one module; a model with persistent buffers is not sent from rank
+    0 (every rank read it); and a wrapped class that holds the input embeddings is left out of the wrapped ones, so
+    the embeddings become their own unit (as Accelerate shards them anyway) and the rest of that module joins the
     root's: the same computation, the all-gathers grouped otherwise; the config's activation checkpointing is done
     by transformers (`activation_checkpointing.py`); SIZE_BASED_WRAP that would pick a ModuleList is refused. Under
     FSDP1, a warning: it has never run here. Any rank may call it; every rank does. No communication."""
