@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--train_file", default=None, help=f"local training text, {text_files}")
     p.add_argument("--validation_file", default=None, help="local validation text (default: split off the training)")
     p.add_argument("--validation_split_percentage", type=int, default=5, help="%% held out without a validation split")
+    records = "a .txt file's records: each line, each paragraph (prose wrapped over lines) or the whole file"
+    p.add_argument("--txt_records", choices=["line", "paragraph", "file"], default="line", help=records)
     p.add_argument("--text_column", default="text", help="the column of raw text (a .txt file's lines are 'text')")
     p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training rows")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation rows")
@@ -92,7 +94,8 @@ def parse_args(argv=None):
 def load_raw_datasets(args):
     if args.train_file:
         files = {"train": args.train_file, **({"validation": args.validation_file} if args.validation_file else {})}
-        return ddp_utils.read_data_files(files, raw_text=True)  # a folder or glob too; code: a file a record
+        # a folder or glob too; code: a file a record; a .txt: a line a record, or --txt_records paragraph or file
+        return ddp_utils.read_data_files(files, raw_text=True, txt_records=args.txt_records)
     if args.dataset_name:
         raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
         return ddp_utils.named_splits(raw, args.train_split, args.validation_split)  # the Hub's own split names

@@ -151,6 +151,52 @@ def test_documents_are_kept_apart_by_one_eos_and_bos_where_the_tokenizer_has_its
     assert stream == whole[: len(stream)] and len(whole) - len(stream) < 16
 
 
+BOOK = (
+    "Chapter one\n\nIt was a bright cold day in April, and\nthe clocks were striking thirteen.\n \n"
+    "Winston Smith, his chin nuzzled\ninto his breast, slipped quickly\nthrough the glass doors.\n\n\n"
+    "The hallway smelt of boiled cabbage\nand old rag mats.\n\n"
+)  # paragraphs wrapped over lines, as a book's .txt: a blank line of one space, and two blank lines
+
+
+@pytest.mark.fast
+def test_a_books_paragraphs_or_whole_file_are_records_and_its_lines_as_records_are_warned_of(tmp_path, caplog):
+    """A book's .txt read a line a record became BOS line EOS for every 40-column line, and the model learned to
+    stop at each line end, silently. Now that shape is warned of, and --txt_records paragraph keeps each paragraph
+    whole (a blank line of spaces, which datasets' own paragraphs do not see, and two blank lines, included);
+    --txt_records file reads the whole book as one record, its line breaks kept."""
+    model = byte_level_lm(tmp_path / "bytes")
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK * 4)
+    paragraphs = [part.strip() for part in BOOK.replace("\n \n", "\n\n").split("\n\n") if part.strip()] * 4
+
+    def stream(*extra):
+        blocks, tokenizer = clm_blocks(model, "--train_file", book, "--validation_file", book, *extra)
+        return [token for block in blocks["validation"]["input_ids"] for token in block], tokenizer
+
+    def records(texts, tokenizer):
+        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        return [t for text in texts for t in [bos, *tokenizer(text, add_special_tokens=False)["input_ids"], eos]]
+
+    for option, texts in (("paragraph", paragraphs), ("file", [BOOK * 4])):
+        caplog.clear()
+        tokens, tokenizer = stream("--txt_records", option)
+        whole = records(texts, tokenizer)
+        assert tokens == whole[: len(tokens)] and len(whole) - len(tokens) < 16, option
+        assert "--txt_records paragraph" not in caplog.text
+    caplog.clear()
+    tokens, tokenizer = stream()
+    lines = [line for line in (BOOK * 4).splitlines() if line.strip()]
+    whole = records(lines, tokenizer)
+    assert tokens == whole[: len(tokens)] and len(whole) - len(tokens) < 16
+    assert "its paragraphs span several lines (2.0 on average" in caplog.text
+    assert "--txt_records paragraph (or file) keeps them whole" in caplog.text
+
+    caplog.clear()  # one record a line, a blank line or none between them: not prose (wikitext's shape passes)
+    book.write_text("\n \n".join(lines) + "\n")
+    stream()
+    assert "its paragraphs span" not in caplog.text
+
+
 @pytest.fixture(scope="module")
 def text_runs(tiny_lm, tmp_path_factory):
     """The same 3 epochs on 1 process x batch 4 and 2 processes x batch 2."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import glob
 import os
+import re
 from collections import Counter
 
 from accelerate.logging import get_logger
@@ -27,25 +28,29 @@ SKIPPED_FOLDERS = ("__pycache__", "node_modules")  # what a code checkout holds 
 _PACKED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar", ".tgz", ".7z")  # raw text's: not a text file
 
 
-def read_data_files(data_files: dict[str, str], raw_text: bool = False):
+def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_records: str = "line"):
     """Read local CSV/TSV, JSON/JSONL, Parquet or text files into a `DatasetDict`, with a clear
     error for a missing, empty or unparsable file. `data_files` maps split name -> path.
 
     With `raw_text` (train_clm.py) a path may also be a folder (its files, at every level; hidden ones, __pycache__
     and binary files left out, the last said) or a glob, of one kind of file; a file of another extension (code,
-    Markdown, none) is one record, its whole text with its line breaks: as lines of a .txt, code would be cut apart."""
+    Markdown, none) is one record, its whole text with its line breaks: as lines of a .txt, code would be cut apart.
+    A .txt file's records are its lines, or with `txt_records` its paragraphs (blank lines between) or the file;
+    read by lines, prose wrapped over lines is warned of."""
     import datasets
 
     splits = {}
     for split, path in data_files.items():
         paths = _named_files(path, split, raw_text)
         kind = _kind_of(paths, path, split, raw_text)
+        if kind == "text" and txt_records != "line":
+            kind = {"paragraph": "paragraphs", "file": "document"}[txt_records]
         if len(paths) == 1:  # one file: refused when it holds nothing; in a folder, an empty one is left out
             extension = os.path.splitext(paths[0])[1].lower()
             if os.path.getsize(paths[0]) == 0:
                 needs = "a header and at least one example" if kind in ("csv", "tsv") else "at least one example"
                 raise UsageError(f"--{split}_file {path!r} is empty; it needs {needs}")
-            if kind != "document" and not _has_examples(paths[0], extension):
+            if kind not in ("document", "paragraphs") and not _has_examples(paths[0], extension):
                 raise UsageError(f"--{split}_file {path!r} holds no examples; add at least one row")
         else:
             empty = [name for name in paths if os.path.getsize(name) == 0]
@@ -56,7 +61,7 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False):
             logger.info(f"--{split}_file {path!r}: {len(paths)} files{left_out}")
         if kind == "document":
             logger.info(f"--{split}_file {path!r}: each file is one record, its whole text with its line breaks")
-        builder = {"document": "text", "tsv": "csv"}.get(kind, kind)
+        builder = {"document": "text", "paragraphs": "text", "tsv": "csv"}.get(kind, kind)
         try:
             files = [glob.escape(name) for name in paths]  # datasets takes each as a glob: 'v[2]/a.txt' matched nothing
             dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, **_builder_kwargs(kind))
@@ -66,8 +71,12 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False):
             if fix and len(paths) > 1:  # name the file (binary ones are left out already: this one is text)
                 problem, fix = f"{_not_utf8(paths)!r} is not UTF-8 ({problem})", fix + ", or leave it out with a glob"
             raise UsageError(f"--{split}_file {path!r} could not be parsed as {builder}: {problem}{fix}") from exc
+        if kind == "paragraphs":
+            dataset = dataset.map(_paragraphs, batched=True, desc="paragraphs")
         if len(dataset) == 0:
             raise UsageError(f"--{split}_file {path!r} holds no examples")
+        if kind == "text":
+            warn_if_prose_in_lines(dataset, split, path)
         if kind == "json":
             _check_utf8(dataset, path, split)
         if kind in ("csv", "tsv"):
@@ -148,11 +157,40 @@ def _builder_kwargs(kind: str) -> dict:
     builder_kwargs = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if kind == "tsv" else {}
     if kind in ("csv", "tsv"):  # only an empty cell is missing: pandas took "None", "NA", "null" for one
         builder_kwargs.update(keep_default_na=False, na_values=[""])
-    if kind in ("text", "document"):  # a BOM (Windows' Notepad) is not text to train on
+    if kind in ("text", "document", "paragraphs"):  # a BOM (Windows' Notepad) is not text to train on
         builder_kwargs.update(encoding="utf-8-sig")
-    if kind == "document":
-        builder_kwargs.update(sample_by="document")
+    if kind in ("document", "paragraphs"):
+        builder_kwargs.update(sample_by={"document": "document", "paragraphs": "paragraph"}[kind])
     return builder_kwargs
+
+
+def _paragraphs(batch: dict) -> dict:
+    """datasets' paragraphs as a reader sees them: it splits at "\n\n" only, so a blank line of spaces (as editors
+    and wikitext leave) joined two paragraphs, and a paragraph after two blank lines began with a line break."""
+    return {"text": [part.strip("\n") for text in batch["text"] for part in _BLANK_LINE.split(text) if part.strip()]}
+
+
+_BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+def warn_if_prose_in_lines(dataset, split: str, path: str, sample: int = 20_000) -> None:
+    """Warn where a .txt read a line a record holds paragraphs of several lines between blank lines (a book, an
+    article wrapped at 80 columns, a sentence a line with documents apart): each line becomes a document, BOS line
+    EOS, and the model learns to stop at every line end. Wikitext's paragraph a line, and a document a line, pass."""
+    lines = dataset[: min(sample, len(dataset))]["text"]
+    runs, current = [], 0  # the number of lines in each run of non-blank ones
+    for line in lines:
+        if line.strip():
+            current += 1
+        elif current:
+            runs.append(current)
+            current = 0
+    if len(runs) >= 3 and 2 <= sum(runs) / len(runs) <= 50:  # a few paragraphs, of several lines each
+        logger.warning(
+            f"--{split}_file {path!r}: its paragraphs span several lines ({sum(runs) / len(runs):.1f} on average, "
+            "blank lines between), and each line is read as a document (BOS line EOS): the model would learn to "
+            "stop at every line end; --txt_records paragraph (or file) keeps them whole"
+        )
 
 
 def _not_utf8(paths: list[str]) -> str | None:
