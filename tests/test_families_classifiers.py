@@ -3,7 +3,8 @@ encoders, 9 decoder LLMs as *ForSequenceClassification, BART and T5), each tiny,
 tokenizer its checkpoints have. For each, on 2 processes: the loss goes down; 1 process with accumulation trains the
 same model; the saved model reloads with AutoModelForSequenceClassification and the pipeline, and predicts the same
 for an example alone and inside a padded batch; a regression and a multi-label task train and reload. Three under
-FSDP2 too. Not in `make test` (4 minutes here, idle): FAMILY_SWEEP=1 pytest tests/test_families_classifiers.py."""
+FSDP2 and four under ZeRO-3 too. Not in `make test` (4 minutes here, idle): FAMILY_SWEEP=1 pytest
+tests/test_families_classifiers.py."""
 
 import json
 import os
@@ -18,17 +19,23 @@ from conftest import REPO, launch, train_args, write_examples
 pytestmark = pytest.mark.skipif(not os.environ.get("FAMILY_SWEEP"), reason="a sweep of 19 families (4 minutes)")
 
 TRAIN = REPO / "scripts" / "train.py"
-FSDP_CONFIG = REPO / "accelerate_configs" / "fsdp.yaml"
-ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"
+LAUNCHED, CONFIGS = REPO / "tests" / "launched", REPO / "accelerate_configs"
+SHARDED = {  # sharded runs, on CPU processes: (harness, config)
+    "fsdp": (LAUNCHED / "fsdp_on_cpu.py", CONFIGS / "fsdp.yaml"),
+    "zero3": (LAUNCHED / "deepspeed_on_cpu.py", CONFIGS / "deepspeed_zero3.yaml"),
+}
 UNDER_FSDP = ["qwen2", "t5", "bart"]  # Qwen2 ties its (dropped) LM head; T5 and BART share their embeddings
+# An 8B LLM as a classifier is where users take ZeRO-3: its new head is loaded sharded (zero3_loading.py)
+UNDER_ZERO3 = ["llama", "qwen2", "deberta_v2", "t5"]
 QUIET = ["--checkpointing_steps", "no", "--report_to", "none"]
 TEXTS = ["great", "the movie was very bad", "it is a really quite plain film this okay", "not awful"]
 
 
-def run(*args, num_processes=2, fsdp=False):
-    if fsdp:
-        launcher = ["--config_file", FSDP_CONFIG, "--num_processes", 2, "--mixed_precision", "no"]
-        result = launch(ON_CPU, "train", *args, launcher_args=[str(a) for a in launcher], timeout=300)
+def run(*args, num_processes=2, sharded=None):
+    if sharded:
+        harness, config = SHARDED[sharded]
+        launcher = ["--config_file", config, "--num_processes", 2, "--mixed_precision", "no"]
+        result = launch(harness, "train", *args, launcher_args=[str(a) for a in launcher], timeout=300)
     else:
         result = launch(TRAIN, *args, num_processes=num_processes, timeout=300)
     assert result.returncode == 0, result.output[-3000:]
@@ -96,11 +103,13 @@ def test_train_py_trains_the_family_the_same_on_1_and_2_processes_and_it_reloads
     assert len(learned) == 12 and learned[-1] < 0.9 * learned[0], f"not learned: {learned}"
     assert_same_weights(one, two, atol=1e-6)  # measured: 0.0 in every family (the same sums, the same dropout)
     assert_reloads_and_reads_the_right_token(two, labels=3)
-    if family in UNDER_FSDP:  # the same run under FSDP2
-        sharded = tmp_path / "fsdp"
-        run(*train_args(model, data, sharded, *epochs, "--per_device_train_batch_size", 4), fsdp=True)
-        assert json.loads((sharded / "metrics.json").read_text())["distributed_type"] == "FSDP"
-        assert_same_weights(sharded, two, atol=1e-4)  # measured: up to 2.2e-5 (T5)
+    for layout, kind in (("fsdp", "FSDP"), ("zero3", "DEEPSPEED")):  # the same run, sharded
+        if family not in {"fsdp": UNDER_FSDP, "zero3": UNDER_ZERO3}[layout]:
+            continue
+        sharded = tmp_path / layout
+        run(*train_args(model, data, sharded, *epochs, "--per_device_train_batch_size", 4), sharded=layout)
+        assert json.loads((sharded / "metrics.json").read_text())["distributed_type"] == kind
+        assert_same_weights(sharded, two, atol=1e-4)  # measured: up to 2.2e-5 (T5 under FSDP2)
         assert_reloads_and_reads_the_right_token(sharded, labels=3)
 
     pairs = ["--text_column", "sentence1,sentence2", "--label_column", "score"]
