@@ -124,16 +124,67 @@ def test_files_not_in_utf8_a_bom_and_a_folder_are_read_or_named_in_one_line(tmp_
     assert list(read_data_files({"train": str(tmp_path / "notepad.txt")})["train"]["text"]) == [
         "Hello world", "second line"
     ]  # fmt: skip
-    with pytest.raises(UsageError, match="is a folder; give the path of one file: .csv, .json, .jsonl, .parquet"):
+    with pytest.raises(UsageError, match=re.escape("holds files read in different ways (.jsonl, .txt)")):
         read_data_files({"train": str(tmp_path)})
+
+
+@pytest.mark.fast
+def test_a_hub_datasets_shards_are_read_as_a_folder_or_a_glob_and_several_splits_are_refused(tmp_path, caplog):
+    """A Hub dataset's snapshot holds its data as Parquet shards (data/train-00000-of-00002.parquet, ...) beside a
+    README.md. The scripts took one file ("is a folder; give the path of one file"), and train_clm.py, which took a
+    folder, left every Parquet shard out as binary and refused the folder. Now a folder (its README left out, said)
+    or a glob of shards is read whole, for every script; one whose files are of several splits is refused, as all
+    of them, the test shards too, would have trained."""
+    import datasets
+    from accelerate import PartialState
+
+    from ddp_utils import read_data_files
+
+    PartialState(cpu=True)  # it logs the files it left out through Accelerate's logger
+    data = tmp_path / "snapshot" / "data"
+    data.mkdir(parents=True)
+    rows = [{"text": f"review {i}", "label": i % 3} for i in range(10)]
+    for shard, part in enumerate((rows[:6], rows[6:])):
+        datasets.Dataset.from_list(part).to_parquet(str(data / f"train-0000{shard}-of-00002.parquet"))
+    (tmp_path / "snapshot" / "README.md").write_text("---\nlicense: mit\n---\n# A dataset card\n")
+    (tmp_path / "snapshot" / ".gitattributes").write_text("*.parquet filter=lfs\n")
+    with caplog.at_level(logging.INFO):
+        for given in ("snapshot", "snapshot/data", "snapshot/data/train-*.parquet"):
+            for raw_text in (False, True):  # train.py and the LLM scripts; train_clm.py
+                if raw_text and given == "snapshot":  # raw text: Markdown is text too, so which is meant is asked
+                    with pytest.raises(UsageError, match=r"\(.md, .parquet\); give one kind, with a glob: '.*snapshot/"
+                                                         r"\*\*/\*.parquet', say"):  # fmt: skip
+                        read_data_files({"train": str(tmp_path / given)}, raw_text=raw_text)
+                    continue
+                read = read_data_files({"train": str(tmp_path / given)}, raw_text=raw_text)["train"]
+                assert read.to_list() == rows, (given, raw_text)
+    assert "1 files that are not data left out: [" in caplog.text and "README.md']" in caplog.text
+
+    datasets.Dataset.from_list(rows[:2]).to_parquet(str(data / "test-00000-of-00001.parquet"))
+    for given in ("snapshot", "snapshot/data/*.parquet"):
+        for raw_text in (False, True):
+            several = "holds the files of several splits (test: 1, train: 2), which would all be read as train data"
+            with pytest.raises(UsageError, match=re.escape(several)):
+                read_data_files({"train": str(tmp_path / given)}, raw_text=raw_text)
+    assert len(read_data_files({"train": str(data / "train-*")})["train"]) == 10
+    with pytest.raises(UsageError, match=re.escape("holds no data files (.csv, .json, .jsonl, .parquet, .tsv, .txt)")):
+        read_data_files({"train": str(write_code_checkout(tmp_path / "code"))})
+    code = read_data_files({"train": str(tmp_path / "code")}, raw_text=True)["train"]  # test_*.py is no split
+    assert len(code) == 2
+
+
+def write_code_checkout(directory):
+    (directory / "tests").mkdir(parents=True)
+    (directory / "train.py").write_text("print('train')\n")
+    (directory / "tests" / "test_train.py").write_text("def test(): pass\n")
+    return directory
 
 
 @pytest.mark.fast
 def test_a_folder_or_a_glob_of_text_files_is_read_for_raw_text_each_file_named_in_its_message(tmp_path, caplog):
     """train_clm.py's --train_file data/ or 'data/**/*.txt' (a corpus often ships as many files) was refused: "give
     the path of one file". With `raw_text` a folder's files at every level (hidden ones and empty ones left out) or a
-    glob's are read, of one kind; a file that is not UTF-8 is named, not the folder. The other scripts still take
-    one file."""
+    glob's are read, of one kind; a file that is not UTF-8 is named, not the folder."""
     from accelerate import PartialState
 
     from ddp_utils import read_data_files
@@ -164,8 +215,6 @@ def test_a_folder_or_a_glob_of_text_files_is_read_for_raw_text_each_file_named_i
     (tmp_path / "data" / "more" / "latin1.txt").write_bytes("café\n".encode("latin-1"))
     with pytest.raises(UsageError, match=r"latin1.txt' is not UTF-8 \('utf-8' codec can't decode byte 0xe9"):
         read_data_files({"validation": str(tmp_path / "data")}, raw_text=True)
-    with pytest.raises(UsageError, match="is a folder; give the path of one file"):
-        read_data_files({"train": str(tmp_path / "data")})
     import gzip  # datasets opens it through: C4's .json.gz was read as one record, its JSON as text
 
     with gzip.open(tmp_path / "c4.json.gz", "wt") as handle:

@@ -1,7 +1,7 @@
 """Reading the user's data files: local CSV, TSV, JSON, JSONL, Parquet or text, each read with one clear line for a
 file that is missing, empty, not UTF-8 or unparsable, and a warning where its rows look merged or quoted as CSV in a
-.tsv; for raw text, also a folder or glob of files, and code as whole files. Nothing here communicates: any rank may
-call these functions."""
+.tsv; a folder or glob of them too (a Hub dataset's shards, one split's); for raw text, code as whole files. Nothing
+here communicates: any rank may call these functions."""
 
 from __future__ import annotations
 
@@ -88,16 +88,15 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_reco
 
 
 def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
-    """The files `path` names: itself, or with `raw_text` a folder's files (every level, NOT_DATA left out) or a
-    glob's matches, sorted."""
+    """The files `path` names, sorted: itself, a folder's (every level, NOT_DATA left out) or a glob's matches, as a
+    Hub dataset's shards come (train-00000-of-00004.parquet, ...). A folder's files that are not data (its README.md)
+    are left out, said; with `raw_text` every text file is data, and binary ones are left out."""
     if os.path.isfile(path):
         return [path]
     pattern = not os.path.isdir(path) and any(sign in path for sign in "*?[")  # a folder named 'corpus [clean]'
-    if not raw_text or not (pattern or os.path.isdir(path)):
-        problem = "is a folder" if os.path.isdir(path) else "does not exist"  # a folder of .txt files, say
-        raise UsageError(
-            f"--{split}_file {path!r} {problem}; give the path of one file: {', '.join(sorted(_BUILDERS))}"
-        )
+    if not (pattern or os.path.isdir(path)):
+        raise UsageError(f"--{split}_file {path!r} does not exist; give a file ({', '.join(sorted(_BUILDERS))}), a "
+                         "folder or a quoted glob")  # fmt: skip
     if pattern:
         found = [name for name in glob.glob(path, recursive=True) if os.path.isfile(name)]
     else:
@@ -107,7 +106,16 @@ def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
             found += [os.path.join(root, name) for name in names if not name.startswith(NOT_DATA)]
     if not found:
         raise UsageError(f"--{split}_file {path!r} " + ("matches no file" if pattern else "holds no files"))
-    binary = [name for name in found if _is_binary(name)]  # a checkout's logo.png, a .pdf, a downloaded .json.gz
+    _refuse_several_splits(found, path, split)
+    if not raw_text:  # a glob names what it wants (another extension is refused); a folder may hold a README
+        others = [] if pattern else [name for name in found if os.path.splitext(name)[1].lower() not in _BUILDERS]
+        if len(others) == len(found):
+            raise UsageError(f"--{split}_file {path!r} holds no data files ({', '.join(sorted(_BUILDERS))})")
+        if others:
+            logger.info(f"--{split}_file {path!r}: {len(others)} files that are not data left out: {others[:3]}")
+        return sorted(name for name in found if name not in others)
+    # Parquet is binary by design; a checkout's logo.png, a .pdf, a downloaded .json.gz are not text
+    binary = [name for name in found if not name.lower().endswith(".parquet") and _is_binary(name)]
     if binary:
         counts = Counter(os.path.splitext(name)[1].lower() or "no extension" for name in binary)
         kinds = ", ".join(f"{extension}: {count}" for extension, count in counts.most_common())
@@ -118,7 +126,36 @@ def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
                 + ("decompress them (gunzip, unzip, ...)" if packed else "give text files")
             )
         logger.warning(f"--{split}_file {path!r}: {len(binary)} binary files left out ({kinds}): not text")
-    return sorted(name for name in found if name not in binary)
+        return sorted(name for name in found if name not in binary)
+    return sorted(found)
+
+
+# A split's name at the start of a file's or folder's name, as the Hub's datasets name their shards
+# (train-00000-of-00004.parquet, test.jsonl, validation/0.parquet, dev_matched.tsv)
+_SPLIT_NAMES = re.compile(r"(train|training|test|testing|valid|validation|dev|eval|evaluation)(?=$|[-_.\d])", re.I)
+_SPLITS = {"training": "train", "testing": "test", "valid": "validation", "dev": "validation", "eval": "validation"}
+
+
+def _refuse_several_splits(found: list[str], path: str, split: str) -> None:
+    """Refuse a folder or glob whose data files belong to several splits (a Hub dataset's snapshot: its train and
+    test shards side by side): all of them would train, the test data with them. Code is not checked (test_*.py)."""
+    kinds: dict[str, int] = {}
+    base = path.split("*")[0] if not os.path.isdir(path) else path
+    for name in found:
+        if os.path.splitext(name)[1].lower() not in _BUILDERS:
+            continue
+        parts = os.path.relpath(os.path.splitext(name)[0], os.path.dirname(base) or ".").split(os.sep)
+        named = [match.group(1).lower() for part in parts if (match := _SPLIT_NAMES.match(part))]
+        if named:
+            kind = _SPLITS.get(named[-1], named[-1])
+            kinds[kind] = kinds.get(kind, 0) + 1
+    if len(kinds) > 1:
+        counts = ", ".join(f"{kind}: {count}" for kind, count in sorted(kinds.items()))
+        raise UsageError(
+            f"--{split}_file {path!r} holds the files of several splits ({counts}), which would all be read as "
+            f"{split} data; give one split's files with a quoted glob ('{path.rstrip(os.sep)}/{split}*' or as its "
+            "names go), or the folder as --dataset_name, which reads each split"
+        )
 
 
 def _is_binary(path: str) -> bool:
@@ -144,9 +181,10 @@ def _kind_of(paths: list[str], path: str, split: str, raw_text: bool) -> str:
     if len(kinds) > 1:
         found = ", ".join(sorted(extension for extensions in kinds.values() for extension in extensions))
         folder = path.rstrip(os.sep) if os.path.isdir(path) else os.path.dirname(path.split("*")[0]) or "."
+        most = Counter(os.path.splitext(name)[1].lower() for name in paths).most_common(1)[0][0] or ".txt"
         raise UsageError(
             f"--{split}_file {path!r} holds files read in different ways ({found}); give one kind, with a glob: "
-            f"'{folder}/**/*.txt', say"
+            f"'{folder}/**/*{most}', say"
         )
     return next(iter(kinds))
 
