@@ -171,11 +171,15 @@ def _leave_out_of_state_dicts_in_a_checkpoint(model) -> None:
 
 def _leave_out_frozen(models, weights, output_dir) -> None:
     """Accelerate's hook before it writes the models' state dicts (`weights`, in place): without the frozen
-    parameters. Buffers stay (BatchNorm's statistics change in training). Each stays an OrderedDict, of which
+    parameters, nor a 4-bit weight's quantization state (QLoRA: `<weight>.absmax`, ..., quantized again at the
+    resume). Buffers stay (BatchNorm's statistics change in training). Each stays an OrderedDict, of which
     Accelerate drops a tied weight's second name before safetensors, which refuses shared tensors."""
     for index, (model, state_dict) in enumerate(zip(models, weights)):
         frozen = frozen_parameter_names(model)
-        weights[index] = type(state_dict)((key, value) for key, value in state_dict.items() if key not in frozen)
+        parts = tuple(f"{name}." for name in frozen)
+        weights[index] = type(state_dict)(
+            (key, value) for key, value in state_dict.items() if key not in frozen and not key.startswith(parts)
+        )
 
 
 def _load_over_frozen(models, input_dir) -> None:

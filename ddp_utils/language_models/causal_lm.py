@@ -29,6 +29,7 @@ from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import load_pretrained
 from ..training.pretrained import causal_lm_class, fetch_weights, load_model_config
 from .multimodal import freeze_parts_text_never_runs, text_config
+from .quantized import four_bit_loading, is_4bit, keep_4bit_backward_on_cpu
 
 logger = get_logger(__name__)
 
@@ -182,10 +183,16 @@ def load_causal_lm(args, config, tokenizer):
     under FSDP only the main process reads the weights (`load_pretrained`). The model, with gradient
     checkpointing and LoRA (`lora.add_lora`) if asked; what text never runs in a model that also reads images is
     frozen (`multimodal`)."""
-    model = load_pretrained(  # under FSDP, only rank 0 reads the weights
-        causal_lm_class(config), args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
+    model = load_pretrained(  # under FSDP, only rank 0 reads the weights; QLoRA: 4-bit on this rank's device
+        causal_lm_class(config),
+        args.model_name_or_path,
+        config=config,
+        trust_remote_code=args.trust_remote_code,
+        **four_bit_loading(args),
     )
     freeze_parts_text_never_runs(model)
+    if is_4bit(model):
+        keep_4bit_backward_on_cpu(model)
     model.config.pad_token_id = tokenizer.pad_token_id
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise UsageError(

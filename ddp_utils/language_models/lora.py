@@ -21,6 +21,7 @@ from ..core.sharded import is_sharded
 from ..results.output import gathered_state_dict, save_model, saved_dtype, write_pretrained
 from ..training.zero3_loading import built_whole, zero3_enabled
 from .multimodal import image_processors, parts_text_never_runs, text_config
+from .quantized import is_4bit, merged_unquantized
 from .weight_reads import fetch_adapted_parameters_under_zero3, weights_read_directly
 
 logger = get_logger(__name__)
@@ -238,6 +239,19 @@ def save_with_merged(accelerator, model, args, tokenizer) -> None:
     if not args.merge_lora:
         return
     merged_dir = os.path.join(args.output_dir, "merged")
+    if is_4bit(accelerator.unwrap_model(model)):  # QLoRA: merged into the checkpoint's weights, read unquantized
+        error = None
+        if accelerator.is_main_process:
+            try:
+                source = args.model_name_or_path
+                merged = merged_unquantized(accelerator.unwrap_model(model), source, args.trust_remote_code)
+                write_pretrained(
+                    merged, merged.state_dict(), merged_dir, *processors, dtype=saved_dtype(merged, args.save_dtype)
+                )
+            except Exception as exc:  # reported on every rank by agree_on_write
+                error = exc
+        agree_on_write(accelerator, error, f"the merged model to {merged_dir!r}", args.output_dir)
+        return
     if not is_sharded(accelerator):
         merged = accelerator.unwrap_model(model).merge_and_unload()
         save_model(accelerator, merged, merged_dir, *processors, dtype=args.save_dtype)

@@ -316,6 +316,7 @@ def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:
         help="JSON keyword arguments of the chat template, e.g. '{\"enable_thinking\": false}' for Qwen3",
     )
     p.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains all weights")
+    p.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the base model in 4-bit NF4 (bitsandbytes)")
     p.add_argument(
         "--lora_alpha", type=float, default=16, help="LoRA scaling numerator (the update is scaled by alpha / r)"
     )
@@ -346,12 +347,14 @@ def check_causal_lm_args(args) -> None:
     """Refuse causal-LM option values that cannot work, naming the option; set the default learning
     rate (2e-4 with LoRA, 2e-5 for full fine-tuning). Every rank calls it while parsing."""
     from ..language_models.lora import check_lora_args
+    from ..language_models.quantized import check_4bit_args
 
     if args.block_size is not None and args.block_size < 2:  # train_clm.py trained on nothing and reported a loss of 0
         raise UsageError(
             f"--block_size must be at least 2 (a block of N tokens learns N - 1 next ones), got {args.block_size}"
         )
     check_lora_args(args)
+    check_4bit_args(args)
     if args.chat_template_kwargs is not None:
         example = '{"enable_thinking": false}'
         args.chat_template_kwargs = json_object(args.chat_template_kwargs, "--chat_template_kwargs", example)

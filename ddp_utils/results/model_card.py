@@ -33,6 +33,7 @@ _HYPER_PARAMETERS = (
     "max_length",
     "block_size",
     "lora_r",
+    "load_in_4bit",
     "lora_alpha",
     "lora_dropout",
     "lora_target_modules",
@@ -108,7 +109,12 @@ def write_model_card(args, metrics: dict) -> str:
         datasets=[dataset] if dataset else None,
         language=args.language,
         pipeline_tag=task,
-        tags=["ddp-finetune", *(["lora"] if adapter else []), *([task] if task else [])],
+        tags=[
+            "ddp-finetune",
+            *(["lora"] if adapter else []),
+            *(["qlora"] if getattr(args, "load_in_4bit", False) else []),
+            *([task] if task else []),
+        ],
     )
     repo = hub_repo_id(args)
     remote_code = bool(getattr(args, "trust_remote_code", False))  # the run needed it: so does loading the model
