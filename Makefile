@@ -43,7 +43,7 @@ test: $(STAMP) cpu-adam  ## the whole test suite (CPU, real 2-process launches, 
 test-fast: $(STAMP)  ## the quick tier for the edit loop: unit tests and the launches of the core promise (< 2 min)
 	$(BIN)/python -m pytest tests -m fast -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-test-families: $(STAMP)  ## every script on the tiny families users bring: 27 LLMs, 19 classifiers, 24 vision (~26 min)
+test-families: $(STAMP)  ## every script on the tiny families users bring: 27 LLMs, 19 classifiers, 24 vision (~14 min)
 	FAMILY_SWEEP=1 $(BIN)/python -m pytest tests/test_families.py tests/test_families_classifiers.py \
 		tests/test_families_images.py -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
