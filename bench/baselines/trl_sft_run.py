@@ -4,7 +4,7 @@ scripts/train_sft.py in bench/bench_sft.py. Launched with torchrun (2 real proce
 usage: torchrun --nproc_per_node 2 bench/baselines/trl_sft_run.py --out OUT.json --epochs E --batch_size B --lr LR
            --max_length L --model DIR --train_file TRAIN.jsonl --output_dir DIR [--trl_defaults] [--time_cap_s S]
            [--bf16] [--gradient_checkpointing] [--full] [--padding_free | --packing] [--prompt_completion]
-           [--dataset_num_proc N]
+           [--dataset_num_proc N] [--load_in_4bit]
 
 Matched (the default): fp32, no gradient checkpointing, like ours on a CPU. --trl_defaults leaves
 precision and gradient checkpointing to SFTConfig's own defaults (bf16=True, gradient_checkpointing=True),
@@ -16,18 +16,23 @@ the same case: --bf16, --gradient_checkpointing when ours uses it, --full for fu
 --padding_free (no padding: every batch flattened into one sequence) or --packing (best-fit decreasing
 into rows of --max_length). --prompt_completion gives TRL each conversation as a conversational
 prompt/completion pair (the last assistant turn is the completion), so that it learns the answer
-only, as ours does. The results add the real input tokens and the target tokens of its batches and,
-on a GPU, the peak GPU memory.
+only, as ours does. --load_in_4bit is QLoRA as ours' --load_in_4bit: the base loaded through TRL's own
+`quantization_config` with the same BitsAndBytesConfig (NF4, double quantization, computing in bf16 with
+--bf16, else fp32) on this process's device; TRL then keeps the adapters in bf16, its own QLoRA choice.
+The results add the real input tokens and the target tokens of its batches and, on a GPU, the peak GPU
+memory.
 """
 
 import json
 import time
 
+import torch
 import torch.distributed as dist
+from accelerate import PartialState
 from common import baseline_arg_parser, count_train_padding, peak_gpu_memory, reduce_over_ranks, trl_matched_settings
 from datasets import load_dataset
 from peft import LoraConfig
-from transformers import TrainerCallback, set_seed
+from transformers import BitsAndBytesConfig, TrainerCallback, set_seed
 from trl import SFTConfig, SFTTrainer
 
 
@@ -81,7 +86,10 @@ def main():
         action="store_true",
         help="train on the last assistant turn only: each conversation as a prompt/completion pair",
     )
+    p.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the base in 4-bit NF4, as ours' flag")
     args = p.parse_args()
+    if args.load_in_4bit and args.full:
+        p.error("--load_in_4bit trains LoRA adapters on a 4-bit base: drop --full")
 
     set_seed(args.seed)  # the LoRA weights SFTTrainer initialises follow the seed, as ours do
     train = load_dataset("json", data_files=args.train_file, split="train")
@@ -98,6 +106,16 @@ def main():
         matched["packing"] = args.packing
     if args.padding_free and not args.packing:
         matched["max_length"] = None  # TRL refuses a max_length it would not enforce; the records are shorter
+    quantization = None
+    if args.load_in_4bit:  # ddp_utils/language_models/quantized.py's config, field for field
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        )
+        # quantized on the device it trains on, as ours (TRL's default there: "auto" on a GPU, none on a CPU)
+        matched["model_init_kwargs"] = {"device_map": {"": PartialState().device}}
     config = SFTConfig(
         output_dir=args.output_dir,
         per_device_train_batch_size=args.batch_size,
@@ -114,11 +132,19 @@ def main():
     )
     clock = LoopClock(args.time_cap_s)
     peft_config = None if args.full else lora
-    trainer = SFTTrainer(model=args.model, args=config, train_dataset=train, peft_config=peft_config, callbacks=[clock])
+    trainer = SFTTrainer(
+        model=args.model,
+        args=config,
+        train_dataset=train,
+        peft_config=peft_config,
+        quantization_config=quantization,
+        callbacks=[clock],
+    )
     padding = count_train_padding(trainer)
     result = trainer.train()
     counts = padding.totals()  # all ranks
     state = trainer.state
+    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     if trainer.is_world_process_zero():
         # Stopped early, every step it took was full; otherwise it trained every record once per epoch.
         samples = (
@@ -142,6 +168,7 @@ def main():
                     "padding_free": getattr(trainer, "padding_free", False),
                     "packing": config.packing,
                     "lora": not args.full,
+                    "load_in_4bit": bool(getattr(base, "is_loaded_in_4bit", False)),
                     "completion_only_loss": getattr(trainer, "completion_only_loss", None),
                     **peak_gpu_memory(),
                     **counts,

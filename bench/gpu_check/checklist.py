@@ -25,6 +25,9 @@ Steps (bench/gpu_check/README.md says what each measures and how):
   9   bench/bench_dpo.py: train_dpo.py against TRL's DPOTrainer, both references
   10  bench/bench_grpo.py: train_grpo.py against TRL's GRPOTrainer, no vLLM on either side
   11  bench/bench_dpo.py: train_dpo.py with --torch_compile against TRL's DPOTrainer
+  12  bench/bench_grpo.py --profile: where a GRPO step's time goes, ours (also without cuDNN attention) and TRL's
+  13  QLoRA: step 2a's plain LoRA case with --load_in_4bit against TRL's SFTTrainer on the same 4-bit base, and
+      against our plain LoRA run (the memory the 4-bit base saves, the speed it costs)
 
 Results accumulate in --results (default outputs/gpu_check): gpu_check.json (a step run again replaces
 its record), gpu_check.md and logs/. With --copy_to (default: $OUT, set on the GPU machine) they are
@@ -71,13 +74,14 @@ STEPS = {
     "10": "train_grpo.py (LoRA) against TRL's GRPOTrainer, no vLLM: prompts/s, peak GPU memory, generation's share",
     "11": "train_dpo.py --torch_compile (LoRA, adapters off) against TRL's DPOTrainer: pairs/s, compilations",
     "12": "GRPO profiled, ours (also without cuDNN attention) and TRL's: where a step's time goes",
+    "13": "QLoRA (--load_in_4bit) on 2a's plain LoRA case against TRL on the same 4-bit base, and against our LoRA",
 }
 FP16_SCALER = REPO / "tests" / "launched" / "fp16_scaler.py"  # a script run with torch's GradScaler, first scale set
 FSDP_ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"  # a script run under FSDP2 on CPU processes
 DEEPSPEED_ON_CPU = REPO / "tests" / "launched" / "deepspeed_on_cpu.py"  # the same under DeepSpeed ZeRO
 # Dense bf16 peaks (no sparsity) that MFU divides by, by GPU name. H100 SXM (HBM3) and H200: 989 TFLOP/s.
 PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
-# The LLM cases of step 2: (step, our options, TRL's best settings for the same case).
+# The LLM cases of steps 2 and 13: (step, our options, TRL's best settings for the same case).
 LORA = ["--lora_r", "16", "--lora_alpha", "16", "--lora_dropout", "0.0", "--learning_rate", "1e-3"]
 FULL = ["--lora_r", "0", "--learning_rate", "2e-5"]
 TRL_LORA = ["--lora_r", "16", "--lora_alpha", "16", "--lora_dropout", "0.0", "--lr", "1e-3"]
@@ -88,8 +92,11 @@ LLM_CASES = {
     "lora_packed": ("2a", [*LORA, "--packing"], [*TRL_LORA, "--packing"]),
     "full": ("2b", FULL, [*TRL_FULL, "--padding_free"]),
     "full_gc": ("2b", [*FULL, "--gradient_checkpointing"], [*TRL_FULL, "--padding_free", "--gradient_checkpointing"]),
+    # QLoRA: the plain LoRA case on a 4-bit base, both sides with the same BitsAndBytesConfig
+    "qlora": ("13", [*LORA, "--load_in_4bit"], [*TRL_LORA, "--padding_free", "--load_in_4bit"]),
 }
-DRY_RUN_CASES = {"lora_packed", "full_gc"}  # between them: LoRA, full, packing, checkpointing (CI time)
+# between them: LoRA, full, packing, checkpointing, the 4-bit base (CI time)
+DRY_RUN_CASES = {"lora_packed", "full_gc", "qlora"}
 
 # What each run takes on the GPU, for --budget_s and the call plan (--plan): STARTUP_SCALE x its wall time in the
 # CPU dry run plus the real work's seconds on the GPU. A dry run is nearly all start-up (Python, imports, the
@@ -136,6 +143,14 @@ RUN_S = {
     # 12 steps of each of 3 contenders, steps 4 to 8 under torch.profiler: session 4 measured 264 s for two (ours 112
     # s, TRL's 143, the prompts' preparation 9); the third, ours without cuDNN's attention, taken as ours'
     ("12", "bench_grpo"): (11.0, 360),
+    # Step 13 (dry run measured 2026-12-07, --jobs 1 on 2 busy cores; TRL's with trl 1.16.0 put on the path, as CI
+    # has none). The work: 2a's lora on session 1's H200 (GPU_S: 65 s, 22 of them training, 9.5 the zero-shot
+    # evaluation, which step 13 does not run), with a 4-bit base a third more training (bitsandbytes dequantizes each
+    # of the 210 linear layers' weights in every forward and backward pass: launches, on a launch-bound step), about
+    # 2 s more evaluation, 3 s of quantizing at load; TRL's from its lora_trl (61 s, 38 training) in the same way.
+    ("13", "qlora"): (5.7, 61),
+    ("13", "trl"): (6.3, 71),
+    ("13", "lora"): (6.3, 46),  # the LoRA reference: 2a's lora less its zero-shot evaluation
 }
 # Each run's wall seconds on the first GPU session (an H200, 2026-11-26; the LLM's weights drawn at random, the
 # runs as the steps make them): they replace RUN_S's estimates, which were 1.1 to 3 times too short for the LLM.
@@ -173,7 +188,7 @@ GPU_S = {
 # architecture, its weights drawn at random). Session 1 (2026-11-26) ran steps 1, 2a, 4 and 7, 2b's first case,
 # and step 10's runs (the call ended before their record); session 2 (2026-11-26) ran steps 10 and 9; session 3
 # (2026-11-27) step 10, and step 3 until its compiled run, compiled whole, was stopped; session 4 (2026-11-28) steps
-# 12 and 3 (bench/gpu_check/README.md).
+# 12 and 3 (bench/gpu_check/README.md). `qlora`: bitsandbytes alone, installed beside `llm` (STEP_ADDS).
 CALLS = [
     # Step 12 again: session 4's profile found ours' GRPO paying 0.49 s a step in cuDNN attention's host code. GRPO's
     # rows now pad to a multiple of 8, the profile gives each operator's longest and median call (a graph built per
@@ -187,14 +202,21 @@ CALLS = [
     # The demo LLM's own weights: generation accuracy on a GPU (two calls carry them).
     {"session": 8, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
     {"session": 8, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["2a", "4"]},
+    # QLoRA (step 13) on the demo LLM's own weights: the accuracy it keeps against our LoRA's is what the 4-bit base
+    # trades for its memory. bitsandbytes (the qlora set, 41 MiB) fits no call beside a part of the LLM's set.
+    {"session": 9, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
+    {"session": 9, "carry": ["qlora-1"], "install": False, "shape": False, "steps": []},
+    {"session": 9, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["13"]},
 ]
 SESSION_S = 900  # a session's device time
 # Which of payload.py's sets a step can run with (any one of them installed); the other steps run the LLM.
 STEP_SETS = {"1": ("step1",), "6": ("step1", "llm", "llm_shape"), "8": ("step1", "llm", "llm_shape")}
+# The sets a step needs as well, installed beside its LLM's: bitsandbytes (41 MiB) fits no call with an LLM set's part
+STEP_ADDS = {"13": "qlora"}
 
 
 def needs_llm(step: str) -> bool:
-    """Whether a step runs the LLM that the environment helper prepares (steps 2 to 5, 7, 9, 10 and 11)."""
+    """Whether a step runs the LLM that the environment helper prepares (steps 2 to 5, 7 and 9 to 13)."""
     return step not in STEP_SETS
 
 
@@ -202,6 +224,15 @@ def step_sets(step: str, llm_shape: bool) -> tuple:
     """The sets a step can run with: an LLM step needs the demo LLM (`llm`), or with --llm_shape any set
     with peft and trl (`llm_shape`, or `llm`)."""
     return STEP_SETS.get(step, ("llm", "llm_shape") if llm_shape else ("llm",))
+
+
+def sets_missing(step: str, llm_shape: bool, installed: set) -> str | None:
+    """What a step lacks of the payload where the sets `installed` are: one of its sets (step_sets), then the set it
+    needs as well (STEP_ADDS); None when it can run."""
+    sets = step_sets(step, llm_shape)
+    if not installed.intersection(sets):
+        return " or ".join(sets)
+    return STEP_ADDS[step] if step in STEP_ADDS and STEP_ADDS[step] not in installed else None
 
 
 # The seconds of a call around the checklist: the machine's start (first call), the pause before a later call, the
@@ -699,6 +730,11 @@ class Checklist:
                     "reason": f"dry run: its options are covered by {', '.join(sorted(DRY_RUN_CASES))}",
                 }
                 continue
+            if self.dry_run and "--load_in_4bit" in ours_args and not self.env_has("bitsandbytes"):
+                # requirements-dev.txt installs it; on the GPU machine the payload's qlora set does (--require_site)
+                reason = "bitsandbytes is not installed here (requirements-dev.txt)"
+                self.step_record["runs"][case] = {"name": case, "status": "skipped", "reason": reason}
+                continue
             command, _ = self.sft_command(work / case, *ours_args, zero_shot=case == "lora")
             ours = self.launch(case, command, work / case / "metrics.json")
             if ours["status"] == "ok":
@@ -744,6 +780,41 @@ class Checklist:
 
     def step_2b(self) -> None:
         self.step_llm("2b")
+
+    def step_13(self) -> None:
+        """QLoRA: step 2a's plain LoRA case with --load_in_4bit (the base's linear layers in 4-bit NF4, double
+        quantized, by bitsandbytes) against TRL's SFTTrainer with the same BitsAndBytesConfig, as step_llm runs
+        each case; then against our plain LoRA run of the same work: the peak GPU memory the 4-bit base saves, the
+        target tokens/s it costs, the accuracy. That run is step 2a's where these results hold it for the same
+        model, else made here without 2a's zero-shot evaluation."""
+        self.step_llm("13")
+        record, llm = self.step_record, self.llm()
+        qlora = record["runs"].get("qlora", {}).get("figures")
+        earlier = self.data["steps"].get("2a", {})
+        lora = earlier.get("runs", {}).get("lora", {}).get("figures")
+        if lora and earlier.get("figures", {}).get("model") == llm["facts"]["summary"]:
+            self.note("LoRA reference: step 2a's lora run (the same work and model)")
+        else:
+            work = self.results / "step13" / "lora"
+            command, _ = self.sft_command(work, *LLM_CASES["lora"][1])
+            run = self.launch("lora", command, work / "metrics.json")
+            lora = None
+            if run["status"] == "ok":
+                lora = run["figures"] = sft_figures(
+                    read_json(work / "metrics.json"), llm["facts"], self.peak(), "ours", "lora"
+                )
+        if lora:
+            record["table"]["rows"].append(["lora (reference)", "ours", *row_of(lora, None)])
+        if qlora and lora:
+            memory = (qlora["peak_gpu_memory_mib"], lora["peak_gpu_memory_mib"])
+            record["figures"].update(
+                qlora_x_lora_target_tokens_per_s=ratio_of(qlora["target_tokens_per_s"], lora["target_tokens_per_s"]),
+                qlora_x_lora_peak_gpu_memory=ratio_of(*memory),
+                qlora_saves_gpu_mib=memory[1] - memory[0] if None not in memory else None,
+                qlora_accuracy=qlora["accuracy"],
+                lora_accuracy=lora["accuracy"],
+            )
+        self.note(QLORA_NOTE)
 
     def step_3(self) -> None:
         """--torch_compile on the LoRA case (in the dry run, LoRA with packing): compile time (training time
@@ -1187,6 +1258,13 @@ MFU_NOTE = (
     "recomputed forward is not counted (MFU, not hardware FLOPs utilisation). TRL's MFU counts its own loss "
     "positions as targets; its LM head at the other positions is work outside the model FLOPs."
 )
+QLORA_NOTE = (
+    "QLoRA on both sides: bitsandbytes' BitsAndBytesConfig(load_in_4bit, nf4, double quantization, computing in "
+    "bf16), quantized on the GPU it trains on; LoRA r16 on every linear layer. TRL casts the adapters to bf16 on a "
+    "quantized base (its QLoRA choice); ours trains them in fp32, as its plain LoRA. qlora_x_lora: ours on the "
+    "4-bit base over ours on the full-precision base, the same work (below 1: the speed the dequantization costs); "
+    "qlora_saves_gpu_mib: the peak GPU memory it saves. MFU counts LoRA's model FLOPs (dequantizing is outside them)."
+)
 TRL_DIFFERS = (
     "What differs from TRL: TRL's loss covers the completion's tokens as its chat template renders them (the "
     "answer, <|im_end|> and the newline after it; ours stops at <|im_end|>); TRL computes the LM head at every "
@@ -1214,7 +1292,8 @@ def sft_figures(data: dict, facts: dict, peak: float | None, who: str, case: str
         tokens, targets = data["real_tokens"], data["target_tokens"]
         memory = data.get("peak_gpu_memory_mb")
         padded = (data["padded_tokens"] + data["real_tokens"]) / max(data["real_tokens"], 1)
-    flops = model_flops(facts, tokens, targets, lora=case.startswith("lora"))
+    # QLoRA's model FLOPs are LoRA's: dequantizing the 4-bit weights in each pass is work outside them
+    flops = model_flops(facts, tokens, targets, lora="lora" in case)
     return {
         "train_s": seconds,
         "records_per_s": records / seconds,
@@ -1315,10 +1394,11 @@ def run_estimate_s(step: str, run: str) -> float:
 
 
 def gpu_runs(step: str) -> list[str]:
-    """The runs a step makes on the GPU (step 3's eager one only on a machine without step 2a's)."""
-    if step in ("2a", "2b"):
-        return [name for case, (s, _, _) in LLM_CASES.items() if s == step for name in (case, f"{case}_trl")]
-    return [run for (s, run) in RUN_S if s == step and run != "eager"]
+    """The runs a step makes on the GPU: each of its LLM cases', ours and TRL's, and its other runs in RUN_S but step
+    3's eager one (made only on a machine without step 2a's). Step 13's LoRA reference is counted: its session does
+    not run step 2a."""
+    cases = [name for case, (s, _, _) in LLM_CASES.items() if s == step for name in (case, f"{case}_trl")]
+    return cases + [run for (s, run) in RUN_S if s == step and run not in (*cases, "trl", "eager")]
 
 
 def plan() -> list[dict]:
@@ -1524,6 +1604,7 @@ def machine() -> dict:
             if match and not line.startswith("-"):
                 required[match.group(1)] = (match.group(2) or "").strip()
     extra = ["huggingface_hub", "tokenizers", "pyarrow", "fsspec", "triton", "deepspeed", "pydantic", "trl"]
+    extra.append("bitsandbytes")  # step 13 (QLoRA); on the GPU machine from the payload's qlora set
     packages = {}
     for name in [*required, *extra]:
         try:
@@ -1798,7 +1879,7 @@ def parse_steps(text: str) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,12 (2 = 2a,2b), or all")
+    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,13 (2 = 2a,2b), or all")
     p.add_argument("--dry_run", action="store_true", help="a CPU, tiny sizes: checks the checklist, not the GPU")
     p.add_argument("--results", default=None, help="where the JSON, Markdown and logs go (default outputs/gpu_check)")
     p.add_argument("--budget_s", type=float, default=None, help="start no run that would end after this many seconds")
@@ -1854,10 +1935,10 @@ def main() -> int:
     if args.require_site:  # a step whose set is not installed here would only fail on an import
         installed = set(read_json(marker).get("sets", []))
         for step in steps:
-            sets = step_sets(step, bool(args.llm_shape))
-            if not installed.intersection(sets):
+            missing = sets_missing(step, bool(args.llm_shape), installed)
+            if missing:
                 not_ready[step] = (
-                    f"not run: it needs the payload's set {' or '.join(sets)}, and this machine has "
+                    f"not run: it needs the payload's set {missing}, and this machine has "
                     f"{', '.join(sorted(installed)) or 'none'} (started afresh? bench/gpu_check/README.md)"
                 )
                 print(f"step {step}: {not_ready[step]}", flush=True)
@@ -1887,10 +1968,11 @@ def main() -> int:
     return 1 if unexpected else 0
 
 
-# The dry run's two lanes: step 3 reads step 2a's run, so they share a lane; about equal halves on a CPU (measured
-# 2026-12-07, seconds in the two lanes at once: 1 12, 2a 6, 3 7, 5 21, 8 5, 12 14 against 2b 5, 4 10, 6 4, 7 12, 9 7,
-# 10 14, 11 14; with step 5 in the second lane the halves were 44 s and 87 s).
-LANES = [("1", "2a", "3", "5", "8", "12"), ("2b", "4", "6", "7", "9", "10", "11")]
+# The dry run's two lanes: steps 3 and 13 read step 2a's run, so they share its lane; about equal halves on a CPU
+# (measured 2026-12-07, seconds in the two lanes at once: 1 12, 2a 6, 3 7, 5 21, 8 5, 12 14 against 2b 5, 4 10, 6 4,
+# 7 12, 9 7, 10 14, 11 14; with step 5 in the second lane the halves were 44 s and 87 s; step 13 takes 13 to 14 s,
+# and the dry run 91 s in either lane).
+LANES = [("1", "2a", "3", "5", "8", "12", "13"), ("2b", "4", "6", "7", "9", "10", "11")]
 
 
 def run_lanes(args, steps: list[str]) -> int:
