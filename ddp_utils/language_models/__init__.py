@@ -1,4 +1,4 @@
-"""Causal language models: loading, conversations, training rows, DPO, GRPO, generation, LoRA, GGUF.
+"""Causal language models: loading, conversations, training rows, DPO, GRPO, generation, LoRA, QLoRA, GGUF.
 
 - causal_lm.py        load_causal_lm, the collator, the causal-LM loss, perplexity
 - token_blocks.py     raw text cut into blocks, examples packed into rows: the same whatever processes prepare them
@@ -20,6 +20,7 @@
 - group_scoring.py    a group's completions scored in one pass: one row per prompt, or a row per completion
 - static_decoding.py  GRPO's --compile_generation: a static KV cache kept across steps, the decoding step compiled
 - lora.py             LoRA set-up, --lora_last_layers, an MoE's fused experts, the model saved with merged/
+- quantized.py        QLoRA (--load_in_4bit): the base in 4-bit NF4 (bitsandbytes), merged/ from unquantized weights
 - multimodal.py       a model that also reads images, trained on text: what text never runs, frozen; its processor
 - weight_reads.py     code that reads layers' weights without calling them: no adapter; ZeRO-3 gathers them (peft's too)
 - gguf.py             GGUF checkpoints dequantized once into a cache
