@@ -3,6 +3,7 @@ perplexity before and after training (the same on 1 and 2 processes), the sample
 offline default, and bad input."""
 
 import json
+import re
 
 import pytest
 from model_families import HYBRIDS, tiny_model
@@ -152,10 +153,10 @@ def test_documents_are_kept_apart_by_one_eos_and_bos_where_the_tokenizer_has_its
 
 
 BOOK = (
-    "Chapter one\n\nIt was a bright cold day in April, and\nthe clocks were striking thirteen.\n \n"
+    "Chapter one\n\n \nIt was a bright cold day in April, and\nthe clocks were striking thirteen.\n \n"
     "Winston Smith, his chin nuzzled\ninto his breast, slipped quickly\nthrough the glass doors.\n\n\n"
     "The hallway smelt of boiled cabbage\nand old rag mats.\n\n"
-)  # paragraphs wrapped over lines, as a book's .txt: a blank line of one space, and two blank lines
+)  # paragraphs wrapped over lines, as a book's .txt: blank lines of one space, and two blank lines in a row
 
 
 @pytest.mark.fast
@@ -167,7 +168,7 @@ def test_a_books_paragraphs_or_whole_file_are_records_and_its_lines_as_records_a
     model = byte_level_lm(tmp_path / "bytes")
     book = tmp_path / "book.txt"
     book.write_text(BOOK * 4)
-    paragraphs = [part.strip() for part in BOOK.replace("\n \n", "\n\n").split("\n\n") if part.strip()] * 4
+    paragraphs = [part.strip() for part in re.split(r"\n(?:[ ]*\n)+", BOOK) if part.strip()] * 4
 
     def stream(*extra):
         blocks, tokenizer = clm_blocks(model, "--train_file", book, "--validation_file", book, *extra)

@@ -3,7 +3,7 @@ encoders, 9 decoder LLMs as *ForSequenceClassification, BART and T5), each tiny,
 tokenizer its checkpoints have. For each, on 2 processes: the loss goes down; 1 process with accumulation trains the
 same model; the saved model reloads with AutoModelForSequenceClassification and the pipeline, and predicts the same
 for an example alone and inside a padded batch; a regression and a multi-label task train and reload. Three under
-FSDP2 and four under ZeRO-3 too. Not in `make test` (4 minutes here, idle): FAMILY_SWEEP=1 pytest
+FSDP2 and four under ZeRO-3 too. Not in `make test` (5 minutes here, idle): FAMILY_SWEEP=1 pytest
 tests/test_families_classifiers.py."""
 
 import json
@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from conftest import REPO, launch, train_args, write_examples
 
-pytestmark = pytest.mark.skipif(not os.environ.get("FAMILY_SWEEP"), reason="a sweep of 19 families (4 minutes)")
+pytestmark = pytest.mark.skipif(not os.environ.get("FAMILY_SWEEP"), reason="a sweep of 19 families (5 minutes)")
 
 TRAIN = REPO / "scripts" / "train.py"
 LAUNCHED, CONFIGS = REPO / "tests" / "launched", REPO / "accelerate_configs"

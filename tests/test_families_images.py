@@ -6,9 +6,9 @@ P; some turned by EXIF): the loss goes down, the saved 5-class head is replaced 
 saved model and image processor reload and score the validation images as the run's evaluation did (the script fed
 the model what the processor makes of each image), and a checkpoint resumes on 1 process (x 2 micro-batches) to the
 model the 2 processes ended with (BatchNorm's running statistics aside, which each process keeps for its own images);
-nine, under FSDP2 or ZeRO-3, train the model DDP trains. About 4 minutes here, so not in `make test`: FAMILY_SWEEP=1
-runs it. The first sweep found DINOv2 (with registers too), CLIP and SigLIP stopped by DDP at their second step
-(parameters off the logits), now tested in test_image.py."""
+seven of them, in nine runs under FSDP2 or ZeRO-3, train the model DDP trains. About 4 minutes here, so not in `make
+test`: FAMILY_SWEEP=1 runs it. The first sweep found DINOv2 (with registers too), CLIP and SigLIP stopped by DDP at
+their second step (parameters off the logits), now tested in test_image.py."""
 
 import json
 import os

@@ -81,6 +81,31 @@ def test_an_evaluation_leaves_the_4bit_bases_backward_pass_as_it_was(wide_lm):
         torch.testing.assert_close(after[name], before[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_layer_whose_weight_the_model_reads_directly_stays_unquantized(wide_lm, tmp_path):
+    """Mamba's fused kernels (Jamba's too, with mamba_ssm on a GPU) read dt_proj's weight instead of calling the
+    layer: quantized, they would have read packed bytes. It stays in the checkpoint's dtype, with the output layer,
+    and the rest is 4-bit; the model trains. Without such layers transformers keeps its own choice."""
+    import bitsandbytes as bnb
+    from accelerate import Accelerator
+    from model_families import HYBRIDS, save_with_tokenizer
+
+    import ddp_utils
+
+    Accelerator(cpu=True)
+    config_class, model_class, extra = HYBRIDS["jamba"]
+    wide = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, mamba_dt_rank=8)
+    jamba = save_with_tokenizer((config_class, model_class, {**extra, **wide}), wide_lm, tmp_path / "jamba")
+    args = load_script("train_sft").parse_args(["--model_name_or_path", str(jamba), "--lora_r", "4", "--load_in_4bit"])
+    config, tokenizer, _ = ddp_utils.load_config_and_tokenizer(args)
+    model = ddp_utils.load_causal_lm(args, config, tokenizer).get_base_model()
+    kinds = {name: type(module) for name, module in model.named_modules()}
+    assert kinds["model.layers.0.mamba.dt_proj"] is torch.nn.Linear and kinds["lm_head"] is torch.nn.Linear
+    assert kinds["model.layers.0.mamba.in_proj.base_layer"] is bnb.nn.Linear4bit
+    tokens = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    model.train()
+    model(input_ids=tokens, labels=tokens).loss.backward()
+
+
 def test_qlora_trains_the_same_adapter_on_any_layout_resumes_bit_for_bit_and_merges_unquantized(
     wide_lm, sft_data, tmp_path
 ):
@@ -112,6 +137,11 @@ def test_qlora_trains_the_same_adapter_on_any_layout_resumes_bit_for_bit_and_mer
     run = launch(TRAIN_SFT, *args)
     assert run.returncode == 0 and "resumed from" in run.output, run.output[-3000:]
     assert [key for key, value in adapter(resumed).items() if not np.array_equal(value, theirs[key])] == []
+    unquantized = tmp_path / "unquantized"  # the same checkpoint resumed without --load_in_4bit: the flag is named
+    shutil.copytree(two / "checkpoint-2", unquantized / "checkpoint-2")
+    args = [arg for arg in args if arg != "--load_in_4bit"]
+    run = launch(TRAIN_SFT, *[unquantized if arg == resumed else arg for arg in args])
+    assert run.returncode != 0 and "load_in_4bit: checkpoint True, this run False" in run.output, run.output[-3000:]
 
     # The merged model: the checkpoint's fp32 weights plus the adapter, loaded without a quantization config.
     assert "quantization_config" not in json.loads((two / "merged" / "config.json").read_text())
@@ -160,6 +190,11 @@ def test_load_in_4bit_is_refused_in_one_line_where_it_cannot_work(wide_lm, sft_d
     )
     assert run.returncode != 0 and all(f"[rank {rank}] error: --load_in_4bit" in run.output for rank in (0, 1))
     assert_error_is_last(run, "--load_in_4bit runs under DDP or one process: each GPU holds the 4-bit base whole")
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # as `accelerate launch` sets it for a ZeRO config
+    with pytest.raises(UsageError, match="each GPU holds the 4-bit base whole, and DEEPSPEED shards weights instead"):
+        load_script("train_sft").parse_args(["--model_name_or_path", str(wide_lm), "--lora_r", "4", "--load_in_4bit"])
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
 
     Accelerator(cpu=True)
     real = importlib.util.find_spec

@@ -161,12 +161,28 @@ def test_a_hub_datasets_shards_are_read_as_a_folder_or_a_glob_and_several_splits
     assert "1 files that are not data left out: [" in caplog.text and "README.md']" in caplog.text
 
     datasets.Dataset.from_list(rows[:2]).to_parquet(str(data / "test-00000-of-00001.parquet"))
-    for given in ("snapshot", "snapshot/data/*.parquet"):
+    for given in ("snapshot", "snapshot/data/*.parquet", "snapshot/**"):
         for raw_text in (False, True):
             several = "holds the files of several splits (test: 1, train: 2), which would all be read as train data"
-            with pytest.raises(UsageError, match=re.escape(several)):
+            with pytest.raises(UsageError, match=re.escape(several)) as refused:
                 read_data_files({"train": str(tmp_path / given)}, raw_text=raw_text)
-    assert len(read_data_files({"train": str(data / "train-*")})["train"]) == 10
+            fix = re.search(r"give train files alone with a quoted glob, '([^']+)'", str(refused.value)).group(1)
+            assert fix == f"{data}/*train*"  # the fix it names reads the training shards alone
+            assert read_data_files({"train": fix}, raw_text=raw_text)["train"].to_list() == rows
+    # A folder whose own name reads as a split is no split of its files; a split named after a separator is one,
+    # and one beside files that name none would be read with them.
+    corpus = tmp_path / "test_corpus"
+    corpus.mkdir()
+    for name in ("train.jsonl", "extra.jsonl"):
+        (corpus / name).write_text('{"text": "a review", "label": 1}\n')
+    for given in (str(corpus), f"{corpus}/", f"{corpus}/*.jsonl"):
+        assert len(read_data_files({"train": given})["train"]) == 2
+    (corpus / "extra.jsonl").rename(corpus / "alpaca_test.jsonl")
+    with pytest.raises(UsageError, match=re.escape("several splits (test: 1, train: 1)")):
+        read_data_files({"train": str(corpus)})
+    (corpus / "train.jsonl").rename(corpus / "reviews.jsonl")
+    with pytest.raises(UsageError, match=re.escape("several splits (test: 1, no split named: 1)")):
+        read_data_files({"train": str(corpus)})
     with pytest.raises(UsageError, match=re.escape("holds no data files (.csv, .json, .jsonl, .parquet, .tsv, .txt)")):
         read_data_files({"train": str(write_code_checkout(tmp_path / "code"))})
     code = read_data_files({"train": str(tmp_path / "code")}, raw_text=True)["train"]  # test_*.py is no split

@@ -785,24 +785,18 @@ class Checklist:
         """QLoRA: step 2a's plain LoRA case with --load_in_4bit (the base's linear layers in 4-bit NF4, double
         quantized, by bitsandbytes) against TRL's SFTTrainer with the same BitsAndBytesConfig, as step_llm runs
         each case; then against our plain LoRA run of the same work: the peak GPU memory the 4-bit base saves, the
-        target tokens/s it costs, the accuracy. That run is step 2a's where these results hold it for the same
-        model, else made here without 2a's zero-shot evaluation."""
+        target tokens/s it costs, the accuracy. That run is made here, beside it: step 2a's may come from another
+        call's GPU, and its peak memory holds the zero-shot evaluation, which neither run here makes."""
         self.step_llm("13")
         record, llm = self.step_record, self.llm()
         qlora = record["runs"].get("qlora", {}).get("figures")
-        earlier = self.data["steps"].get("2a", {})
-        lora = earlier.get("runs", {}).get("lora", {}).get("figures")
-        if lora and earlier.get("figures", {}).get("model") == llm["facts"]["summary"]:
-            self.note("LoRA reference: step 2a's lora run (the same work and model)")
-        else:
-            work = self.results / "step13" / "lora"
-            command, _ = self.sft_command(work, *LLM_CASES["lora"][1])
-            run = self.launch("lora", command, work / "metrics.json")
-            lora = None
-            if run["status"] == "ok":
-                lora = run["figures"] = sft_figures(
-                    read_json(work / "metrics.json"), llm["facts"], self.peak(), "ours", "lora"
-                )
+        work = self.results / "step13" / "lora"
+        command, _ = self.sft_command(work, *LLM_CASES["lora"][1])
+        run = self.launch("lora", command, work / "metrics.json")
+        lora = None
+        if run["status"] == "ok":
+            metrics = read_json(work / "metrics.json")
+            lora = run["figures"] = sft_figures(metrics, llm["facts"], self.peak(), "ours", "lora")
         if lora:
             record["table"]["rows"].append(["lora (reference)", "ours", *row_of(lora, None)])
         if qlora and lora:

@@ -91,6 +91,7 @@ class Checkpointer:
             "model": model_fingerprint(model),
             "global_batch": math.prod(self.layout.values()),
             "seed": args.seed,
+            "load_in_4bit": bool(getattr(args, "load_in_4bit", False)),  # QLoRA's base: another model's shapes
             **plan.training_order,
         }
         frozen = checkpoint_trainable_weights_only(accelerator, model)

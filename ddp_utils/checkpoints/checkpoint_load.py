@@ -220,6 +220,9 @@ def _another_training_order(path: str, saved: dict, expected: dict) -> str | Non
     return None
 
 
+SAVED_BEFORE = {"load_in_4bit": False}  # what a checkpoint saved before its identity held the key was
+
+
 def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dict:
     """The trainer state saved in checkpoint `path`, once it is known to match `expected` (the
     model fingerprint, the global batch, the seed and the training examples; this run has `world_size`
@@ -237,10 +240,10 @@ def read_checkpoint_state(path: str, expected: dict, world_size: int = 1) -> dic
         ) from None
     state["global_batch"] = global_batch(state)
     mismatched = {
-        key: (state.get(key), value)
+        key: (state.get(key, SAVED_BEFORE.get(key)), value)
         for key, value in expected.items()
         if key not in ("global_batch", FROZEN_DIGEST, *TRAINING_ORDER)
-        and state.get(key) != value
+        and state.get(key, SAVED_BEFORE.get(key)) != value
         and not (key == "seed" and key not in state)  # saved before the seed was: not checked
     }
     if mismatched:

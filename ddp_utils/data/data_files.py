@@ -32,8 +32,9 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_reco
     """Read local CSV/TSV, JSON/JSONL, Parquet or text files into a `DatasetDict`, with a clear
     error for a missing, empty or unparsable file. `data_files` maps split name -> path.
 
-    With `raw_text` (train_clm.py) a path may also be a folder (its files, at every level; hidden ones, __pycache__
-    and binary files left out, the last said) or a glob, of one kind of file; a file of another extension (code,
+    A path may also be a folder (its files, at every level; hidden ones and, said, those that are not data left
+    out) or a quoted glob, of one kind of file and one split (`_refuse_several_splits`). With `raw_text`
+    (train_clm.py) every text file is data (binary ones left out, said): a file of another extension (code,
     Markdown, none) is one record, its whole text with its line breaks: as lines of a .txt, code would be cut apart.
     A .txt file's records are its lines, or with `txt_records` its paragraphs (blank lines between) or the file;
     read by lines, prose wrapped over lines is warned of."""
@@ -45,6 +46,8 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_reco
         kind = _kind_of(paths, path, split, raw_text)
         if kind == "text" and txt_records != "line":
             kind = {"paragraph": "paragraphs", "file": "document"}[txt_records]
+        elif txt_records != "line":
+            logger.warning(f"--{split}_file {path!r}: --txt_records {txt_records} reads .txt files only; not these")
         if len(paths) == 1:  # one file: refused when it holds nothing; in a folder, an empty one is left out
             extension = os.path.splitext(paths[0])[1].lower()
             if os.path.getsize(paths[0]) == 0:
@@ -75,7 +78,7 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_reco
             dataset = dataset.map(_paragraphs, batched=True, desc="paragraphs")
         if len(dataset) == 0:
             raise UsageError(f"--{split}_file {path!r} holds no examples")
-        if kind == "text":
+        if kind == "text" and raw_text:  # train_clm.py's --txt_records can read it otherwise
             warn_if_prose_in_lines(dataset, split, path)
         if kind == "json":
             _check_utf8(dataset, path, split)
@@ -107,8 +110,8 @@ def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
     if not found:
         raise UsageError(f"--{split}_file {path!r} " + ("matches no file" if pattern else "holds no files"))
     _refuse_several_splits(found, path, split)
-    if not raw_text:  # a glob names what it wants (another extension is refused); a folder may hold a README
-        others = [] if pattern else [name for name in found if os.path.splitext(name)[1].lower() not in _BUILDERS]
+    if not raw_text:  # a folder, or a glob as 'snap/**', may hold a README, a LICENSE
+        others = [name for name in found if os.path.splitext(name)[1].lower() not in _BUILDERS]
         if len(others) == len(found):
             raise UsageError(f"--{split}_file {path!r} holds no data files ({', '.join(sorted(_BUILDERS))})")
         if others:
@@ -130,32 +133,56 @@ def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
     return sorted(found)
 
 
-# A split's name at the start of a file's or folder's name, as the Hub's datasets name their shards
-# (train-00000-of-00004.parquet, test.jsonl, validation/0.parquet, dev_matched.tsv)
-_SPLIT_NAMES = re.compile(r"(train|training|test|testing|valid|validation|dev|eval|evaluation)(?=$|[-_.\d])", re.I)
+# A split's name in a file's or folder's name, at its start or after a separator, as datasets name their files
+# (train-00000-of-00004.parquet, test.jsonl, validation/0.parquet, dev_matched.tsv, alpaca_test.json, partial-train/)
+_SPLIT_NAMES = re.compile(
+    r"(?:^|[-_.])(train|training|test|testing|valid|validation|dev|eval|evaluation)(?=$|[-_.\d])", re.I
+)
 _SPLITS = {"training": "train", "testing": "test", "valid": "validation", "dev": "validation", "eval": "validation"}
+
+
+def _split_named(name: str, root: str) -> tuple[str, str] | None:
+    """(the split, the name as written) that a data file's path below `root` names, its deepest naming part's last
+    mention (data/train/0.parquet, train-00000-of-00004.parquet); None where nothing names one."""
+    for part in reversed(os.path.relpath(os.path.splitext(name)[0], root).split(os.sep)):
+        found = _SPLIT_NAMES.findall(part)
+        if found:
+            return _SPLITS.get(found[-1].lower(), found[-1].lower()), found[-1]
+    return None
 
 
 def _refuse_several_splits(found: list[str], path: str, split: str) -> None:
     """Refuse a folder or glob whose data files belong to several splits (a Hub dataset's snapshot: its train and
-    test shards side by side): all of them would train, the test data with them. Code is not checked (test_*.py)."""
-    kinds: dict[str, int] = {}
-    base = path.split("*")[0] if not os.path.isdir(path) else path
+    test shards side by side), or to another split beside files that name none: all of them would be read as
+    `split`'s, the test data trained on. Only data files count (a code checkout's test_*.py is text to train on)."""
+    root = path if os.path.isdir(path) else os.path.dirname(path.split("*")[0].split("?")[0]) or "."
+    named = {}  # split -> [(file, the name as written)]
+    unnamed = 0
     for name in found:
-        if os.path.splitext(name)[1].lower() not in _BUILDERS:
-            continue
-        parts = os.path.relpath(os.path.splitext(name)[0], os.path.dirname(base) or ".").split(os.sep)
-        named = [match.group(1).lower() for part in parts if (match := _SPLIT_NAMES.match(part))]
-        if named:
-            kind = _SPLITS.get(named[-1], named[-1])
-            kinds[kind] = kinds.get(kind, 0) + 1
-    if len(kinds) > 1:
-        counts = ", ".join(f"{kind}: {count}" for kind, count in sorted(kinds.items()))
-        raise UsageError(
-            f"--{split}_file {path!r} holds the files of several splits ({counts}), which would all be read as "
-            f"{split} data; give one split's files with a quoted glob ('{path.rstrip(os.sep)}/{split}*' or as its "
-            "names go), or the folder as --dataset_name, which reads each split"
-        )
+        if os.path.splitext(name)[1].lower() in _BUILDERS:
+            kind = _split_named(name, root)
+            if kind:
+                named.setdefault(kind[0], []).append((name, kind[1]))
+            else:
+                unnamed += 1
+    wanted = {"train": ("train",), "validation": ("validation", "test")}.get(split, (split,))
+    others = [kind for kind in named if kind not in wanted]
+    if len(named) < 2 and not (unnamed and others):
+        return
+    counts = ", ".join(f"{kind}: {len(files)}" for kind, files in sorted(named.items()))
+    counts += f", no split named: {unnamed}" if unnamed else ""
+    mine = next((named[kind] for kind in wanted if kind in named), None)
+    if mine:  # a glob of the files that name this split: the folder they share, the name as they write it
+        folder = os.path.commonpath([os.path.dirname(name) for name, _ in mine])
+        written = mine[0][1]
+        in_folder = written in os.path.relpath(folder, root).split(os.sep)
+        fix = f"give {split} files alone with a quoted glob, '{folder}/*{'' if in_folder else written + '*'}', or "
+    else:
+        fix = f"give {split} files alone (a quoted glob), or "
+    raise UsageError(
+        f"--{split}_file {path!r} holds the files of several splits ({counts}), which would all be read as {split} "
+        f"data; {fix}the folder as --dataset_name, which reads each split"
+    )
 
 
 def _is_binary(path: str) -> bool:
@@ -204,11 +231,14 @@ def _builder_kwargs(kind: str) -> dict:
 
 def _paragraphs(batch: dict) -> dict:
     """datasets' paragraphs as a reader sees them: it splits at "\n\n" only, so a blank line of spaces (as editors
-    and wikitext leave) joined two paragraphs, and a paragraph after two blank lines began with a line break."""
-    return {"text": [part.strip("\n") for text in batch["text"] for part in _BLANK_LINE.split(text) if part.strip()]}
+    and wikitext leave) joined two paragraphs, and a paragraph after two blank lines began with a line break. The
+    lines a paragraph holds keep their indents; blank lines at its edges go."""
+    parts = (part for text in batch["text"] for part in _BLANK_LINES.split(text))
+    return {"text": [_EDGE_BLANK_LINES.sub("", part) for part in parts if part.strip()]}
 
 
-_BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
+_BLANK_LINES = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # one or more lines holding nothing but spaces
+_EDGE_BLANK_LINES = re.compile(r"\A(?:[ \t\r\f\v]*\n)+|(?:\n[ \t\r\f\v]*)+\Z")
 
 
 def warn_if_prose_in_lines(dataset, split: str, path: str, sample: int = 20_000) -> None:

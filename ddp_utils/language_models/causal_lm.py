@@ -27,7 +27,7 @@ from ..data.evaluation import gather_for_eval
 from ..training.activation_checkpointing import checkpoint_activations, drop_input_require_grads
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import load_pretrained
-from ..training.pretrained import causal_lm_class, fetch_weights, load_model_config
+from ..training.pretrained import build_from_config, causal_lm_class, fetch_weights, load_model_config
 from .multimodal import freeze_parts_text_never_runs, text_config
 from .quantized import four_bit_loading, is_4bit, keep_4bit_backward_on_cpu
 
@@ -183,12 +183,15 @@ def load_causal_lm(args, config, tokenizer):
     under FSDP only the main process reads the weights (`load_pretrained`). The model, with gradient
     checkpointing and LoRA (`lora.add_lora`) if asked; what text never runs in a model that also reads images is
     frozen (`multimodal`)."""
+    model_class = causal_lm_class(config)
+    quantized = getattr(args, "load_in_4bit", False)
+    kept = layers_read_directly(model_class, config, args.trust_remote_code) if quantized else None
     model = load_pretrained(  # under FSDP, only rank 0 reads the weights; QLoRA: 4-bit on this rank's device
-        causal_lm_class(config),
+        model_class,
         args.model_name_or_path,
         config=config,
         trust_remote_code=args.trust_remote_code,
-        **four_bit_loading(args),
+        **four_bit_loading(args, kept),
     )
     freeze_parts_text_never_runs(model)
     if is_4bit(model):
@@ -209,6 +212,25 @@ def load_causal_lm(args, config, tokenizer):
         if args.gradient_checkpointing:
             drop_input_require_grads(model.get_base_model())  # peft hooks the embeddings again
     return model
+
+
+def layers_read_directly(model_class, config, trust_remote_code: bool = False) -> list[str] | None:
+    """For QLoRA: the layers to leave unquantized, where the model's code reads a linear layer's weight instead of
+    calling it (Mamba's fused kernels read dt_proj's, Jamba's too) or a linear layer returns several values (Llama 4's
+    router): 4-bit, the code would read packed bytes. With the output layer, as transformers leaves it; None where
+    there are none (transformers' own choice then). Built on the meta device, no weight read. No communication."""
+    from accelerate import init_empty_weights
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    from .lora import linears_returning_several, linears_used_by_weight
+
+    with init_empty_weights(include_buffers=False):
+        skeleton = build_from_config(model_class, config, {"trust_remote_code": trust_remote_code})
+    read = sorted({*linears_used_by_weight(skeleton), *linears_returning_several(skeleton)})
+    if not read:
+        return None
+    logger.info(f"QLoRA: {len(read)} linear layers stay unquantized, their weights read directly: {read[:3]}")
+    return sorted({*get_keys_to_not_convert(skeleton), *read})
 
 
 def causal_lm_loss(model, batch):

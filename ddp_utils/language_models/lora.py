@@ -239,28 +239,27 @@ def save_with_merged(accelerator, model, args, tokenizer) -> None:
     if not args.merge_lora:
         return
     merged_dir = os.path.join(args.output_dir, "merged")
-    if is_4bit(accelerator.unwrap_model(model)):  # QLoRA: merged into the checkpoint's weights, read unquantized
-        error = None
-        if accelerator.is_main_process:
-            try:
-                source = args.model_name_or_path
-                merged = merged_unquantized(accelerator.unwrap_model(model), source, args.trust_remote_code)
-                write_pretrained(
-                    merged, merged.state_dict(), merged_dir, *processors, dtype=saved_dtype(merged, args.save_dtype)
-                )
-            except Exception as exc:  # reported on every rank by agree_on_write
-                error = exc
-        agree_on_write(accelerator, error, f"the merged model to {merged_dir!r}", args.output_dir)
+    unwrapped = accelerator.unwrap_model(model)
+    if is_4bit(unwrapped):  # QLoRA: merged into the checkpoint's weights, read again unquantized
+        source, remote_code = args.model_name_or_path, args.trust_remote_code
+        _write_merged_on_main(accelerator, lambda: merged_unquantized(unwrapped, source, remote_code), merged_dir,
+                              processors, args)  # fmt: skip
         return
     if not is_sharded(accelerator):
-        merged = accelerator.unwrap_model(model).merge_and_unload()
+        merged = unwrapped.merge_and_unload()
         save_model(accelerator, merged, merged_dir, *processors, dtype=args.save_dtype)
         return
     state_dict = gathered_state_dict(accelerator, model)  # all ranks: the whole model, on the main process
+    _write_merged_on_main(accelerator, lambda: merged_copy(unwrapped, state_dict), merged_dir, processors, args)
+
+
+def _write_merged_on_main(accelerator, build, merged_dir: str, processors: tuple, args) -> None:
+    """All ranks call this (`agree_on_write`): the main process builds the merged model (`build()`, on its CPU)
+    and writes it to `merged_dir`; a failure there is reported on every rank, in one line."""
     error = None
     if accelerator.is_main_process:
         try:
-            merged = merged_copy(accelerator.unwrap_model(model), state_dict)
+            merged = build()
             write_pretrained(
                 merged, merged.state_dict(), merged_dir, *processors, dtype=saved_dtype(merged, args.save_dtype)
             )

@@ -7,6 +7,7 @@ unquantized on the main process: merged into the 4-bit weights, the update would
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 from accelerate.logging import get_logger
@@ -19,26 +20,37 @@ logger = get_logger(__name__)
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # else fp32, as the rest of the step
 
 
+SHARDED = (
+    "--load_in_4bit runs under DDP or one process: each GPU holds the 4-bit base whole, and {} shards weights "
+    "instead; use a DDP launch config, or drop --load_in_4bit"
+)
+
+
 def check_4bit_args(args) -> None:
-    """Refuse --load_in_4bit where it cannot work, while parsing (every rank, no communication)."""
+    """Refuse --load_in_4bit where it cannot work, while parsing, before any data is prepared: without LoRA,
+    without bitsandbytes, under a launch config for FSDP or DeepSpeed (`four_bit_loading` checks the last again).
+    Every rank calls it; no communication."""
     if not getattr(args, "load_in_4bit", False):
         return
     if not args.lora_r:
         raise UsageError("--load_in_4bit trains LoRA adapters on a 4-bit base (QLoRA): give --lora_r as well")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UsageError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
+    for variable, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED")):
+        if os.environ.get(variable, "").lower() in ("1", "true", "yes"):  # what `accelerate launch` sets
+            raise UsageError(SHARDED.format(kind))
 
 
-def four_bit_loading(args) -> dict:
+def four_bit_loading(args, kept: list[str] | None = None) -> dict:
     """The `from_pretrained` keyword arguments that load the base in 4-bit NF4 on this process's device, or {}
-    without --load_in_4bit. Refused in one line, on every rank, under FSDP or DeepSpeed and without bitsandbytes.
-    Any rank may call it; every rank does, in `load_causal_lm`. No communication."""
+    without --load_in_4bit; `kept`: the layers left in the checkpoint's dtype (else transformers' choice, the output
+    layer). Refused in one line, on every rank, under FSDP or DeepSpeed and without bitsandbytes. Any rank may
+    call it; every rank does, in `load_causal_lm`. No communication."""
     if not getattr(args, "load_in_4bit", False):
         return {}
     state = AcceleratorState()
     if state.distributed_type.value in ("FSDP", "DEEPSPEED"):
-        raise UsageError(
-            f"--load_in_4bit runs under DDP or one process: each GPU holds the 4-bit base whole, and "
-            f"{state.distributed_type.value} shards weights instead; use a DDP launch config, or drop --load_in_4bit"
-        )
+        raise UsageError(SHARDED.format(state.distributed_type.value))
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UsageError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
     from transformers import BitsAndBytesConfig
@@ -49,6 +61,7 @@ def four_bit_loading(args) -> dict:
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,  # the scales quantized too: about 0.4 bits a weight saved
         bnb_4bit_compute_dtype=compute,
+        llm_int8_skip_modules=kept,  # bitsandbytes' name for the layers not quantized, 4-bit too
     )
     logger.info(f"QLoRA: the base model's linear layers in 4-bit NF4 (bitsandbytes), computing in {compute}")
     # quantized on the device it trains on: Accelerate refuses to move a 4-bit model afterwards
@@ -91,8 +104,12 @@ def merged_unquantized(peft_model, model_name_or_path: str, trust_remote_code: b
     copy = get_peft_model(unquantized, copying.deepcopy(adapter))
     trained = {key: value.detach().to("cpu") for key, value in get_peft_model_state_dict(peft_model).items()}
     result = set_peft_model_state_dict(copy, trained)
-    if getattr(result, "unexpected_keys", None):
-        raise RuntimeError(f"the adapter's weights {result.unexpected_keys[:3]} have no place in the unquantized model")
+    missing = [key for key in getattr(result, "missing_keys", ()) if "lora_" in key]
+    if getattr(result, "unexpected_keys", None) or missing:  # else a layer would be merged with its untrained adapter
+        raise RuntimeError(
+            f"the adapter's weights do not fit the unquantized model: {result.unexpected_keys[:3]} have no place "
+            f"there, {missing[:3]} were not trained"
+        )
     merged = copy.merge_and_unload()
     merged.generation_config = copying.deepcopy(base.generation_config)
     return merged
