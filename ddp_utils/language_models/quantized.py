@@ -44,15 +44,13 @@ def check_4bit_args(args) -> None:
 def four_bit_loading(args, kept: list[str] | None = None) -> dict:
     """The `from_pretrained` keyword arguments that load the base in 4-bit NF4 on this process's device, or {}
     without --load_in_4bit; `kept`: the layers left in the checkpoint's dtype (else transformers' choice, the output
-    layer). Refused in one line, on every rank, under FSDP or DeepSpeed and without bitsandbytes. Any rank may
-    call it; every rank does, in `load_causal_lm`. No communication."""
+    layer). Refused in one line, on every rank, under FSDP or DeepSpeed however they were set up (`check_4bit_args`
+    refused the rest). Any rank may call it; every rank does, in `load_causal_lm`. No communication."""
     if not getattr(args, "load_in_4bit", False):
         return {}
     state = AcceleratorState()
     if state.distributed_type.value in ("FSDP", "DEEPSPEED"):
         raise UsageError(SHARDED.format(state.distributed_type.value))
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise UsageError("--load_in_4bit needs bitsandbytes: pip install bitsandbytes")
     from transformers import BitsAndBytesConfig
 
     compute = COMPUTE_DTYPES.get(state.mixed_precision, torch.float32)
