@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration, e.g. sst2")
     p.add_argument("--train_split", default=None, help="the Hub dataset's training split (default: train)")
     p.add_argument("--validation_split", default=None, help="its validation split (default: validation, else test)")
-    p.add_argument("--train_file", default=None, help="local training data: .csv, .tsv, .json, .jsonl or .parquet")
+    p.add_argument("--train_file", default=None, help="training data: .csv .tsv .json(l) .parquet, or a folder or glob")
     p.add_argument("--validation_file", default=None, help="local validation data (default: held out of the training)")
     p.add_argument("--validation_split_percentage", type=int, default=10, help="%% held out without validation data")
     p.add_argument("--text_column", default="text", help="text column, or two comma-separated ones for pairs")

@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--dataset_config_name", default=None, help="Hub dataset configuration")
     p.add_argument("--train_split", default=None, help="the Hub dataset's training split (default: train)")
     p.add_argument("--validation_split", default=None, help="its validation split (default: validation, else test)")
-    p.add_argument("--train_file", default=None, help="local prompts: .json, .jsonl, .csv or .parquet")
+    p.add_argument("--train_file", default=None, help="prompts: .json(l) .csv .parquet, or a folder or glob")
     p.add_argument("--validation_file", default=None, help="local held-out prompts (default: split off the training)")
     p.add_argument("--validation_split_percentage", type=int, default=5, help="%% held out without a validation split")
     p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training prompts")
