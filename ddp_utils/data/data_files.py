@@ -151,11 +151,18 @@ def _split_named(name: str, root: str) -> tuple[str, str] | None:
     return None
 
 
+def _folder_of(path: str) -> str:
+    """The folder `path` names, or for a glob the folder before its first wildcard."""
+    if os.path.isdir(path):
+        return path.rstrip(os.sep) or os.sep
+    return os.path.dirname(re.split(r"[*?\[]", path, maxsplit=1)[0]) or "."
+
+
 def _refuse_several_splits(found: list[str], path: str, split: str) -> None:
     """Refuse a folder or glob whose data files belong to several splits (a Hub dataset's snapshot: its train and
     test shards side by side), or to another split beside files that name none: all of them would be read as
     `split`'s, the test data trained on. Only data files count (a code checkout's test_*.py is text to train on)."""
-    root = path if os.path.isdir(path) else os.path.dirname(path.split("*")[0].split("?")[0]) or "."
+    root = _folder_of(path)
     named = {}  # split -> [(file, the name as written)]
     unnamed = 0
     for name in found:
@@ -207,7 +214,7 @@ def _kind_of(paths: list[str], path: str, split: str, raw_text: bool) -> str:
         kinds.setdefault(kind, set()).add(extension or "no extension")
     if len(kinds) > 1:
         found = ", ".join(sorted(extension for extensions in kinds.values() for extension in extensions))
-        folder = path.rstrip(os.sep) if os.path.isdir(path) else os.path.dirname(path.split("*")[0]) or "."
+        folder = _folder_of(path)
         most = Counter(os.path.splitext(name)[1].lower() for name in paths).most_common(1)[0][0] or ".txt"
         raise UsageError(
             f"--{split}_file {path!r} holds files read in different ways ({found}); give one kind, with a glob: "

@@ -29,7 +29,7 @@ from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import load_pretrained
 from ..training.pretrained import build_from_config, causal_lm_class, fetch_weights, load_model_config
 from .multimodal import freeze_parts_text_never_runs, text_config
-from .quantized import four_bit_loading, is_4bit, keep_4bit_backward_on_cpu
+from .quantized import four_bit_loading, keep_4bit_backward_on_cpu
 
 logger = get_logger(__name__)
 
@@ -194,7 +194,7 @@ def load_causal_lm(args, config, tokenizer):
         **four_bit_loading(args, kept),
     )
     freeze_parts_text_never_runs(model)
-    if is_4bit(model):
+    if quantized:
         keep_4bit_backward_on_cpu(model)
     model.config.pad_token_id = tokenizer.pad_token_id
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
