@@ -86,7 +86,7 @@ def test_a_csv_whose_rows_merged_is_warned_about_naming_the_row(tmp_path, caplog
     with caplog.at_level(logging.WARNING):
         train = read_data_files({"train": str(tmp_path / "train.csv")})["train"]
     assert len(train) == 2, "the quote swallowed two lines: legal CSV, and likely a mistake"
-    assert "row 1's 'text' holds a newline or a tab (2 rows from 4 lines of data)" in caplog.text
+    assert "the 'text' of record 1 holds a newline or a tab (2 rows from 4 lines of data)" in caplog.text
 
 
 @pytest.mark.fast
@@ -106,7 +106,8 @@ def test_a_tsv_written_with_csv_quoting_is_warned_about_and_glues_is_not(tmp_pat
         read_data_files({"train": str(tmp_path / "train.tsv")})
         assert "quoted" not in caplog.text, "GLUE's quotes are text"
         read_data_files({"train": str(tmp_path / "pandas.tsv")})
-    assert "row 0's 'text' looks quoted as in a CSV file" in caplog.text and "quoting=csv.QUOTE_NONE" in caplog.text
+    assert "the 'text' of record 0 looks quoted as in a CSV file" in caplog.text
+    assert "quoting=csv.QUOTE_NONE" in caplog.text
 
 
 @pytest.mark.fast
@@ -187,6 +188,90 @@ def test_a_hub_datasets_shards_are_read_as_a_folder_or_a_glob_and_several_splits
         read_data_files({"train": str(write_code_checkout(tmp_path / "code"))})
     code = read_data_files({"train": str(tmp_path / "code")}, raw_text=True)["train"]  # test_*.py is no split
     assert len(code) == 2
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "tsv", "parquet", "txt", "paragraphs"])
+def test_a_record_of_several_files_is_named_by_its_file_and_its_row_there(tmp_path, kind):
+    """A split read from a folder or glob of shards numbers its records across the files, in their order: a refused
+    record was "train record 912345" and the user had to count through 40 shards. Its name now holds the file and
+    its row there, counted as the split's reader counts (blank lines, JSON arrays, quoted CSV fields, paragraphs),
+    and every record's file and row hold that very record. One file, or the Hub, keep the plain name."""
+    import datasets
+    from accelerate import PartialState
+
+    from ddp_utils import read_data_files
+    from ddp_utils.data.record_names import record_name
+
+    PartialState(cpu=True)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    sizes = (3, 1, 4)
+    start = 0
+    for shard, size in enumerate(sizes):
+        rows = [{"text": f"w{i} says \"hi\"" if kind == "csv" else f"w{i} w{i + 1}", "label": i % 2}
+                for i in range(start, start + size)]  # fmt: skip
+        name = folder / f"train-{shard:05d}-of-00003.{'txt' if kind == 'paragraphs' else kind}"
+        if kind == "jsonl":  # a blank line between records, as a hand-made file has: no record
+            name.write_text("\n\n".join(json.dumps(row) for row in rows) + "\n")
+        elif kind == "json":
+            name.write_text(json.dumps(rows, indent=1))
+        elif kind in ("csv", "parquet"):
+            written = datasets.Dataset.from_list(rows)
+            written.to_csv(str(name), index=False) if kind == "csv" else written.to_parquet(str(name))
+        elif kind == "tsv":
+            name.write_text("text\tlabel\n" + "".join(f"{row['text']}\t{row['label']}\n" for row in rows))
+        else:  # lines, or paragraphs of two lines between blank lines of spaces
+            sep, line = ("\n", "{text}") if kind == "txt" else ("\n  \n", "{text}\nand more")
+            name.write_text(sep.join(line.format(**row) for row in rows) + "\n")
+        start += size
+    options = {"txt_records": "paragraph"} if kind == "paragraphs" else {}
+    data = read_data_files({"train": str(folder)}, raw_text=kind in ("txt", "paragraphs"), **options)["train"]
+    assert len(data) == sum(sizes)
+    names = [record_name("train", number) for number in range(len(data) + 1)]
+    assert names[-1] == f"train record {len(data)}"  # past the files: a number, not a wrong file
+    assert names[7] == f"train record 7 (row 3 of '{sorted(folder.iterdir())[2]}')"
+    for number, named in enumerate(names[:-1]):
+        found = re.fullmatch(rf"train record {number} \(row (\d+) of '(.+)'\)", named)
+        assert found, named
+        alone = read_data_files({"validation": found.group(2)}, raw_text=kind in ("txt", "paragraphs"), **options)
+        assert alone["validation"][int(found.group(1))] == data[number], named
+        assert record_name("validation", 0) == "validation record 0"  # one file: its row is the split's number
+        assert record_name("train", 7) == "train record 7"  # read anew: the folder's files are forgotten
+
+
+@pytest.mark.fast
+def test_a_refused_record_in_a_folder_of_shards_is_named_by_its_file_also_after_a_held_out_share(tmp_path):
+    """Through the scripts: SFT's empty answer in the third shard, with a share held out and shuffled, and
+    train.py's empty text in the second, each named by its file and row."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+    shards = tmp_path / "chats"
+    shards.mkdir()
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "w1"}]}
+    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}
+    records = [good] * 20
+    records[16] = bad
+    for shard in range(3):  # 7, 7 and 6 records: the 17th is the third shard's third
+        part = records[shard * 7 : shard * 7 + 7]
+        (shards / f"train-{shard:05d}-of-00003.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    model = make_tiny_causal_lm(tmp_path / "llama", chat_template=True)
+    argv = ["--model_name_or_path", model, "--train_file", shards, "--output_dir", tmp_path / "out"]
+    argv += ["--report_to", "none", "--validation_split_percentage", 20]
+    module = load_script("train_sft")
+    expected = f"train record 16 (row 2 of '{shards / 'train-00002-of-00003.jsonl'}'): its assistant turn 1 is empty"
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        module.prepare_data(module.parse_args([str(a) for a in argv]))
+
+    reviews = tmp_path / "reviews"
+    reviews.mkdir()
+    for shard in range(2):
+        rows = [f"review {i},{i % 2}\n" for i in range(5)]
+        rows[3] = ",1\n" if shard == 1 else rows[3]  # an empty text: the 9th record, the second file's 4th
+        (reviews / f"part{shard}.csv").write_text("text,label\n" + "".join(rows))
+    expected = f"(first: record 8 (row 3 of '{reviews / 'part1.csv'}')); fill or drop them"
+    refused_in_process("train", ["--train_file", reviews, "--output_dir", tmp_path / "o"], expected)
 
 
 def write_code_checkout(directory):

@@ -1,7 +1,11 @@
 """Data: the user's files read and checked, the training order, and the evaluation gathered.
 
 - data_files.py      read_data_files: local CSV, TSV, JSON, JSONL, Parquet or text, each file checked as it is read;
-                     for raw text, a folder or glob of files too, and code a file a record
+                     for raw text, code a file a record
+- file_lists.py      which files an option names: a file, a folder's or a glob's (a Hub dataset's shards), of one
+                     kind and one split
+- record_names.py    a refused record's name: its number in its split, and where several files hold the split, its
+                     file and its row there
 - raw_data.py        check_splits: the splits' columns checked once, a share held out, limits as first rows or a
                      sample; a Hub dataset's own split names (named_splits)
 - dataloaders.py     the training order: whole steps, shuffled from (seed, epoch), dealt to the ranks

@@ -6,26 +6,18 @@ here communicates: any rank may call these functions."""
 from __future__ import annotations
 
 import csv
+import functools
 import glob
 import os
 import re
-from collections import Counter
 
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
+from .file_lists import kind_of, named_files
+from .record_names import forget_files, record_name, remember_files
 
 logger = get_logger(__name__)
-
-# File extension -> the `datasets` builder that reads it.
-_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
-# What file systems and archives add to a folder, never anyone's data: hidden files and folders (.git, .DS_Store,
-# ._1.jpg), macOS's zip folder, a Synology NAS's thumbnails (@eaDir) and recycle bin, Windows' and ext4's own folders.
-NOT_DATA = (
-    ".", "__MACOSX", "@eaDir", "#recycle", "#snapshot", "$RECYCLE.BIN", "System Volume Information", "lost+found"
-)  # fmt: skip
-SKIPPED_FOLDERS = ("__pycache__", "node_modules")  # what a code checkout holds that is no one's text
-_PACKED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".tar", ".tgz", ".7z")  # raw text's: not a text file
 
 
 def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_records: str = "line"):
@@ -33,17 +25,18 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_reco
     error for a missing, empty or unparsable file. `data_files` maps split name -> path.
 
     A path may also be a folder (its files, at every level; hidden ones and, said, those that are not data left
-    out) or a quoted glob, of one kind of file and one split (`_refuse_several_splits`). With `raw_text`
+    out) or a quoted glob, of one kind of file and one split (`file_lists.named_files`). With `raw_text`
     (train_clm.py) every text file is data (binary ones left out, said): a file of another extension (code,
     Markdown, none) is one record, its whole text with its line breaks: as lines of a .txt, code would be cut apart.
     A .txt file's records are its lines, or with `txt_records` its paragraphs (blank lines between) or the file;
     read by lines, prose wrapped over lines is warned of."""
     import datasets
 
+    forget_files()
     splits = {}
     for split, path in data_files.items():
-        paths = _named_files(path, split, raw_text)
-        kind = _kind_of(paths, path, split, raw_text)
+        paths = named_files(path, split, raw_text)
+        kind = kind_of(paths, path, split, raw_text)
         if kind == "text" and txt_records != "line":
             kind = {"paragraph": "paragraphs", "file": "document"}[txt_records]
         elif txt_records != "line":
@@ -66,16 +59,14 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_reco
             logger.info(f"--{split}_file {path!r}: each file is one record, its whole text with its line breaks")
         builder = {"document": "text", "paragraphs": "text", "tsv": "csv"}.get(kind, kind)
         try:
-            files = [glob.escape(name) for name in paths]  # datasets takes each as a glob: 'v[2]/a.txt' matched nothing
-            dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, **_builder_kwargs(kind))
+            dataset = _read(paths, kind, split)
         except Exception as exc:
             problem = _first_line(exc)
             fix = "; save it as UTF-8" if "codec can't decode" in problem else ""
             if fix and len(paths) > 1:  # name the file (binary ones are left out already: this one is text)
                 problem, fix = f"{_not_utf8(paths)!r} is not UTF-8 ({problem})", fix + ", or leave it out with a glob"
             raise UsageError(f"--{split}_file {path!r} could not be parsed as {builder}: {problem}{fix}") from exc
-        if kind == "paragraphs":
-            dataset = dataset.map(_paragraphs, batched=True, desc="paragraphs")
+        remember_files(split, paths, functools.partial(_count_records, kind=kind))
         if len(dataset) == 0:
             raise UsageError(f"--{split}_file {path!r} holds no examples")
         if kind == "text" and raw_text:  # train_clm.py's --txt_records can read it otherwise
@@ -90,137 +81,32 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_reco
     return datasets.DatasetDict(splits)
 
 
-def _named_files(path: str, split: str, raw_text: bool) -> list[str]:
-    """The files `path` names, sorted: itself, a folder's (every level, NOT_DATA left out) or a glob's matches, as a
-    Hub dataset's shards come (train-00000-of-00004.parquet, ...). A folder's files that are not data (its README.md)
-    are left out, said; with `raw_text` every text file is data, and binary ones are left out."""
-    if os.path.isfile(path):
-        return [path]
-    pattern = not os.path.isdir(path) and any(sign in path for sign in "*?[")  # a folder named 'corpus [clean]'
-    if not (pattern or os.path.isdir(path)):
-        raise UsageError(f"--{split}_file {path!r} does not exist; give a file ({', '.join(sorted(_BUILDERS))}), a "
-                         "folder or a quoted glob")  # fmt: skip
-    if pattern:
-        found = [name for name in glob.glob(path, recursive=True) if os.path.isfile(name)]
-    else:
-        found = []
-        for root, folders, names in os.walk(path, followlinks=True):  # symlinked folders too, as image folders
-            folders[:] = [name for name in folders if not name.startswith(NOT_DATA) and name not in SKIPPED_FOLDERS]
-            found += [os.path.join(root, name) for name in names if not name.startswith(NOT_DATA)]
-    if not found:
-        raise UsageError(f"--{split}_file {path!r} " + ("matches no file" if pattern else "holds no files"))
-    _refuse_several_splits(found, path, split)
-    if not raw_text:  # a folder, or a glob as 'snap/**', may hold a README, a LICENSE
-        others = [name for name in found if os.path.splitext(name)[1].lower() not in _BUILDERS]
-        if len(others) == len(found):
-            raise UsageError(f"--{split}_file {path!r} holds no data files ({', '.join(sorted(_BUILDERS))})")
-        if others:
-            logger.info(f"--{split}_file {path!r}: {len(others)} files that are not data left out: {others[:3]}")
-        return sorted(name for name in found if name not in others)
-    # Parquet is binary by design; a checkout's logo.png, a .pdf, a downloaded .json.gz are not text
-    binary = [name for name in found if not name.lower().endswith(".parquet") and _is_binary(name)]
-    if binary:
-        counts = Counter(os.path.splitext(name)[1].lower() or "no extension" for name in binary)
-        kinds = ", ".join(f"{extension}: {count}" for extension, count in counts.most_common())
-        if len(binary) == len(found):
-            packed = any(extension in _PACKED for extension in counts)
-            raise UsageError(
-                f"--{split}_file {path!r} holds no text files, {len(binary)} binary ones ({kinds}); "
-                + ("decompress them (gunzip, unzip, ...)" if packed else "give text files")
-            )
-        logger.warning(f"--{split}_file {path!r}: {len(binary)} binary files left out ({kinds}): not text")
-        return sorted(name for name in found if name not in binary)
-    return sorted(found)
+def _read(paths: list[str], kind: str, split: str):
+    import datasets
+
+    builder = {"document": "text", "paragraphs": "text", "tsv": "csv"}.get(kind, kind)
+    files = [glob.escape(name) for name in paths]  # datasets takes each as a glob: 'v[2]/a.txt' matched nothing
+    dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, **_builder_kwargs(kind))
+    return dataset.map(_paragraphs, batched=True, desc="paragraphs") if kind == "paragraphs" else dataset
 
 
-# A split's name in a file's or folder's name, at its start or after a separator, as datasets name their files
-# (train-00000-of-00004.parquet, test.jsonl, validation/0.parquet, dev_matched.tsv, alpaca_test.json, partial-train/)
-_SPLIT_NAMES = re.compile(
-    r"(?:^|[-_.])(train|training|test|testing|valid|validation|dev|eval|evaluation)(?=$|[-_.\d])", re.I
-)
-_SPLITS = {"training": "train", "testing": "test", "valid": "validation", "dev": "validation", "eval": "validation"}
+def _count_records(path: str, kind: str) -> int:
+    """One file's records, counted as `_read` reads them, for a refused record's file (`record_names`). Parquet's
+    count is in its footer; another kind is read alone (cached by datasets), once per file, and only on the way to
+    a message."""
+    import datasets
 
+    if kind == "parquet":
+        import pyarrow.parquet as pq
 
-def _split_named(name: str, root: str) -> tuple[str, str] | None:
-    """(the split, the name as written) that a data file's path below `root` names, its deepest naming part's last
-    mention (data/train/0.parquet, train-00000-of-00004.parquet); None where nothing names one."""
-    for part in reversed(os.path.relpath(os.path.splitext(name)[0], root).split(os.sep)):
-        found = _SPLIT_NAMES.findall(part)
-        if found:
-            return _SPLITS.get(found[-1].lower(), found[-1].lower()), found[-1]
-    return None
-
-
-def _folder_of(path: str) -> str:
-    """The folder `path` names, or for a glob the folder before its first wildcard."""
-    if os.path.isdir(path):
-        return path.rstrip(os.sep) or os.sep
-    return os.path.dirname(re.split(r"[*?\[]", path, maxsplit=1)[0]) or "."
-
-
-def _refuse_several_splits(found: list[str], path: str, split: str) -> None:
-    """Refuse a folder or glob whose data files belong to several splits (a Hub dataset's snapshot: its train and
-    test shards side by side), or to another split beside files that name none: all of them would be read as
-    `split`'s, the test data trained on. Only data files count (a code checkout's test_*.py is text to train on)."""
-    root = _folder_of(path)
-    named = {}  # split -> [(file, the name as written)]
-    unnamed = 0
-    for name in found:
-        if os.path.splitext(name)[1].lower() in _BUILDERS:
-            kind = _split_named(name, root)
-            if kind:
-                named.setdefault(kind[0], []).append((name, kind[1]))
-            else:
-                unnamed += 1
-    wanted = {"train": ("train",), "validation": ("validation", "test")}.get(split, (split,))
-    others = [kind for kind in named if kind not in wanted]
-    if len(named) < 2 and not (unnamed and others):
-        return
-    counts = ", ".join(f"{kind}: {len(files)}" for kind, files in sorted(named.items()))
-    counts += f", no split named: {unnamed}" if unnamed else ""
-    mine = next((named[kind] for kind in wanted if kind in named), None)
-    if mine:  # a glob of the files that name this split: the folder they share, the name as they write it
-        folder = os.path.commonpath([os.path.dirname(name) for name, _ in mine])
-        written = mine[0][1]
-        in_folder = written in os.path.relpath(folder, root).split(os.sep)
-        fix = f"give {split} files alone with a quoted glob, '{folder}/*{'' if in_folder else written + '*'}', or "
-    else:
-        fix = f"give {split} files alone (a quoted glob), or "
-    raise UsageError(
-        f"--{split}_file {path!r} holds the files of several splits ({counts}), which would all be read as {split} "
-        f"data; {fix}the folder as --dataset_name, which reads each split"
-    )
-
-
-def _is_binary(path: str) -> bool:
-    """Whether a file holds a NUL byte in its first 8 KiB, as git tells binary files from text (UTF-16 too)."""
-    with open(path, "rb") as handle:
-        return b"\0" in handle.read(8192)
-
-
-def _kind_of(paths: list[str], path: str, split: str, raw_text: bool) -> str:
-    """How `paths` are read, one way for all: a `datasets` builder, "tsv", or "document" (a file a record)."""
-    kinds = {}
-    for name in paths:
-        extension = os.path.splitext(name)[1].lower()
-        if extension not in _BUILDERS and not raw_text:
-            raise UsageError(
-                f"--{split}_file {path!r}: unknown extension {extension!r}; use one of {sorted(_BUILDERS)}"
-            )
-        if extension in _PACKED and raw_text:  # datasets opens a .gz as it is: C4's .json.gz would be one record
-            where = f"--{split}_file {path!r}" + (f": {name!r}" if name != path else "")
-            raise UsageError(f"{where} is compressed; decompress it (gunzip, unzip, ...)")
-        kind = "tsv" if extension == ".tsv" else _BUILDERS.get(extension, "document")
-        kinds.setdefault(kind, set()).add(extension or "no extension")
-    if len(kinds) > 1:
-        found = ", ".join(sorted(extension for extensions in kinds.values() for extension in extensions))
-        folder = _folder_of(path)
-        most = Counter(os.path.splitext(name)[1].lower() for name in paths).most_common(1)[0][0] or ".txt"
-        raise UsageError(
-            f"--{split}_file {path!r} holds files read in different ways ({found}); give one kind, with a glob: "
-            f"'{folder}/**/*{most}', say"
-        )
-    return next(iter(kinds))
+        return pq.ParquetFile(path).metadata.num_rows
+    bars_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # a bar per file, on every rank, before the one line that matters
+    try:
+        return len(_read([path], kind, "train"))
+    finally:
+        if bars_on:
+            datasets.enable_progress_bars()
 
 
 def _builder_kwargs(kind: str) -> dict:
@@ -307,9 +193,9 @@ def warn_if_quoted_as_csv(dataset, path: str, split: str) -> None:
     if quoted:
         row, column, text = quoted
         logger.warning(
-            f"--{split}_file {path!r}: row {row}'s {column!r} looks quoted as in a CSV file ({text[:40]!r}): a .tsv "
-            "is read without quoting, so its quotes are text. Write it without quoting (pandas: "
-            "quoting=csv.QUOTE_NONE), or as a .csv"
+            f"--{split}_file {path!r}: the {column!r} of {record_name(split, row, with_split=False)} looks quoted "
+            f"as in a CSV file ({text[:40]!r}): a .tsv is read without quoting, so its quotes are text. Write it "
+            "without quoting (pandas: quoting=csv.QUOTE_NONE), or as a .csv"
         )
 
 
@@ -346,9 +232,10 @@ def warn_if_rows_look_merged(dataset, paths: list[str], split: str, path: str) -
     if merged:
         row, column, _ = merged
         logger.warning(
-            f"--{split}_file {path!r}: row {row}'s {column!r} holds a newline or a tab ({len(dataset)} rows from "
-            f"{lines} lines of data), so rows or fields may have merged: a quote opened a field that a later line "
-            "closed. Check the file there; a tab-separated file without quoting should be named .tsv"
+            f"--{split}_file {path!r}: the {column!r} of {record_name(split, row, with_split=False)} holds a "
+            f"newline or a tab ({len(dataset)} rows from {lines} lines of data), so rows or fields may have merged: a "
+            "quote opened a field that a later line closed. Check the file there; a tab-separated file without "
+            "quoting should be named .tsv"
         )
         return
     if len(dataset) != lines:

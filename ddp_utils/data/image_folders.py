@@ -20,7 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
-from .data_files import NOT_DATA
+from .file_lists import NOT_DATA
 from .raw_data import available_cores
 
 logger = get_logger(__name__)

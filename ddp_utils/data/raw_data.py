@@ -11,6 +11,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from .data_files import is_text
+from .record_names import record_name
 
 logger = get_logger(__name__)
 
@@ -188,13 +189,14 @@ def _checked_split(dataset, split: str, columns: dict[str, str], blank: str, tex
         if count:
             raise UsageError(
                 f"{count} {split} records have {what} {column!r} "
-                f"(first: record {pc.index(bad, True).as_py()}); fill or drop them"
+                f"(first: {record_name(split, pc.index(bad, True).as_py(), with_split=False)}); fill or drop them"
             )
         if column in text and not is_text(values):
             row = _first_not_text(values)
             raise UsageError(
-                f"the {split} data's {column!r} holds {_type_name(values.type)}, not text (first: record {row}, "
-                f"{str(values[row].as_py())[:40]!r}); name a text column with {option}, or give every record text there"
+                f"the {split} data's {column!r} holds {_type_name(values.type)}, not text "
+                f"(first: {record_name(split, row, with_split=False)}, {str(values[row].as_py())[:40]!r}); name a text "
+                f"column with {option}, or give every record text there"
             )
         if blank == "drop" and is_text(values):
             keep = pc.invert(_is_blank(values)) if keep is None else pc.and_(keep, pc.invert(_is_blank(values)))

@@ -24,6 +24,7 @@ from ..core.sharded import is_sharded
 from ..data.dataloaders import SAMPLE_WEIGHT
 from ..data.evaluation import check_metric_for_best_model
 from ..data.raw_data import RECORD_COLUMN
+from ..data.record_names import record_name
 from ..training.compilation import generation_context
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import root_ready_for_generation
@@ -223,7 +224,7 @@ def score_completions(accelerator: Accelerator, rewards: dict, completions: list
             if problem is None and len(bad):
                 i = int(bad[0])
                 problem = f"reward function {name} returned {values[i, j]} for the completion {completions[i]!r}"
-                problem += f" of train record {numbers[i]}" if numbers[i] is not None else ""
+                problem += f" of {record_name('train', numbers[i])}" if numbers[i] is not None else ""
         if problem:
             problem += "; fix it in the DATA section, it must return one finite number per completion"
             break

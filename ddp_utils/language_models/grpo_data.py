@@ -9,6 +9,7 @@ from accelerate.logging import get_logger
 from ..core.errors import UsageError
 from ..data.dataloaders import SAMPLE_WEIGHT
 from ..data.raw_data import RECORD_COLUMN, record_in_file
+from ..data.record_names import record_name
 from .chat import bos_head, check_tool_turns, cut_middle, cut_prompt, refused_by_template, render
 from .turns import TEMPLATE_TOKENIZER, clean_turn, is_turn_list, json_turns, record_tools, sharegpt_turns, text_content
 
@@ -54,7 +55,7 @@ def held_out_answers(validation, args) -> list[str] | None:
         if answer is None or answer != answer or isinstance(answer, (list, dict)):  # answer != answer: NaN
             number, split = record_in_file(record, index, "validation")
             raise UsageError(
-                f"{split} record {number}: its 'answer' is {answer!r}; give each held-out prompt one answer as "
+                f"{record_name(split, number)}: its 'answer' is {answer!r}; give each held-out prompt one answer as "
                 "text or a number (the greedy answer is scored against it), or drop the column to score none"
             )
         references.append(str(answer))
@@ -67,7 +68,7 @@ def asked_prompt(prompt, number: int, split: str):
     tool calls as templates take them; the roles are the template's to take). A UsageError naming the record (`split`
     record `number`) for what would ask nothing or leak the answer: empty text, no turns, a turn without a role or a
     content, turns all empty, a last turn of the assistant's."""
-    where = f"{split} record {number}"
+    where = record_name(split, number)
     prompt = json_turns({"prompt": prompt}, ("prompt",)).get("prompt", prompt)  # text that is JSON turns: turns
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -102,7 +103,7 @@ def tokenize_prompts(raw, tokenizer, max_prompt_length: int, use_chat_template: 
 
     def encode(record, index, split):
         number, source = record_in_file(record, index, split)
-        where = f"{source} record {number}"
+        where = record_name(source, number)
         prompt, tools = asked_prompt(record["prompt"], number, source), record_tools(record.get("tools"), where)
         if isinstance(prompt, str) and use_chat_template:
             prompt = [{"role": "user", "content": prompt}]

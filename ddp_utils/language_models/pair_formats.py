@@ -12,6 +12,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..data.raw_data import likely_column
+from ..data.record_names import record_name
 from .turns import alpaca_prompt_turns, json_turns, sharegpt_turns, text_content
 
 logger = get_logger(__name__)
@@ -47,7 +48,7 @@ class PairFormat:
         """(prompt, chosen, rejected): three strings, or a prompt of turns and two answers of
         assistant turns. A record that does not fit, an empty side, or a pair whose two answers are
         the same is a UsageError that names the record and the fix."""
-        where = f"{split} record {index}"
+        where = record_name(split, index)
         record = {**record, **json_turns(record, ("prompt", "chosen", "rejected"))}  # a CSV's cells
         if self.kind == "implicit":
             prompt, chosen, rejected = _split_implicit(record["chosen"], record["rejected"], where)
@@ -204,7 +205,7 @@ def _checked(prompt, chosen, rejected, index: int, split: str):
     """The pair with each answer as a list of assistant turns when the prompt is turns (or an
     answer is); a UsageError for an empty side, answers that are not the assistant's, or two
     answers that are the same."""
-    where = f"{split} record {index}"
+    where = record_name(split, index)
     for side, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         if value is None:  # a null, a missing key, an empty CSV cell
             raise UsageError(f"{where}: its {side} is missing; fill it or drop the record")

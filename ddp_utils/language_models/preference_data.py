@@ -12,6 +12,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..data.raw_data import record_in_file
+from ..data.record_names import record_name
 from .chat import cut_middle, head_length, plain_prompt_ids, render
 from .pair_formats import NAMES, PairFormat
 from .sft_data import PROMPT_SEPARATOR, settle_chat_template
@@ -98,8 +99,8 @@ def tokenize_pairs(raw, fmt: PairFormat, tokenizer, block_size: int, eval_max_ne
             prompt, chosen, rejected, reference = tokenize_pair(pair, fmt, tokenizer)
             if chosen == rejected:  # texts that differ in trailing white space only: no gradient, nothing learned
                 raise UsageError(
-                    f"{where[1]} record {where[0]}: its chosen and rejected answers are the same tokens (they differ "
-                    "only in white space or in what the tokenizer drops), so it teaches nothing; drop it"
+                    f"{record_name(where[1], where[0])}: its chosen and rejected answers are the same tokens (they "
+                    "differ only in white space or in what the tokenizer drops), so it teaches nothing; drop it"
                 )
             longest = max(len(chosen), len(rejected))
             cut = max(len(prompt) + longest - block_size, 0)

@@ -13,6 +13,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..data.raw_data import record_in_file
+from ..data.record_names import record_name
 from .causal_lm import IGNORE_INDEX
 from .chat import (
     PROMPT_SEPARATOR,
@@ -39,10 +40,10 @@ def tokenize_record(record: dict, fmt: SFTFormat, tokenizer, block_size: int, in
     turns. Plain pairs: BOS + prompt + completion + EOS, the loss on the completion and EOS."""
     messages, tools = fmt.turns(record, index, split), fmt.record_tools(record, index, split)
     if messages is not None:
-        where = f"{split} record {index}"
+        where = record_name(split, index)
         return tokenize_conversation(tokenizer, messages, fmt.loss_on, block_size, tools=tools, where=where)
     if tools:
-        raise UsageError(f"{split} record {index} has tools, which only a chat template shows: {NEEDS_TEMPLATE}")
+        raise UsageError(f"{record_name(split, index)} has tools, which only a chat template shows: {NEEDS_TEMPLATE}")
     prompt, completion = fmt.prompt_and_completion(record)
     prompt = plain_prompt_ids(tokenizer, prompt)
     completion = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

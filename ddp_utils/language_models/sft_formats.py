@@ -10,6 +10,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from ..data.raw_data import likely_column
+from ..data.record_names import record_name
 from .turns import (
     NEEDS_TEMPLATE,
     alpaca_prompt,
@@ -48,7 +49,7 @@ class SFTFormat:
     def turns(self, record: dict, index: int, split: str) -> list[dict] | None:
         """The record as role/content turns, or None for a plain prompt/completion pair trained
         without a chat template. A record that does not fit the format is a UsageError naming it."""
-        where = f"{split} record {index}"
+        where = record_name(split, index)
         if self.kind in ("messages", "sharegpt"):
             turns = as_json_turns(record[self.columns[0]], where)
             if self.kind == "sharegpt":
@@ -78,7 +79,7 @@ class SFTFormat:
 
     def record_tools(self, record: dict, index: int, split: str) -> list[dict] | None:
         """The record's tools, as templates render them (`turns.record_tools`), or None."""
-        return record_tools(record.get(self.tools), f"{split} record {index}") if self.tools else None
+        return record_tools(record.get(self.tools), record_name(split, index)) if self.tools else None
 
     def prompt_and_completion(self, record: dict):
         """A prompt/completion or Alpaca record's prompt and answer (Alpaca: the instruction, then

@@ -12,6 +12,7 @@ import json
 import os
 
 from ..core.errors import UsageError
+from ..data.record_names import record_name
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 # LLaMA-Factory's ShareGPT roles for a call and its result.
@@ -279,9 +280,9 @@ def text_content(messages: list[dict], record: int, split: str) -> list[dict]:
                 text = text if text is not None else part.get("value")  # LLaMA-Factory's name for it
                 if kind != "text" or not isinstance(text, str):
                     raise UsageError(
-                        f"{split} record {record}, turn {turn} ({message['role']}) holds a part of type {kind!r}: this "
-                        "script fine-tunes on text only, so it would be lost or learned as a placeholder word; drop "
-                        "those parts or records, or use a vision-language fine-tuning script"
+                        f"{record_name(split, record)}, turn {turn} ({message['role']}) holds a part of type "
+                        f"{kind!r}: this script fine-tunes on text only, so it would be lost or learned as a "
+                        "placeholder word; drop those parts or records, or use a vision-language fine-tuning script"
                     )
                 texts.append(text)
             message = {**message, "content": PART_SEPARATOR.join(texts)}
@@ -297,7 +298,7 @@ def check_messages(messages, record: int, split: str) -> None:
     assistant turn."""
     if not is_turn_list(messages, "role", "content"):
         raise UsageError(
-            f"{split} record {record} fits none of the SFT formats: a conversation must be a list of "
+            f"{record_name(split, record)} fits none of the SFT formats: a conversation must be a list of "
             f"{{'role': ..., 'content': ...}} turns (an assistant's may hold 'tool_calls' instead of content; or "
             f"ShareGPT's {{'from': ..., 'value': ...}}), "
             f"got {str(messages)[:120]!r}; name the right column with --messages_column"
@@ -305,7 +306,7 @@ def check_messages(messages, record: int, split: str) -> None:
     if not any(m["role"] == "assistant" for m in messages):
         other = sorted({m["role"] for m in messages} - ROLES, key=str)
         raise UsageError(
-            f"{split} record {record} has no assistant turn, so nothing to learn or to answer; "
+            f"{record_name(split, record)} has no assistant turn, so nothing to learn or to answer; "
             + (f"its roles {other} are not the chat roles: name them 'user' and 'assistant'" if other else
                "end each conversation with the assistant's answer")
         )  # fmt: skip

@@ -1,0 +1,52 @@
+"""A refused record's name in a message: "train record 1234", and where a split was read from several files (a folder
+or glob of shards), the file that holds it and its row there. The split's number runs across the files in their order;
+before, a user with 40 shards was told "train record 912345" and had to count. Nothing here communicates: any rank
+may call these functions."""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Callable
+
+# split -> (its files in the order read, a function counting one file's records as that split's reader counts them);
+# set by read_data_files for each split it reads, emptied when a run reads its data anew.
+_FILES: dict[str, tuple[list[str], Callable[[str], int]]] = {}
+_ENDS: dict[str, list[int]] = {}  # split -> each file's last record's number + 1, as far as counted
+
+
+def forget_files() -> None:
+    """Start anew: the splits about to be read come from other files (or from the Hub, which names no file)."""
+    _FILES.clear()
+    _ENDS.clear()
+
+
+def remember_files(split: str, paths: list[str], count_records: Callable[[str], int]) -> None:
+    """The files `split` was read from, in order; `count_records(path)` counts one file's records, called only when a
+    record of a split of several files is named, and for the files up to the one that holds it."""
+    _FILES[split] = (list(paths), count_records)
+    _ENDS.pop(split, None)
+
+
+def record_name(split: str, number: int, with_split: bool = True) -> str:
+    """ "train record 1234 (row 34 of 'shards/train-00003.parquet')", or "train record 1234" from one file or the Hub
+    (and whenever the file cannot be found: the name must never fail the message it is part of)."""
+    name = f"{split} record {number}" if with_split else f"record {number}"
+    try:
+        found = _file_of(split, int(number))
+    except Exception:  # noqa: BLE001 - a file gone or unreadable since: the split's number still names it
+        found = None
+    return f"{name} (row {found[1]} of {found[0]!r})" if found else name
+
+
+def _file_of(split: str, number: int) -> tuple[str, int] | None:
+    paths, count_records = _FILES.get(split, ([], None))
+    if len(paths) < 2 or number < 0:
+        return None
+    ends = _ENDS.setdefault(split, [])
+    while (not ends or ends[-1] <= number) and len(ends) < len(paths):  # count the files up to the one holding it
+        ends.append((ends[-1] if ends else 0) + count_records(paths[len(ends)]))
+    place = bisect.bisect_right(ends, number)
+    if place == len(ends):  # past the last file's records: not a number of this split's files
+        return None
+    return os.path.normpath(paths[place]), number - (ends[place - 1] if place else 0)
