@@ -24,8 +24,8 @@ Seven sub-packages, each importing only those listed below it (docs/design.md, "
 What the scripts call, one job a line, in the order a script uses it:
   start_run, make_accelerator       the Accelerator, checked by the launch guard (lifecycle/start.py)
   run, UsageError                   a clean exit; bad input as one line (lifecycle/process_exit.py, core/errors.py)
-  add_training_args, add_causal_lm_args, check_training_args, check_causal_lm_args, check_data_args,
-  check_positive                    the options every script shares, checked (lifecycle/args.py)
+  add_training_args, add_causal_lm_args, add_lora_args, check_training_args, check_causal_lm_args,
+  check_lora_options, check_data_args, check_positive   the options the scripts share, checked (lifecycle/args.py)
   load_on_main_first                the main process reads first, every rank shares its verdict (core/ranks.py)
   refuse_together                   a problem one rank found, refused on every rank (core/ranks.py)
   read_data_files                   local files read, each checked as read (data/data_files.py)
@@ -40,6 +40,7 @@ What the scripts call, one job a line, in the order a script uses it:
   make_adamw, make_lr_scheduler     the optimizer and its schedule (training/optimizer.py)
   train_in_fp32, describe_optimizer fp32 master weights under mixed precision; the log's line (same)
   load_config_and_tokenizer, load_causal_lm   a causal LM, LoRA, GGUF (language_models/causal_lm.py)
+  classifier_4bit_loading, add_classifier_lora   a classifier's QLoRA and LoRA (language_models/classifier_lora.py)
   StepPlan                          steps, epochs and progress (training/step_plan.py)
   start_training                    output directory (prepare_output_dir), Checkpointer with resume, TrainingLog,
                                     OOMBackoff (lifecycle/start.py)
@@ -65,12 +66,15 @@ from .data.dataloaders import SAMPLE_WEIGHT, longest_first, make_eval_dataloader
 from .data.evaluation import check_metric_for_best_model, gather_for_eval, load_metric
 from .data.raw_data import check_splits, named_splits, preparation_processes
 from .language_models.causal_lm import load_causal_lm, load_config_and_tokenizer
+from .language_models.classifier_lora import add_classifier_lora, classifier_4bit_loading
 from .language_models.lora import save_with_merged
 from .lifecycle.args import (
     add_causal_lm_args,
+    add_lora_args,
     add_training_args,
     check_causal_lm_args,
     check_data_args,
+    check_lora_options,
     check_positive,
     check_training_args,
 )
@@ -94,8 +98,12 @@ __all__ = [
     "TrainingLog",
     "UsageError",
     "add_causal_lm_args",
+    "add_classifier_lora",
+    "add_lora_args",
     "add_training_args",
     "check_causal_lm_args",
+    "check_lora_options",
+    "classifier_4bit_loading",
     "check_data_args",
     "check_metric_for_best_model",
     "check_positive",

@@ -55,11 +55,15 @@ def parse_args(argv=None):
     p.add_argument("--max_length", type=int, default=128, help="truncate inputs to this many tokens")
     p.add_argument("--max_train_samples", type=int, default=None, help="use only N training examples (a sample)")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only N validation examples (a sample)")
+    ddp_utils.add_lora_args(p)  # --lora_r: adapters on the pretrained body, the new head whole; --load_in_4bit: QLoRA
     ddp_utils.add_training_args(p, lengths=True)  # batch sizes, learning rate, checkpoints, output, tracking
-    p.set_defaults(learning_rate=1e-4, per_device_eval_batch_size=32, output_dir="outputs/train")
+    p.set_defaults(per_device_eval_batch_size=32, output_dir="outputs/train")
     args = p.parse_args(argv)
 
+    if args.learning_rate is None:  # with LoRA, the rate of peft's classifier examples
+        args.learning_rate = 3e-4 if args.lora_r else 1e-4
     ddp_utils.check_training_args(args)
+    ddp_utils.check_lora_options(args)
     ddp_utils.check_metric_for_best_model(args, TASKS[args.task])  # default: set by the task, once the data is read
     ddp_utils.check_data_args(args, "train_file", "validation_file")
     ddp_utils.check_positive(args, "max_length")
@@ -144,7 +148,9 @@ def main():
         config=config,
         ignore_mismatched_sizes=True,
         trust_remote_code=args.trust_remote_code,
+        **ddp_utils.classifier_4bit_loading(args, AutoModelForSequenceClassification, config),  # QLoRA: head not 4-bit
     )  # a new head
+    model = ddp_utils.add_classifier_lora(model, args)  # --lora_r: adapters on the body, the new head trains whole
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     multiple = ddp_utils.pad_multiple(accelerator)  # 8 under mixed precision: tensor cores like them
     collate = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=multiple)
@@ -215,7 +221,7 @@ def main():
             break
 
     log.close()
-    ddp_utils.save_model(accelerator, model, args.output_dir, tokenizer, dtype=args.save_dtype)  # all ranks
+    ddp_utils.save_with_merged(accelerator, model, args, tokenizer)  # all ranks; LoRA: the adapter, merged/ too
     facts = {**backoff.facts(), **checkpointer.facts()}
     ddp_utils.write_results(
         accelerator, args, plan, scores, facts, confusion=confusion

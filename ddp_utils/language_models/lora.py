@@ -133,10 +133,11 @@ class CastOutsideAutocast:
         return not any(torch.is_autocast_enabled(device_type) for device_type in self.device_types)
 
 
-def add_lora(model, args):
+def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
     """`model` with LoRA adapters (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules,
-    --lora_last_layers); only the adapters train. A target module the model does not have, or more
-    layers than it has, is a UsageError that lists what it has."""
+    --lora_last_layers); only the adapters train, and the modules named in `whole` (a classifier's new head, peft's
+    modules_to_save), which get no adapter. A target module the model does not have, or more layers than it has,
+    is a UsageError that lists what it has."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -166,21 +167,22 @@ def add_lora(model, args):
         for name, reason in sorted({(name.rsplit(".", 1)[-1], why) for name, why in bypassed.items()}):
             logger.info(f"LoRA leaves out {name}, {reason}: no adapter can train there")
     if args.lora_last_layers and targets == "all-linear":  # peft takes layer numbers only with named modules
-        targets = linear_module_names(model, exclude=output)
+        targets = linear_module_names(model, whole, exclude=output)
     if args.lora_last_layers > layers:
         raise UsageError(
             f"--lora_last_layers {args.lora_last_layers} is more than this model's {layers} layers; "
             f"give at most {layers}"
         )
     last_layers = list(range(layers - args.lora_last_layers, layers)) if args.lora_last_layers else None
-    untouched = parts_text_never_runs(model)  # a vision tower: its adapters would never train
+    untouched = [*parts_text_never_runs(model), *whole]  # a vision tower: its adapters would never train
     lora = LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
         lora_dropout=LORA_DROPOUT if args.lora_dropout is None else args.lora_dropout,
         target_modules=targets,
-        task_type="CAUSAL_LM",
+        task_type=task_type,
         layers_to_transform=last_layers,
+        modules_to_save=list(whole) or None,
         exclude_modules="|".join(re.escape(name) + r"(\..*)?" for name in untouched) or None,  # peft: fullmatch
     )
     names = linear_module_names(model, untouched)  # before peft, which changes the model in place when it fails
@@ -221,6 +223,8 @@ def add_lora(model, args):
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3: partitioned
     trainable = sum(size for size, requires_grad in sizes if requires_grad)
     logger.info(f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(size for size, _ in sizes):,} parameters")
+    if whole:
+        logger.info(f"LoRA: {', '.join(whole)} train whole, with no adapter (new, not pretrained)")
     return model
 
 
@@ -284,7 +288,8 @@ def merged_copy(peft_model, state_dict: dict):
     copy.load_state_dict(state_dict, strict=True, assign=True)
     copy.get_base_model().tie_weights()  # assign=True unties shared weights; the config says which are tied
     merged = copy.merge_and_unload()
-    merged.generation_config = copying.deepcopy(base.generation_config)  # the checkpoint's, not one from config.json
+    if getattr(base, "generation_config", None) is not None:  # a classifier has none
+        merged.generation_config = copying.deepcopy(base.generation_config)  # the checkpoint's, not config.json's
     return merged
 
 

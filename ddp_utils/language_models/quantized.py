@@ -109,5 +109,6 @@ def merged_unquantized(peft_model, model_name_or_path: str, trust_remote_code: b
             f"there, {missing[:3]} were not trained"
         )
     merged = copy.merge_and_unload()
-    merged.generation_config = copying.deepcopy(base.generation_config)
+    if getattr(base, "generation_config", None) is not None:  # a classifier has none
+        merged.generation_config = copying.deepcopy(base.generation_config)
     return merged

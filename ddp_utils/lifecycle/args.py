@@ -292,6 +292,40 @@ def accumulation_for(args, world_size: int) -> int:
     return accumulation
 
 
+def add_lora_args(p) -> None:
+    """Add the LoRA and QLoRA options (train.py's and the causal-LM scripts') to `p`, a parser or a group."""
+    p.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains all weights")
+    p.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the base model in 4-bit NF4 (bitsandbytes)")
+    p.add_argument(
+        "--lora_alpha", type=float, default=16, help="LoRA scaling numerator (the update is scaled by alpha / r)"
+    )
+    p.add_argument(
+        "--lora_dropout", type=float, help="dropout on the LoRA input (default 0.05; 0 on fused MoE experts)"
+    )
+    p.add_argument(
+        "--lora_target_modules", default="all-linear", help="comma-separated module names to adapt, or 'all-linear'"
+    )
+    p.add_argument(
+        "--lora_last_layers",
+        type=int,
+        default=0,
+        help="adapt only the last N transformer layers: the backward pass stops below them (0: all layers)",
+    )
+    p.add_argument(
+        "--merge_lora", action="store_true", help="also save the LoRA-merged full model in output_dir/merged"
+    )
+
+
+def check_lora_options(args) -> None:
+    """Refuse LoRA and QLoRA option values that cannot work together, naming the option. Every rank calls it while
+    parsing; no communication."""
+    from ..language_models.lora import check_lora_args
+    from ..language_models.quantized import check_4bit_args
+
+    check_lora_args(args)
+    check_4bit_args(args)
+
+
 def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:
     """Add the model options of the causal-LM scripts (train_sft.py, train_clm.py) to `parser`:
     the GGUF source, the block size, LoRA, gradient checkpointing and compilation."""
@@ -315,26 +349,7 @@ def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="JSON keyword arguments of the chat template, e.g. '{\"enable_thinking\": false}' for Qwen3",
     )
-    p.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains all weights")
-    p.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the base model in 4-bit NF4 (bitsandbytes)")
-    p.add_argument(
-        "--lora_alpha", type=float, default=16, help="LoRA scaling numerator (the update is scaled by alpha / r)"
-    )
-    p.add_argument(
-        "--lora_dropout", type=float, help="dropout on the LoRA input (default 0.05; 0 on fused MoE experts)"
-    )
-    p.add_argument(
-        "--lora_target_modules", default="all-linear", help="comma-separated module names to adapt, or 'all-linear'"
-    )
-    p.add_argument(
-        "--lora_last_layers",
-        type=int,
-        default=0,
-        help="adapt only the last N transformer layers: the backward pass stops below them (0: all layers)",
-    )
-    p.add_argument(
-        "--merge_lora", action="store_true", help="also save the LoRA-merged full model in output_dir/merged"
-    )
+    add_lora_args(p)
     p.add_argument(
         "--gradient_checkpointing",
         action="store_true",
@@ -346,15 +361,11 @@ def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:
 def check_causal_lm_args(args) -> None:
     """Refuse causal-LM option values that cannot work, naming the option; set the default learning
     rate (2e-4 with LoRA, 2e-5 for full fine-tuning). Every rank calls it while parsing."""
-    from ..language_models.lora import check_lora_args
-    from ..language_models.quantized import check_4bit_args
-
     if args.block_size is not None and args.block_size < 2:  # train_clm.py trained on nothing and reported a loss of 0
         raise UsageError(
             f"--block_size must be at least 2 (a block of N tokens learns N - 1 next ones), got {args.block_size}"
         )
-    check_lora_args(args)
-    check_4bit_args(args)
+    check_lora_options(args)
     if args.chat_template_kwargs is not None:
         example = '{"enable_thinking": false}'
         args.chat_template_kwargs = json_object(args.chat_template_kwargs, "--chat_template_kwargs", example)

@@ -59,7 +59,7 @@ def saved_task(output_dir: str, base_architecture: str | None = None) -> tuple[s
     it, and the checkpoint may not have had one."""
     adapter = os.path.isfile(os.path.join(output_dir, "adapter_config.json"))
     architecture = base_architecture or ""
-    if not adapter:
+    if not adapter or os.path.isfile(os.path.join(output_dir, "config.json")):  # a classifier's adapter has its own
         try:
             with open(os.path.join(output_dir, "config.json")) as handle:
                 architecture = (json.load(handle).get("architectures") or [""])[0]
@@ -186,7 +186,9 @@ def write_model_card(args, metrics: dict) -> str:
         "## How to load it",
         "",
         "```python",
-        *_how_to_load(task, adapter, repo, _base_auto_class(base_config) if adapter else None, base, remote_code),
+        *_how_to_load(
+            task, adapter, repo, _adapter_base_class(task, base_config) if adapter else None, base, remote_code
+        ),
         "```",
         "",
         "Curves, throughput and memory: `report/README.md`. Every option of the run: `training_args.json`.",
@@ -220,12 +222,27 @@ def _base_auto_class(base_config) -> str:
         return "AutoModelForCausalLM"
 
 
+def _adapter_base_class(task: str | None, base_config) -> str:
+    """The transformers Auto class that loads an adapter's base: a classifier's, or the causal LM's."""
+    return "AutoModelForSequenceClassification" if task == "text-classification" else _base_auto_class(base_config)
+
+
 def _how_to_load(
     task: str | None, adapter: bool, repo: str, base_class: str | None, base: str | None, remote_code: bool
 ) -> list[str]:
     """The card's code that loads the saved model: a pipeline, or the base and the adapter; with the model's own
     code where the run needed it (--trust_remote_code)."""
     remote = ", trust_remote_code=True" if remote_code else ""
+    if adapter and base and base_class == "AutoModelForSequenceClassification":  # the labels: the adapter's config
+        return [
+            "from peft import PeftModel",
+            f"from transformers import AutoConfig, {base_class}, AutoTokenizer",
+            "",
+            f'config = AutoConfig.from_pretrained("{repo}"{remote})  # the labels, which the base model lacks',
+            f'base = {base_class}.from_pretrained("{base}", config=config{remote})',
+            f'model = PeftModel.from_pretrained(base, "{repo}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo}"{remote})',
+        ]
     if adapter and base and base_class not in (None, "AutoModelForCausalLM"):  # peft's Auto class: causal LMs only
         return [
             "from peft import PeftModel",

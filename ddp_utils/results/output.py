@@ -156,6 +156,8 @@ def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtyp
     staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)
     try:
         model.save_pretrained(staging, state_dict=state_dict, is_main_process=True)
+        if getattr(getattr(model, "active_peft_config", None), "task_type", None) == "SEQ_CLS":
+            _save_classifier_config(model.get_base_model(), staging)
         if dtype is not None:
             _record_dtype(staging, dtype)
         for processor in processors:
@@ -167,6 +169,20 @@ def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtyp
             os.replace(os.path.join(staging, name), target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_classifier_config(classifier, directory: str) -> None:
+    """Beside a classifier's LoRA adapter, the classifier's config.json: its labels and problem type, which the base
+    model's config lacks, and without which its head is built with another number of outputs than the adapter's
+    (the model card loads the base with it). Unquantized: the adapter does not need a 4-bit base."""
+    import copy
+
+    config = copy.deepcopy(classifier.config)
+    config.architectures = [type(classifier).__name__]  # as save_pretrained writes it: the card's task comes from it
+    for key in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, key):
+            delattr(config, key)
+    config.save_pretrained(directory)
 
 
 def _record_dtype(directory: str, dtype) -> None:

@@ -235,24 +235,24 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
     state = PartialState()
     if not ram_efficient_loading() or state.num_processes == 1:  # DDP, DeepSpeed (ZeRO-3: inside zero.Init)
         with loading_context(model_class, model_name_or_path, kwargs):  # ZeRO-3 with a head of another shape
-            return keep_used_weight_conversions(model_class.from_pretrained(model_name_or_path, **kwargs))
+            return keep_used_weight_conversions(_loaded(model_class, model_name_or_path, kwargs))
     from accelerate import init_empty_weights
     from accelerate.utils import broadcast_object_list
 
     main = [None]
     if state.is_main_process:
-        model = model_class.from_pretrained(model_name_or_path, **kwargs)
+        model = _loaded(model_class, model_name_or_path, kwargs)
         dtypes = {name: value.dtype for name, value in model.state_dict().items()}
         main = [
             {"dtypes": dtypes, "config": model.config.to_dict(), "every_rank_reads": bool(persistent_buffers(model)),
-             "shared": shared_weights(model)}
+             "shared": shared_weights(model), "new": model.weights_not_in_checkpoint}
         ]  # fmt: skip
     broadcast_object_list(main, from_process=0)  # the broadcast of the weights needs the same dtypes everywhere
     if state.is_main_process:
         return model
     if main[0]["every_rank_reads"]:
         with _environment(FSDP_CPU_RAM_EFFICIENT_LOADING="false"):  # else transformers leaves a new head on meta
-            return model_class.from_pretrained(model_name_or_path, **kwargs)
+            return _loaded(model_class, model_name_or_path, kwargs)
     config = kwargs.get("config")
     if config is None:
         from transformers import AutoConfig
@@ -266,6 +266,17 @@ def load_pretrained(model_class, model_name_or_path: str, **kwargs):
     for name, value in model.state_dict(keep_vars=True).items():
         if name in dtypes and value.dtype != dtypes[name]:
             value.data = value.data.to(dtypes[name])
+    model.weights_not_in_checkpoint = main[0]["new"]
+    return model
+
+
+def _loaded(model_class, model_name_or_path: str, kwargs: dict):
+    """`model_class.from_pretrained`, the model remembering which of its weights the checkpoint did not hold (a new
+    head; a pooler a masked LM's checkpoint lacks) or held in another shape, drawn at random at loading: LoRA trains
+    them whole (`classifier_lora`), or the saved adapter would lack them. No communication."""
+    model, info = model_class.from_pretrained(model_name_or_path, output_loading_info=True, **kwargs)
+    mismatched = {key if isinstance(key, str) else key[0] for key in info.get("mismatched_keys", ())}
+    model.weights_not_in_checkpoint = sorted({*info.get("missing_keys", ()), *mismatched})
     return model
 
 

@@ -1,0 +1,68 @@
+"""LoRA and QLoRA for train.py's text classifiers (--lora_r, --load_in_4bit): adapters on the pretrained body, and
+the head the task adds (BERT's classifier, Llama's score, BART's and T5's classification_head, DeBERTa's pooler with
+its classifier) trained whole, with no adapter: it is new, drawn at random, and a low-rank update of random weights
+would learn little. Under QLoRA the head stays unquantized. A 7B classifier does not fit one GPU with every weight
+training (AdamW: 16 bytes a weight); with LoRA it does, and in 4-bit with a fifth of the memory. Every rank calls
+these functions on its own model; no communication."""
+
+from __future__ import annotations
+
+from accelerate.logging import get_logger
+
+from ..core.errors import UsageError
+from ..training.pretrained import build_from_config
+from .lora import add_lora, linears_returning_several, linears_used_by_weight
+from .quantized import four_bit_loading, is_4bit, keep_4bit_backward_on_cpu
+
+logger = get_logger(__name__)
+
+
+def classifier_head(model) -> list[str]:
+    """The modules of a sequence classifier that train whole under LoRA: those whose weights its checkpoint did not
+    hold (`fsdp.load_pretrained` records them: a new head, a pooler a masked LM's checkpoint lacks, a head of
+    another shape), each named by its full path, the outermost whose weights are all new. Adapted instead, a random
+    weight would stay random and frozen, and be missing from the saved adapter: the model reloaded from it computed
+    something else. Without that record (a model not loaded by `load_pretrained`, or a skeleton), the modules beside
+    its pretrained body (`base_model_prefix`: bert, model, transformer, ...) that hold weights."""
+    new = getattr(model, "weights_not_in_checkpoint", None)
+    if new is not None:
+        new, found = set(new), []
+        for name, module in model.named_modules():
+            weights = [f"{name}.{key}" if name else key for key, _ in module.named_parameters()]
+            if name and weights and set(weights) <= new and not any(name.startswith(f"{outer}.") for outer in found):
+                found.append(name)
+        return found
+    body = getattr(model, "base_model_prefix", "")
+    children = dict(model.named_children())
+    if body not in children:
+        raise UsageError(
+            f"{type(model).__name__} holds no body named {body!r} (its base_model_prefix) beside its head, so --lora_r "
+            f"cannot tell the new head from the pretrained weights (its parts: {sorted(children)}); train it whole, "
+            "without --lora_r"
+        )
+    return [name for name, module in children.items() if name != body and next(module.parameters(), None) is not None]
+
+
+def classifier_4bit_loading(args, model_class, config) -> dict:
+    """The `from_pretrained` keyword arguments that load a classifier's body in 4-bit NF4 (`four_bit_loading`), its
+    head and the layers whose weight the model reads directly (`causal_lm.layers_read_directly`) left unquantized;
+    {} without --load_in_4bit. Found on a skeleton built on the meta device: no weight is read."""
+    if not getattr(args, "load_in_4bit", False):
+        return {}
+    from accelerate import init_empty_weights
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    with init_empty_weights(include_buffers=False):
+        skeleton = build_from_config(model_class, config, {"trust_remote_code": args.trust_remote_code})
+    kept = {*classifier_head(skeleton), *linears_used_by_weight(skeleton), *linears_returning_several(skeleton)}
+    return four_bit_loading(args, sorted({*kept, *get_keys_to_not_convert(skeleton)}))
+
+
+def add_classifier_lora(model, args):
+    """`model` with LoRA adapters on its pretrained body and its head trained whole (`classifier_head`), or `model`
+    as it is without --lora_r. Under QLoRA, the CPU's 4-bit kernels are kept to those with a backward pass."""
+    if not args.lora_r:
+        return model
+    if is_4bit(model):
+        keep_4bit_backward_on_cpu(model)
+    return add_lora(model, args, task_type="SEQ_CLS", whole=tuple(classifier_head(model)))
