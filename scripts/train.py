@@ -115,7 +115,7 @@ def prepare_data(args):
     ddp_utils.fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     pad_for_classification(tokenizer, config, args.model_name_or_path)  # most LLMs have none; a decoder's head reads it
-    limit = max_input_length(tokenizer, config)  # None: relative positions only (T5)
+    limit = max_input_length(tokenizer, config, args.trust_remote_code)  # None: relative positions only (T5)
     if limit and args.max_length > limit:
         raise UsageError(f"--max_length {args.max_length} is above this model's limit of {limit} tokens; lower it")
 

@@ -372,6 +372,33 @@ def test_a_t5_whose_tokenizer_gives_no_length_limit_prepares(tiny_data, tmp_path
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("family, limit", [("roberta", 64), ("xlm_roberta", 64), ("mpnet", 64), ("bart", 64)])
+def test_a_tokenizer_without_a_limit_gets_the_positions_a_text_can_take(family, limit, tmp_path):
+    """RoBERTa's family numbers positions from its pad token's id + 1: of the tiny RoBERTa's 66 position embeddings
+    (514 in the real one), 64 are a text's. A tokenizer saved without a limit took the config's count as the limit,
+    and an input that long indexed past the table (on a GPU, a device-side assert). BART's table is larger than its
+    config says, and keeps the config's count."""
+    import torch
+    from classifier_families import save_family
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from ddp_utils.data.text_classifiers import max_input_length
+
+    source = save_family(family, tmp_path / family)
+    tokenizer, config = AutoTokenizer.from_pretrained(source), AutoConfig.from_pretrained(source, num_labels=3)
+    tokenizer.model_max_length = int(1e30)  # as a tokenizer saved without one says
+    assert max_input_length(tokenizer, config) == limit
+    model = AutoModelForSequenceClassification.from_pretrained(source, config=config).eval()
+    text = " ".join(["great"] * (3 * limit))
+    with torch.no_grad():
+        model(**tokenizer(text, truncation=True, max_length=limit, return_tensors="pt"))
+        if config.max_position_embeddings > limit:  # the config's count: past the table
+            with pytest.raises((IndexError, RuntimeError)):  # "index 66 is out of bounds"
+                model(**tokenizer(text, truncation=True, max_length=config.max_position_embeddings,
+                                  return_tensors="pt"))  # fmt: skip
+
+
+@pytest.mark.fast
 def test_a_text_holding_an_encoder_decoders_eos_is_refused_naming_it(tiny_data, tmp_path):
     """BART's and T5's heads read each example's last EOS and need as many in every example: a review holding
     HTML's <s>...</s> stopped the run at the first batch that mixed it with others, in a traceback."""

@@ -61,14 +61,38 @@ def pad_for_classification(tokenizer, config, model_name_or_path: str) -> None:
         text.pad_token_id = pad
 
 
-def max_input_length(tokenizer, config) -> int | None:
+def max_input_length(tokenizer, config, trust_remote_code: bool = False) -> int | None:
     """The most tokens the model takes: what its tokenizer says, else its position embeddings' count, else None
     (relative positions only, as T5's: no limit). Before, a T5 whose tokenizer gives no limit (T5 v1.1's, mT5's)
     failed with an AttributeError on max_position_embeddings."""
     if tokenizer.model_max_length < 100_000:  # a tokenizer without a limit says 10**30
         return tokenizer.model_max_length
     positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-    return positions if positions and positions > 0 else None  # XLNet's config says -1
+    if not positions or positions <= 0:  # XLNet's config says -1
+        return None
+    return min(positions, _positions_past_padding(config, trust_remote_code) or positions)
+
+
+def _positions_past_padding(config, trust_remote_code: bool) -> int | None:
+    """RoBERTa's family (XLM-R, CamemBERT, MPNet, Longformer, ESM) numbers positions from its pad token's id + 1:
+    of RoBERTa's 514 position embeddings, 512 are a text's. Taken as the limit, 514 tokens indexed past the table
+    (on a GPU, a device-side assert). Found on a skeleton built on the meta device; None where no position table
+    skips a padding index (BERT's; BART's is larger than its config says)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForSequenceClassification
+
+    try:
+        with init_empty_weights(include_buffers=False):
+            skeleton = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - a family without a classifier class: the config's count, as before
+        return None
+    tables = [
+        module.num_embeddings - (module.padding_idx + 1)
+        for name, module in skeleton.named_modules()
+        if isinstance(module, torch.nn.Embedding) and "position" in name and module.padding_idx is not None
+    ]
+    return min(tables) if tables else None
 
 
 def check_eos_tokens(tokenized, config, tokenizer) -> None:
