@@ -60,8 +60,8 @@ def parse_args(argv=None):
     p.set_defaults(per_device_eval_batch_size=32, output_dir="outputs/train")
     args = p.parse_args(argv)
 
-    if args.learning_rate is None:  # with LoRA, the rate of peft's classifier examples
-        args.learning_rate = 3e-4 if args.lora_r else 1e-4
+    if args.learning_rate is None:  # with LoRA, the LoRA paper's rate for RoBERTa on GLUE
+        args.learning_rate = 5e-4 if args.lora_r else 1e-4
     ddp_utils.check_training_args(args)
     ddp_utils.check_lora_options(args)
     ddp_utils.check_metric_for_best_model(args, TASKS[args.task])  # default: set by the task, once the data is read

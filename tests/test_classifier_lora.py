@@ -16,7 +16,7 @@ import torch
 from classifier_families import FAMILIES, save_family
 from safetensors.numpy import load_file
 
-from conftest import REPO, launch, load_script, make_tiny_causal_lm, train_args
+from conftest import REPO, launch, load_script, make_tiny_causal_lm, make_tiny_model, train_args
 
 TRAIN = REPO / "scripts" / "train.py"
 NEW = {  # what each family's checkpoint (a masked, causal or seq2seq LM's) lacks of its *ForSequenceClassification
@@ -90,6 +90,48 @@ def test_the_adapters_sit_on_the_body_the_head_trains_whole_and_the_card_reloads
     assert loaded["model"].config.id2label[2] == "positive"
 
 
+@pytest.mark.fast
+def test_a_classifier_checkpoint_of_other_labels_trains_its_whole_head_and_reloads(tmp_path):
+    """A RoBERTa classifier fine-tuned before on 2 labels, now on 3: only its out_proj is new (its dense was
+    trained). peft trains any module named classifier whole, so naming out_proj alone nested a second copy inside
+    the first, which got no gradient (the head never learned; DDP stops at such a weight). The head trains whole;
+    the card's code loads it over the 2-label base."""
+    from accelerate import Accelerator
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    import ddp_utils
+    from ddp_utils.results.model_card import write_model_card
+    from ddp_utils.results.output import write_pretrained
+
+    Accelerator(cpu=True)
+    source = save_family("roberta", tmp_path / "mlm")
+    AutoModelForSequenceClassification.from_pretrained(source, num_labels=2).save_pretrained(tmp_path / "two")
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp_path / "two")
+    config = AutoConfig.from_pretrained(tmp_path / "two", num_labels=3)
+    model = ddp_utils.load_pretrained(AutoModelForSequenceClassification, str(tmp_path / "two"), config=config,
+                                      ignore_mismatched_sizes=True)  # fmt: skip
+    assert model.weights_not_in_checkpoint == ["classifier.out_proj.bias", "classifier.out_proj.weight"]
+    args = load_script("train").parse_args(["--model_name_or_path", str(tmp_path / "two"), "--lora_r", "4",
+                                            "--output_dir", str(tmp_path / "out"), "--report_to", "none"])  # fmt: skip
+    model = ddp_utils.add_classifier_lora(model, args)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "two")
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    model.train()
+    torch.nn.functional.cross_entropy(model(**batch).logits, torch.tensor([0, 1, 2])).backward()
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert not [name for name, p in trainable.items() if p.grad is None]
+    assert any(".classifier.modules_to_save.default.out_proj." in name for name in trainable)
+    model.eval()
+    with torch.no_grad():
+        trained = model(**batch).logits
+    write_pretrained(model, model.state_dict(), str(tmp_path / "out"), tokenizer)
+    write_model_card(args, {})
+    loaded = {}
+    exec(card_code(tmp_path / "out").replace('"out"', repr(str(tmp_path / "out"))), loaded)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded["model"].eval()(**batch).logits, trained)
+
+
 STEPS = ["--max_train_steps", 6, "--checkpointing_steps", 3, "--lora_r", 4, "--report_to", "none"]
 
 
@@ -149,7 +191,14 @@ def test_qlora_keeps_the_head_unquantized_trains_and_merges_into_the_unquantized
     import bitsandbytes as bnb
     from accelerate import Accelerator
     from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        BertConfig,
+        BertForMaskedLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     import ddp_utils
 
@@ -167,6 +216,24 @@ def test_qlora_keeps_the_head_unquantized_trains_and_merges_into_the_unquantized
                                                                           labelled))  # fmt: skip
     kinds = {name: type(module) for name, module in model.named_modules()}
     assert kinds["score"] is torch.nn.Linear and kinds["model.layers.0.self_attn.q_proj"] is bnb.nn.Linear4bit
+
+    # A masked LM's checkpoint has no pooler: loaded as a 4-bit layer, it was never quantized, and the first forward
+    # failed in bitsandbytes. It stays unquantized, and trains whole with the head.
+    make_tiny_model(tmp_path / "bert", hidden_size=64)
+    BertForMaskedLM(BertConfig.from_pretrained(tmp_path / "bert")).save_pretrained(tmp_path / "bert")
+    args = load_script("train").parse_args(["--model_name_or_path", str(tmp_path / "bert"), "--lora_r", "4",
+                                            "--load_in_4bit"])  # fmt: skip
+    labelled = AutoConfig.from_pretrained(tmp_path / "bert", num_labels=3)
+    loading = ddp_utils.classifier_4bit_loading(args, AutoModelForSequenceClassification, labelled)
+    model = ddp_utils.load_pretrained(AutoModelForSequenceClassification, str(tmp_path / "bert"), config=labelled,
+                                      **loading)  # fmt: skip
+    assert type(model.bert.pooler.dense) is torch.nn.Linear
+    assert type(model.bert.encoder.layer[0].attention.self.query) is bnb.nn.Linear4bit
+    model = ddp_utils.add_classifier_lora(model, args)
+    model.train()
+    tokens = torch.tensor([[2, 5, 6, 7, 3]])
+    torch.nn.functional.cross_entropy(model(input_ids=tokens).logits, torch.tensor([1])).backward()
+    assert not [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
 
     output_dir = tmp_path / "out"
     run = launch(TRAIN, *train_args(source, tiny_data, output_dir, *STEPS, "--load_in_4bit", "--merge_lora"))
@@ -187,8 +254,6 @@ def test_lora_trains_the_classifier_under_fsdp2_and_zero3_as_ddp_does(sharded, t
     """On 2 CPU processes under Accelerate's FSDP2 path (rank 0 alone reads the weights and tells the others which
     ones the checkpoint lacked) and under DeepSpeed ZeRO-3 (the model built in shards): the same adapter and head
     as DDP's, dropout on, and the same merged model."""
-    from conftest import make_tiny_model
-
     harness = {"fsdp": "fsdp_on_cpu.py", "zero3": "deepspeed_on_cpu.py"}[sharded]
     config = {"fsdp": "fsdp.yaml", "zero3": "deepspeed_zero3.yaml"}[sharded]
     model = make_tiny_model(tmp_path / "bert", dropout=0.1)

@@ -195,30 +195,35 @@ def test_a_hub_datasets_shards_are_read_as_a_folder_or_a_glob_and_several_splits
 def test_a_record_of_several_files_is_named_by_its_file_and_its_row_there(tmp_path, kind):
     """A split read from a folder or glob of shards numbers its records across the files, in their order: a refused
     record was "train record 912345" and the user had to count through 40 shards. Its name now holds the file and
-    its row there, counted as the split's reader counts (blank lines, JSON arrays, quoted CSV fields, paragraphs),
-    and every record's file and row hold that very record. One file, or the Hub, keep the plain name."""
+    its row there, counted as the split's reader counts (blank lines, JSON arrays, quoted CSV fields, paragraphs, a
+    shard that holds no record), and every record's file and row hold that very record. One file, or the Hub, keep
+    the plain name; a name is looked up only when shown."""
     import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     from accelerate import PartialState
 
     from ddp_utils import read_data_files
-    from ddp_utils.data.record_names import record_name
+    from ddp_utils.data import record_names
 
     PartialState(cpu=True)
     folder = tmp_path / "shards"
     folder.mkdir()
-    sizes = (3, 1, 4)
+    sizes = (3, 1, 4) if kind in ("txt", "paragraphs") else (3, 0, 1, 4)  # a line of text is a record, even blank
     start = 0
     for shard, size in enumerate(sizes):
         rows = [{"text": f"w{i} says \"hi\"" if kind == "csv" else f"w{i} w{i + 1}", "label": i % 2}
                 for i in range(start, start + size)]  # fmt: skip
-        name = folder / f"train-{shard:05d}-of-00003.{'txt' if kind == 'paragraphs' else kind}"
+        name = folder / f"train-{shard:05d}-of-00004.{'txt' if kind == 'paragraphs' else kind}"
         if kind == "jsonl":  # a blank line between records, as a hand-made file has: no record
             name.write_text("\n\n".join(json.dumps(row) for row in rows) + "\n")
         elif kind == "json":
             name.write_text(json.dumps(rows, indent=1))
-        elif kind in ("csv", "parquet"):
-            written = datasets.Dataset.from_list(rows)
-            written.to_csv(str(name), index=False) if kind == "csv" else written.to_parquet(str(name))
+        elif kind == "parquet":
+            schema = pa.schema([("text", pa.string()), ("label", pa.int64())])
+            pq.write_table(pa.Table.from_pylist(rows, schema=schema), name)
+        elif kind == "csv":
+            datasets.Dataset.from_list(rows).to_csv(str(name), index=False) if rows else name.write_text("text,label\n")
         elif kind == "tsv":
             name.write_text("text\tlabel\n" + "".join(f"{row['text']}\t{row['label']}\n" for row in rows))
         else:  # lines, or paragraphs of two lines between blank lines of spaces
@@ -228,16 +233,18 @@ def test_a_record_of_several_files_is_named_by_its_file_and_its_row_there(tmp_pa
     options = {"txt_records": "paragraph"} if kind == "paragraphs" else {}
     data = read_data_files({"train": str(folder)}, raw_text=kind in ("txt", "paragraphs"), **options)["train"]
     assert len(data) == sum(sizes)
-    names = [record_name("train", number) for number in range(len(data) + 1)]
+    names = [record_names.record_name("train", number) for number in range(len(data) + 1)]
+    assert not record_names._ENDS.get("train"), "named before shown: no file counted yet"
+    names = [str(name) for name in names]
     assert names[-1] == f"train record {len(data)}"  # past the files: a number, not a wrong file
-    assert names[7] == f"train record 7 (row 3 of '{sorted(folder.iterdir())[2]}')"
+    assert names[7] == f"train record 7 (row 3 of '{sorted(folder.iterdir())[-1]}')"
     for number, named in enumerate(names[:-1]):
         found = re.fullmatch(rf"train record {number} \(row (\d+) of '(.+)'\)", named)
         assert found, named
         alone = read_data_files({"validation": found.group(2)}, raw_text=kind in ("txt", "paragraphs"), **options)
         assert alone["validation"][int(found.group(1))] == data[number], named
-        assert record_name("validation", 0) == "validation record 0"  # one file: its row is the split's number
-        assert record_name("train", 7) == "train record 7"  # read anew: the folder's files are forgotten
+        assert record_names.record_name("validation", 0) == "validation record 0"  # one file: the split's number
+        assert record_names.record_name("train", 7) == "train record 7"  # read anew: the folder's files forgotten
 
 
 @pytest.mark.fast
@@ -245,6 +252,8 @@ def test_a_refused_record_in_a_folder_of_shards_is_named_by_its_file_also_after_
     """Through the scripts: SFT's empty answer in the third shard, with a share held out and shuffled, and
     train.py's empty text in the second, each named by its file and row."""
     from accelerate import PartialState
+
+    from ddp_utils.data import record_names
 
     PartialState(cpu=True)
     shards = tmp_path / "chats"
@@ -258,11 +267,14 @@ def test_a_refused_record_in_a_folder_of_shards_is_named_by_its_file_also_after_
         (shards / f"train-{shard:05d}-of-00003.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     model = make_tiny_causal_lm(tmp_path / "llama", chat_template=True)
     argv = ["--model_name_or_path", model, "--train_file", shards, "--output_dir", tmp_path / "out"]
-    argv += ["--report_to", "none", "--validation_split_percentage", 20]
+    argv += ["--report_to", "none", "--validation_split_percentage", 20, "--eval_max_new_tokens", 4]
     module = load_script("train_sft")
     expected = f"train record 16 (row 2 of '{shards / 'train-00002-of-00003.jsonl'}'): its assistant turn 1 is empty"
     with pytest.raises(UsageError, match=re.escape(expected)):
         module.prepare_data(module.parse_args([str(a) for a in argv]))
+    (shards / "train-00002-of-00003.jsonl").write_text("".join(json.dumps(good) + "\n" for _ in range(6)))
+    module.prepare_data(module.parse_args([str(a) for a in argv]))  # every record named, none refused:
+    assert not record_names._ENDS.get("train")  # no file was counted (a name is looked up when shown)
 
     reviews = tmp_path / "reviews"
     reviews.mkdir()

@@ -49,7 +49,7 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_reco
             if kind not in ("document", "paragraphs") and not _has_examples(paths[0], extension):
                 raise UsageError(f"--{split}_file {path!r} holds no examples; add at least one row")
         else:
-            empty = [name for name in paths if os.path.getsize(name) == 0]
+            empty = [name for name in paths if _holds_nothing(name)]
             if len(empty) == len(paths):
                 raise UsageError(f"--{split}_file {path!r}: its {len(paths)} files are all empty")
             paths = [name for name in paths if name not in empty]
@@ -81,6 +81,21 @@ def read_data_files(data_files: dict[str, str], raw_text: bool = False, txt_reco
     return datasets.DatasetDict(splits)
 
 
+def _holds_nothing(path: str) -> bool:
+    """An empty file, or a Parquet file of no rows (its footer says so): in a folder, left out. datasets stopped at
+    an empty Parquet shard ("BatchSize must be greater than 0")."""
+    if os.path.getsize(path) == 0:
+        return True
+    if not path.lower().endswith(".parquet"):
+        return False
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    except Exception:  # noqa: BLE001 - not Parquet inside: reading it says so, in one line
+        return False
+
+
 def _read(paths: list[str], kind: str, split: str):
     import datasets
 
@@ -92,8 +107,8 @@ def _read(paths: list[str], kind: str, split: str):
 
 def _count_records(path: str, kind: str) -> int:
     """One file's records, counted as `_read` reads them, for a refused record's file (`record_names`). Parquet's
-    count is in its footer; another kind is read alone (cached by datasets), once per file, and only on the way to
-    a message."""
+    count is in its footer; another kind is read alone (cached by datasets), once per file, and only when a message
+    shows a record's name."""
     import datasets
 
     if kind == "parquet":
@@ -104,6 +119,10 @@ def _count_records(path: str, kind: str) -> int:
     datasets.disable_progress_bars()  # a bar per file, on every rank, before the one line that matters
     try:
         return len(_read([path], kind, "train"))
+    except ValueError as exc:
+        if "corresponds to no data" in str(exc):  # blank lines, [], a CSV's header alone: no record in the split
+            return 0
+        raise
     finally:
         if bars_on:
             datasets.enable_progress_bars()

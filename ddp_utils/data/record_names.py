@@ -13,12 +13,14 @@ from collections.abc import Callable
 # set by read_data_files for each split it reads, emptied when a run reads its data anew.
 _FILES: dict[str, tuple[list[str], Callable[[str], int]]] = {}
 _ENDS: dict[str, list[int]] = {}  # split -> each file's last record's number + 1, as far as counted
+_UNCOUNTABLE: set[str] = set()  # splits whose files could not be counted: named by their number alone
 
 
 def forget_files() -> None:
     """Start anew: the splits about to be read come from other files (or from the Hub, which names no file)."""
     _FILES.clear()
     _ENDS.clear()
+    _UNCOUNTABLE.clear()
 
 
 def remember_files(split: str, paths: list[str], count_records: Callable[[str], int]) -> None:
@@ -26,22 +28,41 @@ def remember_files(split: str, paths: list[str], count_records: Callable[[str], 
     record of a split of several files is named, and for the files up to the one that holds it."""
     _FILES[split] = (list(paths), count_records)
     _ENDS.pop(split, None)
+    _UNCOUNTABLE.discard(split)
 
 
-def record_name(split: str, number: int, with_split: bool = True) -> str:
+def record_name(split: str, number: int, with_split: bool = True):
     """ "train record 1234 (row 34 of 'shards/train-00003.parquet')", or "train record 1234" from one file or the Hub
-    (and whenever the file cannot be found: the name must never fail the message it is part of)."""
+    (and whenever the file cannot be found: the name must never fail the message it is part of). The scripts name
+    every record they read, in case it is refused: from several files the name is a `LazyName`, whose file is looked
+    for only when a message shows it."""
     name = f"{split} record {number}" if with_split else f"record {number}"
-    try:
-        found = _file_of(split, int(number))
-    except Exception:  # noqa: BLE001 - a file gone or unreadable since: the split's number still names it
-        found = None
-    return f"{name} (row {found[1]} of {found[0]!r})" if found else name
+    if len(_FILES.get(split, ((),))[0]) < 2:
+        return name
+    return LazyName(name, split, number)
+
+
+class LazyName:
+    """A record's name whose file and row are found (`_file_of`) when it is shown, in a message: a run that refuses
+    nothing counts no file."""
+
+    def __init__(self, name: str, split: str, number: int):
+        self.name, self.split, self.number = name, split, number
+
+    def __str__(self) -> str:
+        try:
+            found = _file_of(self.split, int(self.number))
+        except Exception:  # noqa: BLE001 - a file gone or unreadable since: the split's number still names it
+            _UNCOUNTABLE.add(self.split)  # not counted again for each record after it
+            found = None
+        return f"{self.name} (row {found[1]} of {found[0]!r})" if found else self.name
+
+    __repr__ = __str__
 
 
 def _file_of(split: str, number: int) -> tuple[str, int] | None:
     paths, count_records = _FILES.get(split, ([], None))
-    if len(paths) < 2 or number < 0:
+    if len(paths) < 2 or number < 0 or split in _UNCOUNTABLE:
         return None
     ends = _ENDS.setdefault(split, [])
     while (not ends or ends[-1] <= number) and len(ends) < len(paths):  # count the files up to the one holding it

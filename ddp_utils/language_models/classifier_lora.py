@@ -3,18 +3,20 @@ the head the task adds (BERT's classifier, Llama's score, BART's and T5's classi
 its classifier) trained whole, with no adapter: it is new, drawn at random, and a low-rank update of random weights
 would learn little. Under QLoRA the head stays unquantized. A 7B classifier does not fit one GPU with every weight
 training (AdamW: 16 bytes a weight); with LoRA it does, and in 4-bit with a fifth of the memory. Every rank calls
-these functions on its own model; no communication."""
+these functions on its own model."""
 
 from __future__ import annotations
 
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
-from ..training.pretrained import build_from_config
+from ..training.pretrained import build_from_config, checkpoint_weight_names
 from .lora import add_lora, linears_returning_several, linears_used_by_weight
 from .quantized import four_bit_loading, is_4bit, keep_4bit_backward_on_cpu
 
 logger = get_logger(__name__)
+
+PEFT_HEADS = ("classifier", "score")  # what peft's sequence classification trains whole, whatever it is given
 
 
 def classifier_head(model) -> list[str]:
@@ -22,16 +24,26 @@ def classifier_head(model) -> list[str]:
     hold (`fsdp.load_pretrained` records them: a new head, a pooler a masked LM's checkpoint lacks, a head of
     another shape), each named by its full path, the outermost whose weights are all new. Adapted instead, a random
     weight would stay random and frozen, and be missing from the saved adapter: the model reloaded from it computed
-    something else. Without that record (a model not loaded by `load_pretrained`, or a skeleton), the modules beside
-    its pretrained body (`base_model_prefix`: bert, model, transformer, ...) that hold weights."""
+    something else. A module inside one that peft trains whole anyway (`PEFT_HEADS`) is named by that one: nested,
+    peft's two copies left the inner one without a gradient. Without the record (a model not loaded by
+    `load_pretrained`), the modules beside its pretrained body."""
     new = getattr(model, "weights_not_in_checkpoint", None)
-    if new is not None:
-        new, found = set(new), []
-        for name, module in model.named_modules():
-            weights = [f"{name}.{key}" if name else key for key, _ in module.named_parameters()]
-            if name and weights and set(weights) <= new and not any(name.startswith(f"{outer}.") for outer in found):
-                found.append(name)
-        return found
+    if new is None:
+        return beside_body(model)
+    new, found = set(new), []
+    for name, module in model.named_modules():
+        weights = [f"{name}.{key}" if name else key for key, _ in module.named_parameters()]
+        if name and weights and set(weights) <= new:
+            parts = name.split(".")
+            peft_head = next((i for i, part in enumerate(parts) if part.endswith(PEFT_HEADS)), None)  # as peft matches
+            found.append(".".join(parts[: peft_head + 1]) if peft_head is not None else name)
+    return [name for name in dict.fromkeys(found) if not any(name.startswith(f"{outer}.") for outer in found)]
+
+
+def beside_body(model) -> list[str]:
+    """The modules a classifier holds beside its pretrained body (the child its class names `base_model_prefix`:
+    bert, model, transformer, ...), those with weights: the head its task adds. A model whose body is not found is
+    a UsageError: LoRA could not tell what is new from what is pretrained."""
     body = getattr(model, "base_model_prefix", "")
     children = dict(model.named_children())
     if body not in children:
@@ -44,9 +56,11 @@ def classifier_head(model) -> list[str]:
 
 
 def classifier_4bit_loading(args, model_class, config) -> dict:
-    """The `from_pretrained` keyword arguments that load a classifier's body in 4-bit NF4 (`four_bit_loading`), its
-    head and the layers whose weight the model reads directly (`causal_lm.layers_read_directly`) left unquantized;
-    {} without --load_in_4bit. Found on a skeleton built on the meta device: no weight is read."""
+    """The `from_pretrained` keyword arguments that load a classifier's body in 4-bit NF4 (`four_bit_loading`),
+    left unquantized: the modules beside the body, those whose weights the checkpoint lacks (a masked LM's missing
+    pooler, which loading would leave as a 4-bit layer never quantized: the first forward failed), and the layers
+    whose weight the model reads directly (`causal_lm.layers_read_directly`); {} without --load_in_4bit. Found on a
+    skeleton built on the meta device and the checkpoint's weight names (`checkpoint_weight_names`): no weight read."""
     if not getattr(args, "load_in_4bit", False):
         return {}
     from accelerate import init_empty_weights
@@ -54,13 +68,21 @@ def classifier_4bit_loading(args, model_class, config) -> dict:
 
     with init_empty_weights(include_buffers=False):
         skeleton = build_from_config(model_class, config, {"trust_remote_code": args.trust_remote_code})
-    kept = {*classifier_head(skeleton), *linears_used_by_weight(skeleton), *linears_returning_several(skeleton)}
-    return four_bit_loading(args, sorted({*kept, *get_keys_to_not_convert(skeleton)}))
+    held = checkpoint_weight_names(args.model_name_or_path)
+    if held is not None:
+        body = f"{skeleton.base_model_prefix}."
+        skeleton.weights_not_in_checkpoint = [
+            name for name, _ in skeleton.named_parameters() if name not in held and name.removeprefix(body) not in held
+        ]
+    kept = {*beside_body(skeleton), *classifier_head(skeleton), *linears_used_by_weight(skeleton)}
+    kept |= {*linears_returning_several(skeleton), *get_keys_to_not_convert(skeleton)}
+    return four_bit_loading(args, sorted(kept))
 
 
 def add_classifier_lora(model, args):
-    """`model` with LoRA adapters on its pretrained body and its head trained whole (`classifier_head`), or `model`
-    as it is without --lora_r. Under QLoRA, the CPU's 4-bit kernels are kept to those with a backward pass."""
+    """All ranks call this (under ZeRO-3 peft gathers the weights it copies for the modules trained whole): `model`
+    with LoRA adapters on its pretrained body and its new modules trained whole (`classifier_head`), or `model` as
+    it is without --lora_r. Under QLoRA, the CPU's 4-bit kernels are kept to those with a backward pass."""
     if not args.lora_r:
         return model
     if is_4bit(model):

@@ -95,10 +95,11 @@ def merged_unquantized(peft_model, model_name_or_path: str, trust_remote_code: b
     for key in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, key):
             delattr(config, key)
-    unquantized = type(base).from_pretrained(
-        model_name_or_path, config=config, device_map={"": "cpu"}, trust_remote_code=trust_remote_code
-    )
     adapter = peft_model.peft_config["default"]
+    classifier = {"ignore_mismatched_sizes": True} if adapter.task_type == "SEQ_CLS" else {}  # a head of other labels
+    unquantized = type(base).from_pretrained(
+        model_name_or_path, config=config, device_map={"": "cpu"}, trust_remote_code=trust_remote_code, **classifier
+    )
     copy = get_peft_model(unquantized, copying.deepcopy(adapter))
     trained = {key: value.detach().to("cpu") for key, value in get_peft_model_state_dict(peft_model).items()}
     result = set_peft_model_state_dict(copy, trained)

@@ -239,7 +239,7 @@ def _how_to_load(
             f"from transformers import AutoConfig, {base_class}, AutoTokenizer",
             "",
             f'config = AutoConfig.from_pretrained("{repo}"{remote})  # the labels, which the base model lacks',
-            f'base = {base_class}.from_pretrained("{base}", config=config{remote})',
+            f'base = {base_class}.from_pretrained("{base}", config=config, ignore_mismatched_sizes=True{remote})',
             f'model = PeftModel.from_pretrained(base, "{repo}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{repo}"{remote})',
         ]

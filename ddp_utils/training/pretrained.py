@@ -36,6 +36,32 @@ def fetch_weights(model_name_or_path: str) -> list[str]:
     return []  # no weights file by these names: from_pretrained will say what it misses
 
 
+def checkpoint_weight_names(model_name_or_path: str) -> set[str] | None:
+    """The names of the weights a checkpoint holds, read from its safetensors headers or index alone (no weight
+    read): a local directory's, or a Hub model's from the cache `fetch_weights` filled. None where it has none to
+    read so (pytorch_model.bin). No communication."""
+    import json
+
+    from safetensors import safe_open
+
+    directory = os.path.expanduser(model_name_or_path)
+    if os.path.isdir(directory):
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as handle:
+                return set(json.load(handle)["weight_map"])
+        files = [os.path.join(directory, "model.safetensors")]
+    else:
+        files = fetch_weights(model_name_or_path)
+    if not files or not all(name.endswith(".safetensors") and os.path.isfile(name) for name in files):
+        return None
+    names = set()
+    for name in files:
+        with safe_open(name, "np") as handle:
+            names.update(handle.keys())
+    return names
+
+
 def keep_used_weight_conversions(model):
     """Keep only the weight renamings and conversions that loading `model` applied, so that
     `save_pretrained` reverts only those, and return `model`. Any rank may call it; no communication.
