@@ -11,7 +11,7 @@ from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
 from .data_files import is_text
-from .record_names import record_name
+from .record_names import forget_files, record_name
 
 logger = get_logger(__name__)
 
@@ -27,6 +27,8 @@ def named_splits(raw, train_split: str | None, validation_split: str | None):
     train_prefs and test_prefs). Either None: "train", and "validation" else "test", as they are. A name the data
     lacks, one split named for both, or no training split is a UsageError that lists its splits."""
     import datasets
+
+    forget_files()  # its records are named by their number: no local files of an earlier reading
 
     if not (train_split or validation_split):
         return raw
