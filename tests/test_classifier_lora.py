@@ -132,6 +132,35 @@ def test_a_classifier_checkpoint_of_other_labels_trains_its_whole_head_and_reloa
         torch.testing.assert_close(loaded["model"].eval()(**batch).logits, trained)
 
 
+@pytest.mark.fast
+def test_lora_last_layers_takes_each_stacks_last_and_refuses_a_model_of_shared_layers(tmp_path):
+    """BART adapts the last layer of its encoder and of its decoder; ALBERT, whose layers are one layer shared by
+    its depth, was refused as "--lora_target_modules 'all-linear' does not fit", naming an option not given."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForSequenceClassification
+
+    import ddp_utils
+    from ddp_utils import UsageError
+
+    Accelerator(cpu=True)
+    for family in ("bart", "albert"):
+        source = save_family(family, tmp_path / family)
+        model = ddp_utils.load_pretrained(AutoModelForSequenceClassification, str(source), num_labels=3)
+        args = load_script("train").parse_args(["--model_name_or_path", str(source), "--lora_r", "4",
+                                                "--lora_last_layers", "1"])  # fmt: skip
+        if family == "albert":
+            with pytest.raises(UsageError, match=r"^--lora_last_layers 1: AlbertForSequenceClassification has no "
+                                                 r"numbered layers .*; drop --lora_last_layers$"):  # fmt: skip
+                ddp_utils.add_classifier_lora(model, args)
+            continue
+        adapted = {
+            name.split(".layers.")[0] + ".layers." + name.split(".layers.")[1].split(".")[0]
+            for name, _ in ddp_utils.add_classifier_lora(model, args).named_parameters()
+            if "lora_A" in name
+        }
+        assert adapted == {"base_model.model.model.encoder.layers.1", "base_model.model.model.decoder.layers.1"}
+
+
 STEPS = ["--max_train_steps", 6, "--checkpointing_steps", 3, "--lora_r", 4, "--report_to", "none"]
 
 

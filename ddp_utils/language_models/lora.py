@@ -209,6 +209,11 @@ def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
         model = get_peft_model(model, lora)
     except ValueError as exc:
         reason = str(exc).splitlines()[0][:160]
+        if args.lora_last_layers and "No modules were targeted" in reason:  # ALBERT: one layer shared by the depth
+            raise UsageError(
+                f"--lora_last_layers {args.lora_last_layers}: {type(model).__name__} has no numbered layers to take "
+                "the last of (ALBERT shares one layer across its depth); drop --lora_last_layers"
+            ) from None
         raise UsageError(
             f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({reason}); "
             f"its linear layers are {names}"

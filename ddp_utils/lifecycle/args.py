@@ -309,7 +309,7 @@ def add_lora_args(p) -> None:
         "--lora_last_layers",
         type=int,
         default=0,
-        help="adapt only the last N transformer layers: the backward pass stops below them (0: all layers)",
+        help="adapt only the last N layers (of each stack: BART's, T5's): the backward stops below them (0: all)",
     )
     p.add_argument(
         "--merge_lora", action="store_true", help="also save the LoRA-merged full model in output_dir/merged"
