@@ -8,6 +8,7 @@
 - QLoRA keeps the head unquantized, trains, and merges into the unquantized weights."""
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -91,7 +92,7 @@ def test_the_adapters_sit_on_the_body_the_head_trains_whole_and_the_card_reloads
 
 
 @pytest.mark.fast
-def test_a_classifier_checkpoint_of_other_labels_trains_its_whole_head_and_reloads(tmp_path):
+def test_a_classifier_checkpoint_of_other_labels_trains_its_whole_head_and_reloads(tmp_path, caplog):
     """A RoBERTa classifier fine-tuned before on 2 labels, now on 3: only its out_proj is new (its dense was
     trained). peft trains any module named classifier whole, so naming out_proj alone nested a second copy inside
     the first, which got no gradient (the head never learned; DDP stops at such a weight). The head trains whole;
@@ -113,7 +114,8 @@ def test_a_classifier_checkpoint_of_other_labels_trains_its_whole_head_and_reloa
     assert model.weights_not_in_checkpoint == ["classifier.out_proj.bias", "classifier.out_proj.weight"]
     args = load_script("train").parse_args(["--model_name_or_path", str(tmp_path / "two"), "--lora_r", "4",
                                             "--output_dir", str(tmp_path / "out"), "--report_to", "none"])  # fmt: skip
-    model = ddp_utils.add_classifier_lora(model, args)
+    with caplog.at_level(logging.INFO):
+        model = ddp_utils.add_classifier_lora(model, args)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "two")
     batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
     model.train()
@@ -121,6 +123,7 @@ def test_a_classifier_checkpoint_of_other_labels_trains_its_whole_head_and_reloa
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     assert not [name for name, p in trainable.items() if p.grad is None]
     assert any(".classifier.modules_to_save.default.out_proj." in name for name in trainable)
+    assert "LoRA: classifier trains whole, with no adapter (it holds weights the checkpoint lacks)" in caplog.text
     model.eval()
     with torch.no_grad():
         trained = model(**batch).logits
@@ -180,7 +183,7 @@ def test_lora_trains_the_same_classifier_on_any_layout_resumes_bit_for_bit_and_m
     run = launch(TRAIN, *train_args(tiny_model, tiny_data, two, *STEPS, "--per_device_train_batch_size", 2,
                                     "--global_batch_size", 8, "--merge_lora"))  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]
-    assert "LoRA: classifier train whole, with no adapter (new, not pretrained)" in run.output
+    assert "LoRA: classifier trains whole, with no adapter (it holds weights the checkpoint lacks)" in run.output
     args = train_args(tiny_model, tiny_data, one, *STEPS, "--per_device_train_batch_size", 2, "--global_batch_size", 8)
     assert launch(TRAIN, *args, num_processes=1).returncode == 0
     ours, theirs = trained(one), trained(two)
@@ -267,7 +270,7 @@ def test_qlora_keeps_the_head_unquantized_trains_and_merges_into_the_unquantized
     output_dir = tmp_path / "out"
     run = launch(TRAIN, *train_args(source, tiny_data, output_dir, *STEPS, "--load_in_4bit", "--merge_lora"))
     assert run.returncode == 0, run.output[-3000:]
-    assert "LoRA: score train whole" in run.output and "QLoRA: the base model's linear layers in 4-bit" in run.output
+    assert "LoRA: score trains whole" in run.output and "QLoRA: the base model's linear layers in 4-bit" in run.output
     assert "quantization_config" not in json.loads((output_dir / "merged" / "config.json").read_text())
     assert "quantization_config" not in json.loads((output_dir / "config.json").read_text())
     merged = AutoModelForSequenceClassification.from_pretrained(output_dir / "merged").eval()

@@ -228,8 +228,13 @@ def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3: partitioned
     trainable = sum(size for size, requires_grad in sizes if requires_grad)
     logger.info(f"LoRA r={args.lora_r}: {trainable:,} trainable of {sum(size for size, _ in sizes):,} parameters")
-    if whole:
-        logger.info(f"LoRA: {', '.join(whole)} train whole, with no adapter (new, not pretrained)")
+    from peft.utils import ModulesToSaveWrapper
+
+    for name, module in model.named_modules():  # what peft trains whole: `whole`, and a classifier's head by its name
+        if isinstance(module, ModulesToSaveWrapper):
+            name = name.removeprefix("base_model.model.")
+            why = "it holds weights the checkpoint lacks" if name in whole else "peft trains a classifier's head so"
+            logger.info(f"LoRA: {name} trains whole, with no adapter ({why})")
     return model
 
 
