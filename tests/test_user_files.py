@@ -234,7 +234,7 @@ def test_a_record_of_several_files_is_named_by_its_file_and_its_row_there(tmp_pa
     data = read_data_files({"train": str(folder)}, raw_text=kind in ("txt", "paragraphs"), **options)["train"]
     assert len(data) == sum(sizes)
     names = [record_names.record_name("train", number) for number in range(len(data) + 1)]
-    assert not record_names._ENDS.get("train"), "named before shown: no file counted yet"
+    assert not record_names._FILES["train"]["ends"], "named before shown: no file counted yet"
     names = [str(name) for name in names]
     assert names[-1] == f"train record {len(data)}"  # past the files: a number, not a wrong file
     assert names[7] == f"train record 7 (row 3 of '{sorted(folder.iterdir())[-1]}')"
@@ -245,6 +245,12 @@ def test_a_record_of_several_files_is_named_by_its_file_and_its_row_there(tmp_pa
         assert alone["validation"][int(found.group(1))] == data[number], named
         assert record_names.record_name("validation", 0) == "validation record 0"  # one file: the split's number
         assert record_names.record_name("train", 7) == "train record 7"  # read anew: the folder's files forgotten
+    data = read_data_files({"train": str(folder)}, raw_text=kind in ("txt", "paragraphs"), **options)
+    named = record_names.record_name("train", 7)
+    from ddp_utils import named_splits
+
+    named_splits(data, None, None)  # a Hub dataset's reading after it (in one process, as here): numbers alone
+    assert record_names.record_name("train", 7) == "train record 7" and str(named) == names[7]  # a name keeps its files
 
 
 @pytest.mark.fast
@@ -274,7 +280,7 @@ def test_a_refused_record_in_a_folder_of_shards_is_named_by_its_file_also_after_
         module.prepare_data(module.parse_args([str(a) for a in argv]))
     (shards / "train-00002-of-00003.jsonl").write_text("".join(json.dumps(good) + "\n" for _ in range(6)))
     module.prepare_data(module.parse_args([str(a) for a in argv]))  # every record named, none refused:
-    assert not record_names._ENDS.get("train")  # no file was counted (a name is looked up when shown)
+    assert not record_names._FILES["train"]["ends"]  # no file was counted (a name is looked up when shown)
 
     reviews = tmp_path / "reviews"
     reviews.mkdir()

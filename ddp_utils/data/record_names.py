@@ -9,62 +9,58 @@ import bisect
 import os
 from collections.abc import Callable
 
-# split -> (its files in the order read, a function counting one file's records as that split's reader counts them);
-# set by read_data_files for each split it reads, emptied when a run reads its data anew.
-_FILES: dict[str, tuple[list[str], Callable[[str], int]]] = {}
-_ENDS: dict[str, list[int]] = {}  # split -> each file's last record's number + 1, as far as counted
-_UNCOUNTABLE: set[str] = set()  # splits whose files could not be counted: named by their number alone
+# split -> its files in the order read, a function counting one file's records as that split's reader counts them,
+# each file's last record's number + 1 as far as counted, and whether counting failed; set by read_data_files for
+# each split it reads, emptied when a run reads its data anew. A name keeps the entry of its own reading.
+_FILES: dict[str, dict] = {}
 
 
 def forget_files() -> None:
     """Start anew: the splits about to be read come from other files (or from the Hub, which names no file)."""
     _FILES.clear()
-    _ENDS.clear()
-    _UNCOUNTABLE.clear()
 
 
 def remember_files(split: str, paths: list[str], count_records: Callable[[str], int]) -> None:
     """The files `split` was read from, in order; `count_records(path)` counts one file's records, called only when a
-    record of a split of several files is named, and for the files up to the one that holds it."""
-    _FILES[split] = (list(paths), count_records)
-    _ENDS.pop(split, None)
-    _UNCOUNTABLE.discard(split)
+    record of a split of several files is shown in a message, and for the files up to the one that holds it."""
+    _FILES[split] = {"paths": list(paths), "count": count_records, "ends": [], "uncountable": False}
 
 
-def record_name(split: str, number: int, with_split: bool = True):
+def record_name(split: str, number: int, with_split: bool = True) -> str | LazyName:
     """ "train record 1234 (row 34 of 'shards/train-00003.parquet')", or "train record 1234" from one file or the Hub
     (and whenever the file cannot be found: the name must never fail the message it is part of). The scripts name
     every record they read, in case it is refused: from several files the name is a `LazyName`, whose file is looked
     for only when a message shows it."""
     name = f"{split} record {number}" if with_split else f"record {number}"
-    if len(_FILES.get(split, ((),))[0]) < 2:
+    files = _FILES.get(split)
+    if files is None or len(files["paths"]) < 2:
         return name
-    return LazyName(name, split, number)
+    return LazyName(name, files, number)
 
 
 class LazyName:
     """A record's name whose file and row are found (`_file_of`) when it is shown, in a message: a run that refuses
-    nothing counts no file."""
+    nothing counts no file. Only f-strings and str() show it; it is not a str."""
 
-    def __init__(self, name: str, split: str, number: int):
-        self.name, self.split, self.number = name, split, number
+    def __init__(self, name: str, files: dict, number: int):
+        self.name, self.files, self.number = name, files, number
 
     def __str__(self) -> str:
         try:
-            found = _file_of(self.split, int(self.number))
+            found = _file_of(self.files, int(self.number))
         except Exception:  # noqa: BLE001 - a file gone or unreadable since: the split's number still names it
-            _UNCOUNTABLE.add(self.split)  # not counted again for each record after it
+            self.files["uncountable"] = True  # not counted again for each record after it
             found = None
         return f"{self.name} (row {found[1]} of {found[0]!r})" if found else self.name
 
-    __repr__ = __str__
+    def __repr__(self) -> str:  # a debugger's view: no file read
+        return f"LazyName({self.name!r})"
 
 
-def _file_of(split: str, number: int) -> tuple[str, int] | None:
-    paths, count_records = _FILES.get(split, ([], None))
-    if len(paths) < 2 or number < 0 or split in _UNCOUNTABLE:
+def _file_of(files: dict, number: int) -> tuple[str, int] | None:
+    paths, count_records, ends = files["paths"], files["count"], files["ends"]
+    if number < 0 or files["uncountable"]:
         return None
-    ends = _ENDS.setdefault(split, [])
     while (not ends or ends[-1] <= number) and len(ends) < len(paths):  # count the files up to the one holding it
         ends.append((ends[-1] if ends else 0) + count_records(paths[len(ends)]))
     place = bisect.bisect_right(ends, number)

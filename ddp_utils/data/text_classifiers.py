@@ -79,11 +79,10 @@ def _positions_past_padding(config, trust_remote_code: bool) -> int | None:
     (on a GPU, a device-side assert). Found on a skeleton built on the meta device; None where no position table
     skips a padding index (BERT's; BART's is larger than its config says)."""
     import torch
-    from accelerate import init_empty_weights
     from transformers import AutoModelForSequenceClassification
 
     try:
-        with init_empty_weights(include_buffers=False):
+        with torch.device("meta"):  # buffers too: a model's own mask of max_position squared costs nothing here
             skeleton = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 - a family without a classifier class: the config's count, as before
         return None

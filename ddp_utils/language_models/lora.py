@@ -211,8 +211,10 @@ def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
         reason = str(exc).splitlines()[0][:160]
         if args.lora_last_layers and "No modules were targeted" in reason:  # ALBERT: one layer shared by the depth
             raise UsageError(
-                f"--lora_last_layers {args.lora_last_layers}: {type(model).__name__} has no numbered layers to take "
-                "the last of (ALBERT shares one layer across its depth); drop --lora_last_layers"
+                f"--lora_last_layers {args.lora_last_layers} with --lora_target_modules {args.lora_target_modules!r} "
+                f"adapts nothing in {type(model).__name__}: no layer it names lies in the last "
+                f"{args.lora_last_layers} numbered layers (ALBERT shares one layer across its depth); its linear "
+                f"layers are {names}: name them, or drop --lora_last_layers"
             ) from None
         raise UsageError(
             f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({reason}); "
