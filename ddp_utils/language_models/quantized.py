@@ -14,6 +14,7 @@ from accelerate.logging import get_logger
 from accelerate.state import AcceleratorState, PartialState
 
 from ..core.errors import UsageError
+from ..results.output import unquantized_config
 
 logger = get_logger(__name__)
 
@@ -91,10 +92,7 @@ def merged_unquantized(peft_model, model_name_or_path: str, trust_remote_code: b
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
     base = peft_model.get_base_model()
-    config = copying.deepcopy(base.config)
-    for key in ("quantization_config", "_pre_quantization_dtype"):
-        if hasattr(config, key):
-            delattr(config, key)
+    config = unquantized_config(base.config)
     adapter = peft_model.peft_config["default"]
     classifier = {"ignore_mismatched_sizes": True} if adapter.task_type == "SEQ_CLS" else {}  # a head of other labels
     unquantized = type(base).from_pretrained(

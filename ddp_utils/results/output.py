@@ -175,14 +175,20 @@ def _save_classifier_config(classifier, directory: str) -> None:
     """Beside a classifier's LoRA adapter, the classifier's config.json: its labels and problem type, which the base
     model's config lacks, and without which its head is built with another number of outputs than the adapter's
     (the model card loads the base with it). Unquantized: the adapter does not need a 4-bit base."""
+    config = unquantized_config(classifier.config)
+    config.architectures = [type(classifier).__name__]  # as save_pretrained writes it: the card's task comes from it
+    config.save_pretrained(directory)
+
+
+def unquantized_config(config):
+    """A copy of a 4-bit model's `config` that names no quantization: what its unquantized weights load with."""
     import copy
 
-    config = copy.deepcopy(classifier.config)
-    config.architectures = [type(classifier).__name__]  # as save_pretrained writes it: the card's task comes from it
+    config = copy.deepcopy(config)
     for key in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, key):
             delattr(config, key)
-    config.save_pretrained(directory)
+    return config
 
 
 def _record_dtype(directory: str, dtype) -> None:
