@@ -65,8 +65,8 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert environment["torch"] and environment["python"] and environment["gpu"] is None  # no CUDA here
     assert isinstance(environment["differs_from_requirements"], list)
     steps = data["steps"]
-    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13"]
-    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10", "11", "12", "13"):
+    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14"]
+    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10", "11", "12", "13", "14"):
         assert steps[step]["status"] == "ok", (step, steps[step])
     for record in steps.values():
         assert record["wall_s"] > 0
@@ -95,6 +95,24 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
         assert qlora["runs"]["qlora_trl"]["reason"] == "trl is not installed"
     else:
         assert qlora["figures"]["qlora_ours_x_trl"] > 0
+    # train.py with the LLM as a classifier: whole, LoRA and QLoRA (its head out of 4-bit) train, and each saved
+    # classifier (the merged ones for the adapters) reloads with every weight found
+    classifier = steps["14"]
+    assert classifier["runs"]["full"]["figures"]["trainable"] == "all"
+    for case in ("full", "lora", "qlora"):
+        figures = classifier["runs"][case]["figures"]
+        assert figures["samples_per_s"] > 0 and figures["mixed_precision"] == "bf16", (case, figures)
+        assert figures["reloads"].startswith("yes:"), (case, figures)
+    for case in ("lora", "qlora"):
+        assert "--merge_lora" in classifier["runs"][case]["command"]
+        assert " of " in classifier["runs"][case]["figures"]["trainable"]  # the LoRA line of its log was read
+        assert classifier["runs"][case]["figures"]["saved_mib"] < classifier["runs"]["full"]["figures"]["saved_mib"]
+    assert (
+        "QLoRA: the base model's linear layers in 4-bit NF4"
+        in (results / classifier["runs"]["qlora"]["log"]).read_text()
+    )
+    assert classifier["figures"]["qlora_x_lora_samples_per_s"] > 0 and "records" not in classifier["figures"]["model"]
+    assert [row[0] for row in classifier["table"]["rows"]] == ["full", "lora", "qlora"]
     # Step 3 ran dynamo (eager backend: nothing compiled) and counted what it found: graph breaks and recompiles.
     compiled = steps["3"]["figures"]
     assert compiled["speed_up_steady"] > 0
@@ -526,6 +544,7 @@ def test_an_llm_step_runs_on_the_llm_shape_set_only_with_llm_shape(tmp_path):
     assert checklist.sets_missing("13", llm_shape=True, installed={"qlora"}) == "llm or llm_shape"
     assert checklist.sets_missing("13", llm_shape=True, installed={"llm_shape", "qlora"}) is None
     assert checklist.sets_missing("2a", llm_shape=False, installed={"llm"}) is None
+    assert checklist.sets_missing("14", llm_shape=False, installed={"llm"}) == "qlora"  # train.py's QLoRA run too
 
 
 def test_the_llm_shape_becomes_a_model_with_random_weights_that_loads(tmp_path):

@@ -28,6 +28,8 @@ Steps (bench/gpu_check/README.md says what each measures and how):
   12  bench/bench_grpo.py --profile: where a GRPO step's time goes, ours (also without cuDNN attention) and TRL's
   13  QLoRA: step 2a's plain LoRA case with --load_in_4bit against TRL's SFTTrainer on the same 4-bit base, and
       against our plain LoRA run (the memory the 4-bit base saves, the speed it costs)
+  14  scripts/train.py with the LLM as a classifier: full fine-tuning, LoRA and QLoRA (--lora_r, --load_in_4bit) on
+      step 1's work: samples/s, peak GPU memory, accuracy; the merged classifiers reload
 
 Results accumulate in --results (default outputs/gpu_check): gpu_check.json (a step run again replaces
 its record), gpu_check.md and logs/. With --copy_to (default: $OUT, set on the GPU machine) they are
@@ -75,6 +77,7 @@ STEPS = {
     "11": "train_dpo.py --torch_compile (LoRA, adapters off) against TRL's DPOTrainer: pairs/s, compilations",
     "12": "GRPO profiled, ours (also without cuDNN attention) and TRL's: where a step's time goes",
     "13": "QLoRA (--load_in_4bit) on 2a's plain LoRA case against TRL on the same 4-bit base, and against our LoRA",
+    "14": "train.py with the LLM as a classifier: full fine-tuning, LoRA and QLoRA: samples/s, GPU memory, accuracy",
 }
 FP16_SCALER = REPO / "tests" / "launched" / "fp16_scaler.py"  # a script run with torch's GradScaler, first scale set
 FSDP_ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"  # a script run under FSDP2 on CPU processes
@@ -151,6 +154,14 @@ RUN_S = {
     ("13", "qlora"): (5.7, 61),
     ("13", "trl"): (6.3, 71),
     ("13", "lora"): (6.3, 46),  # the LoRA reference: 2a's lora less its zero-shot evaluation
+    # Step 14 (dry run measured 2026-12-07, --jobs 1): the LLM as train.py's classifier on step 1's work, 225 steps of
+    # 8 reviews of up to 128 tokens, 3 evaluations of 379. Taken as 2b's full run's pace (80 ms a step on session 1's
+    # H200, launch-bound) with the model's save; LoRA's adapters add launches and its merge a save; QLoRA dequantizes
+    # each linear layer's weights in every pass and its merge reads the base again; the reload: 3 models of 135M.
+    ("14", "full"): (9.0, 30),
+    ("14", "lora"): (9.1, 35),
+    ("14", "qlora"): (9.1, 50),
+    ("14", "reload"): (4.6, 10),
 }
 # Each run's wall seconds on the first GPU session (an H200, 2026-11-26; the LLM's weights drawn at random, the
 # runs as the steps make them): they replace RUN_S's estimates, which were 1.1 to 3 times too short for the LLM.
@@ -206,13 +217,14 @@ CALLS = [
     # trades for its memory. bitsandbytes (the qlora set, 41 MiB) fits no call beside a part of the LLM's set.
     {"session": 9, "carry": ["llm-1"], "install": False, "shape": False, "steps": []},
     {"session": 9, "carry": ["qlora-1"], "install": False, "shape": False, "steps": []},
-    {"session": 9, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["13"]},
+    # train.py's LoRA and QLoRA (step 14) on the same call: the LLM as a classifier, its accuracy on the real weights
+    {"session": 9, "carry": ["llm-2"], "install": True, "shape": False, "steps": ["13", "14"]},
 ]
 SESSION_S = 900  # a session's device time
 # Which of payload.py's sets a step can run with (any one of them installed); the other steps run the LLM.
 STEP_SETS = {"1": ("step1",), "6": ("step1", "llm", "llm_shape"), "8": ("step1", "llm", "llm_shape")}
 # The sets a step needs as well, installed beside its LLM's: bitsandbytes (41 MiB) fits no call with an LLM set's part
-STEP_ADDS = {"13": "qlora"}
+STEP_ADDS = {"13": "qlora", "14": "qlora"}
 
 
 def needs_llm(step: str) -> bool:
@@ -810,6 +822,70 @@ class Checklist:
             )
         self.note(QLORA_NOTE)
 
+    def step_14(self) -> None:
+        """scripts/train.py with the LLM as a classifier (its causal LM's body, a new score head) on step 1's work
+        (the demo's reviews, batch 8, max length 128, 3 epochs, no checkpoints) at the script's default learning
+        rates (1e-4 whole, 5e-4 with LoRA): full fine-tuning, LoRA r16 (adapters on the body, the new head whole) and
+        QLoRA (the same on a 4-bit NF4 base, the head kept out of 4-bit): samples/s, peak GPU memory, accuracy, what
+        is saved; LoRA against full, QLoRA against LoRA. The adapters are merged (--merge_lora: QLoRA's merge reads
+        the base again unquantized) and each saved classifier reloads."""
+        s, work, llm = self.sizes, self.results / "step14", self.llm()
+        self.step_record["figures"]["model"] = llm["facts"]["model"]  # its chat records are not this step's work
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        common = ["--model_name_or_path", llm["model_dir"], "--num_train_epochs", s.cls_epochs]
+        common += ["--per_device_train_batch_size", 8, "--max_length", s.cls_max_length, "--seed", 42, *s.cls]
+        common += ["--checkpointing_steps", "no", "--overwrite_output_dir"]
+        cases = {"full": [], "lora": ["--lora_r", 16, "--merge_lora"]}
+        cases["qlora"] = [*cases["lora"], "--load_in_4bit"]
+        if not self.env_has("bitsandbytes"):  # the dry run without requirements-dev.txt's bitsandbytes
+            del cases["qlora"]
+            reason = "bitsandbytes is not installed here (requirements-dev.txt; the payload's qlora set)"
+            self.step_record["runs"]["qlora"] = {"name": "qlora", "status": "skipped", "reason": reason}
+        rows, saved = {}, []
+        for case, options in cases.items():
+            out = work / case
+            command, _ = self.accelerate("single_gpu.yaml", "train.py", *common, *options, "--output_dir", out)
+            run = self.launch(case, command, out / "metrics.json")
+            if run["status"] != "ok":
+                continue
+            run["figures"] = rows[case] = classifier_figures(out, (self.results / run["log"]).read_text())
+            saved.append(out / "merged" if options else out)
+        if saved:
+            reloaded = self.helper("reload", *saved)
+            for case, directory in zip(rows, saved):
+                rows[case]["reloads"] = reloaded[str(directory)]["summary"]
+                if not reloaded[str(directory)]["ok"]:
+                    self.step_record["runs"][case].update(status="failed", error=reloaded[str(directory)]["problem"])
+        figures = self.step_record["figures"]
+        for a, b in (("lora", "full"), ("qlora", "lora"), ("qlora", "full")):
+            if a in rows and b in rows:
+                figures[f"{a}_x_{b}_samples_per_s"] = ratio_of(rows[a]["samples_per_s"], rows[b]["samples_per_s"])
+                figures[f"{a}_x_{b}_peak_gpu_memory"] = ratio_of(
+                    rows[a]["peak_gpu_memory_mib"], rows[b]["peak_gpu_memory_mib"]
+                )
+        figures.update({f"{case}_accuracy": row["accuracy"] for case, row in rows.items()})
+        columns = ["run", "samples/s", "× full", "peak GPU MiB", "× full", "peak RSS MiB", "accuracy", "trainable"]
+        self.table(
+            [*columns, "saved MiB", "reloads"],
+            [
+                [
+                    case,
+                    f(r["samples_per_s"], 2),
+                    ratio(r, rows.get("full"), "samples_per_s"),
+                    f(r["peak_gpu_memory_mib"], 0),
+                    ratio(r, rows.get("full"), "peak_gpu_memory_mib"),
+                    f(r["peak_rss_mib"], 0),
+                    f(r["accuracy"], 4),
+                    r["trainable"],
+                    f(r["saved_mib"], 1),
+                    r.get("reloads"),
+                ]
+                for case, r in rows.items()
+            ],
+        )
+        self.note(CLASSIFIER_NOTE)
+
     def step_3(self) -> None:
         """--torch_compile on the LoRA case (in the dry run, LoRA with packing): compile time (training time
         above the compiled steady state) and speed-up (steady-state tokens/s, compiled over eager), against
@@ -890,7 +966,7 @@ class Checklist:
         data = read_json(work / "run" / "metrics.json")
         first["figures"] = sft_figures(data, self.llm()["facts"], self.peak(), "ours", "full")
         reloaded = self.helper("reload", work / "run", "--reference", work / "run")
-        reload = reloaded["run"]
+        reload = reloaded[str(work / "run")]
         self.step_record["runs"]["reload"] = {
             "name": "reload",
             "status": "ok" if reload["ok"] else "failed",
@@ -948,7 +1024,7 @@ class Checklist:
             if on_cpu_2proc:  # the same helper as step 4's, on a CPU run that is no ZeRO run
                 figures["reload"] = {"summary": "not checked in the dry run"}
             else:
-                figures["reload"] = self.helper("reload", work / name)[name]
+                figures["reload"] = self.helper("reload", work / name)[str(work / name)]
             run["figures"] = figures
             rows.append(
                 [
@@ -1259,6 +1335,14 @@ QLORA_NOTE = (
     "4-bit base over ours on the full-precision base, the same work (below 1: the speed the dequantization costs); "
     "qlora_saves_gpu_mib: the peak GPU memory it saves. MFU counts LoRA's model FLOPs (dequantizing is outside them)."
 )
+CLASSIFIER_NOTE = (
+    "The LLM as train.py's classifier (AutoModelForSequenceClassification: its body, a new score head reading the "
+    "last token that is not padding): full fine-tuning at train.py's default 1e-4, LoRA r16 (alpha 16, dropout "
+    "0.05, every linear layer of the body; the score head trains whole) and QLoRA (the same on a 4-bit NF4 base, "
+    "double quantized, computing in bf16; the head not quantized) at its default 5e-4; bf16 autocast with fp32 "
+    "trainable weights. samples/s: training alone (metrics.json's train_runtime_s); peak GPU memory: the run's "
+    "whole peak, evaluation included. saved MiB: the adapter, or the whole model; merged/ is not counted."
+)
 TRL_DIFFERS = (
     "What differs from TRL: TRL's loss covers the completion's tokens as its chat template renders them (the "
     "answer, <|im_end|> and the newline after it; ours stops at <|im_end|>); TRL computes the LM head at every "
@@ -1302,6 +1386,24 @@ def sft_figures(data: dict, facts: dict, peak: float | None, who: str, case: str
         "records": records,
         "input_tokens": tokens,
         "target_tokens": targets,
+    }
+
+
+def classifier_figures(out: Path, log: str) -> dict:
+    """One train.py run of step 14: its metrics.json, the weights it trained (its log's LoRA line) and saved."""
+    data = read_json(out / "metrics.json")
+    lora = re.search(r"LoRA r=\d+: ([\d,]+) trainable of ([\d,]+) parameters", log)
+    files = [*out.glob("*.safetensors")]  # the adapter, or the whole model (merged/ is not counted)
+    return {
+        "samples_per_s": data["train_samples_per_second"],
+        "train_s": data["train_runtime_s"],
+        "peak_gpu_memory_mib": max(data.get("peak_gpu_memory_mb_per_rank") or [None], key=none_low),
+        "peak_rss_mib": max(data.get("peak_memory_mb_per_rank") or [None], key=none_low),
+        "accuracy": data.get("eval_accuracy"),
+        "f1": data.get("eval_f1"),
+        "trainable": f"{lora.group(1)} of {lora.group(2)}" if lora else "all",
+        "saved_mib": sum(path.stat().st_size for path in files) / 2**20,
+        "mixed_precision": data.get("mixed_precision"),
     }
 
 
@@ -1704,11 +1806,14 @@ def helper_llm_prep(args) -> dict:
         "total_params": sum(p.numel() for p in model.parameters()),
     }
     facts["weights"] = "random (--llm_shape): speed figures only, no accuracy" if args.llm_shape else "the demo's"
-    facts["summary"] = (
+    facts["model"] = (
         ("WEIGHTS DRAWN AT RANDOM, " if args.llm_shape else "")
         + f"{config.model_type}, {facts['total_params'] / 1e6:.1f}M parameters ({facts['linear_params'] / 1e6:.1f}M in "
-        f"the layers' linear maps, LM head {facts['head_params'] / 1e6:.1f}M), {len(lengths)} records of "
-        f"{facts['mean_record_tokens']:.0f} tokens on average (longest {facts['max_record_tokens']})"
+        f"the layers' linear maps, LM head {facts['head_params'] / 1e6:.1f}M)"
+    )
+    facts["summary"] = (
+        f"{facts['model']}, {len(lengths)} records of {facts['mean_record_tokens']:.0f} tokens on average (longest "
+        f"{facts['max_record_tokens']})"
     )
     return {
         "model_dir": model_dir,
@@ -1743,17 +1848,21 @@ def random_weights_llm(shape: Path, target: Path) -> str:
 
 
 def helper_reload(args) -> dict:
-    """Each saved model (args.rest) loads with from_pretrained, with every weight found, and computes
-    finite logits; each one other than --reference gets the largest difference of its weights from it."""
-    return {Path(directory).name: reload_one(Path(directory), args.reference) for directory in args.rest}
+    """Each saved model (args.rest, the keys of the answer) loads with from_pretrained (a causal LM, or a sequence
+    classifier as its config names it), with every weight found, and computes finite logits; each one other than
+    --reference gets the largest difference of its weights from it."""
+    return {directory: reload_one(Path(directory), args.reference) for directory in args.rest}
 
 
 def reload_one(directory: Path, reference: str | None) -> dict:
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    architectures = AutoConfig.from_pretrained(directory).architectures or []
+    classifier = any(name.endswith("ForSequenceClassification") for name in architectures)
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    model, info = auto.from_pretrained(directory, output_loading_info=True)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     with torch.no_grad():
         finite = bool(torch.isfinite(model(**tokenizer("The review says", return_tensors="pt")).logits).all())
@@ -1873,7 +1982,7 @@ def parse_steps(text: str) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,13 (2 = 2a,2b), or all")
+    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,14 (2 = 2a,2b), or all")
     p.add_argument("--dry_run", action="store_true", help="a CPU, tiny sizes: checks the checklist, not the GPU")
     p.add_argument("--results", default=None, help="where the JSON, Markdown and logs go (default outputs/gpu_check)")
     p.add_argument("--budget_s", type=float, default=None, help="start no run that would end after this many seconds")
@@ -1963,10 +2072,10 @@ def main() -> int:
 
 
 # The dry run's two lanes: steps 3 and 13 read step 2a's run, so they share its lane; about equal halves on a CPU
-# (measured 2026-12-07, seconds in the two lanes at once: 1 12, 2a 6, 3 7, 5 21, 8 5, 12 14 against 2b 5, 4 10, 6 4,
-# 7 12, 9 7, 10 14, 11 14; with step 5 in the second lane the halves were 44 s and 87 s; step 13 takes 13 to 14 s,
-# and the dry run 91 s in either lane).
-LANES = [("1", "2a", "3", "5", "8", "12", "13"), ("2b", "4", "6", "7", "9", "10", "11")]
+# (measured 2026-12-07 in tests/test_gpu_check.py, seconds in the two lanes at once: 1 21, 2a 9, 3 10, 5 30, 8 7,
+# 12 26, 13 19 against 2b 10, 4 14, 6 7, 7 21, 9 13, 10 24, 11 21, 14 33; the lanes 129 s and 150 s with step 9 in the
+# second; earlier that day, before step 14, the whole dry run took 91 s on a quicker machine).
+LANES = [("1", "2a", "3", "5", "8", "9", "12", "13"), ("2b", "4", "6", "7", "10", "11", "14")]
 
 
 def run_lanes(args, steps: list[str]) -> int:

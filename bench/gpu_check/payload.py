@@ -11,7 +11,7 @@ Here (network to PyPI; the project's .venv, which builds DeepSpeed's wheel again
 The sets (SETS): `step1`, what step 1 needs (and steps 6 and 8), in one part; `llm`, what every other step
 needs with the demo LLM's weights, in two parts, one per call; `llm_shape`, every step but 1 in one part, with
 the LLM's config and tokenizer (.gpu_payload/llm_shape/, carried beside it) and its weights drawn at random
-there, for the speed figures in a session too short to carry the weights; `qlora`, bitsandbytes for step 13,
+there, for the speed figures in a session too short to carry the weights; `qlora`, bitsandbytes for steps 13 and 14,
 installed beside `llm` or `llm_shape` (it fits no call beside their parts); `pyarrow`, only for a machine whose
 pyarrow is too old. There (the GPU machine, its own python3, no network), each call carrying
 .gpu_payload/manifest.json and its part:
@@ -74,8 +74,8 @@ SETS = {
     # steps then train the demo LLM's architecture with weights drawn at random there (checklist.py --llm_shape).
     "llm_shape": ("every step but 1, in one call: the LLM's weights drawn at random there (speed figures only)", 1),
     # bitsandbytes' wheel (41 MiB: its CUDA kernels for every CUDA from 11.8 to 13.2) fits no call beside a part of
-    # llm or llm_shape, and only step 13 needs it: a call of its own, installed beside one of them
-    "qlora": ("step 13's QLoRA (bitsandbytes), installed beside llm or llm_shape", 1),
+    # llm or llm_shape, and only steps 13 and 14 need it: a call of its own, installed beside one of them
+    "qlora": ("QLoRA's bitsandbytes (steps 13 and 14), installed beside llm or llm_shape", 1),
 }
 LLM_SHAPE = "llm_shape"  # in PAYLOAD: the demo LLM's config and tokenizer, no weights (3.5 MiB), carried as a folder
 LLM_SHAPE_FILES = (
@@ -190,7 +190,7 @@ WHEELS = [
     ),
     Wheel(
         "bitsandbytes==0.50.2",
-        "requirements-dev.txt's pin; QLoRA's 4-bit base (--load_in_4bit, step 13); missing there",
+        "requirements-dev.txt's pin; QLoRA's 4-bit base (--load_in_4bit, steps 13 and 14); missing there",
         41.1,
         ("qlora",),
     ),
