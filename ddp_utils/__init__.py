@@ -24,8 +24,9 @@ Seven sub-packages, each importing only those listed below it (docs/design.md, "
 What the scripts call, one job a line, in the order a script uses it:
   start_run, make_accelerator       the Accelerator, checked by the launch guard (lifecycle/start.py)
   run, UsageError                   a clean exit; bad input as one line (lifecycle/process_exit.py, core/errors.py)
-  add_training_args, add_causal_lm_args, add_lora_args, check_training_args, check_causal_lm_args,
-  check_lora_options, check_data_args, check_positive   the options the scripts share, checked (lifecycle/args.py)
+  add_training_args, add_causal_lm_args, add_lora_args, add_gradient_checkpointing_arg, check_training_args,
+  check_causal_lm_args, check_lora_options, check_data_args, check_positive   the options the scripts share, checked
+                                    (lifecycle/args.py)
   load_on_main_first                the main process reads first, every rank shares its verdict (core/ranks.py)
   refuse_together                   a problem one rank found, refused on every rank (core/ranks.py)
   read_data_files                   local files read, each checked as read (data/data_files.py)
@@ -41,6 +42,8 @@ What the scripts call, one job a line, in the order a script uses it:
   train_in_fp32, describe_optimizer fp32 master weights under mixed precision; the log's line (same)
   load_config_and_tokenizer, load_causal_lm   a causal LM, LoRA, GGUF (language_models/causal_lm.py)
   classifier_4bit_loading, add_classifier_lora   a classifier's QLoRA and LoRA (language_models/classifier_lora.py)
+  checkpoint_if_asked               --gradient_checkpointing: layers recompute their activations
+                                    (training/activation_checkpointing.py)
   StepPlan                          steps, epochs and progress (training/step_plan.py)
   start_training                    output directory (prepare_output_dir), Checkpointer with resume, TrainingLog,
                                     OOMBackoff (lifecycle/start.py)
@@ -70,6 +73,7 @@ from .language_models.classifier_lora import add_classifier_lora, classifier_4bi
 from .language_models.lora import save_with_merged
 from .lifecycle.args import (
     add_causal_lm_args,
+    add_gradient_checkpointing_arg,
     add_lora_args,
     add_training_args,
     check_causal_lm_args,
@@ -82,6 +86,7 @@ from .lifecycle.process_exit import run
 from .lifecycle.start import make_accelerator, start_run, start_training
 from .results.output import prepare_output_dir, save_model
 from .results.report import write_results
+from .training.activation_checkpointing import checkpoint_if_asked
 from .training.exact_loss import count_step, global_mean_loss
 from .training.fsdp import load_pretrained
 from .training.oom_backoff import OOMBackoff
@@ -99,9 +104,11 @@ __all__ = [
     "UsageError",
     "add_causal_lm_args",
     "add_classifier_lora",
+    "add_gradient_checkpointing_arg",
     "add_lora_args",
     "add_training_args",
     "check_causal_lm_args",
+    "checkpoint_if_asked",
     "check_lora_options",
     "classifier_4bit_loading",
     "check_data_args",

@@ -56,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--max_train_samples", type=int, default=None, help="use only N training examples (a sample)")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only N validation examples (a sample)")
     ddp_utils.add_lora_args(p)  # --lora_r: adapters on the pretrained body, the new head whole; --load_in_4bit: QLoRA
+    ddp_utils.add_gradient_checkpointing_arg(p)  # for a large model: its activations recomputed in the backward pass
     ddp_utils.add_training_args(p, lengths=True)  # batch sizes, learning rate, checkpoints, output, tracking
     p.set_defaults(per_device_eval_batch_size=32, output_dir="outputs/train")
     args = p.parse_args(argv)
@@ -150,6 +151,7 @@ def main():
         trust_remote_code=args.trust_remote_code,
         **ddp_utils.classifier_4bit_loading(args, AutoModelForSequenceClassification, config),  # QLoRA: head not 4-bit
     )  # a new head
+    ddp_utils.checkpoint_if_asked(model, args)  # --gradient_checkpointing
     model = ddp_utils.add_classifier_lora(model, args)  # --lora_r: adapters on the body, the new head trains whole
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     multiple = ddp_utils.pad_multiple(accelerator)  # 8 under mixed precision: tensor cores like them

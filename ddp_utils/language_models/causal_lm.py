@@ -24,7 +24,7 @@ from ..core.errors import UsageError
 from ..core.ranks import refuse_together
 from ..data.dataloaders import SAMPLE_WEIGHT
 from ..data.evaluation import gather_for_eval
-from ..training.activation_checkpointing import checkpoint_activations, drop_input_require_grads
+from ..training.activation_checkpointing import checkpoint_if_asked
 from ..training.exact_loss import INPUT_TOKENS
 from ..training.fsdp import load_pretrained
 from ..training.pretrained import build_from_config, causal_lm_class, fetch_weights, load_model_config
@@ -203,14 +203,11 @@ def load_causal_lm(args, config, tokenizer):
             "where a token is learned; use a transformers causal LM that does (Llama, Qwen, Mistral, Gemma, "
             "GPT-2, ...)"
         )
-    if args.gradient_checkpointing:
-        checkpoint_activations(model)
+    checkpoint_if_asked(model, args)  # --gradient_checkpointing
     if args.lora_r:
         from .lora import add_lora
 
         model = add_lora(model, args)
-        if args.gradient_checkpointing:
-            drop_input_require_grads(model.get_base_model())  # peft hooks the embeddings again
     return model
 
 

@@ -19,6 +19,7 @@ from ..checkpoints.write_failure import agree_on_write
 from ..core.errors import UsageError
 from ..core.sharded import is_sharded
 from ..results.output import gathered_state_dict, save_model, saved_dtype, write_pretrained
+from ..training.activation_checkpointing import drop_input_require_grads
 from ..training.zero3_loading import built_whole, zero3_enabled
 from .multimodal import image_processors, parts_text_never_runs, text_config
 from .quantized import is_4bit, merged_unquantized
@@ -221,6 +222,7 @@ def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
             f"its linear layers are {names}"
         ) from None
     fetch_adapted_parameters_under_zero3(model)
+    drop_input_require_grads(model.get_base_model())  # with --gradient_checkpointing peft hooks the embeddings again
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     outside_autocast = CastOutsideAutocast()  # peft reads it at each call: no cast where autocast casts anyway

@@ -316,6 +316,11 @@ def add_lora_args(p) -> None:
     )
 
 
+def add_gradient_checkpointing_arg(p) -> None:
+    """Add --gradient_checkpointing (training.activation_checkpointing.checkpoint_if_asked) to `p`."""
+    p.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations: less memory, slower")
+
+
 def check_lora_options(args) -> None:
     """Refuse LoRA and QLoRA option values that cannot work together, naming the option. Every rank calls it while
     parsing; no communication."""
@@ -350,11 +355,7 @@ def add_causal_lm_args(parser: argparse.ArgumentParser) -> None:
         help="JSON keyword arguments of the chat template, e.g. '{\"enable_thinking\": false}' for Qwen3",
     )
     add_lora_args(p)
-    p.add_argument(
-        "--gradient_checkpointing",
-        action="store_true",
-        help="recompute activations in the backward pass: less memory, ~30%% slower",
-    )
+    add_gradient_checkpointing_arg(p)
     p.add_argument("--torch_compile", action="store_true", help="compile the model with torch.compile (inductor)")
 
 

@@ -3,7 +3,7 @@
 - pretrained.py    load_model_config, fetch_weights: a model from the Hub or a local directory; causal_lm_class:
                    the Auto class that loads a causal LM whole (one that also reads images too); shared_weights
 - fsdp.py          load_pretrained (under FSDP only rank 0 reads the weights), fixes to Accelerate's FSDP2 preparation
-- activation_checkpointing.py  checkpoint_activations: --gradient_checkpointing and the FSDP config's option alike
+- activation_checkpointing.py  checkpoint_if_asked (--gradient_checkpointing) and the FSDP config's option alike
 - zero3_loading.py under DeepSpeed ZeRO-3, a checkpoint whose head has another shape loaded whole
 - optimizer.py     make_adamw, make_lr_scheduler, train_in_fp32
 - step_plan.py     StepPlan: steps, epochs, progress; dropout seeded per micro-batch

@@ -41,6 +41,22 @@ def checkpoint_activations(model, offload: bool = False) -> None:
     drop_input_require_grads(model)  # now: a second enable (peft's) would orphan transformers' hook
 
 
+def checkpoint_if_asked(model, args) -> None:
+    """--gradient_checkpointing: each of `model`'s layers (a transformers model) recomputes its activations in the
+    backward pass instead of keeping them (`checkpoint_activations`), dropout's masks drawn again as in the forward
+    pass. A model that transformers cannot checkpoint is refused in one line. Call it before adding LoRA. No
+    communication."""
+    if not getattr(args, "gradient_checkpointing", False):
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UsageError(
+            f"--gradient_checkpointing: {type(model).__name__} cannot recompute its activations in transformers (it "
+            "does not support gradient checkpointing); drop the option, or lower --per_device_train_batch_size"
+        )
+    checkpoint_activations(model)
+    logger.info("gradient checkpointing: each layer's activations recomputed in the backward pass")
+
+
 def checkpoint_for_fsdp(model, offload: bool = False) -> None:
     """Checkpoint `model`'s layers (a transformers model, or a peft model around one) where the launch config asks
     FSDP for activation checkpointing (with `offload`: `fsdp_activation_checkpointing_offload`), unless
