@@ -73,6 +73,7 @@ def parse_args(argv=None):
         default=None,
         help="use only N validation images, of mixed classes",
     )
+    ddp_utils.add_gradient_checkpointing_arg(p)  # for a large model: its activations recomputed in the backward pass
     ddp_utils.add_training_args(p)  # batch sizes, learning rate, checkpoints, output, tracking
     p.set_defaults(per_device_train_batch_size=32, per_device_eval_batch_size=64, output_dir="outputs/train_image")
     p.set_defaults(num_train_epochs=None, metric_for_best_model="eval_accuracy")  # epochs: set below
@@ -166,6 +167,7 @@ def main():
             ignore_mismatched_sizes=True,
             trust_remote_code=args.trust_remote_code,
         )  # a new head
+    ddp_utils.checkpoint_if_asked(model, args)  # --gradient_checkpointing
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     # One forward pass on a blank image: a model that cannot take its processor's output is refused now, and DDP is
     # told of parameters that never reach the logits (DINOv2's mask token, CLIP's and SigLIP's unused pooling).

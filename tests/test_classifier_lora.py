@@ -5,9 +5,8 @@
   the saved adapter reloads with the model card's code (its labels saved beside it) and computes what was trained;
 - 2 processes and 1 with accumulation train the same adapter and head (LoRA dropout on, as by default), a resumed
   run ends bit for bit as an uninterrupted one, and --merge_lora's model loads alone and computes the same;
-- QLoRA keeps the head unquantized, trains, and merges into the unquantized weights;
-- --gradient_checkpointing gives every family's adapters and head the gradients they get without it, and trains the
-  same whole model on 2 processes; a family transformers cannot checkpoint is refused in one line."""
+- QLoRA keeps the head unquantized, trains (with gradient checkpointing), and merges into the unquantized weights.
+--gradient_checkpointing itself: tests/test_gradient_checkpointing.py."""
 
 import json
 import logging
@@ -317,71 +316,3 @@ def test_lora_trains_the_classifier_under_fsdp2_and_zero3_as_ddp_does(sharded, t
         assert sorted(ours) == sorted(theirs)
         for key in theirs:
             np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_gradient_checkpointing_gives_lora_the_gradients_it_gets_without(family, tmp_path):
-    """--gradient_checkpointing with LoRA on each family, dropout on as users run it: the recomputed layers draw the
-    forward pass's dropout masks again, so every trainable weight gets the gradient it gets without checkpointing,
-    and no hook makes the embeddings' output require a gradient (peft adds one, which only reentrant checkpointing
-    needs). A family transformers cannot checkpoint (ALBERT, MPNet) is refused in one line, naming the fix."""
-    from accelerate import Accelerator
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    import ddp_utils
-    from ddp_utils import UsageError
-
-    Accelerator(cpu=True)
-    source = save_family(family, tmp_path / family)
-    config = AutoConfig.from_pretrained(source, num_labels=3)
-    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
-
-    def gradients(checkpointing: bool) -> dict:
-        flags = ["--model_name_or_path", str(source), "--lora_r", "4", "--seed", "0"]
-        args = load_script("train").parse_args(flags + (["--gradient_checkpointing"] if checkpointing else []))
-        torch.manual_seed(0)  # the same new head
-        model = ddp_utils.load_pretrained(AutoModelForSequenceClassification, str(source), config=config)
-        ddp_utils.checkpoint_if_asked(model, args)
-        model = ddp_utils.add_classifier_lora(model, args)
-        assert model.get_base_model().is_activation_checkpointing == checkpointing
-        assert not model.get_input_embeddings()._forward_hooks, "no hook makes the embeddings' output require grad"
-        with torch.no_grad():  # B starts at zero: the adapters' A would get no gradient
-            for name, parameter in model.named_parameters():
-                if "lora_B" in name:
-                    parameter.normal_(std=0.1)
-        model.train()
-        torch.manual_seed(1)  # the same dropout masks
-        torch.nn.functional.cross_entropy(model(**batch).logits, torch.tensor([0, 1, 2])).backward()
-        return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
-
-    if family in ("albert", "mpnet"):
-        with pytest.raises(UsageError, match=r"^--gradient_checkpointing: .* cannot recompute its activations in "
-                                             r"transformers .*; drop the option"):  # fmt: skip
-            gradients(checkpointing=True)
-        return
-    plain, checkpointed = gradients(False), gradients(True)
-    assert sorted(plain) == sorted(checkpointed) and not [name for name, g in checkpointed.items() if g is None]
-    assert any(g.abs().max() > 0 for name, g in checkpointed.items() if "lora_A" in name)
-    for name, grad in plain.items():
-        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
-
-
-def test_gradient_checkpointing_trains_the_same_classifier_on_two_processes(tiny_data, tmp_path):
-    """train.py --gradient_checkpointing, the whole tiny BERT with dropout 0.1 on 2 processes: the same model as
-    without, and the log says it checkpointed."""
-    model = make_tiny_model(tmp_path / "bert", dropout=0.1)
-    args = ["--max_train_steps", 3, "--report_to", "none", "--checkpointing_steps", "no"]
-    saved = {}
-    for checkpointing in (False, True):
-        output_dir = tmp_path / f"checkpointing-{checkpointing}"
-        flag = ["--gradient_checkpointing"] if checkpointing else []
-        run = launch(TRAIN, *train_args(model, tiny_data, output_dir, *args, *flag))
-        assert run.returncode == 0, run.output[-3000:]
-        assert ("each layer's activations recomputed in the backward pass" in run.output) == checkpointing
-        saved[checkpointing] = load_file(str(output_dir / "model.safetensors"))
-    assert sorted(saved[True]) == sorted(saved[False])
-    for key, value in saved[False].items():
-        np.testing.assert_allclose(saved[True][key], value, rtol=1e-5, atol=1e-6, err_msg=key)

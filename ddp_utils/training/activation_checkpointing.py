@@ -53,6 +53,7 @@ def checkpoint_if_asked(model, args) -> None:
             f"--gradient_checkpointing: {type(model).__name__} cannot recompute its activations in transformers (it "
             "does not support gradient checkpointing); drop the option, or lower --per_device_train_batch_size"
         )
+    refuse_batchnorm_recomputed(model, "--gradient_checkpointing")
     checkpoint_activations(model)
     logger.info("gradient checkpointing: each layer's activations recomputed in the backward pass")
 
@@ -73,6 +74,7 @@ def checkpoint_for_fsdp(model, offload: bool = False) -> None:
             f"the launch config asks for fsdp_activation_checkpointing, which {type(base).__name__} does not "
             "support in transformers; set fsdp_activation_checkpointing: false in it"
         )
+    refuse_batchnorm_recomputed(base, "the launch config's fsdp_activation_checkpointing")
     checkpoint_activations(base, offload=offload)
     logger.info(
         "FSDP2: fsdp_activation_checkpointing checkpoints each layer as --gradient_checkpointing does, with "
@@ -80,6 +82,24 @@ def checkpoint_for_fsdp(model, offload: bool = False) -> None:
         "rename the layers' weights",
         main_process_only=True,
     )
+
+
+BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+
+
+def refuse_batchnorm_recomputed(model, option: str) -> None:
+    """Refuse checkpointing a model whose checkpointed layers (transformers' GradientCheckpointingLayer; the whole
+    model where it has none) hold BatchNorm: recomputed in the backward pass, each one would update its running
+    statistics a second time every step (MobileViT's: `num_batches_tracked` 2 a step, the running means moved
+    twice), and the saved model would normalise with other statistics than training's. No communication."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)] or [model]
+    if any(isinstance(m, BATCH_NORMS) for layer in layers for m in layer.modules()):
+        raise UsageError(
+            f"{option}: {type(model).__name__}'s checkpointed layers hold BatchNorm, whose running statistics "
+            "the recomputation would update a second time every step; drop it (or lower the batch size)"
+        )
 
 
 def drop_input_require_grads(model) -> None:
