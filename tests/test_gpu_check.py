@@ -13,13 +13,13 @@
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import shutil
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -28,16 +28,21 @@ import torch
 
 from conftest import REPO, launch_env, make_tiny_causal_lm
 
-CHECKLIST = REPO / "bench" / "gpu_check" / "checklist.py"
-PAYLOAD = REPO / "bench" / "gpu_check" / "payload.py"
-
-
-def load(path):
-    spec = importlib.util.spec_from_file_location(f"gpu_check_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+GPU_CHECK = REPO / "bench" / "gpu_check"
+CHECKLIST = GPU_CHECK / "checklist.py"
+# The checklist's and the payload's modules import each other by name, as they do when checklist.py or payload.py
+# runs as a script (its folder first on sys.path).
+sys.path.insert(0, str(GPU_CHECK))
+import checklist  # noqa: E402
+import checklist_figures  # noqa: E402
+import checklist_helpers  # noqa: E402
+import checklist_plan  # noqa: E402
+import checklist_report  # noqa: E402
+import checklist_steps  # noqa: E402
+import checklist_util  # noqa: E402
+import payload_install  # noqa: E402
+import payload_pack  # noqa: E402
+import payload_wheels  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -204,12 +209,13 @@ def test_the_runner_records_a_compiled_run_with_the_standard_library_alone():
     code = """
 import sys
 sys.path.insert(0, "bench/gpu_check")
-import checklist
+import checklist  # the whole runner: every module it imports
+from checklist_bench_steps import BenchSteps
 class Step:
     step_record = {"figures": {}}
 figures = {"ours": {"per_s": 2.0, "steady_per_s": 2.5}, "trl": {"per_s": 1.0},
            "ours_compiled": {"per_s": 3.0, "steady_per_s": 5.0, "compiled_graphs": 1, "graph_breaks": 0}}
-checklist.Checklist.record_compiled_against_trl(Step(), figures)
+BenchSteps.record_compiled_against_trl(Step(), figures)
 assert "torch" not in sys.modules and "ddp_utils" not in sys.modules, "the runner imported more than the stdlib"
 print(sorted(Step.step_record["figures"].items()))
 """
@@ -229,7 +235,6 @@ print(sorted(Step.step_record["figures"].items()))
 
 
 def test_a_step_that_raises_is_recorded_and_the_next_step_runs(tmp_path):
-    checklist = load(CHECKLIST)
     args = argparse.Namespace(
         dry_run=True, results=str(tmp_path), budget_s=None, site=None, copy_to=None, fresh=True, steps="1,6"
     )
@@ -250,7 +255,6 @@ def test_a_step_whose_run_was_cut_at_the_budget_is_still_to_run(tmp_path):
     """Session 3's step 3: its eager run finished and its compiled run was cut at --budget_s; the step read "ok",
     with no figures, so the plan would have counted it as done. Session 4's: its compiled run was not started, for
     the time left, and the step read "ok" too."""
-    checklist = load(CHECKLIST)
     args = argparse.Namespace(
         dry_run=True, results=str(tmp_path), budget_s=None, site=None, copy_to=None, fresh=True, steps="3"
     )
@@ -261,7 +265,7 @@ def test_a_step_whose_run_was_cut_at_the_budget_is_still_to_run(tmp_path):
     step = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["3"]
     assert step["status"] == "skipped" and step["reason"] == "compiled: stopped after 438 s"
     # Session 4's: the compiled run not started, for the budget's 58 s left against its 228; the step read "ok".
-    runner.deadline = checklist.time.monotonic() + 1  # what --budget_s 1 sets
+    runner.deadline = time.monotonic() + 1  # what --budget_s 1 sets
 
     def eager_only():
         runner.step_record["runs"]["eager"] = {"name": "eager", "status": "ok"}
@@ -279,7 +283,6 @@ def test_a_step_whose_run_was_cut_at_the_budget_is_still_to_run(tmp_path):
 
 def test_steps_9_and_10_alone_have_the_llm_prepared_for_them(tmp_path):
     """Call 5 runs --steps 9,10 alone: the environment helper must prepare the LLM they pass as --model."""
-    checklist = load(CHECKLIST)
     args = argparse.Namespace(
         dry_run=True, results=str(tmp_path), budget_s=None, site=None, copy_to=None, fresh=True, steps="9,10"
     )
@@ -292,28 +295,28 @@ def test_steps_9_and_10_alone_have_the_llm_prepared_for_them(tmp_path):
 
 
 def test_the_error_line_is_the_line_that_says_why():
-    checklist = load(CHECKLIST)
     ours = "loading\n[rank 0] error: --max_length 900 is above this model's limit\nTraceback\nChildFailedError: x\n"
-    assert checklist.error_line(ours, 2) == "[rank 0] error: --max_length 900 is above this model's limit"
+    assert checklist_util.error_line(ours, 2) == "[rank 0] error: --max_length 900 is above this model's limit"
     python = "Traceback (most recent call last):\n  File x\nValueError: bad value\n"
-    assert checklist.error_line(python, 1) == "ValueError: bad value"
-    assert checklist.error_line("something\nlast words\n", 3) == "exit 3: last words"
+    assert checklist_util.error_line(python, 1) == "ValueError: bad value"
+    assert checklist_util.error_line("something\nlast words\n", 3) == "exit 3: last words"
 
 
 def test_model_flops_count_what_each_kind_of_training_computes():
-    checklist = load(CHECKLIST)
     facts = {"linear_params": 100, "head_params": 10, "layers": 2, "attention_width": 4, "mean_tokens_attended": 5}
     facts["lora_params"] = 1
     # 1,000 tokens, 50 of them targets; attention: 2 layers x width 4 x 5 tokens attended x 4 FLOPs (scores, sum)
     attention = 4 * 2 * 4 * 5 * 1000
     forward = 2 * 100 * 1000 + 2 * 10 * 50 + attention
-    assert checklist.model_flops(facts, 1000, 50, lora=False) == 3 * forward
+    assert checklist_figures.model_flops(facts, 1000, 50, lora=False) == 3 * forward
     # LoRA: no gradients of the frozen weights: their matmuls and the head twice, attention thrice, the adapters 6x.
-    assert checklist.model_flops(facts, 1000, 50, lora=True) == 2 * (forward - attention) + 3 * attention + 6 * 1000
+    assert (
+        checklist_figures.model_flops(facts, 1000, 50, lora=True)
+        == 2 * (forward - attention) + 3 * attention + 6 * 1000
+    )
 
 
 def test_graph_breaks_are_counted_by_place_from_dynamos_log():
-    checklist = load(CHECKLIST)
     prefix = "V1125 11:12:32.899000 1 torch/_dynamo/symbolic_convert.py:5124] [0/0] [__graph_breaks] "
     first = [
         "Graph break in user code at /x/transformers/modeling_utils.py:5113",
@@ -329,14 +332,14 @@ def test_graph_breaks_are_counted_by_place_from_dynamos_log():
     ]
     other = ["Graph break in user code at /x/peft/peft_model.py:2119", "Graph Break Reason: Unsupported thing"]
     log = "\n".join(prefix + line for line in first + again + ["train: 10%"] + other) + "\nRecompiling function\n"
-    assert checklist.graph_breaks(log) == {
+    assert checklist_figures.graph_breaks(log) == {
         "graph_breaks": 3,
         "graph_break_places": {
             "modeling_utils.py:5113: aten.nonzero.default": 2,
             "peft_model.py:2119: Unsupported thing": 1,
         },
     }
-    assert checklist.graph_breaks("no dynamo here") == {"graph_breaks": 0, "graph_break_places": {}}
+    assert checklist_figures.graph_breaks("no dynamo here") == {"graph_breaks": 0, "graph_break_places": {}}
 
 
 def fake_wheel(directory, name, version, payload_bytes=3000, weights=None):
@@ -376,19 +379,20 @@ def test_the_payload_travels_in_sets_and_installs_offline_call_after_call(tmp_pa
     import numpy as np
     from safetensors.numpy import load_file
 
-    payload = load(PAYLOAD)
     here = tmp_path / "here"
-    monkeypatch.setattr(payload, "PAYLOAD", here)
-    monkeypatch.setattr(payload, "STASH", tmp_path / "stash")
-    monkeypatch.setattr(payload, "PART_BYTES", 8192)
-    monkeypatch.setattr(payload, "SETS", {"step1": ("test", 9), "llm": ("test", 9)})
+    # pack looks the payload's data up in payload_pack (which imported it), receive and install in payload_install
+    monkeypatch.setattr(payload_pack, "PAYLOAD", here)
+    monkeypatch.setattr(payload_install, "PAYLOAD", here)
+    monkeypatch.setattr(payload_install, "STASH", tmp_path / "stash")
+    monkeypatch.setattr(payload_pack, "PART_BYTES", 8192)
+    monkeypatch.setattr(payload_pack, "SETS", {"step1": ("test", 9), "llm": ("test", 9)})
     monkeypatch.setattr(
-        payload,
+        payload_pack,
         "WHEELS",
         [
-            payload.Wheel("gpucheck_base==1.0", "every step", 0.1, ("step1", "llm")),
-            payload.Wheel("gpucheck_model==1.0", "step 1's model", 0.1, ("step1",), half=True),
-            payload.Wheel("gpucheck_llm==2.0", "the LLM", 0.1, ("llm",)),
+            payload_wheels.Wheel("gpucheck_base==1.0", "every step", 0.1, ("step1", "llm")),
+            payload_wheels.Wheel("gpucheck_model==1.0", "step 1's model", 0.1, ("step1",), half=True),
+            payload_wheels.Wheel("gpucheck_llm==2.0", "the LLM", 0.1, ("llm",)),
         ],
     )
     wheels = here / "wheels"
@@ -398,7 +402,7 @@ def test_the_payload_travels_in_sets_and_installs_offline_call_after_call(tmp_pa
     fake_wheel(wheels, "gpucheck_base", "1.0")
     fake_wheel(wheels, "gpucheck_model", "1.0", weights=weights)
     fake_wheel(wheels, "gpucheck_llm", "2.0", payload_bytes=20000)
-    assert payload.pack(None) == 0
+    assert payload_pack.pack(None) == 0
     manifest = json.loads((here / "manifest.json").read_text())
     step1, llm = manifest["sets"]["step1"]["parts"], manifest["sets"]["llm"]["parts"]
     assert len(step1) >= 2 and len(llm) > len(step1), (step1, llm)  # PART_BYTES is tiny here
@@ -415,10 +419,10 @@ def test_the_payload_travels_in_sets_and_installs_offline_call_after_call(tmp_pa
         assert f"gpucheck_model/model.safetensors,sha256={digest},{len(data)}" in record
 
     # A set needing more parts than the call plan has is refused.
-    monkeypatch.setattr(payload, "SETS", {"step1": ("test", 1), "llm": ("test", 9)})
-    assert payload.pack(None) == 1
-    monkeypatch.setattr(payload, "SETS", {"step1": ("test", 9), "llm": ("test", 9)})
-    assert payload.pack(None) == 0
+    monkeypatch.setattr(payload_pack, "SETS", {"step1": ("test", 1), "llm": ("test", 9)})
+    assert payload_pack.pack(None) == 1
+    monkeypatch.setattr(payload_pack, "SETS", {"step1": ("test", 9), "llm": ("test", 9)})
+    assert payload_pack.pack(None) == 0
 
     parts = {
         p["name"]: (here / p["name"]).read_bytes() for p in json.loads((here / "manifest.json").read_text())["parts"]
@@ -432,13 +436,14 @@ def test_the_payload_travels_in_sets_and_installs_offline_call_after_call(tmp_pa
             old.unlink()
         for name in names:
             (here / name).write_bytes(b"corrupted" if corrupt else parts[name])
-        return payload.receive(None)
+        return payload_install.receive(None)
 
     site = tmp_path / "site"
     assert call(step1[0], corrupt=True) == 1  # a corrupt part is refused, and said so
     assert all(call(name) == 0 for name in step1)  # one part per call: the stash keeps the earlier ones
-    assert payload.install(argparse.Namespace(site=str(site), sets=None)) == 0  # step1 only: llm has no part here
-    installed = json.loads((site / payload.INSTALLED_MARKER).read_text())
+    # step1 only: llm has no part here
+    assert payload_install.install(argparse.Namespace(site=str(site), sets=None)) == 0
+    installed = json.loads((site / payload_wheels.INSTALLED_MARKER).read_text())
     assert installed["sets"] == ["step1"] and installed["installed"] == {
         "gpucheck_base": "1.0",
         "gpucheck_model": "1.0",
@@ -446,13 +451,13 @@ def test_the_payload_travels_in_sets_and_installs_offline_call_after_call(tmp_pa
     restored = load_file(site / "gpucheck_model" / "model.safetensors")
     assert restored["w"].dtype == np.float32 and np.array_equal(restored["w"], weights["w"].astype(np.float16))
     assert np.array_equal(restored["ids"], weights["ids"])
-    assert payload.install(argparse.Namespace(site=str(site), sets=None)) == 0  # nothing new: nothing done
+    assert payload_install.install(argparse.Namespace(site=str(site), sets=None)) == 0  # nothing new: nothing done
 
     assert all(call(name) == 0 for name in llm[:-1])
-    assert payload.install(argparse.Namespace(site=str(site), sets=None)) == 1  # its last part missing: refused
+    assert payload_install.install(argparse.Namespace(site=str(site), sets=None)) == 1  # its last part missing: refused
     assert call(llm[-1]) == 0
-    assert payload.install(argparse.Namespace(site=str(site), sets=None)) == 0
-    installed = json.loads((site / payload.INSTALLED_MARKER).read_text())
+    assert payload_install.install(argparse.Namespace(site=str(site), sets=None)) == 0
+    installed = json.loads((site / payload_wheels.INSTALLED_MARKER).read_text())
     assert installed["sets"] == ["step1", "llm"]
     assert installed["installed"] == {"gpucheck_base": "1.0", "gpucheck_model": "1.0", "gpucheck_llm": "2.0"}
     assert [h["sets"] for h in installed["history"]] == [["step1"], ["llm"]]
@@ -465,28 +470,27 @@ def test_the_payload_travels_in_sets_and_installs_offline_call_after_call(tmp_pa
     assert check.stdout.strip() == "2.0", check.stderr
 
     # A machine started afresh: its stash is empty, so the LLM's last part alone cannot be installed.
-    monkeypatch.setattr(payload, "STASH", tmp_path / "fresh_stash")
+    monkeypatch.setattr(payload_install, "STASH", tmp_path / "fresh_stash")
     assert call(llm[-1]) == 0
-    assert payload.install(argparse.Namespace(site=str(tmp_path / "fresh_site"), sets=None)) == 1
+    assert payload_install.install(argparse.Namespace(site=str(tmp_path / "fresh_site"), sets=None)) == 1
 
 
 def test_the_call_plan_fits_each_session_and_runs_every_step_not_yet_run_on_a_gpu():
-    """README's device calls (checklist.CALLS), session by session: each session fits its 15 device minutes;
+    """README's device calls (checklist_plan.CALLS), session by session: each session fits its 15 device minutes;
     each call carries at most 64 MiB (its parts, the LLM's shape, the manifest and the working tree); each step
     runs after its set is installed in that session (a session starts a bare machine), and each call's
     estimated seconds fit its --budget_s; every step that has not yet run on a GPU is planned; README shows it."""
-    checklist, payload = load(CHECKLIST), load(PAYLOAD)
-    calls, rows = checklist.CALLS, checklist.plan()
+    calls, rows = checklist_plan.CALLS, checklist_plan.plan()
     # Sessions 1 to 4: GPU_S holds their runs (step 12's ran in session 4, and it runs again with a third contender)
     ran_on_a_gpu = {"1", "2a", "3", "4", "7", "9", "10"}
-    assert ran_on_a_gpu <= {step for step, _ in checklist.GPU_S}
-    assert set(checklist.STEPS) - ran_on_a_gpu <= {s for call in calls for s in call["steps"]}
+    assert ran_on_a_gpu <= {step for step, _ in checklist_plan.GPU_S}
+    assert set(checklist_steps.STEPS) - ran_on_a_gpu <= {s for call in calls for s in call["steps"]}
 
-    tree = payload.tree_bytes()  # what every call sends besides its parts and the manifest (1.4 MiB)
+    tree = payload_pack.tree_bytes()  # what every call sends besides its parts and the manifest (1.4 MiB)
     sizes = {}
-    for name, (_, count) in payload.SETS.items():
-        size = sum(w.mib for w in payload.WHEELS if name in w.sets) * 2**20 * 1.01  # tar headers
-        assert math.ceil(size / payload.PART_BYTES) == count, name  # the parts the plan carries
+    for name, (_, count) in payload_wheels.SETS.items():
+        size = sum(w.mib for w in payload_wheels.WHEELS if name in w.sets) * 2**20 * 1.01  # tar headers
+        assert math.ceil(size / payload_wheels.PART_BYTES) == count, name  # the parts the plan carries
         sizes.update({f"{name}-{i}": size / count for i in range(1, count + 1)})
     sizes["llm_shape"] = 3.5 * 2**20  # the LLM's config and tokenizer (payload.py pack measures it)
     session, carried, installed, session_s = None, [], set(), {}
@@ -494,20 +498,20 @@ def test_the_call_plan_fits_each_session_and_runs_every_step_not_yet_run_on_a_gp
         if call["session"] != session:  # a bare machine
             session, carried, installed = call["session"], [], set()
         carried += call["carry"]
-        assert sum(sizes[name] for name in call["carry"]) + tree + 64 * 2**10 <= payload.CALL_BYTES, call
+        assert sum(sizes[name] for name in call["carry"]) + tree + 64 * 2**10 <= payload_wheels.CALL_BYTES, call
         if call["install"]:  # a set installs once all its parts have come
-            for name, (_, count) in payload.SETS.items():
+            for name, (_, count) in payload_wheels.SETS.items():
                 if all(f"{name}-{i}" in carried for i in range(1, count + 1)):
                     installed.add(name)
         for step in call["steps"]:
-            assert checklist.sets_missing(step, call["shape"], installed) is None, (step, installed)
-            assert not checklist.needs_llm(step) or not call["shape"] or "llm_shape" in carried, step
+            assert checklist_plan.sets_missing(step, call["shape"], installed) is None, (step, installed)
+            assert not checklist_plan.needs_llm(step) or not call["shape"] or "llm_shape" in carried, step
         assert row["checklist_s"] <= row["budget_s"] and row["timeout_s"] <= 600, row
         assert len(row["command"]) <= 2000
         session_s[session] = session_s.get(session, 0) + row["device_s"]
-    assert all(seconds <= checklist.SESSION_S for seconds in session_s.values()), session_s
+    assert all(seconds <= checklist_plan.SESSION_S for seconds in session_s.values()), session_s
     readme = (REPO / "bench" / "gpu_check" / "README.md").read_text()
-    assert checklist.plan_markdown(rows) in readme, "README's call plan differs from checklist.py --plan"
+    assert checklist_plan.plan_markdown(rows) in readme, "README's call plan differs from checklist.py --plan"
 
 
 def test_require_site_runs_only_the_steps_whose_set_is_installed(tmp_path):
@@ -534,17 +538,16 @@ def test_an_llm_step_runs_on_the_llm_shape_set_only_with_llm_shape(tmp_path):
     """A session too short to carry the LLM's weights installs `llm_shape` (every wheel but the demo models):
     the LLM steps run on it only with --llm_shape (weights drawn at random); the steps without the LLM on any set
     with the base wheels; step 13 only where the qlora set (bitsandbytes) is installed too."""
-    checklist = load(CHECKLIST)
-    assert checklist.step_sets("2a", llm_shape=False) == ("llm",)
-    assert "llm_shape" in checklist.step_sets("9", llm_shape=True)
-    assert "llm_shape" in checklist.step_sets("6", llm_shape=False)  # the image demo needs no LLM
-    assert checklist.step_sets("1", llm_shape=True) == ("step1",)  # the MiniLM travels in step 1's set alone
+    assert checklist_plan.step_sets("2a", llm_shape=False) == ("llm",)
+    assert "llm_shape" in checklist_plan.step_sets("9", llm_shape=True)
+    assert "llm_shape" in checklist_plan.step_sets("6", llm_shape=False)  # the image demo needs no LLM
+    assert checklist_plan.step_sets("1", llm_shape=True) == ("step1",)  # the MiniLM travels in step 1's set alone
     # QLoRA needs bitsandbytes as well: the qlora set, installed beside an LLM's set (it fits no call with their parts)
-    assert checklist.sets_missing("13", llm_shape=False, installed={"llm"}) == "qlora"
-    assert checklist.sets_missing("13", llm_shape=True, installed={"qlora"}) == "llm or llm_shape"
-    assert checklist.sets_missing("13", llm_shape=True, installed={"llm_shape", "qlora"}) is None
-    assert checklist.sets_missing("2a", llm_shape=False, installed={"llm"}) is None
-    assert checklist.sets_missing("14", llm_shape=False, installed={"llm"}) == "qlora"  # train.py's QLoRA run too
+    assert checklist_plan.sets_missing("13", llm_shape=False, installed={"llm"}) == "qlora"
+    assert checklist_plan.sets_missing("13", llm_shape=True, installed={"qlora"}) == "llm or llm_shape"
+    assert checklist_plan.sets_missing("13", llm_shape=True, installed={"llm_shape", "qlora"}) is None
+    assert checklist_plan.sets_missing("2a", llm_shape=False, installed={"llm"}) is None
+    assert checklist_plan.sets_missing("14", llm_shape=False, installed={"llm"}) == "qlora"  # train.py's QLoRA run too
 
 
 def test_the_llm_shape_becomes_a_model_with_random_weights_that_loads(tmp_path):
@@ -552,15 +555,14 @@ def test_the_llm_shape_becomes_a_model_with_random_weights_that_loads(tmp_path):
     at random (seeded), which from_pretrained loads with every weight found, and the tokenizer with it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    checklist = load(CHECKLIST)
     source = make_tiny_causal_lm(tmp_path / "source", chat_template=True)
     shape = tmp_path / "shape"
     shape.mkdir()
     for path in source.iterdir():  # what payload.py's write_llm_shape keeps: no weights
         if not path.name.endswith(".safetensors"):
             shutil.copy2(path, shape / path.name)
-    first = Path(checklist.random_weights_llm(shape, tmp_path / "random"))
-    again = checklist.random_weights_llm(shape, tmp_path / "random_again")
+    first = Path(checklist_helpers.random_weights_llm(shape, tmp_path / "random"))
+    again = checklist_helpers.random_weights_llm(shape, tmp_path / "random_again")
     model, info = AutoModelForCausalLM.from_pretrained(first, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     original = AutoModelForCausalLM.from_pretrained(source)
@@ -691,7 +693,6 @@ def test_attention_shapes_logs_each_training_steps_attention_and_not_generations
 def test_the_report_merges_the_calls_json_with_later_steps_winning_and_each_call_once(tmp_path):
     """`checklist.py --report`: a warm machine's JSON already holds its earlier calls, which the merge lists once
     (session 2's table listed its first call twice); a step a later call ran again takes that call's record."""
-    checklist = load(CHECKLIST)
     session2 = json.loads((REPO / "bench/gpu_check/results/2026-11-26-h200-session2/gpu_check.json").read_text())
     first = {
         **session2,
@@ -703,7 +704,7 @@ def test_the_report_merges_the_calls_json_with_later_steps_winning_and_each_call
     args = argparse.Namespace(
         report=[str(tmp_path / "1.json"), str(tmp_path / "2.json")], results=str(tmp_path / "out")
     )
-    assert checklist.report(args) == 0
+    assert checklist_report.report(args) == 0
     merged = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert [call["steps"] for call in merged["calls"]] == ["10,9", "9"]
     assert merged["steps"]["9"]["status"] == "ok" and merged["steps"]["10"] == session2["steps"]["10"]
