@@ -24,9 +24,10 @@ Seven sub-packages, each importing only those listed below it (docs/design.md, "
 What the scripts call, one job a line, in the order a script uses it:
   start_run, make_accelerator       the Accelerator, checked by the launch guard (lifecycle/start.py)
   run, UsageError                   a clean exit; bad input as one line (lifecycle/process_exit.py, core/errors.py)
-  add_training_args, add_causal_lm_args, add_lora_args, add_gradient_checkpointing_arg, check_training_args,
-  check_causal_lm_args, check_lora_options, check_data_args, check_positive   the options the scripts share, checked
-                                    (lifecycle/args.py)
+  add_training_args, check_training_args, check_data_args, check_positive   the options the scripts share,
+                                    checked (lifecycle/args.py)
+  add_lora_args, add_gradient_checkpointing_arg, add_causal_lm_args, check_lora_options, check_causal_lm_args
+                                    the model options: LoRA, QLoRA, checkpointing (lifecycle/model_args.py)
   load_on_main_first                the main process reads first, every rank shares its verdict (core/ranks.py)
   refuse_together                   a problem one rank found, refused on every rank (core/ranks.py)
   read_data_files                   local files read, each checked as read (data/data_files.py)
@@ -71,16 +72,13 @@ from .data.raw_data import check_splits, named_splits, preparation_processes
 from .language_models.causal_lm import load_causal_lm, load_config_and_tokenizer
 from .language_models.classifier_lora import add_classifier_lora, classifier_4bit_loading
 from .language_models.lora import save_with_merged
-from .lifecycle.args import (
+from .lifecycle.args import add_training_args, check_data_args, check_positive, check_training_args
+from .lifecycle.model_args import (
     add_causal_lm_args,
     add_gradient_checkpointing_arg,
     add_lora_args,
-    add_training_args,
     check_causal_lm_args,
-    check_data_args,
     check_lora_options,
-    check_positive,
-    check_training_args,
 )
 from .lifecycle.process_exit import run
 from .lifecycle.start import make_accelerator, start_run, start_training

@@ -21,7 +21,7 @@ from accelerate.logging import get_logger
 from transformers import AutoConfig, AutoModelForImageClassification
 
 import ddp_utils
-from ddp_utils import SAMPLE_WEIGHT
+from ddp_utils import SAMPLE_WEIGHT, UsageError
 from ddp_utils.data.classification import CLASSIFICATION_SCORES
 from ddp_utils.data.demo import demo_resnet_path, load_demo_digits
 from ddp_utils.data.image_columns import image_columns
@@ -73,6 +73,7 @@ def parse_args(argv=None):
         default=None,
         help="use only N validation images, of mixed classes",
     )
+    ddp_utils.add_lora_args(p, text=False)  # --lora_r: adapters on the pretrained body, the new head trained whole
     ddp_utils.add_gradient_checkpointing_arg(p)  # for a large model: its activations recomputed in the backward pass
     ddp_utils.add_training_args(p)  # batch sizes, learning rate, checkpoints, output, tracking
     p.set_defaults(per_device_train_batch_size=32, per_device_eval_batch_size=64, output_dir="outputs/train_image")
@@ -80,11 +81,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     args.demo_model = args.model_name_or_path is None
-    if args.learning_rate is None:  # what usually works: fine-tuning a pretrained model, or the demo from scratch
-        args.learning_rate = 3e-3 if args.demo_model else 5e-5
+    if args.learning_rate is None:  # pretrained (with LoRA: train.py's rate), or the demo from scratch
+        args.learning_rate = 3e-3 if args.demo_model else 5e-4 if args.lora_r else 5e-5
     if args.num_train_epochs is None:
         args.num_train_epochs = 10 if args.demo_model else 3
     ddp_utils.check_training_args(args)
+    ddp_utils.check_lora_options(args)
+    if args.lora_r and args.demo_model:
+        raise UsageError("--lora_r adapts a pretrained model; the demo trains from scratch: give --model_name_or_path")
     ddp_utils.check_metric_for_best_model(args, CLASSIFICATION_SCORES)  # accuracy, f1 or loss
     ddp_utils.check_data_args(args, "train_dir", "validation_dir")
     return args
@@ -168,6 +172,7 @@ def main():
             trust_remote_code=args.trust_remote_code,
         )  # a new head
     ddp_utils.checkpoint_if_asked(model, args)  # --gradient_checkpointing
+    model = ddp_utils.add_classifier_lora(model, args)  # --lora_r: adapters on the body, the new head trains whole
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     # One forward pass on a blank image: a model that cannot take its processor's output is refused now, and DDP is
     # told of parameters that never reach the logits (DINOv2's mask token, CLIP's and SigLIP's unused pooling).
@@ -244,7 +249,7 @@ def main():
             break
 
     log.close()
-    ddp_utils.save_model(accelerator, model, args.output_dir, image_processor, dtype=args.save_dtype)  # all ranks
+    ddp_utils.save_with_merged(accelerator, model, args, image_processor)  # all ranks; LoRA: the adapter, merged/ too
     facts = {**data_report, **backoff.facts(), **checkpointer.facts()}
     ddp_utils.write_results(accelerator, args, plan, scores, facts, confusion=confusion)  # all ranks: metrics.json
     accelerator.end_training()

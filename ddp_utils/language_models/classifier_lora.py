@@ -1,15 +1,17 @@
-"""LoRA and QLoRA for train.py's text classifiers (--lora_r, --load_in_4bit): adapters on the pretrained body, and
-the head the task adds (BERT's classifier, Llama's score, BART's and T5's classification_head, DeBERTa's pooler with
-its classifier) trained whole, with no adapter: it is new, drawn at random, and a low-rank update of random weights
-would learn little. Under QLoRA the head stays unquantized. A 7B classifier does not fit one GPU with every weight
-training (AdamW: 16 bytes a weight); with LoRA it does, and under QLoRA an 8B base takes about 6 GB instead of bf16's
-16 (by count). Every rank calls these functions on its own model."""
+"""LoRA and QLoRA for train.py's text classifiers (--lora_r, --load_in_4bit), and LoRA for train_image.py's image
+classifiers: adapters on the pretrained body, and the head the task adds (BERT's and ViT's classifier, Llama's score,
+BART's and T5's classification_head, DeBERTa's pooler with its classifier) trained whole, with no adapter: it is new,
+drawn at random, and a low-rank update of random weights would learn little. Under QLoRA the head stays unquantized. A
+7B classifier does not fit one GPU with every weight training (AdamW: 16 bytes a weight); with LoRA it does, and under
+QLoRA an 8B base takes about 6 GB instead of bf16's 16 (by count). Every rank calls these functions on its own
+model."""
 
 from __future__ import annotations
 
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
+from ..training.activation_checkpointing import BATCH_NORMS
 from ..training.pretrained import build_from_config, checkpoint_weight_names
 from .lora import add_lora, linears_returning_several, linears_used_by_weight
 from .quantized import four_bit_loading, is_4bit, keep_4bit_backward_on_cpu
@@ -85,10 +87,32 @@ def classifier_4bit_loading(args, model_class, config) -> dict:
 
 def add_classifier_lora(model, args):
     """All ranks call this (under ZeRO-3 peft gathers the weights it copies for the modules trained whole): `model`
-    with LoRA adapters on its pretrained body and its new modules trained whole (`classifier_head`), or `model` as
-    it is without --lora_r. Under QLoRA, the CPU's 4-bit kernels are kept to those with a backward pass."""
+    (a text or image classifier) with LoRA adapters on its pretrained body and its new modules trained whole
+    (`classifier_head`), or `model` as it is without --lora_r. Under QLoRA, the CPU's 4-bit kernels are kept to those
+    with a backward pass. A model with BatchNorm is refused in one line (`refuse_batchnorm`)."""
     if not args.lora_r:
         return model
+    whole = tuple(classifier_head(model))
+    refuse_batchnorm(model, whole)
     if is_4bit(model):
         keep_4bit_backward_on_cpu(model)
-    return add_lora(model, args, task_type="SEQ_CLS", whole=tuple(classifier_head(model)))
+    # peft's sequence classifier passes input_ids on; an image classifier is a plain PeftModel, its inputs as given
+    task_type = None if getattr(model, "main_input_name", "") == "pixel_values" else "SEQ_CLS"
+    return add_lora(model, args, task_type=task_type, whole=whole)
+
+
+def refuse_batchnorm(model, whole: tuple) -> None:
+    """Refuse LoRA on a model with BatchNorm outside the modules trained whole (ResNet, EfficientNet, MobileNet,
+    RegNet, LeViT, MobileViT): frozen, each one still moves its running statistics in training, and those are not in
+    the adapter, so the base and the adapter reloaded would normalise with the checkpoint's statistics, not the ones
+    the run evaluated with. No communication."""
+    found = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, BATCH_NORMS) and not any(name == w or name.startswith(f"{w}.") for w in whole)
+    ]
+    if found:
+        raise UsageError(
+            f"--lora_r: {type(model).__name__} has BatchNorm ({len(found)} layers, e.g. {found[0]}), whose running "
+            "statistics move in training but are not saved in a LoRA adapter; train it whole, without --lora_r"
+        )

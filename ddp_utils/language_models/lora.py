@@ -134,6 +134,22 @@ class CastOutsideAutocast:
         return not any(torch.is_autocast_enabled(device_type) for device_type in self.device_types)
 
 
+def refuse_convolutions_of_their_own(model) -> None:
+    """Refuse adapters on convolutions whose class computes otherwise than torch's Conv2d (BiT's weight-standardized,
+    padded ones): peft's adapter adds a plain convolution of the layer's input beside it, which neither matched the
+    output's shape nor what merging into the weight computes. No communication."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        base = getattr(module, "base_layer", None) if isinstance(module, LoraLayer) else None
+        if isinstance(base, torch.nn.Conv2d) and type(base).forward is not torch.nn.Conv2d.forward:
+            raise UsageError(
+                f"--lora_target_modules: {name.removeprefix('base_model.model.')} is a {type(base).__name__}, which "
+                "computes otherwise than a plain convolution, so a LoRA adapter cannot follow it; name other modules, "
+                "or train the model whole, without --lora_r"
+            )
+
+
 def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
     """`model` with LoRA adapters (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules,
     --lora_last_layers); only the adapters train, and the modules named in `whole` (a classifier's new head, peft's
@@ -160,7 +176,6 @@ def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
         raise UsageError(
             f"--lora_target_modules names {target}, {bypassed[name]} ({name}): no adapter can train there; leave it out"
         )
-    layers = text_config(model.config).num_hidden_layers
     if targets == "all-linear" and bypassed:  # every other linear layer, by its name and its parent's in the layer
         # (peft applies --lora_last_layers only to names it matches at the end of a module's path, not full paths)
         left = {_last_two(name) for name in bypassed}
@@ -169,13 +184,16 @@ def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
             logger.info(f"LoRA leaves out {name}, {reason}: no adapter can train there")
     if args.lora_last_layers and targets == "all-linear":  # peft takes layer numbers only with named modules
         targets = linear_module_names(model, whole, exclude=output)
+    layers = text_config(model.config).num_hidden_layers if args.lora_last_layers else 0  # a text model's
     if args.lora_last_layers > layers:
         raise UsageError(
             f"--lora_last_layers {args.lora_last_layers} is more than this model's {layers} layers; "
             f"give at most {layers}"
         )
     last_layers = list(range(layers - args.lora_last_layers, layers)) if args.lora_last_layers else None
-    untouched = [*parts_text_never_runs(model), *whole]  # a vision tower: its adapters would never train
+    # A tower that text never runs: its adapters would never train (an image classifier's is what runs)
+    reads_text = getattr(model, "main_input_name", "input_ids") != "pixel_values"
+    untouched = [*(parts_text_never_runs(model) if reads_text else ()), *whole]
     lora = LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
@@ -187,6 +205,13 @@ def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
         exclude_modules="|".join(re.escape(name) + r"(\..*)?" for name in untouched) or None,  # peft: fullmatch
     )
     names = linear_module_names(model, untouched)  # before peft, which changes the model in place when it fails
+    if targets == "all-linear" and not names:  # PoolFormer, BiT: convolutions only, besides the head
+        convolutions = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)}
+        raise UsageError(
+            f"--lora_target_modules 'all-linear' finds no linear layer in {type(model).__name__}'s body (a "
+            f"convolutional network): name its convolutions, {sorted(convolutions)[:8]}, for peft's Conv2d adapters, "
+            "or train it whole, without --lora_r"
+        )
     experts = moe_weights_adapted(lora, model) if lora.lora_dropout else []
     if experts and args.lora_dropout is not None:
         raise UsageError(
@@ -221,6 +246,7 @@ def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
             f"--lora_target_modules {args.lora_target_modules!r} does not fit this model ({reason}); "
             f"its linear layers are {names}"
         ) from None
+    refuse_convolutions_of_their_own(model)
     fetch_adapted_parameters_under_zero3(model)
     drop_input_require_grads(model.get_base_model())  # with --gradient_checkpointing peft hooks the embeddings again
     from peft.tuners.tuners_utils import BaseTunerLayer

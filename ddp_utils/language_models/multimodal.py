@@ -109,8 +109,9 @@ def image_processors(model, args) -> tuple:
     """(the processor that prepares images for the checkpoint the run started from,) to save beside the model
     so that it still reads images, where `model` also reads them and the checkpoint has one (AutoProcessor);
     else (). Saved before the tokenizer, which then overwrites the tokenizer's files with the run's own (its pad
-    token). The main process calls it; no communication."""
-    if not parts_text_never_runs(model):
+    token). An image classifier's own processor is the script's to save: (). The main process calls it; no
+    communication."""
+    if getattr(model, "main_input_name", "") == "pixel_values" or not parts_text_never_runs(model):
         return ()
     from transformers import AutoProcessor, PreTrainedTokenizerBase
 

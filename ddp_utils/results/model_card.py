@@ -65,7 +65,8 @@ def saved_task(output_dir: str, base_architecture: str | None = None) -> tuple[s
                 architecture = (json.load(handle).get("architectures") or [""])[0]
         except (OSError, ValueError):
             return None, False
-    task = next((task for suffix, task in _TASKS.items() if architecture.endswith(suffix)), None)
+    # `in`: DeiT's and LeViT's distilled classifiers are ...ForImageClassificationWithTeacher
+    task = next((task for kind, task in _TASKS.items() if kind in architecture), None)
     reads_images = any(
         os.path.isfile(os.path.join(output_dir, name)) for name in ("processor_config.json", "preprocessor_config.json")
     )
@@ -222,9 +223,13 @@ def _base_auto_class(base_config) -> str:
         return "AutoModelForCausalLM"
 
 
+CLASSIFIER_CLASSES = {"text-classification": "AutoModelForSequenceClassification",
+                      "image-classification": "AutoModelForImageClassification"}  # fmt: skip
+
+
 def _adapter_base_class(task: str | None, base_config) -> str:
     """The transformers Auto class that loads an adapter's base: a classifier's, or the causal LM's."""
-    return "AutoModelForSequenceClassification" if task == "text-classification" else _base_auto_class(base_config)
+    return CLASSIFIER_CLASSES.get(task) or _base_auto_class(base_config)
 
 
 def _how_to_load(
@@ -233,15 +238,17 @@ def _how_to_load(
     """The card's code that loads the saved model: a pipeline, or the base and the adapter; with the model's own
     code where the run needed it (--trust_remote_code)."""
     remote = ", trust_remote_code=True" if remote_code else ""
-    if adapter and base and base_class == "AutoModelForSequenceClassification":  # the labels: the adapter's config
+    if adapter and base and base_class in CLASSIFIER_CLASSES.values():  # the labels: the adapter's config
+        inputs = "AutoTokenizer" if base_class == "AutoModelForSequenceClassification" else "AutoImageProcessor"
+        name = "tokenizer" if inputs == "AutoTokenizer" else "image_processor"
         return [
             "from peft import PeftModel",
-            f"from transformers import AutoConfig, {base_class}, AutoTokenizer",
+            f"from transformers import AutoConfig, {base_class}, {inputs}",
             "",
             f'config = AutoConfig.from_pretrained("{repo}"{remote})  # the labels, which the base model lacks',
             f'base = {base_class}.from_pretrained("{base}", config=config, ignore_mismatched_sizes=True{remote})',
             f'model = PeftModel.from_pretrained(base, "{repo}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo}"{remote})',
+            f'{name} = {inputs}.from_pretrained("{repo}"{remote})',
         ]
     if adapter and base and base_class not in (None, "AutoModelForCausalLM"):  # peft's Auto class: causal LMs only
         return [

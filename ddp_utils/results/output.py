@@ -156,7 +156,7 @@ def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtyp
     staging = tempfile.mkdtemp(prefix=".staging-", dir=output_dir)
     try:
         model.save_pretrained(staging, state_dict=state_dict, is_main_process=True)
-        if getattr(getattr(model, "active_peft_config", None), "task_type", None) == "SEQ_CLS":
+        if is_classifier_adapter(model):
             _save_classifier_config(model.get_base_model(), staging)
         if dtype is not None:
             _record_dtype(staging, dtype)
@@ -169,6 +169,14 @@ def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtyp
             os.replace(os.path.join(staging, name), target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def is_classifier_adapter(model) -> bool:
+    """Whether `model` is a text or image classifier with LoRA (peft's sequence classifier, or a plain PeftModel
+    around an image classifier)."""
+    if getattr(getattr(model, "active_peft_config", None), "task_type", None) == "SEQ_CLS":
+        return True
+    return hasattr(model, "get_base_model") and "ForImageClassification" in type(model.get_base_model()).__name__
 
 
 def _save_classifier_config(classifier, directory: str) -> None:
