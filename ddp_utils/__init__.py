@@ -71,7 +71,7 @@ from .data.evaluation import check_metric_for_best_model, gather_for_eval, load_
 from .data.raw_data import check_splits, named_splits, preparation_processes
 from .language_models.causal_lm import load_causal_lm, load_config_and_tokenizer
 from .language_models.classifier_lora import add_classifier_lora, classifier_4bit_loading
-from .language_models.lora import save_with_merged
+from .language_models.lora_merge import save_with_merged
 from .lifecycle.args import add_training_args, check_data_args, check_positive, check_training_args
 from .lifecycle.model_args import (
     add_causal_lm_args,

@@ -151,7 +151,7 @@ def main():
         trust_remote_code=args.trust_remote_code,
         **ddp_utils.classifier_4bit_loading(args, AutoModelForSequenceClassification, config),  # QLoRA: head not 4-bit
     )  # a new head
-    ddp_utils.checkpoint_if_asked(model, args)  # --gradient_checkpointing
+    ddp_utils.checkpoint_if_asked(model, args)  # --gradient_checkpointing: activations recomputed, not kept
     model = ddp_utils.add_classifier_lora(model, args)  # --lora_r: adapters on the body, the new head trains whole
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     multiple = ddp_utils.pad_multiple(accelerator)  # 8 under mixed precision: tensor cores like them

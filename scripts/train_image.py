@@ -171,7 +171,7 @@ def main():
             ignore_mismatched_sizes=True,
             trust_remote_code=args.trust_remote_code,
         )  # a new head
-    ddp_utils.checkpoint_if_asked(model, args)  # --gradient_checkpointing
+    ddp_utils.checkpoint_if_asked(model, args)  # --gradient_checkpointing: activations recomputed, not kept
     model = ddp_utils.add_classifier_lora(model, args)  # --lora_r: adapters on the body, the new head trains whole
     ddp_utils.train_in_fp32(accelerator, model)  # AdamW on bf16 weights would lose small updates
     # One forward pass on a blank image: a model that cannot take its processor's output is refused now, and DDP is

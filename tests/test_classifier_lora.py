@@ -236,6 +236,7 @@ def test_qlora_keeps_the_head_unquantized_trains_and_merges_into_the_unquantized
     )
 
     import ddp_utils
+    from ddp_utils.language_models.lora import weight_count
 
     source = make_tiny_causal_lm(tmp_path / "wide")
     config = LlamaConfig.from_pretrained(source)
@@ -251,6 +252,8 @@ def test_qlora_keeps_the_head_unquantized_trains_and_merges_into_the_unquantized
                                                                           labelled))  # fmt: skip
     kinds = {name: type(module) for name, module in model.named_modules()}
     assert kinds["score"] is torch.nn.Linear and kinds["model.layers.0.self_attn.q_proj"] is bnb.nn.Linear4bit
+    query = model.get_submodule("model.layers.0.self_attn.q_proj")  # the log's count: its weights, not its bytes
+    assert weight_count(query.weight) == query.in_features * query.out_features == 2 * query.weight.numel()
 
     # A masked LM's checkpoint has no pooler: loaded as a 4-bit layer, it was never quantized, and the first forward
     # failed in bitsandbytes. It stays unquantized, and trains whole with the head.

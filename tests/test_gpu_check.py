@@ -116,7 +116,7 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
         "QLoRA: the base model's linear layers in 4-bit NF4"
         in (results / classifier["runs"]["qlora"]["log"]).read_text()
     )
-    assert classifier["figures"]["qlora_x_lora_samples_per_s"] > 0 and "records" not in classifier["figures"]["model"]
+    assert classifier["figures"]["qlora_x_lora_samples_per_s"] > 0 and "LM head" not in classifier["figures"]["model"]
     assert [row[0] for row in classifier["table"]["rows"]] == ["full", "lora", "qlora"]
     # Step 3 ran dynamo (eager backend: nothing compiled) and counted what it found: graph breaks and recompiles.
     compiled = steps["3"]["figures"]

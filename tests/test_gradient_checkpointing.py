@@ -105,6 +105,7 @@ def test_every_image_family_gets_the_gradients_it_gets_without(family, tmp_path)
         torch.manual_seed(0)
         model = ddp_utils.load_pretrained(AutoModelForImageClassification, str(source))
         ddp_utils.checkpoint_if_asked(model, argparse.Namespace(gradient_checkpointing=checkpointing))
+        assert model.is_activation_checkpointing == checkpointing
         vision = getattr(model.config, "vision_config", model.config)  # CLIP's and SigLIP's sizes are there
         size = vision.image_size[0] if isinstance(vision.image_size, list) else vision.image_size
         model.train()
@@ -131,6 +132,27 @@ def test_every_image_family_gets_the_gradients_it_gets_without(family, tmp_path)
     assert_same_gradients(plain, checkpointed)
     for name, buffer in plain_buffers.items():
         torch.testing.assert_close(buffers[name], buffer, msg=name)
+
+
+@pytest.mark.parametrize("family", ["swin", "vit"])
+def test_each_layer_is_recomputed_once_where_checkpointed_layers_nest(family, tmp_path):
+    """Swin's stages and the layers in them are each a checkpointed layer: both on, the stage's recomputation ran
+    each layer's forward again inside its own backward (3 passes a step). The inner layers alone are checkpointed: 2
+    passes, as in a ViT."""
+    from accelerate import PartialState
+    from transformers import AutoModelForImageClassification
+
+    import ddp_utils
+
+    PartialState(cpu=True)
+    model = AutoModelForImageClassification.from_pretrained(make_family_model(family, tmp_path / family))
+    ddp_utils.checkpoint_if_asked(model, argparse.Namespace(gradient_checkpointing=True))
+    first = next(m for name, m in model.named_modules() if name.endswith("q_proj"))  # the first layer's
+    calls = []
+    first.register_forward_hook(lambda *_: calls.append(1))
+    model.train()
+    model(pixel_values=torch.randn(2, 3, 32, 32)).logits.sum().backward()
+    assert len(calls) == 2
 
 
 def test_an_unchecked_batchnorm_would_have_counted_each_step_twice(tmp_path):

@@ -387,7 +387,7 @@ def test_only_lora_layers_that_compute_the_same_merged_are_merged(
 ):
     from accelerate import Accelerator
 
-    from ddp_utils.language_models.lora import MERGED_SHARE, mergeable_lora_layers
+    from ddp_utils.language_models.lora_merge import MERGED_SHARE, mergeable_lora_layers
 
     model = lora_model(chat_lm, dtype, **lora)
     if "lm_head" in str(lora):  # the chat LM's head is its own: tie it, as Gemma's and Qwen's small models are
@@ -453,7 +453,7 @@ def test_lora_merged_for_generation_computes_what_the_adapters_do_in_every_famil
     left bit for bit."""
     from accelerate import Accelerator
 
-    from ddp_utils.language_models.lora import mergeable_lora_layers, merged_for_generation
+    from ddp_utils.language_models.lora_merge import mergeable_lora_layers, merged_for_generation
 
     accelerator = Accelerator(cpu=True)  # add_lora logs
     model = lora_family_model(family).eval()

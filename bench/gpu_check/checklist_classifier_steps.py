@@ -131,7 +131,7 @@ class ClassifierSteps(Runner):
         is saved; LoRA against full, QLoRA against LoRA. The adapters are merged (--merge_lora: QLoRA's merge reads
         the base again unquantized) and each saved classifier reloads."""
         s, work, llm = self.sizes, self.results / "step14", self.llm()
-        self.step_record["figures"]["model"] = llm["facts"]["model"]  # its chat records are not this step's work
+        self.step_record["figures"]["model"] = llm["facts"]["classifier"]  # no LM head, and not the chat records
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         common = ["--model_name_or_path", llm["model_dir"], "--num_train_epochs", s.cls_epochs]

@@ -169,10 +169,14 @@ def helper_llm_prep(args) -> dict:
         "total_params": sum(p.numel() for p in model.parameters()),
     }
     facts["weights"] = "random (--llm_shape): speed figures only, no accuracy" if args.llm_shape else "the demo's"
+    random, linear = "WEIGHTS DRAWN AT RANDOM, " if args.llm_shape else "", f"{facts['linear_params'] / 1e6:.1f}M"
     facts["model"] = (
-        ("WEIGHTS DRAWN AT RANDOM, " if args.llm_shape else "")
-        + f"{config.model_type}, {facts['total_params'] / 1e6:.1f}M parameters ({facts['linear_params'] / 1e6:.1f}M in "
-        f"the layers' linear maps, LM head {facts['head_params'] / 1e6:.1f}M)"
+        f"{random}{config.model_type}, {facts['total_params'] / 1e6:.1f}M parameters ({linear} in the layers' linear "
+        f"maps, LM head {facts['head_params'] / 1e6:.1f}M)"
+    )
+    facts["classifier"] = (  # step 14's: the body, a new score head instead of the LM head
+        f"{random}{config.model_type} as a classifier: its causal LM's body ({linear} in the layers' linear maps) "
+        "and a new score head"
     )
     facts["summary"] = (
         f"{facts['model']}, {len(lengths)} records of {facts['mean_record_tokens']:.0f} tokens on average (longest "
@@ -214,7 +218,14 @@ def helper_reload(args) -> dict:
     """Each saved model (args.rest, the keys of the answer) loads with from_pretrained (a causal LM, or a sequence
     classifier as its config names it), with every weight found, and computes finite logits; each one other than
     --reference gets the largest difference of its weights from it."""
-    return {directory: reload_one(Path(directory), args.reference) for directory in args.rest}
+    found = {}
+    for directory in args.rest:  # one model that does not load leaves the others' answers (and its step's figures)
+        try:
+            found[directory] = reload_one(Path(directory), args.reference)
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            found[directory] = {"ok": False, "problem": problem, "summary": f"no: {problem}"}
+    return found
 
 
 def reload_one(directory: Path, reference: str | None) -> dict:

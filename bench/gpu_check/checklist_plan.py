@@ -61,12 +61,13 @@ RUN_S = {
     ("13", "trl"): (6.3, 71),
     ("13", "lora"): (6.3, 46),  # the LoRA reference: 2a's lora less its zero-shot evaluation
     # Step 14 (dry run measured 2026-12-07, --jobs 1): the LLM as train.py's classifier on step 1's work, 225 steps of
-    # 8 reviews of up to 128 tokens, 3 evaluations of 379. Taken as 2b's full run's pace (80 ms a step on session 1's
-    # H200, launch-bound) with the model's save; LoRA's adapters add launches and its merge a save; QLoRA dequantizes
-    # each linear layer's weights in every pass and its merge reads the base again; the reload: 3 models of 135M.
-    ("14", "full"): (9.0, 30),
-    ("14", "lora"): (9.1, 35),
-    ("14", "qlora"): (9.1, 50),
+    # 8 reviews of up to 128 tokens, 3 evaluations of 379. Taken at 2b's full run's pace (its record: 11.5 s for 75
+    # steps, 153 ms a step on session 1's H200, launch-bound), 34 s, with loading, evaluation and the model's save;
+    # LoRA's adapters add launches and its merge a save; QLoRA dequantizes each linear layer's weights in every pass
+    # and its merge reads the base again; the reload: 3 models of 135M.
+    ("14", "full"): (9.0, 45),
+    ("14", "lora"): (9.1, 50),
+    ("14", "qlora"): (9.1, 65),
     ("14", "reload"): (4.6, 10),
 }
 # Each run's wall seconds on the first GPU session (an H200, 2026-11-26; the LLM's weights drawn at random, the
@@ -134,7 +135,7 @@ STEP_ADDS = {"13": "qlora", "14": "qlora"}
 
 
 def needs_llm(step: str) -> bool:
-    """Whether a step runs the LLM that the environment helper prepares (steps 2 to 5, 7 and 9 to 13)."""
+    """Whether a step runs the LLM that the environment helper prepares (steps 2 to 5, 7 and 9 to 14)."""
     return step not in STEP_SETS
 
 

@@ -19,9 +19,10 @@
 - grpo_log.py         what GRPO's log shows: generation's share, rewards, groups without signal, lengths
 - group_scoring.py    a group's completions scored in one pass: one row per prompt, or a row per completion
 - static_decoding.py  GRPO's --compile_generation: a static KV cache kept across steps, the decoding step compiled
-- lora.py             LoRA set-up, --lora_last_layers, an MoE's fused experts, the model saved with merged/
+- lora.py             LoRA set-up, --lora_last_layers, an MoE's fused experts
+- lora_merge.py       the model saved with merged/, merged copies for generation
 - quantized.py        QLoRA (--load_in_4bit): the base in 4-bit NF4 (bitsandbytes), merged/ from unquantized weights
-- classifier_lora.py  LoRA and QLoRA for train.py's classifiers: adapters on the body, the task's new head whole
+- classifier_lora.py  LoRA for train.py's and train_image.py's classifiers (QLoRA: text): body adapted, head whole
 - multimodal.py       a model that also reads images, trained on text: what text never runs, frozen; its processor
 - weight_reads.py     code that reads layers' weights without calling them: no adapter; ZeRO-3 gathers them (peft's too)
 - gguf.py             GGUF checkpoints dequantized once into a cache

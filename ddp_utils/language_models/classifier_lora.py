@@ -11,7 +11,7 @@ from __future__ import annotations
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
-from ..training.activation_checkpointing import BATCH_NORMS
+from ..training.activation_checkpointing import tracks_running_statistics
 from ..training.pretrained import build_from_config, checkpoint_weight_names
 from .lora import add_lora, linears_returning_several, linears_used_by_weight
 from .quantized import four_bit_loading, is_4bit, keep_4bit_backward_on_cpu
@@ -109,7 +109,7 @@ def refuse_batchnorm(model, whole: tuple) -> None:
     found = [
         name
         for name, module in model.named_modules()
-        if isinstance(module, BATCH_NORMS) and not any(name == w or name.startswith(f"{w}.") for w in whole)
+        if tracks_running_statistics(module) and not any(name == w or name.startswith(f"{w}.") for w in whole)
     ]
     if found:
         raise UsageError(

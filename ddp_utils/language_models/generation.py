@@ -23,7 +23,7 @@ from ..training.compilation import generation_context
 from ..training.fsdp import root_ready_for_generation
 from .cache_rows import cache_of, counts_its_tokens, empty_cache, forget_rope_deltas, repeat_rows
 from .chat import plain_prompt_ids
-from .lora import merged_for_generation
+from .lora_merge import merged_for_generation
 from .multimodal import text_config
 from .weight_reads import weights_read_whole
 

@@ -38,7 +38,7 @@ from .generation import (
     stop_token_ids,
 )
 from .group_scoring import completion_logps, one_row_per_prompt
-from .lora import merged_for_generation
+from .lora_merge import merged_for_generation
 from .pair_scoring import ONE_ROW
 from .weight_reads import weights_read_whole
 

@@ -38,14 +38,27 @@ def checkpoint_activations(model, offload: bool = False) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **offloading)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    checkpoint_innermost_only(model)
     drop_input_require_grads(model)  # now: a second enable (peft's) would orphan transformers' hook
+
+
+def checkpoint_innermost_only(model) -> None:
+    """Where checkpointed layers nest (Swin's stage holds its checkpointed layers), checkpoint the inner ones only:
+    both on, the stage's recomputation recomputed each layer again in its own backward, 3 forward passes a step
+    instead of 2. No communication."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in model.modules():
+        inner = (m for m in module.modules() if m is not module and isinstance(m, GradientCheckpointingLayer))
+        if isinstance(module, GradientCheckpointingLayer) and next(inner, None) is not None:
+            module.gradient_checkpointing = False
 
 
 def checkpoint_if_asked(model, args) -> None:
     """--gradient_checkpointing: each of `model`'s layers (a transformers model) recomputes its activations in the
     backward pass instead of keeping them (`checkpoint_activations`), dropout's masks drawn again as in the forward
-    pass. A model that transformers cannot checkpoint is refused in one line. Call it before adding LoRA. No
-    communication."""
+    pass. A model that transformers cannot checkpoint, or whose checkpointed layers hold BatchNorm
+    (`refuse_batchnorm_recomputed`), is refused in one line. Call it before adding LoRA. No communication."""
     if not getattr(args, "gradient_checkpointing", False):
         return
     if not getattr(model, "supports_gradient_checkpointing", False):
@@ -84,7 +97,9 @@ def checkpoint_for_fsdp(model, offload: bool = False) -> None:
     )
 
 
-BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+def tracks_running_statistics(module) -> bool:
+    """Whether `module` is a BatchNorm (any: 1d to 3d, lazy, synchronised) that updates running statistics."""
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats
 
 
 def refuse_batchnorm_recomputed(model, option: str) -> None:
@@ -95,7 +110,7 @@ def refuse_batchnorm_recomputed(model, option: str) -> None:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)] or [model]
-    if any(isinstance(m, BATCH_NORMS) for layer in layers for m in layer.modules()):
+    if any(tracks_running_statistics(m) for layer in layers for m in layer.modules()):
         raise UsageError(
             f"{option}: {type(model).__name__}'s checkpointed layers hold BatchNorm, whose running statistics "
             "the recomputation would update a second time every step; drop it (or lower the batch size)"
@@ -108,7 +123,9 @@ def drop_input_require_grads(model) -> None:
     reentrant checkpointing needs it. It computes the gradient of layer 0's input for nothing, carries the backward
     pass through every layer under --lora_last_layers, and breaks --torch_compile's graph at every call
     (`requires_grad_` on an intermediate). A model whose own code checkpoints otherwise (transformers' old format,
-    remote code) keeps it."""
+    remote code, which may call torch's checkpoint itself, reentrant by default) keeps it."""
+    if any(type(m).__module__.startswith("transformers_modules") for m in model.modules()):  # --trust_remote_code
+        return
     funcs = [
         getattr(m, "_gradient_checkpointing_func", None)
         for m in model.modules()
