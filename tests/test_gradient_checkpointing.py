@@ -77,7 +77,7 @@ def test_every_text_family_gets_with_lora_the_gradients_it_gets_without(family, 
 
     if family in ("albert", "mpnet"):
         with pytest.raises(UsageError, match=r"^--gradient_checkpointing: .* cannot recompute its activations in "
-                                             r"transformers .*; drop the option"):  # fmt: skip
+                                             r"transformers .*; drop it, or lower --per_device_"):  # fmt: skip
             trained_once(checkpointing=True)
         return
     checkpointed = trained_once(True)
@@ -155,6 +155,30 @@ def test_each_layer_is_recomputed_once_where_checkpointed_layers_nest(family, tm
     assert len(calls) == 2
 
 
+def test_a_hybrid_layer_holding_a_checkpointed_mamba_layer_is_recomputed_whole_once():
+    """Zamba2's hybrid layer checkpoints its mamba layer and holds its shared attention beside it: the hybrid layer
+    stays checkpointed (its attention recomputed, not kept), the mamba layer inside it not again."""
+    from accelerate import PartialState
+    from model_families import TEXT_FAMILIES, tiny_model
+
+    import ddp_utils
+
+    PartialState(cpu=True)
+    model = tiny_model(*TEXT_FAMILIES["zamba2"])
+    ddp_utils.checkpoint_if_asked(model, argparse.Namespace(gradient_checkpointing=True))
+    calls = {"attention": [], "mamba": []}
+    for name, module in model.named_modules():
+        if name.endswith("shared_transformer.self_attn.q_proj") or name.endswith("mamba.in_proj"):
+            kind = "attention" if "self_attn" in name else "mamba"
+            module.register_forward_hook(lambda *_, kind=kind: calls[kind].append(1))
+    model.train()
+    ids = torch.arange(8).repeat(2, 1) + 3
+    model(input_ids=ids, labels=ids).loss.backward()
+    layers = len(model.model.layers)
+    hybrid = sum(type(layer).__name__ == "Zamba2HybridLayer" for layer in model.model.layers)
+    assert len(calls["attention"]) == 2 * hybrid and len(calls["mamba"]) == 2 * layers, calls
+
+
 def test_an_unchecked_batchnorm_would_have_counted_each_step_twice(tmp_path):
     """Why MobileViT is refused: checkpointed anyway, its BatchNorm layers count 2 batches a step."""
     from transformers import AutoModelForImageClassification
@@ -207,3 +231,29 @@ def assert_same_weights(plain: dict, checkpointed: dict) -> None:
     assert sorted(plain) == sorted(checkpointed)
     for key, value in plain.items():
         np.testing.assert_allclose(checkpointed[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_every_batchnorm_with_running_statistics_is_found_and_remote_code_keeps_the_embedding_hook():
+    """What the refusals test: BatchNorm of any kind (lazy, synchronised) that keeps running statistics, not one that
+    normalises by the batch alone. A model with --trust_remote_code keeps the hook that makes the embeddings' output
+    require a gradient: its own code may call torch's checkpoint itself, reentrant by default, where without the hook
+    its layers' adapters would get none."""
+    from accelerate import PartialState
+    from model_families import HYBRIDS, tiny_model
+
+    from ddp_utils.training.activation_checkpointing import drop_input_require_grads, tracks_running_statistics
+
+    norms = [torch.nn.LazyBatchNorm2d(), torch.nn.SyncBatchNorm(4), torch.nn.BatchNorm1d(4)]
+    norms += [torch.nn.BatchNorm2d(4, track_running_stats=False), torch.nn.LayerNorm(4)]
+    found = [tracks_running_statistics(m) for m in norms]
+    assert found == [True, True, True, False, False]
+
+    PartialState(cpu=True)
+    for remote in (False, True):
+        model = tiny_model(*HYBRIDS["qwen3 (attention only)"])
+        if remote:  # as transformers names the classes of a Hub repository's own code
+            layer = model.model.layers[0]
+            layer.__class__ = type(type(layer).__name__, (type(layer),), {"__module__": "transformers_modules.repo"})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        drop_input_require_grads(model)
+        assert len(model.get_input_embeddings()._forward_hooks) == (1 if remote else 0)

@@ -98,7 +98,9 @@ def add_classifier_lora(model, args):
         keep_4bit_backward_on_cpu(model)
     # peft's sequence classifier passes input_ids on; an image classifier is a plain PeftModel, its inputs as given
     task_type = None if getattr(model, "main_input_name", "") == "pixel_values" else "SEQ_CLS"
-    return add_lora(model, args, task_type=task_type, whole=whole)
+    model = add_lora(model, args, task_type=task_type, whole=whole)
+    model.is_lora_classifier = True  # saved with the classifier's config beside the adapter (results.output)
+    return model
 
 
 def refuse_batchnorm(model, whole: tuple) -> None:

@@ -172,11 +172,9 @@ def write_pretrained(model, state_dict: dict, output_dir: str, *processors, dtyp
 
 
 def is_classifier_adapter(model) -> bool:
-    """Whether `model` is a text or image classifier with LoRA (peft's sequence classifier, or a plain PeftModel
-    around an image classifier)."""
-    if getattr(getattr(model, "active_peft_config", None), "task_type", None) == "SEQ_CLS":
-        return True
-    return hasattr(model, "get_base_model") and "ForImageClassification" in type(model.get_base_model()).__name__
+    """Whether `model` is a text or image classifier with LoRA, as `add_classifier_lora` marks it (not by its class's
+    name: a remote-code image classifier may be named otherwise)."""
+    return bool(getattr(model, "is_lora_classifier", False))
 
 
 def _save_classifier_config(classifier, directory: str) -> None:

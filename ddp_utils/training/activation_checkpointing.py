@@ -43,30 +43,33 @@ def checkpoint_activations(model, offload: bool = False) -> None:
 
 
 def checkpoint_innermost_only(model) -> None:
-    """Where checkpointed layers nest (Swin's stage holds its checkpointed layers), checkpoint the inner ones only:
-    both on, the stage's recomputation recomputed each layer again in its own backward, 3 forward passes a step
-    instead of 2. No communication."""
+    """Where checkpointed layers nest, recompute each weight once: both on, the outer layer's recomputation ran the
+    inner ones' forward again inside their own backward (Swin's stage and its layers: 3 passes a step, not 2). An
+    outer layer whose inner ones hold nearly all its weights (Swin's stage: all but its downsampling) stops
+    checkpointing; one that holds much beside them (Zamba's hybrid layer: its shared attention beside its checkpointed
+    mamba layer) stays checkpointed whole, and the inner ones stop. No communication."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    for module in model.modules():
-        inner = (m for m in module.modules() if m is not module and isinstance(m, GradientCheckpointingLayer))
-        if isinstance(module, GradientCheckpointingLayer) and next(inner, None) is not None:
-            module.gradient_checkpointing = False
+    for outer in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
+        inner = [m for m in outer.modules() if m is not outer and isinstance(m, GradientCheckpointingLayer)]
+        if not inner or not outer.gradient_checkpointing:
+            continue
+        held = sum(p.numel() for layer in inner for p in layer.parameters())
+        if held >= 0.9 * sum(p.numel() for p in outer.parameters()):
+            outer.gradient_checkpointing = False
+        else:
+            for layer in inner:
+                layer.gradient_checkpointing = False
 
 
 def checkpoint_if_asked(model, args) -> None:
     """--gradient_checkpointing: each of `model`'s layers (a transformers model) recomputes its activations in the
     backward pass instead of keeping them (`checkpoint_activations`), dropout's masks drawn again as in the forward
     pass. A model that transformers cannot checkpoint, or whose checkpointed layers hold BatchNorm
-    (`refuse_batchnorm_recomputed`), is refused in one line. Call it before adding LoRA. No communication."""
+    (`refuse_uncheckpointable`), is refused in one line. Call it before adding LoRA. No communication."""
     if not getattr(args, "gradient_checkpointing", False):
         return
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise UsageError(
-            f"--gradient_checkpointing: {type(model).__name__} cannot recompute its activations in transformers (it "
-            "does not support gradient checkpointing); drop the option, or lower --per_device_train_batch_size"
-        )
-    refuse_batchnorm_recomputed(model, "--gradient_checkpointing")
+    refuse_uncheckpointable(model, "--gradient_checkpointing", "drop it, or lower --per_device_train_batch_size")
     checkpoint_activations(model)
     logger.info("gradient checkpointing: each layer's activations recomputed in the backward pass")
 
@@ -82,12 +85,8 @@ def checkpoint_for_fsdp(model, offload: bool = False) -> None:
         checkpointing = getattr(base, "is_gradient_checkpointing", False)
     if checkpointing and not offload:
         return
-    if not getattr(base, "supports_gradient_checkpointing", False):
-        raise UsageError(
-            f"the launch config asks for fsdp_activation_checkpointing, which {type(base).__name__} does not "
-            "support in transformers; set fsdp_activation_checkpointing: false in it"
-        )
-    refuse_batchnorm_recomputed(base, "the launch config's fsdp_activation_checkpointing")
+    option = "the launch config's fsdp_activation_checkpointing"
+    refuse_uncheckpointable(base, option, "set fsdp_activation_checkpointing: false in it")
     checkpoint_activations(base, offload=offload)
     logger.info(
         "FSDP2: fsdp_activation_checkpointing checkpoints each layer as --gradient_checkpointing does, with "
@@ -102,18 +101,25 @@ def tracks_running_statistics(module) -> bool:
     return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats
 
 
-def refuse_batchnorm_recomputed(model, option: str) -> None:
-    """Refuse checkpointing a model whose checkpointed layers (transformers' GradientCheckpointingLayer; the whole
-    model where it has none) hold BatchNorm: recomputed in the backward pass, each one would update its running
-    statistics a second time every step (MobileViT's: `num_batches_tracked` 2 a step, the running means moved
-    twice), and the saved model would normalise with other statistics than training's. No communication."""
+def refuse_uncheckpointable(model, option: str, fix: str) -> None:
+    """Refuse, in one line naming `option` and the `fix`, to checkpoint a model that transformers cannot checkpoint,
+    or whose checkpointed layers (transformers' GradientCheckpointingLayer; the whole model where it has none) hold
+    BatchNorm: recomputed in the backward pass, each one would update its running statistics a second time every
+    step (MobileViT's: `num_batches_tracked` 2 a step, the running means moved twice), and the saved model would
+    normalise with other statistics than training's. No communication."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    name = type(model).__name__
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UsageError(
+            f"{option}: {name} cannot recompute its activations in transformers (it does not support gradient "
+            f"checkpointing); {fix}"
+        )
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)] or [model]
     if any(tracks_running_statistics(m) for layer in layers for m in layer.modules()):
         raise UsageError(
-            f"{option}: {type(model).__name__}'s checkpointed layers hold BatchNorm, whose running statistics "
-            "the recomputation would update a second time every step; drop it (or lower the batch size)"
+            f"{option}: {name}'s checkpointed layers hold BatchNorm, whose running statistics the recomputation "
+            f"would update a second time every step; {fix}"
         )
 
 
