@@ -52,7 +52,8 @@ What the scripts call, one job a line, in the order a script uses it:
   count_step, global_mean_loss      what the step holds on all ranks; the exact loss (training/exact_loss.py)
   evaluate_classification           accuracy and F1; label_config, label_mapping, labels_numbered_as_training
                                     (data/classification.py)
-  save_model, save_with_merged      the unwrapped model, and LoRA merged (results/output.py, language_models/lora_merge.py)
+  save_model, save_with_merged      the unwrapped model, and LoRA merged (results/output.py,
+                                    language_models/lora_merge.py)
   write_results                     metrics.json, training_args.json, report/ (results/report.py)
   write_jsonl                       predictions, atomically, by the main process (core/files.py)
 The task helpers a script imports by module (`from ddp_utils.language_models.chat import ...`) are named in its

@@ -236,7 +236,7 @@ def test_qlora_keeps_the_head_unquantized_trains_and_merges_into_the_unquantized
     )
 
     import ddp_utils
-    from ddp_utils.language_models.lora import weight_count
+    from ddp_utils.core.sharded import weight_count
 
     source = make_tiny_causal_lm(tmp_path / "wide")
     config = LlamaConfig.from_pretrained(source)

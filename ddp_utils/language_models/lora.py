@@ -12,6 +12,7 @@ import torch
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
+from ..core.sharded import weight_count
 from ..training.activation_checkpointing import drop_input_require_grads
 from .multimodal import parts_text_never_runs, text_config
 from .weight_reads import fetch_adapted_parameters_under_zero3, weights_read_directly
@@ -123,15 +124,6 @@ class CastOutsideAutocast:
 
     def __bool__(self) -> bool:
         return not any(torch.is_autocast_enabled(device_type) for device_type in self.device_types)
-
-
-def weight_count(parameter) -> int:
-    """How many weights `parameter` holds: under ZeRO-3 its whole count, not this rank's partition; in 4-bit its
-    count unpacked, not its bytes (half of it: a QLoRA base read as half its size)."""
-    quantized = getattr(parameter, "quant_state", None)
-    if quantized is not None:
-        return quantized.shape.numel()
-    return getattr(parameter, "ds_numel", parameter.numel())
 
 
 def refuse_convolutions_of_their_own(model) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from accelerate.logging import get_logger
 
+from ..core.sharded import weight_count
+
 logger = get_logger(__name__)
 
 
@@ -97,7 +99,7 @@ def freeze_parts_text_never_runs(model) -> list[str]:
         held = [parameters[name]] if name in parameters else model.get_submodule(name).parameters()
         for p in held:
             p.requires_grad_(False)
-            frozen += getattr(p, "ds_numel", p.numel())  # ZeRO-3: partitioned
+            frozen += weight_count(p)  # ZeRO-3: partitioned; QLoRA: packed
     logger.info(
         f"{type(model).__name__} also reads images or audio: text never runs {parts}, kept as loaded and frozen "
         f"({frozen:,} parameters) and saved with the model"
