@@ -21,6 +21,7 @@ import torch
 from accelerate.logging import get_logger
 
 from ..core.errors import UsageError
+from ..core.sharded import weight_count
 
 logger = get_logger(__name__)
 
@@ -54,8 +55,8 @@ def checkpoint_innermost_only(model) -> None:
         inner = [m for m in outer.modules() if m is not outer and isinstance(m, GradientCheckpointingLayer)]
         if not inner or not outer.gradient_checkpointing:
             continue
-        held = sum(p.numel() for layer in inner for p in layer.parameters())
-        if held >= 0.9 * sum(p.numel() for p in outer.parameters()):
+        held = sum(weight_count(p) for layer in inner for p in layer.parameters())  # numel(): 0 under ZeRO-3
+        if held >= 0.9 * sum(weight_count(p) for p in outer.parameters()):
             outer.gradient_checkpointing = False
         else:
             for layer in inner:
