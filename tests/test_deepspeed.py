@@ -38,7 +38,7 @@ pytest.importorskip("deepspeed", reason="make installs DeepSpeed (requirements-d
 CONFIGS = REPO / "accelerate_configs"
 ON_CPU = REPO / "tests" / "launched" / "deepspeed_on_cpu.py"
 # The tolerances against DDP are about 10x what was measured: ZeRO-3 reduce-scatters gradients in buckets of its own,
-# the same sums in another order; ZeRO-2 reduces them as DDP does (measured 0.0, asserted exactly).
+# the same sums in another order; ZeRO-2 reduces them as DDP does (measured 0.0, then 3.2e-9 on another machine).
 
 
 def zero(script, *args, config="deepspeed_zero2.yaml", precision="no", env=None, num_processes=2, **launching):
@@ -99,7 +99,10 @@ def ddp_classifier(dropout_bert, tiny_data, tmp_path_factory):
 @pytest.mark.parametrize(
     "config, atol, optimizer",
     [
-        ("deepspeed_zero2.yaml", 0.0, "DeepSpeedZeroOptimizer > AdamW (fused)"),  # measured 0.0
+        # measured 0.0 until 2026-12-07; on that day's machine 3.2e-9, at the session's first commit too: the key
+        # biases, whose true gradient is 0 (softmax ignores a constant added to every key), so that AdamW turns
+        # last-bit differences into whole steps; the rest within 1.9e-9. Cause not found: not clipping, not threads
+        ("deepspeed_zero2.yaml", 1e-8, "DeepSpeedZeroOptimizer > AdamW (fused)"),
         ("deepspeed_zero3.yaml", 1e-5, "DeepSpeedZeroOptimizer_Stage3 > AdamW (fused)"),  # measured 1.1e-6
     ],
 )
