@@ -22,6 +22,7 @@ from launching import (  # noqa: F401  (the tests import these from here)
     free_port,
     launch,
     launch_env,
+    launch_sharded,
 )
 
 WORDS = {

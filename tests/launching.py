@@ -108,6 +108,24 @@ def launch(
     return finished(process.returncode, start, reader, lines)
 
 
+# The sharded layouts a test runs on 2 CPU processes: (harness in tests/launched, launch config, distributed_type).
+SHARDED = {
+    "fsdp": ("fsdp_on_cpu.py", "fsdp.yaml", "FSDP"),
+    "zero3": ("deepspeed_on_cpu.py", "deepspeed_zero3.yaml", "DEEPSPEED"),
+}
+
+
+def launch_sharded(sharded: str, script: str, *args) -> LaunchResult:
+    """scripts/<script>.py on 2 CPU processes under Accelerate's FSDP2 path or DeepSpeed ZeRO-3 (`SHARDED`, through
+    tests/launched's harnesses), checked to have finished under that layout."""
+    harness, config, kind = SHARDED[sharded]
+    launcher = ["--config_file", REPO / "accelerate_configs" / config, "--num_processes", 2, "--mixed_precision", "no"]
+    run = launch(REPO / "tests" / "launched" / harness, script, *args, launcher_args=[str(a) for a in launcher])
+    assert run.returncode == 0, run.output[-3000:]
+    assert f"distributed_type {kind}" in run.output
+    return run
+
+
 def kill_with_descendants(pid: int) -> None:
     """Kill a launcher and every process under it: torchrun starts its workers in sessions of their own, so a killed
     launcher, or its process group, leaves them running."""

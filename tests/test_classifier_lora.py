@@ -18,7 +18,7 @@ import torch
 from classifier_families import FAMILIES, save_family
 from safetensors.numpy import load_file
 
-from conftest import REPO, launch, load_script, make_tiny_causal_lm, make_tiny_model, train_args
+from conftest import REPO, launch, launch_sharded, load_script, make_tiny_causal_lm, make_tiny_model, train_args
 
 TRAIN = REPO / "scripts" / "train.py"
 NEW = {  # what each family's checkpoint (a masked, causal or seq2seq LM's) lacks of its *ForSequenceClassification
@@ -297,25 +297,24 @@ def test_qlora_keeps_the_head_unquantized_trains_and_merges_into_the_unquantized
         torch.testing.assert_close(merged(tokens).logits, expected(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+def assert_same_lora(ours, theirs) -> None:
+    """The same adapter and head, and the same merged model, in two runs' output directories."""
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        mine, reference = load_file(str(ours / name)), load_file(str(theirs / name))
+        assert sorted(mine) == sorted(reference)
+        for key in reference:
+            np.testing.assert_allclose(mine[key], reference[key], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
+
+
 @pytest.mark.parametrize("sharded", ["fsdp", "zero3"])
 def test_lora_trains_the_classifier_under_fsdp2_and_zero3_as_ddp_does(sharded, tiny_data, tmp_path):
     """On 2 CPU processes under Accelerate's FSDP2 path (rank 0 alone reads the weights and tells the others which
     ones the checkpoint lacked) and under DeepSpeed ZeRO-3 (the model built in shards): the same adapter and head
     as DDP's, dropout on, and the same merged model."""
-    harness = {"fsdp": "fsdp_on_cpu.py", "zero3": "deepspeed_on_cpu.py"}[sharded]
-    config = {"fsdp": "fsdp.yaml", "zero3": "deepspeed_zero3.yaml"}[sharded]
     model = make_tiny_model(tmp_path / "bert", dropout=0.1)
     args = ["--max_train_steps", 4, "--lora_r", 4, "--report_to", "none", "--checkpointing_steps", "no"]
     args += ["--per_device_train_batch_size", 4, "--merge_lora"]
     ddp, other = tmp_path / "ddp", tmp_path / sharded
     assert launch(TRAIN, *train_args(model, tiny_data, ddp, *args)).returncode == 0
-    launcher = ["--config_file", REPO / "accelerate_configs" / config, "--num_processes", 2, "--mixed_precision", "no"]
-    run = launch(REPO / "tests" / "launched" / harness, "train", *train_args(model, tiny_data, other, *args),
-                 launcher_args=[str(a) for a in launcher], timeout=300)  # fmt: skip
-    assert run.returncode == 0, run.output[-3000:]
-    assert f"distributed_type {'FSDP' if sharded == 'fsdp' else 'DEEPSPEED'}" in run.output
-    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
-        ours, theirs = load_file(str(other / name)), load_file(str(ddp / name))
-        assert sorted(ours) == sorted(theirs)
-        for key in theirs:
-            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
+    launch_sharded(sharded, "train", *train_args(model, tiny_data, other, *args))
+    assert_same_lora(other, ddp)

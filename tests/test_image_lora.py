@@ -17,9 +17,10 @@ import pytest
 import torch
 from image_families import IMAGE_FAMILIES, SIZE, has_batchnorm, make_family_model
 from safetensors.numpy import load_file
+from test_classifier_lora import assert_same_lora
 from test_image import TRAIN_IMAGE, image_args, write_image_folder
 
-from conftest import REPO, launch, load_script
+from conftest import launch, launch_sharded, load_script
 
 HEADS = {"deit_distilled": ["cls_classifier", "distillation_classifier"]}  # the others': classifier
 CONVOLUTIONAL = ("poolformer", "bit")  # no linear layer in the body: their convolutions named instead
@@ -156,8 +157,6 @@ def test_lora_trains_the_image_classifier_under_fsdp2_and_zero3_as_ddp_does(shar
     """On 2 CPU processes under Accelerate's FSDP2 path (rank 0 alone reads the weights and tells the others which
     ones the checkpoint lacked) and under DeepSpeed ZeRO-3 (the model built in shards): the same adapter and head as
     DDP's, LoRA's dropout on, and the same merged model (measured 0.0 and 7.5e-9 apart)."""
-    harness = {"fsdp": "fsdp_on_cpu.py", "zero3": "deepspeed_on_cpu.py"}[sharded]
-    config = {"fsdp": "fsdp.yaml", "zero3": "deepspeed_zero3.yaml"}[sharded]
     images = {
         "train": write_image_folder(tmp_path / "train", {"dark": 6, "bright": 5, "striped": 5}, seed=1),
         "validation": write_image_folder(tmp_path / "validation", {"dark": 2, "bright": 2, "striped": 2}, seed=2),
@@ -166,13 +165,5 @@ def test_lora_trains_the_image_classifier_under_fsdp2_and_zero3_as_ddp_does(shar
     args = ["--max_train_steps", 4, "--lora_r", 4, "--per_device_train_batch_size", 4, "--merge_lora"]
     ddp, other = tmp_path / "ddp", tmp_path / sharded
     assert launch(TRAIN_IMAGE, *image_args(source, images, ddp, *args)).returncode == 0
-    launcher = ["--config_file", REPO / "accelerate_configs" / config, "--num_processes", 2, "--mixed_precision", "no"]
-    run = launch(REPO / "tests" / "launched" / harness, "train_image", *image_args(source, images, other, *args),
-                 launcher_args=[str(a) for a in launcher], timeout=300)  # fmt: skip
-    assert run.returncode == 0, run.output[-3000:]
-    assert f"distributed_type {'FSDP' if sharded == 'fsdp' else 'DEEPSPEED'}" in run.output
-    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
-        ours, theirs = load_file(str(other / name)), load_file(str(ddp / name))
-        assert sorted(ours) == sorted(theirs)
-        for key in theirs:
-            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
+    launch_sharded(sharded, "train_image", *image_args(source, images, other, *args))
+    assert_same_lora(other, ddp)
