@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import warnings
 
 import torch
 from accelerate.logging import get_logger
@@ -224,7 +225,9 @@ def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
     # does not (lora_A 0.35 apart from DDP's). Where loading draws none (DDP, Llama), the state is this one already.
     torch.manual_seed(args.seed)
     try:
-        model = get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated name: a FutureWarning on every run
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(model, lora)
     except ValueError as exc:
         reason = str(exc).splitlines()[0][:160]
         if args.lora_last_layers and "No modules were targeted" in reason:  # ALBERT: one layer shared by the depth
