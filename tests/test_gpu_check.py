@@ -70,8 +70,8 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert environment["torch"] and environment["python"] and environment["gpu"] is None  # no CUDA here
     assert isinstance(environment["differs_from_requirements"], list)
     steps = data["steps"]
-    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14"]
-    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10", "11", "12", "13", "14"):
+    assert list(steps) == ["1", "2a", "2b", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15"]
+    for step in ("1", "2a", "2b", "3", "4", "5", "7", "8", "9", "10", "11", "12", "13", "14", "15"):
         assert steps[step]["status"] == "ok", (step, steps[step])
     for record in steps.values():
         assert record["wall_s"] > 0
@@ -118,6 +118,17 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     )
     assert classifier["figures"]["qlora_x_lora_samples_per_s"] > 0 and "LM head" not in classifier["figures"]["model"]
     assert [row[0] for row in classifier["table"]["rows"]] == ["full", "lora", "qlora"]
+    # --gradient_checkpointing in train.py: the classifier's LoRA with and without it trains the same model (on a CPU
+    # bit for bit: the recomputed forward is the stored one's), and the log says the layers were checkpointed
+    checkpointed = steps["15"]
+    assert "--gradient_checkpointing" in checkpointed["runs"]["lora_gc"]["command"]
+    assert "--gradient_checkpointing" not in checkpointed["runs"]["lora"]["command"]
+    log = (results / checkpointed["runs"]["lora_gc"]["log"]).read_text()
+    assert "gradient checkpointing: each layer's activations recomputed" in log
+    assert "is_gradient_checkpointing" not in log  # peft's FutureWarning, silenced (lora.add_lora)
+    assert checkpointed["figures"]["eval_loss_relative_change"] < 1e-6, checkpointed["figures"]
+    assert checkpointed["figures"]["gc_x_plain_samples_per_s"] > 0 and "gc_saves_gpu_mib" not in checkpointed["figures"]
+    assert [row[0] for row in checkpointed["table"]["rows"]] == ["lora", "lora_gc"]
     # Step 3 ran dynamo (eager backend: nothing compiled) and counted what it found: graph breaks and recompiles.
     compiled = steps["3"]["figures"]
     assert compiled["speed_up_steady"] > 0

@@ -30,6 +30,8 @@ Steps (bench/gpu_check/README.md says what each measures and how):
       against our plain LoRA run (the memory the 4-bit base saves, the speed it costs)
   14  scripts/train.py with the LLM as a classifier: full fine-tuning, LoRA and QLoRA (--lora_r, --load_in_4bit) on
       step 1's work: samples/s, peak GPU memory, accuracy; the merged classifiers reload
+  15  scripts/train.py --gradient_checkpointing: the LLM classifier's LoRA with and without it, batch 32: the GPU
+      memory it saves, the speed it costs, and the same training
 
 Results accumulate in --results (default outputs/gpu_check): gpu_check.json (a step run again replaces
 its record), gpu_check.md and logs/. With --copy_to (default: $OUT, set on the GPU machine) they are
@@ -84,7 +86,7 @@ def parse_steps(text: str) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,14 (2 = 2a,2b), or all")
+    p.add_argument("--steps", default="all", help="comma-separated: 1,2a,2b,3,...,15 (2 = 2a,2b), or all")
     p.add_argument("--dry_run", action="store_true", help="a CPU, tiny sizes: checks the checklist, not the GPU")
     p.add_argument("--results", default=None, help="where the JSON, Markdown and logs go (default outputs/gpu_check)")
     p.add_argument("--budget_s", type=float, default=None, help="start no run that would end after this many seconds")
@@ -174,10 +176,10 @@ def main() -> int:
 
 
 # The dry run's two lanes: steps 3 and 13 read step 2a's run, so they share its lane; about equal halves on a CPU
-# (measured 2026-12-07 in tests/test_gpu_check.py, seconds in the two lanes at once: 1 21, 2a 9, 3 10, 5 30, 8 7,
-# 12 26, 13 19 against 2b 10, 4 14, 6 7, 7 21, 9 13, 10 24, 11 21, 14 33; the lanes 129 s and 150 s with step 9 in the
-# second; earlier that day, before step 14, the whole dry run took 91 s on a quicker machine).
-LANES = [("1", "2a", "3", "5", "8", "9", "12", "13"), ("2b", "4", "6", "7", "10", "11", "14")]
+# (measured 2026-12-07 in tests/test_gpu_check.py alone on an idle machine, seconds in the two lanes at once: 1 19,
+# 2a 8, 3 9, 5 27, 8 7, 9 11, 12 22, 13 18, 15 19 against 2b 9, 4 13, 6 7, 7 19, 10 20, 11 17, 14 32: the lanes 139 s
+# and 117 s, the dry run 146 s; with step 9 in the second lane the dry run took 122 s).
+LANES = [("1", "2a", "3", "5", "8", "12", "13", "15"), ("2b", "4", "6", "7", "9", "10", "11", "14")]
 
 
 def run_lanes(args, steps: list[str]) -> int:

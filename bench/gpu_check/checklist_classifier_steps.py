@@ -1,13 +1,14 @@
-"""The steps of scripts/train.py as a classifier: step 1 (the demo against transformers.Trainer) and step 14 (the
-LLM as a classifier: full fine-tuning, LoRA and QLoRA, each saved classifier reloaded)."""
+"""The steps of scripts/train.py as a classifier: step 1 (the demo against transformers.Trainer), step 14 (the LLM as
+a classifier: full fine-tuning, LoRA and QLoRA, each saved classifier reloaded) and step 15 (its LoRA with and without
+--gradient_checkpointing)."""
 
 from __future__ import annotations
 
 import shutil
 import sys
 
-from checklist_figures import CLASSIFIER_NOTE, classifier_figures
-from checklist_runner import Runner
+from checklist_figures import CHECKPOINTING_NOTE, CHECKPOINTING_TOLERANCE, CLASSIFIER_NOTE, classifier_figures
+from checklist_runner import Runner, StepFailed
 from checklist_steps import BENCH
 from checklist_util import f, none_low, ratio, ratio_of, read_json
 
@@ -186,3 +187,61 @@ class ClassifierSteps(Runner):
             ],
         )
         self.note(CLASSIFIER_NOTE)
+
+    def step_15(self) -> None:
+        """--gradient_checkpointing in scripts/train.py: the LLM as a classifier with LoRA r16 (the case it is for: a
+        model whose activations outgrow the GPU), with and without it, on step 1's reviews at batch 32, so that the
+        activations are most of the memory: samples/s, peak GPU memory, and the same training (the evaluation's loss
+        and accuracy after it: recomputed activations must give the gradients stored ones give)."""
+        s, work, llm = self.sizes, self.results / "step15", self.llm()
+        self.step_record["figures"]["model"] = llm["facts"]["classifier"]
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        common = ["--model_name_or_path", llm["model_dir"], "--num_train_epochs", s.cls_epochs, "--lora_r", 16]
+        common += ["--per_device_train_batch_size", s.checkpointed_batch, "--max_length", s.cls_max_length]
+        common += ["--seed", 42, *s.cls, "--checkpointing_steps", "no", "--overwrite_output_dir"]
+        rows = {}
+        for case, options in (("lora", []), ("lora_gc", ["--gradient_checkpointing"])):
+            out = work / case
+            command, _ = self.accelerate("single_gpu.yaml", "train.py", *common, *options, "--output_dir", out)
+            run = self.launch(case, command, out / "metrics.json")
+            if run["status"] == "ok":
+                run["figures"] = rows[case] = classifier_figures(out, (self.results / run["log"]).read_text())
+        if set(rows) != {"lora", "lora_gc"}:
+            return
+        plain, checkpointed, figures = rows["lora"], rows["lora_gc"], self.step_record["figures"]
+        figures["gc_x_plain_samples_per_s"] = ratio_of(checkpointed["samples_per_s"], plain["samples_per_s"])
+        figures["gc_x_plain_peak_gpu_memory"] = ratio_of(
+            checkpointed["peak_gpu_memory_mib"], plain["peak_gpu_memory_mib"]
+        )
+        if plain["peak_gpu_memory_mib"] is not None and checkpointed["peak_gpu_memory_mib"] is not None:
+            figures["gc_saves_gpu_mib"] = plain["peak_gpu_memory_mib"] - checkpointed["peak_gpu_memory_mib"]
+        change = abs(checkpointed["eval_loss"] - plain["eval_loss"]) / max(abs(plain["eval_loss"]), 1e-12)
+        figures["eval_loss_relative_change"] = change
+        self.table(
+            ["run", "samples/s", "× plain", "peak GPU MiB", "× plain", "peak RSS MiB", "eval loss", "accuracy"],
+            [
+                [
+                    case,
+                    f(r["samples_per_s"], 2),
+                    ratio(r, plain, "samples_per_s"),
+                    f(r["peak_gpu_memory_mib"], 0),
+                    ratio(r, plain, "peak_gpu_memory_mib"),
+                    f(r["peak_rss_mib"], 0),
+                    f(r["eval_loss"], 5),
+                    f(r["accuracy"], 4),
+                ]
+                for case, r in rows.items()
+            ],
+        )
+        self.note(CHECKPOINTING_NOTE)
+        if change > CHECKPOINTING_TOLERANCE:  # the same seed, batches and dropout masks: only rounding may differ
+            raise StepFailed(
+                f"--gradient_checkpointing changed the training: eval loss {checkpointed['eval_loss']:.6g} against "
+                f"{plain['eval_loss']:.6g} without it ({change:.2%} apart, more than {CHECKPOINTING_TOLERANCE:.0%})"
+            )
+        if figures.get("gc_saves_gpu_mib") is not None and figures["gc_saves_gpu_mib"] <= 0:
+            raise StepFailed(
+                f"--gradient_checkpointing saved no GPU memory ({checkpointed['peak_gpu_memory_mib']:.0f} MiB at its "
+                f"peak against {plain['peak_gpu_memory_mib']:.0f} without it): were the decoder layers checkpointed?"
+            )

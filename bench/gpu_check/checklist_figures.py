@@ -36,6 +36,14 @@ CLASSIFIER_NOTE = (
     "trainable weights. samples/s: training alone (metrics.json's train_runtime_s); peak GPU memory: the run's "
     "whole peak, evaluation included. saved MiB: the adapter, or the whole model; merged/ is not counted."
 )
+CHECKPOINTING_NOTE = (
+    "Step 15: the LLM as train.py's classifier, LoRA r16 at its default 5e-4, batch 32 (the activations most of "
+    "the memory), with and without --gradient_checkpointing (transformers' non-reentrant checkpointing of each "
+    "decoder layer: its activations recomputed in the backward pass). The same seed, batches and dropout masks "
+    "(recomputation replays the masks), so the two runs train the same model up to the GPU's rounding: the "
+    "evaluation's loss after training must agree within 2%. peak GPU memory: the run's whole peak."
+)
+CHECKPOINTING_TOLERANCE = 0.02  # relative: bf16 kernels that accumulate in another order (atomics) over 57 steps
 TRL_DIFFERS = (
     "What differs from TRL: TRL's loss covers the completion's tokens as its chat template renders them (the "
     "answer, <|im_end|> and the newline after it; ours stops at <|im_end|>); TRL computes the LM head at every "
@@ -80,7 +88,7 @@ def sft_figures(data: dict, facts: dict, peak: float | None, who: str, case: str
 
 
 def classifier_figures(out: Path, log: str) -> dict:
-    """One train.py run of step 14: its metrics.json, the weights it trained (its log's LoRA line) and saved."""
+    """One train.py run of step 14 or 15: its metrics.json, the weights it trained (its log's LoRA line) and saved."""
     data = read_json(out / "metrics.json")
     lora = re.search(r"LoRA r=\d+: ([\d,]+) trainable of ([\d,]+) parameters", log)
     files = [*out.glob("*.safetensors")]  # the adapter, or the whole model (merged/ is not counted)
@@ -90,6 +98,7 @@ def classifier_figures(out: Path, log: str) -> dict:
         "peak_gpu_memory_mib": max(data.get("peak_gpu_memory_mb_per_rank") or [None], key=none_low),
         "peak_rss_mib": max(data.get("peak_memory_mb_per_rank") or [None], key=none_low),
         "accuracy": data.get("eval_accuracy"),
+        "eval_loss": data.get("eval_loss"),
         "f1": data.get("eval_f1"),
         "trainable": f"{lora.group(1)} of {lora.group(2)}" if lora else "all",
         "saved_mib": sum(path.stat().st_size for path in files) / 2**20,

@@ -69,6 +69,11 @@ RUN_S = {
     ("14", "lora"): (9.1, 50),
     ("14", "qlora"): (9.1, 65),
     ("14", "reload"): (4.6, 10),
+    # Step 15 (dry run measured 2026-12-07, --jobs 1 on 2 busy cores): the LLM classifier's LoRA at batch 32, 57 steps
+    # of up to 128 tokens, 3 evaluations of 379: launch-bound as step 14's (its LoRA 50 s at batch 8), a batch of 32
+    # a little longer a step; checkpointing recomputes each layer's forward: a third more of the training's time.
+    ("15", "lora"): (13.0, 30),
+    ("15", "lora_gc"): (13.0, 36),
 }
 # Each run's wall seconds on the first GPU session (an H200, 2026-11-26; the LLM's weights drawn at random, the
 # runs as the steps make them): they replace RUN_S's estimates, which were 1.1 to 3 times too short for the LLM.
@@ -111,9 +116,10 @@ CALLS = [
     # Step 12 again: session 4's profile found ours' GRPO paying 0.49 s a step in cuDNN attention's host code. GRPO's
     # rows now pad to a multiple of 8, the profile gives each operator's longest and median call (a graph built per
     # new length, or a cost of every call?), and a third run goes without cuDNN's attention (what it costs a step).
-    # Then 2b's checkpointing case, never run.
+    # Then 2b's checkpointing case, never run, and train.py's (step 15): the memory it saves and the speed it costs
+    # need no trained weights.
     {"session": 5, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["12"]},
-    {"session": 5, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["2b"]},  # its full_gc case
+    {"session": 5, "carry": ["llm_shape"], "install": False, "shape": True, "steps": ["2b", "15"]},
     # DPO with --torch_compile: step 9 found its step launch-bound, 1.31x TRL against a target of 1.5x.
     {"session": 6, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["11"]},
     {"session": 7, "carry": ["llm_shape-1", "llm_shape"], "install": True, "shape": True, "steps": ["5", "8", "6"]},
@@ -135,7 +141,7 @@ STEP_ADDS = {"13": "qlora", "14": "qlora"}
 
 
 def needs_llm(step: str) -> bool:
-    """Whether a step runs the LLM that the environment helper prepares (steps 2 to 5, 7 and 9 to 14)."""
+    """Whether a step runs the LLM that the environment helper prepares (steps 2 to 5, 7 and 9 to 15)."""
     return step not in STEP_SETS
 
 

@@ -29,6 +29,7 @@ STEPS = {
     "12": "GRPO profiled, ours (also without cuDNN attention) and TRL's: where a step's time goes",
     "13": "QLoRA (--load_in_4bit) on 2a's plain LoRA case against TRL on the same 4-bit base, and against our LoRA",
     "14": "train.py with the LLM as a classifier: full fine-tuning, LoRA and QLoRA: samples/s, GPU memory, accuracy",
+    "15": "train.py --gradient_checkpointing on the LLM classifier's LoRA: the memory it saves, the speed it costs",
 }
 FP16_SCALER = REPO / "tests" / "launched" / "fp16_scaler.py"  # a script run with torch's GradScaler, first scale set
 FSDP_ON_CPU = REPO / "tests" / "launched" / "fsdp_on_cpu.py"  # a script run under FSDP2 on CPU processes
@@ -60,6 +61,7 @@ class Sizes:
         # 32 samples (the first with all 3 labels): bf16 is emulated without avx512_bf16 (1.5 samples/s here)
         self.cls = ["--max_train_samples", "32", "--max_eval_samples", "8"] if dry_run else []
         self.cls_epochs, self.cls_max_length = (1, 32) if dry_run else (3, 128)
+        self.checkpointed_batch = 8 if dry_run else 32  # step 15: activations most of the LLM classifier's memory
         self.llm_train, self.llm_eval = (16, 8) if dry_run else (600, 379)  # the demo's records, all of them
         self.llm_batch, self.llm_epochs = (4, 1) if dry_run else (16, 2)
         self.block_size = 256
