@@ -69,7 +69,7 @@ bench: $(BENCH_STAMP)  ## ours vs a hand loop, the Trainer, TRL's SFT/DPO/GRPO; 
 	$(BIN)/python bench/bench_scale.py
 	$(BIN)/python bench/bench_memory.py --steps 10000
 
-# The GPU checklist (bench/gpu_check/README.md): STEPS=1,2a,2b,3,...,14 (2 = 2a,2b; default all), DRY_RUN=1 for
+# The GPU checklist (bench/gpu_check/README.md): STEPS=1,2a,2b,3,...,15 (2 = 2a,2b; default all), DRY_RUN=1 for
 # the CPU dry run CI runs (tiny sizes), BUDGET_S=540 to start no run that would end later. Here it runs with
 # .venv; the GPU machine has no venv, so give its interpreter there: make gpu-check PYTHON=python3 STEPS=1,2a
 STEPS ?= all
