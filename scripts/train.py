@@ -24,7 +24,12 @@ from ddp_utils import SAMPLE_WEIGHT, UsageError
 from ddp_utils.data.classification import CLASSIFICATION_SCORES, REGRESSION_SCORES, evaluate_regression, label_task
 from ddp_utils.data.demo import demo_model_path, load_demo_reviews
 from ddp_utils.data.multi_label import MULTI_LABEL_SCORES, evaluate_multi_label
-from ddp_utils.data.text_classifiers import check_eos_tokens, max_input_length, pad_for_classification
+from ddp_utils.data.text_classifiers import (
+    check_eos_tokens,
+    classify_without_kv_cache,
+    max_input_length,
+    pad_for_classification,
+)
 
 logger = get_logger(__name__)
 
@@ -116,6 +121,7 @@ def prepare_data(args):
     ddp_utils.fetch_weights(args.model_name_or_path)  # one download; the ranks then build the model from the cache
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     pad_for_classification(tokenizer, config, args.model_name_or_path)  # most LLMs have none; a decoder's head reads it
+    classify_without_kv_cache(config)  # one pass per text: a decoder's cache would only hold memory
     limit = max_input_length(tokenizer, config, args.trust_remote_code)  # None: relative positions only (T5)
     if limit and args.max_length > limit:
         raise UsageError(f"--max_length {args.max_length} is above this model's limit of {limit} tokens; lower it")

@@ -292,6 +292,9 @@ def test_qlora_keeps_the_head_unquantized_trains_and_merges_into_the_unquantized
     assert run.returncode == 0, run.output[-3000:]
     assert "LoRA: score trains whole" in run.output and "QLoRA: the base model's linear layers in 4-bit" in run.output
     assert "each layer's activations recomputed in the backward pass" in run.output
+    # A classifier keeps no KV cache (its decoder's config asked for one): transformers has none to turn off
+    assert "use_cache=True` is incompatible" not in run.output
+    assert json.loads((output_dir / "merged" / "config.json").read_text())["use_cache"] is False
     assert "quantization_config" not in json.loads((output_dir / "merged" / "config.json").read_text())
     assert "quantization_config" not in json.loads((output_dir / "config.json").read_text())
     merged = AutoModelForSequenceClassification.from_pretrained(output_dir / "merged").eval()

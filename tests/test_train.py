@@ -317,6 +317,29 @@ def test_a_config_that_names_no_pad_token_gets_the_tokenizers(tiny_data, tmp_pat
 
 
 @pytest.mark.fast
+def test_no_family_builds_a_kv_cache_in_training_or_evaluation(tiny_data, tmp_path):
+    """Decoders' and BART's and T5's configs ask for a KV cache (use_cache): the classifier's every forward pass built
+    one, holding each layer's keys and values to the pass's end, at the activations' peak, and under
+    --gradient_checkpointing transformers warned that it turned it off. As train.py prepares them, none builds one."""
+    import torch
+    from classifier_families import FAMILIES, save_family
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    asked = []
+    for family in FAMILIES:
+        model_dir = save_family(family, tmp_path / family)
+        asked += [family] if getattr(AutoConfig.from_pretrained(model_dir), "use_cache", False) else []
+        _, tokenizer, config = prepared(model_dir, tiny_data, tmp_path / f"{family}-run")
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, config=config)
+        batch = tokenizer(["great", "the film was very bad"], padding=True, return_tensors="pt")
+        for training in (True, False):
+            with torch.set_grad_enabled(training):
+                output = model.train(training)(**batch)
+            assert getattr(output, "past_key_values", None) is None, (family, training)
+    assert {"llama", "qwen2", "gemma3_text", "gpt2", "bart", "t5"} <= set(asked), asked
+
+
+@pytest.mark.fast
 def test_a_tokenizer_that_pads_on_the_left_pads_on_the_right_where_positions_are_absolute(tiny_data, tmp_path):
     """A GPT-2 whose tokenizer was saved to pad on the left (for generation): its positions count from the batch's
     first column, so a left-padded example was read at other positions than alone, trained so and saved so. The

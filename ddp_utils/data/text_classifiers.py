@@ -61,6 +61,17 @@ def pad_for_classification(tokenizer, config, model_name_or_path: str) -> None:
         text.pad_token_id = pad
 
 
+def classify_without_kv_cache(config) -> None:
+    """A classifier reads each text in one pass: turn off the KV cache a decoder's config asks for (`use_cache`, in
+    it and in its text part). With it on, every forward pass, in training and in evaluation, built a cache holding
+    each layer's keys and values until the pass ended, at the activations' peak, which a grouped-query model keeps
+    nowhere else; and --gradient_checkpointing had transformers turn it off with a warning. Saved so; any rank may
+    call it."""
+    for part in (config, config.get_text_config()):  # the same object where the model has one config
+        if getattr(part, "use_cache", False):
+            part.use_cache = False
+
+
 def max_input_length(tokenizer, config, trust_remote_code: bool = False) -> int | None:
     """The most tokens the model takes: what its tokenizer says, else its position embeddings' count, else None
     (relative positions only, as T5's: no limit). Before, a T5 whose tokenizer gives no limit (T5 v1.1's, mT5's)
