@@ -99,3 +99,13 @@ def test_output_dir_of_another_run_is_refused_and_left_alone(tiny_model, tiny_da
         os.listdir(output_dir) == ["metrics.json"]
         and (output_dir / "metrics.json").read_text() == '{"eval_accuracy": 0.9}'
     )
+    # Resumed from another directory's checkpoint, the run would have set that run's later checkpoints aside
+    other = tmp_path / "other-run" / "checkpoint-2"
+    other.mkdir(parents=True)
+    args = train_args(tiny_model, tiny_data, output_dir, "--max_train_steps", 2, "--resume_from_checkpoint", other)
+    result = launch(TRAIN, *args, num_processes=2, timeout=120)
+    assert result.returncode != 0 and result.seconds < 60
+    for rank in (0, 1):
+        assert f"[rank {rank}] error:" in result.output
+    assert f"and --resume_from_checkpoint '{other}' lies outside it" in result.output
+    assert os.listdir(output_dir) == ["metrics.json"]

@@ -58,6 +58,21 @@ def test_check_output_dir(tmp_path):
     check_output_dir(str(tmp_path), overwrite=True)
     with pytest.raises(UsageError, match="is a file"):
         check_output_dir(str(tmp_path / "model.safetensors"), overwrite=True)
+    # A resume goes on with the run in the directory: from 'latest', or a checkpoint inside it (a relative path too)
+    run, other = tmp_path / "run", tmp_path / "other" / "checkpoint-2"
+    (run / "checkpoint-4").mkdir(parents=True)
+    other.mkdir(parents=True)
+    check_output_dir(str(run), overwrite=False, resume_from="latest")
+    check_output_dir(str(run), overwrite=False, resume_from=str(run / "checkpoint-4"))
+    check_output_dir(os.path.relpath(run), overwrite=False, resume_from=str(run / "checkpoint-4"))
+    # A checkpoint of another directory starts another run: resumed into this one, its checkpoints past the step
+    # would have been set aside as abandoned and its model replaced. A new directory, or an empty one, takes it.
+    with pytest.raises(UsageError, match=r"lies outside it: to go on with the run in .*, resume with "
+                                         r"--resume_from_checkpoint latest; to start a new run from that checkpoint, "
+                                         r"give a new --output_dir"):  # fmt: skip
+        check_output_dir(str(run), overwrite=False, resume_from=str(other))
+    check_output_dir(str(tmp_path / "new"), overwrite=False, resume_from=str(other))
+    check_output_dir(str(run), overwrite=True, resume_from=str(other))  # its files replaced
 
 
 @pytest.mark.fast

@@ -190,7 +190,7 @@ def start_run(args, **accelerator_options) -> Accelerator:
     if compile_warning:
         logger.warning(compile_warning)
     transformers.set_seed(args.seed)
-    check_output_dir(args.output_dir, args.overwrite_output_dir, resuming=bool(args.resume_from_checkpoint))
+    check_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     clear_preempted_marker(accelerator, args.output_dir)  # it describes an earlier attempt
     return accelerator
 
@@ -223,7 +223,7 @@ def start_training(accelerator: Accelerator, args, model, optimizer, plan):
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)  # parameter names as in the checkpoint
     compile_by_regions(unwrapped, getattr(args, "dynamo_backend", "no"))  # --torch_compile: each layer, in place
     checkpointer = Checkpointer(accelerator, args, unwrapped, plan)  # saves when due or on SIGTERM
-    prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, bool(args.resume_from_checkpoint))
+    prepare_output_dir(accelerator, args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     checkpointer.resume(plan)  # from --resume_from_checkpoint, if given
     log = TrainingLog(accelerator, args, plan)  # trackers, train_log.jsonl, progress bar (after the resume)
     checkpointer.log = log  # no checkpoint of a run whose loss turned NaN; the best ranked by its evaluations

@@ -18,31 +18,51 @@ from ..core.ranks import from_main_process
 from ..training.pretrained import shared_weights
 
 
-def check_output_dir(output_dir: str, overwrite: bool, resuming: bool = False) -> None:
+def resumes_in(output_dir: str, resume_from: str | None) -> bool:
+    """Whether --resume_from_checkpoint goes on with the run in `output_dir`: 'latest', or a checkpoint inside it. A
+    checkpoint elsewhere starts another run from it, which must not write into a directory holding a run of its own:
+    that run's checkpoints past the resumed step would be set aside as abandoned, its model replaced."""
+    if not resume_from:
+        return False
+    if resume_from == "latest":
+        return True
+    output_dir, checkpoint = os.path.realpath(output_dir), os.path.realpath(resume_from)
+    return os.path.commonpath([output_dir, checkpoint]) == output_dir
+
+
+def check_output_dir(output_dir: str, overwrite: bool, resume_from: str | None = None) -> None:
     """Refuse an output directory that already holds another run, before any work is done
-    (a run that resumes from its checkpoints there is welcome). No communication: `start_run`
+    (a run that resumes from its checkpoints there is welcome: `resumes_in`). No communication: `start_run`
     calls it on every rank before any work, and each rank raises on its own. Writes nothing."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UsageError(f"--output_dir {output_dir!r} is a file; give a directory path")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not (overwrite or resuming):
+    if not os.path.isdir(output_dir) or not os.listdir(output_dir) or overwrite or resumes_in(output_dir, resume_from):
+        return
+    if resume_from:  # a checkpoint of another directory
         raise UsageError(
-            f"--output_dir {output_dir!r} already holds files from another run; "
-            "pass --overwrite_output_dir to replace them, or choose another --output_dir"
+            f"--output_dir {output_dir!r} already holds files from another run, and --resume_from_checkpoint "
+            f"{str(resume_from)!r} lies outside it: to go on with the run in {output_dir!r}, resume with "
+            "--resume_from_checkpoint latest; to start a new run from that checkpoint, give a new --output_dir"
         )
+    raise UsageError(
+        f"--output_dir {output_dir!r} already holds files from another run; "
+        "pass --overwrite_output_dir to replace them, or choose another --output_dir"
+    )
 
 
-def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite: bool, resuming: bool = False) -> None:
+def prepare_output_dir(accelerator: Accelerator, output_dir: str, overwrite: bool, resume_from: str | None = None):
     """All ranks call this, once the inputs are validated (so bad input never leaves a directory
-    behind): the main process checks the output directory again, empties it if `overwrite` and not
-    `resuming`, and creates it; the other ranks wait for it and share its verdict (one broadcast).
+    behind): the main process checks the output directory again, empties it if `overwrite` and the run does not go on
+    from a checkpoint in it (`resumes_in`), and creates it; the other ranks wait for it and share its verdict (one
+    broadcast).
 
     Only the main process looks at the directory here: another rank listing it while the main
     process deletes it could fail with FileNotFoundError.
     """
 
     def replace_on_main():
-        check_output_dir(output_dir, overwrite, resuming)
-        if overwrite and not resuming and os.path.isdir(output_dir):
+        check_output_dir(output_dir, overwrite, resume_from)
+        if overwrite and not resumes_in(output_dir, resume_from) and os.path.isdir(output_dir):
             shutil.rmtree(output_dir)
         os.makedirs(output_dir, exist_ok=True)
 
