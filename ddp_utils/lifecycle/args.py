@@ -103,7 +103,7 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
         "--oom_backoff",
         action="store_true",
         help="after an out-of-memory error, take the step again in micro-batches half the size (same global batch "
-        "and loss); DDP only, and the gradient all-reduce no longer overlaps the backward pass",
+        "and loss); DDP only, not train_grpo.py; the gradient all-reduce no longer overlaps the backward pass",
     )
     p = parser.add_argument_group(
         "checkpoints: resume exactly after a crash or preemption (SIGTERM/SIGUSR1 save one and exit 75)"
