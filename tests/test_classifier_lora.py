@@ -191,6 +191,7 @@ def test_lora_trains_the_same_classifier_on_any_layout_resumes_bit_for_bit_and_m
                                     "--global_batch_size", 8, "--merge_lora"))  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]
     assert "LoRA: classifier trains whole, with no adapter (it holds weights the checkpoint lacks)" in run.output
+    assert "is_gradient_checkpointing" not in run.output  # peft's FutureWarning, at the merge's copy too
     args = train_args(tiny_model, tiny_data, one, *STEPS, "--per_device_train_batch_size", 2, "--global_batch_size", 8)
     assert launch(TRAIN, *args, num_processes=1).returncode == 0
     ours, theirs = trained(one), trained(two)
@@ -294,6 +295,7 @@ def test_qlora_keeps_the_head_unquantized_trains_and_merges_into_the_unquantized
     assert "each layer's activations recomputed in the backward pass" in run.output
     # A classifier keeps no KV cache (its decoder's config asked for one): transformers has none to turn off
     assert "use_cache=True` is incompatible" not in run.output
+    assert "is_gradient_checkpointing" not in run.output  # peft's FutureWarning, at the unquantized merge too
     assert json.loads((output_dir / "merged" / "config.json").read_text())["use_cache"] is False
     assert "quantization_config" not in json.loads((output_dir / "merged" / "config.json").read_text())
     assert "quantization_config" not in json.loads((output_dir / "config.json").read_text())

@@ -143,13 +143,23 @@ def refuse_convolutions_of_their_own(model) -> None:
             )
 
 
+def wrap_in_peft(model, lora_config):
+    """peft's `get_peft_model(model, lora_config)`, without the FutureWarning it gives on every call (it reads
+    transformers' deprecated `is_gradient_checkpointing`). No communication."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(model, lora_config)
+
+
 def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
     """`model` with LoRA adapters (--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules,
     --lora_last_layers); only the adapters train, and the modules named in `whole` (a classifier's new head, peft's
     modules_to_save), which get no adapter. A target module the model does not have, or more layers than it has,
     is a UsageError that lists what it has."""
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
     except ImportError:
         raise UsageError("--lora_r needs the peft package: pip install -r requirements.txt") from None
     targets = args.lora_target_modules
@@ -225,9 +235,7 @@ def add_lora(model, args, task_type: str = "CAUSAL_LM", whole: tuple = ()):
     # does not (lora_A 0.35 apart from DDP's). Where loading draws none (DDP, Llama), the state is this one already.
     torch.manual_seed(args.seed)
     try:
-        with warnings.catch_warnings():  # peft reads transformers' deprecated name: a FutureWarning on every run
-            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            model = get_peft_model(model, lora)
+        model = wrap_in_peft(model, lora)
     except ValueError as exc:
         reason = str(exc).splitlines()[0][:160]
         if args.lora_last_layers and "No modules were targeted" in reason:  # ALBERT: one layer shared by the depth

@@ -14,6 +14,7 @@ from ..checkpoints.write_failure import agree_on_write
 from ..core.sharded import is_sharded
 from ..results.output import gathered_state_dict, save_model, saved_dtype, write_pretrained
 from ..training.zero3_loading import built_whole, zero3_enabled
+from .lora import wrap_in_peft
 from .multimodal import image_processors
 from .quantized import is_4bit, merged_unquantized
 
@@ -71,12 +72,11 @@ def merged_copy(peft_model, state_dict: dict):
     import copy as copying
 
     from accelerate import init_empty_weights
-    from peft import get_peft_model
 
     base = peft_model.get_base_model()
     whole = built_whole() if zero3_enabled() else contextlib.nullcontext()  # not built in ZeRO-3's shards
     with whole, init_empty_weights(include_buffers=False):  # buffers computed as usual (rotary frequencies)
-        copy = get_peft_model(type(base)._from_config(base.config), peft_model.peft_config["default"])
+        copy = wrap_in_peft(type(base)._from_config(base.config), peft_model.peft_config["default"])
     copy.load_state_dict(state_dict, strict=True, assign=True)
     copy.get_base_model().tie_weights()  # assign=True unties shared weights; the config says which are tied
     merged = copy.merge_and_unload()

@@ -15,6 +15,7 @@ from accelerate.state import AcceleratorState, PartialState
 
 from ..core.errors import UsageError
 from ..results.output import unquantized_config
+from .lora import wrap_in_peft
 
 logger = get_logger(__name__)
 
@@ -89,7 +90,7 @@ def merged_unquantized(peft_model, model_name_or_path: str, trust_remote_code: b
     the end, with the checkpoint's size free in CPU memory. No communication."""
     import copy as copying
 
-    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     base = peft_model.get_base_model()
     config = unquantized_config(base.config)
@@ -98,7 +99,7 @@ def merged_unquantized(peft_model, model_name_or_path: str, trust_remote_code: b
     unquantized = type(base).from_pretrained(
         model_name_or_path, config=config, device_map={"": "cpu"}, trust_remote_code=trust_remote_code, **classifier
     )
-    copy = get_peft_model(unquantized, copying.deepcopy(adapter))
+    copy = wrap_in_peft(unquantized, copying.deepcopy(adapter))
     trained = {key: value.detach().to("cpu") for key, value in get_peft_model_state_dict(peft_model).items()}
     result = set_peft_model_state_dict(copy, trained)
     missing = [key for key in getattr(result, "missing_keys", ()) if "lora_" in key]
