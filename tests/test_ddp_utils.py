@@ -11,7 +11,7 @@ import torch
 import ddp_utils
 from ddp_utils import SAMPLE_WEIGHT, UsageError
 from ddp_utils.core.files import write_json
-from ddp_utils.results.output import check_output_dir
+from ddp_utils.results.output import check_output_dir, resumes_in
 
 
 @pytest.mark.fast
@@ -73,6 +73,11 @@ def test_check_output_dir(tmp_path):
         check_output_dir(str(run), overwrite=False, resume_from=str(other))
     check_output_dir(str(tmp_path / "new"), overwrite=False, resume_from=str(other))
     check_output_dir(str(run), overwrite=True, resume_from=str(other))  # its files replaced
+    # A checkpoint of the run linked to other storage is the run's: resumed, not refused, nor deleted by an overwrite
+    (run / "checkpoint-6").symlink_to(other, target_is_directory=True)
+    check_output_dir(str(run), overwrite=False, resume_from=str(run / "checkpoint-6") + "/")
+    assert resumes_in(str(run), str(run / "checkpoint-6")) and not resumes_in(str(run), str(other))
+    assert resumes_in(str(run), "latest") and not resumes_in(str(run), None)
 
 
 @pytest.mark.fast

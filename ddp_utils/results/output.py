@@ -26,7 +26,10 @@ def resumes_in(output_dir: str, resume_from: str | None) -> bool:
         return False
     if resume_from == "latest":
         return True
-    output_dir, checkpoint = os.path.realpath(output_dir), os.path.realpath(resume_from)
+    # Where the checkpoint's name lies, not where it points: a checkpoint-<step> linked to scratch space is the run's
+    where = os.path.normpath(os.path.abspath(resume_from))
+    checkpoint = os.path.join(os.path.realpath(os.path.dirname(where)), os.path.basename(where))
+    output_dir = os.path.realpath(output_dir)
     return os.path.commonpath([output_dir, checkpoint]) == output_dir
 
 
@@ -42,7 +45,8 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: str | None =
         raise UsageError(
             f"--output_dir {output_dir!r} already holds files from another run, and --resume_from_checkpoint "
             f"{str(resume_from)!r} lies outside it: to go on with the run in {output_dir!r}, resume with "
-            "--resume_from_checkpoint latest; to start a new run from that checkpoint, give a new --output_dir"
+            "--resume_from_checkpoint latest; to start a new run from that checkpoint, give a new --output_dir (under "
+            "SLURM, whose requeue resumes from latest, copy the checkpoint into it first and resume with latest)"
         )
     raise UsageError(
         f"--output_dir {output_dir!r} already holds files from another run; "
