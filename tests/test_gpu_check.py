@@ -126,7 +126,10 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     log = (results / checkpointed["runs"]["lora_gc"]["log"]).read_text()
     assert "gradient checkpointing: each layer's activations recomputed" in log
     assert "is_gradient_checkpointing" not in log  # peft's FutureWarning, silenced (lora.add_lora)
-    assert checkpointed["figures"]["eval_loss_relative_change"] < 1e-6, checkpointed["figures"]
+    same = checkpointed["figures"]
+    assert same["logged_steps"] >= 1 and same["saved_weights_relative_difference"] < 1e-6, same
+    for name in ("train_loss_max_relative_change", "grad_norm_max_relative_change", "eval_loss_relative_change"):
+        assert same[name] < 1e-6, (name, same)
     assert checkpointed["figures"]["gc_x_plain_samples_per_s"] > 0 and "gc_saves_gpu_mib" not in checkpointed["figures"]
     assert [row[0] for row in checkpointed["table"]["rows"]] == ["lora", "lora_gc"]
     # Step 3 ran dynamo (eager backend: nothing compiled) and counted what it found: graph breaks and recompiles.
@@ -484,6 +487,34 @@ def test_the_payload_travels_in_sets_and_installs_offline_call_after_call(tmp_pa
     monkeypatch.setattr(payload_install, "STASH", tmp_path / "fresh_stash")
     assert call(llm[-1]) == 0
     assert payload_install.install(argparse.Namespace(site=str(tmp_path / "fresh_site"), sets=None)) == 1
+
+
+@pytest.mark.fast
+def test_step_15_compares_the_two_runs_whole_and_a_nan_never_passes(tmp_path):
+    """same_training reads both runs' logs, metrics and saved adapters with the standard library (the runner has no
+    torch): the largest relative change over the logged steps, the adapters' distance as torch computes it, and NaN
+    where a value is not finite, which the step's `<=` check fails."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    weights = {"a.lora_A.weight": torch.randn(4, 8), "score.weight": torch.randn(3, 8), "b": torch.ones(2).half()}
+    moved = {**weights, "a.lora_A.weight": weights["a.lora_A.weight"] * 1.01}
+    for name, losses, saved in (("plain", [1.0, 0.5], weights), ("gc", [1.0, 0.51], moved)):
+        (tmp_path / name).mkdir()
+        lines = [{"step": 10 * (i + 1), "train/loss": loss, "train/grad_norm": 2.0} for i, loss in enumerate(losses)]
+        lines.append({"step": 20, "eval/loss": 0.7})  # an evaluation's record: not a training step
+        (tmp_path / name / "train_log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        (tmp_path / name / "metrics.json").write_text(json.dumps({"eval_loss": 0.7}))
+        save_file(saved, str(tmp_path / name / "adapter_model.safetensors"))
+    same = checklist_figures.same_training(tmp_path / "plain", tmp_path / "gc")
+    assert same["logged_steps"] == 2 and same["grad_norm_max_relative_change"] == 0.0
+    assert math.isclose(same["train_loss_max_relative_change"], 0.02) and same["eval_loss_relative_change"] == 0.0
+    float32 = ("a.lora_A.weight", "score.weight")  # the half-precision tensor is not compared
+    expected = math.sqrt(sum(float((moved[k] - weights[k]).pow(2).sum()) for k in float32))
+    expected /= math.sqrt(sum(float(weights[k].pow(2).sum()) for k in float32))
+    assert math.isclose(same["saved_weights_relative_difference"], expected, rel_tol=1e-5)
+    (tmp_path / "gc" / "metrics.json").write_text(json.dumps({"eval_loss": float("nan")}))
+    assert math.isnan(checklist_figures.same_training(tmp_path / "plain", tmp_path / "gc")["eval_loss_relative_change"])
 
 
 def test_the_call_plan_fits_each_session_and_runs_every_step_not_yet_run_on_a_gpu():

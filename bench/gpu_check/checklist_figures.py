@@ -4,6 +4,9 @@ and the notes that say, in each step's record, what the figures mean."""
 
 from __future__ import annotations
 
+import array
+import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -41,7 +44,8 @@ CHECKPOINTING_NOTE = (
     "the memory), with and without --gradient_checkpointing (transformers' non-reentrant checkpointing of each "
     "decoder layer: its activations recomputed in the backward pass). The same seed, batches and dropout masks "
     "(recomputation replays the masks), so the two runs train the same model up to the GPU's rounding: the "
-    "evaluation's loss after training must agree within 2%. peak GPU memory: the run's whole peak."
+    "training loss and gradient norm at every logged step, and the evaluation's loss after training, must agree "
+    "within 2%; the saved adapters' distance is reported. peak GPU memory: the run's whole peak."
 )
 CHECKPOINTING_TOLERANCE = 0.02  # relative: bf16 kernels that accumulate in another order (atomics) over 57 steps
 TRL_DIFFERS = (
@@ -104,6 +108,53 @@ def classifier_figures(out: Path, log: str) -> dict:
         "saved_mib": sum(path.stat().st_size for path in files) / 2**20,
         "mixed_precision": data.get("mixed_precision"),
     }
+
+
+def same_training(plain: Path, checkpointed: Path) -> dict:
+    """How far apart two train.py runs of the same work trained (step 15): the largest relative difference of the
+    training loss and of the gradient norm over the steps both logged (train_log.jsonl), of the evaluation's loss
+    after training, and of the float32 weights both saved (the adapter and the head: their distance over the plain
+    run's norm). NaN where a value is not finite, so that no comparison passes it."""
+
+    def relative(a, b) -> float:
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return math.nan
+        return abs(a - b) / max(abs(b), 1e-12)
+
+    logs = [
+        {record["step"]: record for record in read_jsonl(out / "train_log.jsonl") if "train/loss" in record}
+        for out in (plain, checkpointed)
+    ]
+    steps = sorted(set(logs[0]) & set(logs[1]))
+    drift = {"logged_steps": len(steps)}
+    for key, name in (("train/loss", "train_loss"), ("train/grad_norm", "grad_norm")):
+        changes = [relative(logs[1][s][key], logs[0][s][key]) for s in steps if key in logs[0][s] and key in logs[1][s]]
+        drift[f"{name}_max_relative_change"] = max(changes, key=lambda c: (math.isnan(c), c), default=None)
+    losses = [read_json(out / "metrics.json").get("eval_loss") for out in (plain, checkpointed)]
+    drift["eval_loss_relative_change"] = None if None in losses else relative(losses[1], losses[0])
+    weights = [float32_tensors(out / "adapter_model.safetensors") for out in (plain, checkpointed)]
+    common = sorted(set(weights[0]) & set(weights[1]))
+    if common:
+        apart = sum((a - b) ** 2 for name in common for a, b in zip(weights[1][name], weights[0][name]))
+        norm = sum(b**2 for name in common for b in weights[0][name])
+        drift["saved_weights_relative_difference"] = math.sqrt(apart / max(norm, 1e-30))
+    return drift
+
+
+def float32_tensors(path: Path) -> dict:
+    """The float32 tensors of a safetensors file, flat, read with the standard library (the runner imports no torch):
+    an 8-byte little-endian header length, the JSON header, the data (little-endian: this machine's order)."""
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header, body = json.loads(data[8 : 8 + size]), data[8 + size :]
+    tensors = {}
+    for name, entry in header.items():
+        if name != "__metadata__" and entry["dtype"] == "F32":
+            start, end = entry["data_offsets"]
+            tensors[name] = array.array("f", body[start:end])
+    return tensors
 
 
 def model_flops(facts: dict, tokens: float, targets: float, lora: bool) -> float:
