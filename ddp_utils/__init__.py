@@ -24,6 +24,7 @@ Seven sub-packages, each importing only those listed below it (docs/design.md, "
 What the scripts call, one job a line, in the order a script uses it:
   start_run, make_accelerator       the Accelerator, checked by the launch guard (lifecycle/start.py)
   run, UsageError                   a clean exit; bad input as one line (lifecycle/process_exit.py, core/errors.py)
+  HelpFormatter                     --help with each option's default (lifecycle/args.py)
   add_training_args, check_training_args, check_data_args, check_positive   the options the scripts share,
                                     checked (lifecycle/args.py)
   add_lora_args, add_gradient_checkpointing_arg, add_causal_lm_args, check_lora_options, check_causal_lm_args
@@ -73,7 +74,7 @@ from .data.raw_data import check_splits, named_splits, preparation_processes
 from .language_models.causal_lm import load_causal_lm, load_config_and_tokenizer
 from .language_models.classifier_lora import add_classifier_lora, classifier_4bit_loading
 from .language_models.lora_merge import save_with_merged
-from .lifecycle.args import add_training_args, check_data_args, check_positive, check_training_args
+from .lifecycle.args import HelpFormatter, add_training_args, check_data_args, check_positive, check_training_args
 from .lifecycle.model_args import (
     add_causal_lm_args,
     add_gradient_checkpointing_arg,
@@ -105,6 +106,7 @@ __all__ = [
     "add_classifier_lora",
     "add_gradient_checkpointing_arg",
     "add_lora_args",
+    "HelpFormatter",
     "add_training_args",
     "check_causal_lm_args",
     "checkpoint_if_asked",

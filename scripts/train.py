@@ -44,7 +44,7 @@ TASK_METRIC = {"classification": "eval_accuracy", "regression": "eval_loss", "mu
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ddp_utils.HelpFormatter)  # with defaults
     # Model and data. Nothing given: the offline demo model and data.
     p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo's)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name, e.g. glue")

