@@ -10,12 +10,17 @@ Two launch mistakes fail *silently* with Accelerate on machines without GPUs:
   `Accelerator()` without `cpu=True` gives each process a world of its own: N independent
   runs writing the same files. `make_accelerator` passes `cpu=True` when no GPU is visible,
   which forms one gloo group, and this guard catches any remaining mismatch.
+
+And one that fails loudly but unclearly: more processes on a machine than it has GPUs (`make train`'s
+cpu_2proc.yaml on a workstation with one GPU) failed inside `Accelerator()` with CUDA's "invalid device ordinal"
+(`refuse_more_processes_than_gpus`).
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
 from accelerate import Accelerator
 
 from ..core.errors import UsageError
@@ -99,4 +104,22 @@ def check_launch(accelerator: Accelerator) -> None:
         raise UsageError(
             f"srun started {slurm_tasks} tasks running the script directly, so each is a world of its own. "
             "Run one `accelerate launch` per node under srun (see accelerate_configs/) instead."
+        )
+
+
+def refuse_more_processes_than_gpus() -> None:
+    """Before the Accelerator is built: refuse, on every rank of this machine, a launch of more processes on it than
+    it has GPUs. Accelerate gives each process the GPU its local rank numbers, and one past the last failed inside
+    `Accelerator()` with CUDA's "invalid device ordinal", a traceback on that rank alone. A run that trains on CPU
+    processes (ACCELERATE_USE_CPU) or sees no CUDA GPU is left alone. No communication."""
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if on_cpu or processes <= 1 or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if processes > gpus:
+        raise UsageError(
+            f"this launch starts {processes} processes on this machine, which has {gpus} GPU(s), one per process: "
+            f"give --num_processes {gpus} (accelerate_configs/single_gpu.yaml for one GPU), or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to train on CPU processes"
         )

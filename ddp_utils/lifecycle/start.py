@@ -34,7 +34,7 @@ from ..training.oom_backoff import OOMBackoff
 from ..training.optimizer import describe_optimizer
 from ..training.training_log import TENSORBOARD_DIR, TrainingLog
 from .args import accumulation_for
-from .launch_guard import check_launch, world_size_from_launcher
+from .launch_guard import check_launch, refuse_more_processes_than_gpus, world_size_from_launcher
 
 logger = get_logger(__name__)
 
@@ -72,6 +72,7 @@ def make_accelerator(
     - Under DeepSpeed, its config must agree with the script (`check_deepspeed_config`).
     """
     cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not _gpu_visible()
+    refuse_more_processes_than_gpus()  # else CUDA's "invalid device ordinal" inside Accelerator(), on one rank
     accelerator = Accelerator(
         cpu=cpu,
         # Optimizer steps are always whole (see make_train_dataloader), so syncing at the end of the
