@@ -12,7 +12,9 @@ BIN   := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_SEEDS ?= 42 43 44
-LAUNCH := $(BIN)/accelerate launch --config_file $(CONFIG)
+# cpu_2proc.yaml trains on CPU processes even where GPUs are visible (its use_cpu, which torchrun launches ignore);
+# on a GPU machine give CONFIG=accelerate_configs/single_gpu.yaml (or multi_gpu_bf16.yaml).
+LAUNCH := $(if $(findstring cpu_2proc,$(CONFIG)),ACCELERATE_USE_CPU=true )$(BIN)/accelerate launch --config_file $(CONFIG)
 # The LLM demos compute in bf16 where the CPU has native bf16 (avx512_bf16 or AMX): measured here, training
 # 1.5x and generation faster at the same accuracy (bench/README.md). Elsewhere bf16 would be emulated: fp32.
 LLM_PRECISION ?= $(shell grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null && echo bf16 || echo no)

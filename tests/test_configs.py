@@ -56,3 +56,17 @@ def test_config_is_documented(path):
     ), "the file must start with the command that launches it"
     undocumented = [line for line in lines if re.match(r"^\s*\w[\w-]*:\s*\S", line) and "#" not in line]
     assert not undocumented, f"keys without a comment: {undocumented}"
+
+
+@pytest.mark.fast
+def test_make_trains_on_cpu_processes_with_cpu_2proc_wherever_gpus_are_visible():
+    """`make train` is documented as 2 CPU processes, and cpu_2proc.yaml says use_cpu, which torchrun launches ignore:
+    on a one-GPU workstation its second process asked for a GPU that does not exist. make says ACCELERATE_USE_CPU for
+    it, and for no other config."""
+    import subprocess
+
+    def dry(*extra):
+        return subprocess.run(["make", "-n", "train", *extra], cwd=REPO, capture_output=True, text=True).stdout
+
+    assert "ACCELERATE_USE_CPU=true" in dry() and "cpu_2proc.yaml" in dry()
+    assert "ACCELERATE_USE_CPU" not in dry("CONFIG=accelerate_configs/single_gpu.yaml")
