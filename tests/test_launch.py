@@ -36,18 +36,30 @@ def test_guard_refuses_a_world_per_process_on_every_rank():
     assert result.seconds < 60
 
 
-def test_more_processes_than_gpus_are_refused_on_every_rank(tmp_path):
-    """`make train` (cpu_2proc.yaml: 2 processes) on a workstation with one GPU: Accelerate gave the second process
-    the GPU its local rank numbers, and it failed inside Accelerator() with CUDA's "invalid device ordinal", a
-    traceback on one rank. Torch is told here that this machine has one GPU; the guard refuses before any is used."""
+def test_more_processes_than_gpus_are_refused_on_every_rank(tmp_path, monkeypatch):
+    """2 processes on a workstation with one GPU: Accelerate put both on it (local rank modulo the GPUs), and NCCL
+    stopped the run at its first collective ("Duplicate GPU detected"), after loading, in a traceback. Torch is told
+    here that this machine has one GPU; the guard refuses before any is used, and not a process shown one GPU of its
+    own (CUDA_VISIBLE_DEVICES naming one device, as launchers that give each process its GPU set it)."""
     result = launch(LAUNCHED / "one_gpu_machine.py", "train", "--output_dir", tmp_path / "run", num_processes=2,
                     timeout=120)  # fmt: skip
     assert result.returncode != 0 and result.seconds < 60
     refused = "error: this launch starts 2 processes on this machine, which has 1 GPU(s)"
     for rank in (0, 1):
         assert f"[rank {rank}] {refused}" in result.output
-    assert "give --num_processes 1 (accelerate_configs/single_gpu.yaml for one GPU)" in result.output
+    assert "give one process per GPU (1 here; --num_processes counts every machine's" in result.output
     assert not (tmp_path / "run").exists()
+    from ddp_utils.lifecycle.launch_guard import refuse_more_processes_than_gpus
+
+    with monkeypatch.context() as patched:
+        patched.setattr("torch.cuda.is_available", lambda: True)
+        patched.setattr("torch.cuda.device_count", lambda: 1)
+        patched.setenv("LOCAL_WORLD_SIZE", "2")
+        patched.setenv("CUDA_VISIBLE_DEVICES", "1")  # each process its own GPU: left alone
+        refuse_more_processes_than_gpus()
+        patched.setenv("CUDA_VISIBLE_DEVICES", "")
+        patched.setenv("ACCELERATE_USE_CPU", "on")  # Accelerate's spellings: CPU processes
+        refuse_more_processes_than_gpus()
 
 
 def run_sample_count(tmp_path, num_processes, batch_size, num_examples=37, epochs=3, resume=()):

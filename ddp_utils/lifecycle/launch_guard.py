@@ -11,9 +11,8 @@ Two launch mistakes fail *silently* with Accelerate on machines without GPUs:
   runs writing the same files. `make_accelerator` passes `cpu=True` when no GPU is visible,
   which forms one gloo group, and this guard catches any remaining mismatch.
 
-And one that fails loudly but unclearly: more processes on a machine than it has GPUs (`make train`'s
-cpu_2proc.yaml on a workstation with one GPU) failed inside `Accelerator()` with CUDA's "invalid device ordinal"
-(`refuse_more_processes_than_gpus`).
+And one that fails late and unclearly: more processes on a machine than it has GPUs (2 on a workstation with one)
+shared a GPU, and NCCL stopped the run at its first collective (`refuse_more_processes_than_gpus`).
 """
 
 from __future__ import annotations
@@ -109,17 +108,21 @@ def check_launch(accelerator: Accelerator) -> None:
 
 def refuse_more_processes_than_gpus() -> None:
     """Before the Accelerator is built: refuse, on every rank of this machine, a launch of more processes on it than
-    it has GPUs. Accelerate gives each process the GPU its local rank numbers, and one past the last failed inside
-    `Accelerator()` with CUDA's "invalid device ordinal", a traceback on that rank alone. A run that trains on CPU
-    processes (ACCELERATE_USE_CPU) or sees no CUDA GPU is left alone. No communication."""
+    it has GPUs. Accelerate gives process i the GPU i modulo their number, so two processes shared a GPU, and NCCL
+    stopped the run at its first collective ("Duplicate GPU detected"), after the data and the model were loaded, in a
+    traceback. Left alone: a run on CPU processes (ACCELERATE_USE_CPU), a machine without CUDA, and a process shown
+    one GPU of its own (CUDA_VISIBLE_DEVICES naming one device, as launchers that give each process its GPU set it).
+    No communication."""
+    from accelerate.utils import parse_flag_from_env
+
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    on_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
-    if on_cpu or processes <= 1 or not torch.cuda.is_available():
+    own_gpu = len([d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]) == 1
+    if parse_flag_from_env("ACCELERATE_USE_CPU") or processes <= 1 or own_gpu or not torch.cuda.is_available():
         return
     gpus = torch.cuda.device_count()
     if processes > gpus:
         raise UsageError(
-            f"this launch starts {processes} processes on this machine, which has {gpus} GPU(s), one per process: "
-            f"give --num_processes {gpus} (accelerate_configs/single_gpu.yaml for one GPU), or hide the GPUs "
-            "(CUDA_VISIBLE_DEVICES=) to train on CPU processes"
+            f"this launch starts {processes} processes on this machine, which has {gpus} GPU(s): give one process per "
+            f"GPU ({gpus} here; --num_processes counts every machine's; accelerate_configs/single_gpu.yaml for one "
+            "GPU), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU processes"
         )

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.logging import get_logger
-from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
+from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration, parse_flag_from_env
 
 from ..checkpoints.checkpoint import Checkpointer
 from ..checkpoints.preemption import clear_preempted_marker
@@ -71,8 +71,8 @@ def make_accelerator(
       once per optimizer step, so the schedule is in optimizer steps whatever the world size.
     - Under DeepSpeed, its config must agree with the script (`check_deepspeed_config`).
     """
-    cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not _gpu_visible()
-    refuse_more_processes_than_gpus()  # else CUDA's "invalid device ordinal" inside Accelerator(), on one rank
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not _gpu_visible()  # Accelerate's spellings: 1, true, yes, on
+    refuse_more_processes_than_gpus()  # else two processes share a GPU, and NCCL stops at the first collective
     accelerator = Accelerator(
         cpu=cpu,
         # Optimizer steps are always whole (see make_train_dataloader), so syncing at the end of the
@@ -132,8 +132,8 @@ def check_deepspeed_config(config: dict, gradient_accumulation_steps: int, max_g
     if accumulation not in (gradient_accumulation_steps, "auto"):
         raise UsageError(
             f"the DeepSpeed config accumulates {accumulation} micro-batches per step, the script "
-            f"{gradient_accumulation_steps}; set deepspeed_config.gradient_accumulation_steps to the script's "
-            "--gradient_accumulation_steps"
+            f"{gradient_accumulation_steps}; set deepspeed_config.gradient_accumulation_steps to auto (the script's, "
+            "as the shipped configs have it)"
         )
     if max_grad_norm is None:
         return
