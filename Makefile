@@ -18,6 +18,8 @@ LAUNCH := $(if $(findstring cpu_2proc,$(CONFIG)),ACCELERATE_USE_CPU=true )$(BIN)
 # The LLM demos compute in bf16 where the CPU has native bf16 (avx512_bf16 or AMX): measured here, training
 # 1.5x and generation faster at the same accuracy (bench/README.md). Elsewhere bf16 would be emulated: fp32.
 LLM_PRECISION ?= $(shell grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null && echo bf16 || echo no)
+# Given on CPU processes only: another CONFIG (a GPU's) keeps its own mixed_precision.
+LLM_PRECISION_ARG := $(if $(findstring cpu_2proc,$(CONFIG)),--mixed_precision $(LLM_PRECISION))
 
 .PHONY: cpu-adam train train-sft train-dpo train-grpo train-clm train-image test test-fast test-families lint format bench gpu-check gpu-payload install clean
 
@@ -25,16 +27,16 @@ train: $(STAMP)  ## install if needed, then fine-tune the demo classifier on 2 C
 	$(LAUNCH) scripts/train.py $(TRAIN_ARGS)
 
 train-sft: $(STAMP)  ## the LLM demo: SmolLM2-135M-Instruct (LoRA) learns the reviews' sentiment as a chat task
-	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_sft.py --output_dir outputs/demo_sft --overwrite_output_dir
+	$(LAUNCH) $(LLM_PRECISION_ARG) scripts/train_sft.py --output_dir outputs/demo_sft --overwrite_output_dir
 
 train-dpo: $(STAMP)  ## preference tuning (DPO): SmolLM2-135M-Instruct (LoRA) prefers the right sentiment word to a wrong one
-	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_dpo.py --output_dir outputs/demo_dpo --overwrite_output_dir
+	$(LAUNCH) $(LLM_PRECISION_ARG) scripts/train_dpo.py --output_dir outputs/demo_dpo --overwrite_output_dir
 
 train-grpo: $(STAMP)  ## reinforcement learning from rewards (GRPO): SmolLM2-135M-Instruct (LoRA) rewarded for the right word
-	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_grpo.py --output_dir outputs/demo_grpo --overwrite_output_dir
+	$(LAUNCH) $(LLM_PRECISION_ARG) scripts/train_grpo.py --output_dir outputs/demo_grpo --overwrite_output_dir
 
 train-clm: $(STAMP)  ## continued pre-training of SmolLM2-135M-Instruct (LoRA) on the reviews' text: perplexity drops
-	$(LAUNCH) --mixed_precision $(LLM_PRECISION) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir
+	$(LAUNCH) $(LLM_PRECISION_ARG) scripts/train_clm.py --output_dir outputs/demo_clm --overwrite_output_dir
 
 train-image: $(STAMP)  ## a small ResNet on scikit-learn's digits, from scratch (~20 s)
 	$(LAUNCH) scripts/train_image.py --output_dir outputs/demo_image --overwrite_output_dir

@@ -79,7 +79,7 @@ def parse_args(argv=None):
         default=None,
         help="render prompt/completion strings as chat turns (default: if the tokenizer has a template)",
     )
-    p.add_argument("--loss_on", choices=LOSS_ON, default="assistant", help="the tokens learned (default: answers)")
+    p.add_argument("--loss_on", choices=LOSS_ON, default="assistant", help="tokens learned: answers, the last, all")
     p.add_argument("--packing", action="store_true", help="pack several records per sequence, masked apart")
     p.add_argument("--max_train_samples", type=int, default=None, help="use only the first N training records")
     p.add_argument("--max_eval_samples", type=int, default=None, help="use only the first N validation records")

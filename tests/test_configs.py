@@ -65,8 +65,10 @@ def test_make_trains_on_cpu_processes_with_cpu_2proc_wherever_gpus_are_visible()
     it, and for no other config."""
     import subprocess
 
-    def dry(*extra):
-        return subprocess.run(["make", "-n", "train", *extra], cwd=REPO, capture_output=True, text=True).stdout
+    def dry(*extra, target="train"):
+        return subprocess.run(["make", "-n", target, *extra], cwd=REPO, capture_output=True, text=True).stdout
 
     assert "ACCELERATE_USE_CPU=true" in dry() and "cpu_2proc.yaml" in dry()
     assert "ACCELERATE_USE_CPU" not in dry("CONFIG=accelerate_configs/single_gpu.yaml")
+    # and the LLM demos' precision, chosen from the CPU's flags, is for CPU processes only: a GPU config keeps its bf16
+    assert "--mixed_precision" not in dry("CONFIG=accelerate_configs/single_gpu.yaml", target="train-sft")
