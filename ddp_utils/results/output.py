@@ -44,7 +44,7 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: str | None =
     if resume_from:  # a checkpoint of another directory
         raise UsageError(
             f"--output_dir {output_dir!r} already holds files from another run, and --resume_from_checkpoint "
-            f"{str(resume_from)!r} lies outside it: to go on with the run in {output_dir!r}, resume with "
+            f"{resume_from!r} lies outside it: to go on with the run in {output_dir!r}, resume with "
             "--resume_from_checkpoint latest; to start a new run from that checkpoint, give a new --output_dir (under "
             "SLURM, whose requeue resumes from latest, copy the checkpoint into it first and resume with latest)"
         )
