@@ -558,31 +558,42 @@ def test_the_compile_plugin_reads_the_launchers_unasked_false_as_torchs_default(
     assert dynamo_plugin("no").backend.value == "NO"
 
 
-def test_torch_compile_hands_the_compiler_one_layer_whatever_the_depth(tiny_lm, tmp_path):
+def test_torch_compile_hands_the_compiler_one_layer_whatever_the_depth(tiny_lm, monkeypatch):
     """--torch_compile compiles by regions (`compile_by_regions`): one layer is traced, and its compilation serves
     every layer. Compiled whole, the compiler's work grew with the depth: on an H100 (the GPU check's step 3,
     SmolLM2's 30 layers) the first step took 119 s and the recompile for a new length 216 s, and the run, 36 s
-    uncompiled, had not finished after 438 s. Dynamo's eager backend: what inductor would get, nothing compiled."""
+    uncompiled, had not finished after 438 s. Dynamo's eager backend: what inductor would get, nothing compiled;
+    two training steps at two lengths, as the scripts compile (the launched runs: tests/test_sft.py)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from peft import LoraConfig, get_peft_model
+    from torch._dynamo.utils import counters
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(tiny_lm)
-    config.num_hidden_layers = 8
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "deep_model")
-    AutoTokenizer.from_pretrained(tiny_lm).save_pretrained(tmp_path / "deep_model")
-    corpus = write_text_corpus(tmp_path / "corpus.txt")
+    from ddp_utils.language_models.causal_lm import causal_lm_loss
+    from ddp_utils.training.compilation import compile_by_regions, compile_counts, configure_compile
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")  # as `accelerate launch` exports it
     counted = {}
-    for name, model in (("shallow", tiny_lm), ("deep", tmp_path / "deep_model")):
-        steps = ["--max_train_steps", 2, "--lora_r", 4, "--torch_compile"]
-        result = launch(
-            TRAIN_CLM, *text_args(model, corpus, tmp_path / name, *steps), num_processes=1,
-            env={"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"},
-        )  # fmt: skip
-        assert result.returncode == 0, result.output[-3000:]
-        counted[name] = json.loads((tmp_path / name / "metrics.json").read_text())
-        assert (counted[name]["graph_breaks"], counted[name]["frames_left_eager"]) == (0, 0), counted[name]
-    assert counted["deep"]["traced_operators"] == counted["shallow"]["traced_operators"] > 0, counted
+    for depth in (2, 8):
+        config = AutoConfig.from_pretrained(tiny_lm, num_hidden_layers=depth)
+        torch.manual_seed(0)
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules="all-linear"))
+        torch._dynamo.reset()
+        counters.clear()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False, recompile_limit=8):
+            try:
+                configure_compile()
+                compile_by_regions(model, "eager")
+                for length in (12, 16):
+                    ids = torch.arange(length).repeat(2, 1) % 40 + 5
+                    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+                    losses, weights = causal_lm_loss(model, batch)
+                    (losses * weights).sum().backward()
+                counted[depth] = compile_counts()
+            finally:
+                torch._dynamo.reset()
+        assert (counted[depth]["graph_breaks"], counted[depth]["frames_left_eager"]) == (0, 0), counted[depth]
+    assert counted[8]["traced_operators"] == counted[2]["traced_operators"] > 0, counted
 
 
 @pytest.mark.fast
