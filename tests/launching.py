@@ -178,6 +178,7 @@ RUNTIME_ENV = {
     "FP16_BACKOFF_FACTOR",
     "FP16_INIT_SCALE_POWER",
     "LOCAL_LOSS_LOG",
+    "TORCH_COMPILE_OVERRIDE_BACKENDS",  # read by torch at import, but set in dynamo's config by each warm worker
 }
 AUDIT_PYTHONPATH = os.pathsep.join([str(AUDIT_HOOK_DIR), str(REPO)])
 # Set by an import, to a fixed default, the first time a test in the pytest process imports the library (torch's;

@@ -141,23 +141,25 @@ def test_the_warm_launcher_gives_each_process_what_accelerate_launch_gives(confi
     if config.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="make installs DeepSpeed (requirements-deepspeed.txt)")
     launcher_args = ["--config_file", str(REPO / "accelerate_configs" / config), "--num_processes", "2"]
+    compile_tests = {"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"}  # read by torch at import: set again when forked
 
     def seen(name, **options):
         result = launch(LAUNCHED / "show_environment.py", tmp_path / name, "one", "two words",
-                        launcher_args=launcher_args, **options)  # fmt: skip
+                        launcher_args=launcher_args, env=compile_tests, **options)  # fmt: skip
         assert result.returncode == 0 and result.warm == (name == "warm"), result.output[-3000:]
         return {rank: json.loads((tmp_path / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)}
 
     real, warm = seen("real", real_launcher=True), seen("warm")
     agent_only = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
     for rank in (0, 1):
-        for key in ("argv", "cwd", "path0"):
+        for key in ("argv", "cwd", "path0", "dynamo_backend_override"):
             assert real[rank][key] == warm[rank][key], (key, real[rank][key], warm[rank][key])
         ours, theirs = warm[rank]["env"], real[rank]["env"]
         differ = {name: (theirs.get(name), ours.get(name)) for name in set(ours) | set(theirs)}
         differ = {name: values for name, values in differ.items() if values[0] != values[1]}
         assert set(differ) <= agent_only, differ
         assert ours["RANK"] == str(rank) and ours["WORLD_SIZE"] == "2"
+        assert warm[rank]["dynamo_backend_override"] == ">=0:eager"
     if config.startswith("deepspeed"):
         assert ours["ACCELERATE_USE_DEEPSPEED"] == "true"
         assert ours["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] == "cpu"

@@ -10,10 +10,11 @@ functions run, as at an interpreter's exit. Each worker reseeds what a fresh int
 global generator, datasets' random fingerprints). What it skips: the launcher process and torchrun's agent (their
 exit codes, signals, error files and summary), a fresh interpreter's imports, and the module teardown at its exit.
 It assumes that no variable the launch adds (RANK, WORLD_SIZE, ACCELERATE_*, the test hooks' own) is read at import
-time by the libraries imported here: true of the versions pinned, by a grep of their sources. `launching.launch`
-uses it where `accelerate launch` would start torchrun on this machine, unless a test sets a variable that may be
-read at import time or a file size limit; tests of the launcher, of signals and exit codes and each script's demo
-pass `real_launcher=True` and go through `accelerate launch`.
+time by the libraries imported here: true of the versions pinned, by a grep of their sources, but for
+TORCH_COMPILE_OVERRIDE_BACKENDS (the compile tests' backend), which each worker sets in dynamo's config itself.
+`launching.launch` uses it where `accelerate launch` would start torchrun on this machine, unless a test sets a
+variable that may be read at import time or a file size limit; tests of the launcher, of signals and exit codes and
+each script's demo pass `real_launcher=True` and go through `accelerate launch`.
 
     python tests/warm_launch.py SOCKET     # serve: import once, then fork one launch per connection
 """
@@ -84,6 +85,11 @@ def run_worker(script: str, args: list, cwd: str, env: dict, startup, out_fd: in
     os.close(out_fd)
     os.environ.clear()
     os.environ.update(env)
+    # torch read TORCH_COMPILE_OVERRIDE_BACKENDS into dynamo's config at its import, before the fork: set the config
+    # from this launch's environment, as a fresh import would (dynamo reads the config at each compilation).
+    import torch._dynamo.config
+
+    torch._dynamo.config.debug_backend_override = env.get("TORCH_COMPILE_OVERRIDE_BACKENDS", "")
     os.chdir(cwd)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)  # as for `python script`: the script's folder first
