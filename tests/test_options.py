@@ -705,12 +705,17 @@ def test_every_script_writes_a_model_card_the_hub_reads(tiny_model, tiny_data, t
 @pytest.mark.parametrize("script", ["train", "train_sft", "train_dpo", "train_grpo", "train_clm", "train_image"])
 def test_help_shows_each_options_default_where_it_has_one(script, capsys):
     """A user choosing a batch size or a LoRA rank read the code for the defaults: --help gave none. Each option
-    with a value to show has it once; None (the script picks after parsing) and off switches show nothing."""
+    with a value to show has it once; None (the script picks after parsing) and off switches show nothing, or the
+    shared help's words for the script's choice, which a script's own default replaces."""
     with pytest.raises(SystemExit):
         load_script(script).parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())  # unwrapped
     assert re.search(r"examples per process per micro-batch \(default: \d+\)", text)  # 8; images 32
     assert "--seed SEED seed for initialisation, shuffling and dropout (default: 42)" in text
     assert "(default: None)" not in text and "(default: False)" not in text
-    assert "peak AdamW learning rate (default: see the script)" in text  # named in its help: not twice
+    # the shared help's words for None, or the value a script set: GRPO's rate was hidden behind the words
+    rate = "(default: 1e-05)" if script == "train_grpo" else "(default: the script's, by method)"
+    assert f"peak AdamW learning rate {rate} " in text and text.count("peak AdamW learning rate") == 1
+    best = {"train_clm": "eval_loss", "train_image": "eval_accuracy"}.get(script, "the script's")
+    assert f"picks the best checkpoint, e.g. accuracy or eval_loss (default: {best})" in text
     assert "The demo has settings of its own" in text or script in ("train", "train_image")

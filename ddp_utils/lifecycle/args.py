@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 from ..core.errors import UsageError
 from ..training.training_log import parse_report_to
@@ -31,14 +32,15 @@ SCHEDULES = (
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The scripts' --help: their docstring as written, and each option's default where it has one to show (not
-    None, the script's choice after parsing, nor an off switch), unless its help already names one."""
+    None, the script's choice after parsing, nor an off switch). A shared help's "(default: the script's)" words
+    are for None: where a script's `set_defaults` gave a value (GRPO's learning rate), the value replaces them."""
 
     def _get_help_string(self, action) -> str:
         text = action.help or ""
         shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
-        if not shown or "default" in text:
+        if not shown or "%(default)" in text:
             return text
-        return f"{text} (default: %(default)s)"
+        return re.sub(r" \(default: [^)]*\)$", "", text) + " (default: %(default)s)"
 
 
 def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) -> None:
@@ -65,7 +67,7 @@ def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) ->
         help="examples per optimizer step on all processes: sets the accumulation, so any cluster runs the same steps",
     )
     p.add_argument(
-        "--learning_rate", type=float, default=None, help="peak AdamW learning rate (default: see the script)"
+        "--learning_rate", type=float, default=None, help="peak AdamW learning rate (default: the script's, by method)"
     )
     p.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms)")
     p.add_argument(
