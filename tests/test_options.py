@@ -719,3 +719,22 @@ def test_help_shows_each_options_default_where_it_has_one(script, capsys):
     best = {"train_clm": "eval_loss", "train_image": "eval_accuracy"}.get(script, "the script's")
     assert f"picks the best checkpoint, e.g. accuracy or eval_loss (default: {best})" in text
     assert "The demo has settings of its own" in text or script in ("train", "train_image")
+
+
+@pytest.mark.fast
+def test_a_default_named_in_the_helps_own_words_is_not_shown_twice():
+    """Only the shared "(default: ...)" words for None give way to a value a script sets; a help that names its
+    default otherwise (--lora_dropout's "(default 0.05; 0 on fused MoE experts)") is left as written."""
+    import argparse
+
+    from ddp_utils import HelpFormatter
+
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    parser.add_argument("--rate", type=float, default=None, help="a rate (default: the script's)")
+    parser.add_argument("--dropout", type=float, default=0.05, help="dropout (default 0.05; 0 on fused experts)")
+    parser.add_argument("--plain", type=int, default=None, help="unset, nothing is shown")
+    parser.set_defaults(rate=1e-5, dropout=0.0)
+    text = " ".join(parser.format_help().split())
+    assert "a rate (default: 1e-05)" in text and "the script's" not in text
+    assert "dropout (default 0.05; 0 on fused experts) --plain" in text
+    assert "unset, nothing is shown" in text and text.count("(default") == 2

@@ -38,9 +38,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action) -> str:
         text = action.help or ""
         shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
-        if not shown or "%(default)" in text:
+        words_for_none = re.sub(r" \(default: [^()]*\)$", "", text)
+        if not shown or "%(default)" in text or "(default" in words_for_none:  # one named in words of its own
             return text
-        return re.sub(r" \(default: [^)]*\)$", "", text) + " (default: %(default)s)"
+        return words_for_none + " (default: %(default)s)"
 
 
 def add_training_args(parser: argparse.ArgumentParser, lengths: bool = False) -> None:
