@@ -67,10 +67,10 @@ def launch(
     real_launcher=False,
 ) -> LaunchResult:
     """Run `<script> <args>` on `num_processes` CPU processes and time its exit. Where `env` holds only the test
-    hooks' variables (RUNTIME_ENV), the processes are forked from the warm launcher (tests/warm_launch.py: the
-    environment `accelerate launch` gives, without a fresh interpreter's imports); otherwise, or with
-    `real_launcher`, through `accelerate launch` itself. `file_size_limit` (bytes): no process of the launch
-    may write a larger file (ulimit -f)."""
+    hooks' variables and the compile tests' backend (RUNTIME_ENV), the processes are forked from the warm launcher
+    (tests/warm_launch.py: the environment `accelerate launch` gives, without a fresh interpreter's imports);
+    otherwise, or with `real_launcher`, through `accelerate launch` itself. `file_size_limit` (bytes): no process of
+    the launch may write a larger file (ulimit -f)."""
     launcher_args = [*(launcher_args or ["--config_file", str(CPU_CONFIG), "--num_processes", str(num_processes)])]
     launcher_args += ["--main_process_port", str(free_port())]
     extra = warm_env(env)
@@ -165,8 +165,9 @@ def finished(returncode: int, start: float, reader: threading.Thread, lines: lis
 
 
 # Variables that the audit hook (tests/audit) and the helpers in tests/launched read at run time, after the
-# imports: a launch that adds only these, and the audit hook's PYTHONPATH, can run warm. Not SIGTERM_ON_WRITE:
-# a preemption's exit code and signals are the launcher's.
+# imports, and the compile tests' backend, which each warm worker sets again itself: a launch that adds only these,
+# and the audit hook's PYTHONPATH, can run warm. Not SIGTERM_ON_WRITE: a preemption's exit code and signals are the
+# launcher's.
 RUNTIME_ENV = {
     "WRITE_AUDIT_TARGET",
     "WRITE_AUDIT_LOG",
