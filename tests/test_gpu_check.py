@@ -13,6 +13,7 @@
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import shutil
@@ -144,6 +145,10 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
     assert fsdp["reload"]["ok"] and fsdp["train"]["target_tokens_per_s"] > 0
     assert any("fsdp.yaml through tests/launched/fsdp_on_cpu.py" in note for note in steps["4"]["notes"])
     assert "fsdp_on_cpu.py" in steps["4"]["runs"]["train"]["command"]  # the dry run runs FSDP2 itself
+    if importlib.util.find_spec("deepspeed"):  # make installs it; without it step 5 runs cpu_2proc.yaml once
+        for stage in ("zero2", "zero3"):  # DeepSpeed's saved models, both reloaded by one helper
+            reload = steps["5"]["runs"][stage]["figures"]["reload"]
+            assert reload["ok"], reload
 
     # fp16 with the loss scaler at 2**40: the first steps overflow, are skipped and counted, and both finish.
     for name in ("image", "lora"):

@@ -67,7 +67,7 @@ class ConfigSteps(Runner):
             if not self.dry_run:
                 raise Skip(reason)
             self.note(f"on the GPU machine this step would be skipped: {reason}")
-        rows, on_cpu_2proc = [], self.dry_run and not importlib.util.find_spec("deepspeed")
+        trained, on_cpu_2proc = {}, self.dry_run and not importlib.util.find_spec("deepspeed")
         for stage in (2, 3):
             name = f"zero{stage}"
             if on_cpu_2proc and stage == 3:
@@ -82,16 +82,29 @@ class ConfigSteps(Runner):
                 work / name, *FULL, *steps, config=f"deepspeed_zero{stage}.yaml", eval_samples=s.sharded_eval
             )
             run = self.launch(name, command, work / name / "metrics.json")
-            if run["status"] != "ok":
-                continue
-            figures = sft_figures(
+            if run["status"] == "ok":
+                trained[name] = run
+        for name, run in trained.items():
+            run["figures"] = sft_figures(
                 read_json(work / name / "metrics.json"), self.llm()["facts"], self.peak(), "ours", "full"
             )
-            if on_cpu_2proc:  # the same helper as step 4's, on a CPU run that is no ZeRO run
-                figures["reload"] = {"summary": "not checked in the dry run"}
-            else:
-                figures["reload"] = self.helper("reload", work / name)[str(work / name)]
-            run["figures"] = figures
+        # Both saved models in one helper (each helper process costs an import of torch and transformers); where it
+        # fails as a whole, the trainings' figures stay and each reload says why.
+        reloaded = {}
+        if on_cpu_2proc:  # the same helper as step 4's, on a CPU run that is no ZeRO run
+            reloaded = {str(work / name): {"summary": "not checked in the dry run"} for name in trained}
+        elif trained:
+            try:
+                reloaded = self.helper("reload", *(work / name for name in trained))
+            except Exception as exc:
+                problem = f"the reload helper failed: {exc}"[:300]
+                reloaded = {
+                    str(work / name): {"ok": False, "problem": problem, "summary": f"no: {problem}"} for name in trained
+                }
+        rows = []
+        for name, run in trained.items():
+            figures = run["figures"]
+            figures["reload"] = reloaded[str(work / name)]
             rows.append(
                 [
                     name,
@@ -103,6 +116,13 @@ class ConfigSteps(Runner):
                 ]
             )
         self.table(["stage", "target tokens/s", "MFU", "peak GPU MiB", "accuracy", "saved model reloads"], rows)
+        broken = {
+            name: reloaded[str(work / name)]["summary"]
+            for name in trained
+            if not reloaded[str(work / name)].get("ok", True)
+        }
+        if broken:  # a saved model that does not load is a failed step, as step 4's
+            raise StepFailed("; ".join(f"{name}'s saved model: {summary}" for name, summary in broken.items()))
 
     def step_6(self) -> None:
         """train_image.py's demo on one GPU (single_gpu.yaml, bf16), plain and with --sync_batchnorm. On one

@@ -34,7 +34,8 @@ RUN_S = {
     # took 119 s, 216 s and over 90 s for those three on session 3's H100, and was stopped at 438 s
     ("3", "compiled"): (18.9, 200),
     ("4", "train"): (12.4, 40),  # with the reload helper; 20 steps, 2 sharded checkpoints, 64 prompts
-    ("5", "zero2"): (10.7, 60),  # with a reload; DeepSpeed's start, 20 steps, 64 prompts, the save
+    ("5", "zero2"): (10.7, 60),  # DeepSpeed's start, 20 steps, 64 prompts, the save; with the reload (one helper
+    # for both stages since 2026-12-07: these estimates, measured with one each, keep its time twice)
     ("5", "zero3"): (9.4, 60),  # both through tests/launched/deepspeed_on_cpu.py since 2026-11-26
     ("6", "plain"): (11.3, 15),  # 10 epochs of 1,437 digits; the dry run runs it as step 7's image run
     ("6", "sync_batchnorm"): (11.3, 15),  # the dry run stops at the CPU's refusal: taken as plain's
