@@ -4,10 +4,11 @@ PYTHON      ?= python3
 CONFIG      ?= accelerate_configs/cpu_2proc.yaml
 TRAIN_ARGS  ?= --output_dir outputs/demo --overwrite_output_dir
 PYTEST_ARGS ?=
-# Test files run on this many pytest workers at once (pytest-xdist). 3 on this 2-core machine: a launch's ranks often
-# wait on each other (rank 0 saves, evaluates, prepares data), and with 2 workers the cores sat idle a third of the
-# time. Measured 2026-12-07, fresh clones of one commit in the same hour: the suite 22:13 with 3, 24:46 with 2;
-# `make test-fast` 70 s with 3, 76 s with 2. A file's tests stay on one worker, its module fixtures made once.
+# Test files run on this many pytest workers at once (pytest-xdist); a file's tests stay on one worker, its module
+# fixtures made once. The 2 cores are nearly saturated with 2 (vmstat: 7% idle over 6 launch-heavy files; `time`
+# undercounts, the warm launcher's processes are not waited for). Measured 2026-12-07 on fresh clones: the suite
+# 24:46 with 2, 22:13 and (later commit) 22:37 with 3, 25:34 with 4 (each test far slower); those 6 files back to
+# back 317 s with 2, 312 s with 3; `make test-fast` 76 s with 2, 70 s with 3. Hour-to-hour noise is ~10%.
 TEST_WORKERS ?= 3
 
 BIN   := $(VENV)/bin
