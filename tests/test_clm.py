@@ -2,6 +2,7 @@
 perplexity before and after training (the same on 1 and 2 processes), the sample at the end, the
 offline default, and bad input."""
 
+import contextlib
 import json
 import re
 
@@ -541,6 +542,24 @@ def test_bad_input_fails_fast_on_every_rank(case, tiny_lm, tmp_path):
     assert_fails_cleanly(result, expected, output_dir)
 
 
+@contextlib.contextmanager
+def compiled_as_the_scripts_compile(model, backend: str):
+    """`model` compiled by regions with configure_compile's settings, as the scripts compile it; dynamo's state and
+    those settings undone at the end."""
+    import torch
+
+    from ddp_utils.training.compilation import compile_by_regions, configure_compile
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False, recompile_limit=8):
+        try:
+            configure_compile()
+            compile_by_regions(model, backend)  # nothing traced until the first call
+            yield model
+        finally:
+            torch._dynamo.reset()
+
+
 @pytest.mark.fast
 def test_the_compile_plugin_reads_the_launchers_unasked_false_as_torchs_default(monkeypatch):
     """`accelerate launch` exports ACCELERATE_DYNAMO_USE_DYNAMIC=False unless told --dynamo_use_dynamic, which made
@@ -570,7 +589,7 @@ def test_torch_compile_hands_the_compiler_one_layer_whatever_the_depth(tiny_lm, 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ddp_utils.language_models.causal_lm import causal_lm_loss
-    from ddp_utils.training.compilation import compile_by_regions, compile_counts, configure_compile
+    from ddp_utils.training.compilation import compile_counts
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")  # as `accelerate launch` exports it
     counted = {}
@@ -578,20 +597,14 @@ def test_torch_compile_hands_the_compiler_one_layer_whatever_the_depth(tiny_lm, 
         config = AutoConfig.from_pretrained(tiny_lm, num_hidden_layers=depth)
         torch.manual_seed(0)
         model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules="all-linear"))
-        torch._dynamo.reset()
         counters.clear()
-        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False, recompile_limit=8):
-            try:
-                configure_compile()
-                compile_by_regions(model, "eager")
-                for length in (12, 16):
-                    ids = torch.arange(length).repeat(2, 1) % 40 + 5
-                    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-                    losses, weights = causal_lm_loss(model, batch)
-                    (losses * weights).sum().backward()
-                counted[depth] = compile_counts()
-            finally:
-                torch._dynamo.reset()
+        with compiled_as_the_scripts_compile(model, "eager"):
+            for length in (12, 16):
+                ids = torch.arange(length).repeat(2, 1) % 40 + 5
+                batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+                losses, weights = causal_lm_loss(model, batch)
+                (losses * weights).sum().backward()
+            counted[depth] = compile_counts()
         assert (counted[depth]["graph_breaks"], counted[depth]["frames_left_eager"]) == (0, 0), counted[depth]
     assert counted[8]["traced_operators"] == counted[2]["traced_operators"] > 0, counted
 
@@ -652,7 +665,6 @@ def test_torch_compile_by_regions_trains_every_family_unbroken_as_eager_does(fam
     from transformers import AutoModelForCausalLM
 
     from ddp_utils.language_models.causal_lm import causal_lm_loss
-    from ddp_utils.training.compilation import compile_by_regions, configure_compile
 
     def batch(length):
         ids = torch.arange(length).repeat(2, 1) % 40 + 5
@@ -679,22 +691,15 @@ def test_torch_compile_by_regions_trains_every_family_unbroken_as_eager_does(fam
     # with LoRA: its context manager, and GPT-2's Conv1D layers adapted
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear", lora_dropout=0.0))
     expected = losses_and_grads(model)
-    torch._dynamo.reset()
-    # configure_compile's settings, and what was compiled with them, undone after the test
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False, recompile_limit=8):
-        try:
-            configure_compile()
-            breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
-            left_eager = counters["frames"]["total"] - counters["frames"]["ok"]
-            compile_by_regions(model, "aot_eager")
-            layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
-            assert all(layer._compiled_call_impl is not None for layer in layers), family
-            got = losses_and_grads(model)
-            assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
-            assert counters["frames"]["total"] - counters["frames"]["ok"] == left_eager
-            assert counters["stats"]["unique_graphs"] > graphs
-        finally:
-            torch._dynamo.reset()
+    with compiled_as_the_scripts_compile(model, "aot_eager"):
+        breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+        left_eager = counters["frames"]["total"] - counters["frames"]["ok"]
+        layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+        assert all(layer._compiled_call_impl is not None for layer in layers), family
+        got = losses_and_grads(model)
+        assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+        assert counters["frames"]["total"] - counters["frames"]["ok"] == left_eager
+        assert counters["stats"]["unique_graphs"] > graphs
     for (losses, grads), (expected_losses, expected_grads) in zip(got, expected, strict=True):
         torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-6)
         assert grads.keys() == expected_grads.keys()
