@@ -200,6 +200,25 @@ def save_another_base(model_dir: Path, directory: Path) -> Path:
     return directory
 
 
+# An instruct model's generation_config.json, which config.json does not hold: two EOS ids, sampling defaults.
+INSTRUCT_GENERATION = {"bos_token_id": 1, "eos_token_id": [2, 3], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+
+
+def with_instruct_generation_config(model_dir: Path, directory: Path) -> Path:
+    """A copy of `model_dir` whose generation_config.json is INSTRUCT_GENERATION, as an instruct model ships one."""
+    import shutil
+
+    shutil.copytree(model_dir, directory)
+    (directory / "generation_config.json").write_text(json.dumps(INSTRUCT_GENERATION))
+    return directory
+
+
+def assert_generation_config_kept(merged_dir: Path) -> None:
+    """--merge_lora's model generates as its base was shipped to: INSTRUCT_GENERATION, not config.json's EOS."""
+    saved = json.loads((merged_dir / "generation_config.json").read_text())
+    assert {key: saved.get(key) for key in INSTRUCT_GENERATION} == INSTRUCT_GENERATION, saved
+
+
 def make_tiny_causal_lm(directory: Path, chat_template: bool = False) -> Path:
     """A 2-layer Llama (hidden 32, context 64) with a whitespace word-level tokenizer that has BOS
     and EOS but no pad token (as Llama's own), built from a config: no Hub."""

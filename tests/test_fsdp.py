@@ -28,6 +28,7 @@ from conftest import (
     AUDIT_HOOK_DIR,
     CPU_CONFIG,
     REPO,
+    assert_generation_config_kept,
     dpo_args,
     launch,
     make_tiny_causal_lm,
@@ -35,6 +36,7 @@ from conftest import (
     save_another_base,
     sft_args,
     train_args,
+    with_instruct_generation_config,
     write_text_corpus,
 )
 from ddp_utils.checkpoints.preemption import PREEMPTED_FILE
@@ -251,13 +253,15 @@ SFT_STEPS = ["--max_train_steps", 4, "--report_to", "none"]
 def test_sft_with_lora_under_fsdp_trains_as_one_process_and_saves_what_reloads(llama, sft_data, tmp_path):
     """LoRA with its default dropout (0.05), generation during evaluation, the adapter and
     --merge_lora's full model (merged from the gathered weights on rank 0; it was refused), saved after checkpoints
-    that leave the frozen base out: the merged model holds it."""
+    that leave the frozen base out: the merged model holds it, and its base's generation_config.json (a copy built
+    from config.json had lost an instruct model's EOS ids and sampling defaults)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, pipeline
 
+    instruct = with_instruct_generation_config(llama, tmp_path / "instruct")
     lora = ["--lora_r", 4, "--merge_lora", *SFT_STEPS, "--checkpointing_steps", 2]  # the saves after a checkpoint's
-    sharded = ok(fsdp("train_sft", *sft_args(llama, sft_data, tmp_path / "fsdp", *lora, *TWO_BY_TWO)))
-    ok(ddp("train_sft", *sft_args(llama, sft_data, tmp_path / "one", *lora, *ONE_BY_TWO_BY_TWO), num_processes=1))
+    sharded = ok(fsdp("train_sft", *sft_args(instruct, sft_data, tmp_path / "fsdp", *lora, *TWO_BY_TWO)))
+    ok(ddp("train_sft", *sft_args(instruct, sft_data, tmp_path / "one", *lora, *ONE_BY_TWO_BY_TWO), num_processes=1))
     assert "2 process(es), FSDP" in sharded.output
     assert_close(tmp_path / "fsdp", tmp_path / "one", name="adapter_model.safetensors")
     predictions = [json.loads(line) for line in (tmp_path / "fsdp" / "predictions.jsonl").read_text().splitlines()]
@@ -270,6 +274,7 @@ def test_sft_with_lora_under_fsdp_trains_as_one_process_and_saves_what_reloads(l
         assert torch.allclose(merged, adapted(input_ids=ids).logits, atol=1e-4)
         base = AutoModelForCausalLM.from_pretrained(llama).eval()(input_ids=ids).logits
     assert not torch.allclose(merged, base, atol=1e-3), "the adapter learned something"
+    assert_generation_config_kept(tmp_path / "fsdp" / "merged")
     generate = pipeline("text-generation", model=str(tmp_path / "fsdp" / "merged"), device="cpu")
     assert generate("good film", max_new_tokens=3, do_sample=False)[0]["generated_text"].startswith("good film")
 

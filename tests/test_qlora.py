@@ -4,7 +4,8 @@ NF4 as on a GPU, so the whole path runs here (only its CUDA kernels and speed do
 - 2 processes and 1 process with 2 micro-batches train the same adapter on the 4-bit base, and a run resumed from a
   checkpoint (the adapter only; the base is quantized again) ends bit for bit as the uninterrupted one;
 - --merge_lora merges the adapter into the checkpoint's own weights, not into their 4-bit rounding: the merged model
-  loads without bitsandbytes and computes what the unquantized base with the adapter computes;
+  loads without bitsandbytes, computes what the unquantized base with the adapter computes and keeps the base's
+  generation_config.json;
 - DPO and GRPO train on a 4-bit base too;
 - a setting that cannot work is refused in one line: without --lora_r, under FSDP or DeepSpeed, without
   bitsandbytes.
@@ -19,7 +20,17 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import REPO, assert_error_is_last, dpo_args, launch, load_script, make_tiny_causal_lm, sft_args
+from conftest import (
+    REPO,
+    assert_error_is_last,
+    assert_generation_config_kept,
+    dpo_args,
+    launch,
+    load_script,
+    make_tiny_causal_lm,
+    sft_args,
+    with_instruct_generation_config,
+)
 
 pytest.importorskip("bitsandbytes", reason="requirements-dev.txt installs it")
 
@@ -113,12 +124,13 @@ def test_qlora_trains_the_same_adapter_on_any_layout_resumes_bit_for_bit_and_mer
     from transformers import AutoModelForCausalLM
 
     two, one = tmp_path / "two", tmp_path / "one"
-    run = launch(TRAIN_SFT, *sft_args(wide_lm, sft_data, two, *STEPS, "--per_device_train_batch_size", 2,
+    instruct = with_instruct_generation_config(wide_lm, tmp_path / "instruct")  # merged/ keeps its generation_config
+    run = launch(TRAIN_SFT, *sft_args(instruct, sft_data, two, *STEPS, "--per_device_train_batch_size", 2,
                                       "--merge_lora"))  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]
     assert "QLoRA: the base model's linear layers in 4-bit NF4 (bitsandbytes)" in run.output
     args = sft_args(
-        wide_lm, sft_data, one, *STEPS, "--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2
+        instruct, sft_data, one, *STEPS, "--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2
     )
     assert launch(TRAIN_SFT, *args, num_processes=1).returncode == 0
     ours, theirs = adapter(one), adapter(two)
@@ -132,7 +144,7 @@ def test_qlora_trains_the_same_adapter_on_any_layout_resumes_bit_for_bit_and_mer
 
     resumed = tmp_path / "resumed"
     shutil.copytree(two / "checkpoint-2", resumed / "checkpoint-2")
-    args = sft_args(wide_lm, sft_data, resumed, *STEPS, "--per_device_train_batch_size", 2, "--resume_from_checkpoint",
+    args = sft_args(instruct, sft_data, resumed, *STEPS, "--per_device_train_batch_size", 2, "--resume_from_checkpoint",
                     "latest")  # fmt: skip
     run = launch(TRAIN_SFT, *args)
     assert run.returncode == 0 and "resumed from" in run.output, run.output[-3000:]
@@ -148,6 +160,7 @@ def test_qlora_trains_the_same_adapter_on_any_layout_resumes_bit_for_bit_and_mer
     merged = AutoModelForCausalLM.from_pretrained(two / "merged").eval()
     expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(wide_lm), two).merge_and_unload().eval()
     assert all(p.dtype == torch.float32 for p in merged.parameters())
+    assert_generation_config_kept(two / "merged")
     tokens = torch.tensor([[1, 5, 6, 7, 8, 9]])
     with torch.no_grad():
         torch.testing.assert_close(merged(tokens).logits, expected(tokens).logits, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,7 @@ from conftest import (
     REPO,
     assert_error_is_last,
     assert_fails_cleanly,
+    assert_generation_config_kept,
     launch,
     launch_env,
     load_script,
@@ -26,6 +27,7 @@ from conftest import (
     refused_in_process,
     save_another_base,
     sft_args,
+    with_instruct_generation_config,
 )
 from ddp_utils import UsageError
 from ddp_utils.language_models.causal_lm import CausalLMCollator, causal_lm_loss, load_causal_lm, load_tokenizer
@@ -796,7 +798,8 @@ def test_every_packed_answer_trained_exactly_once_per_epoch_across_ranks(tiny_lm
 
 def test_lora_adapter_and_merged_model_reload_with_the_same_logits(tiny_lm, sft_data, tmp_path):
     """LoRA on every linear layer of the last transformer layer only (--lora_last_layers 1) with
-    gradient checkpointing, 2 processes: the adapter and the merged model."""
+    gradient checkpointing, 2 processes: the adapter and the merged model, which keeps the base's
+    generation_config.json (an instruct model's EOS ids and sampling defaults)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -804,7 +807,7 @@ def test_lora_adapter_and_merged_model_reload_with_the_same_logits(tiny_lm, sft_
     result = launch(
         TRAIN_SFT,
         *sft_args(
-            tiny_lm,
+            with_instruct_generation_config(tiny_lm, tmp_path / "instruct"),
             sft_data,
             output_dir,
             "--lora_r",
@@ -864,6 +867,7 @@ def test_lora_adapter_and_merged_model_reload_with_the_same_logits(tiny_lm, sft_
     subprocess.run([sys.executable, "-c", check], check=True, env=launch_env(), cwd=REPO, timeout=120)
     torch.testing.assert_close(torch.load(tmp_path / "merged.pt"), adapter_logits, rtol=1e-4, atol=1e-5)
     assert not any("lora" in key for key in load_file(str(output_dir / "merged" / "model.safetensors")))
+    assert_generation_config_kept(output_dir / "merged")
 
 
 def test_offline_default_runs_a_few_steps(tmp_path):

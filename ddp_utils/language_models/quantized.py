@@ -108,7 +108,4 @@ def merged_unquantized(peft_model, model_name_or_path: str, trust_remote_code: b
             f"the adapter's weights do not fit the unquantized model: {result.unexpected_keys[:3]} have no place "
             f"there, {missing[:3]} were not trained"
         )
-    merged = copy.merge_and_unload()
-    if getattr(base, "generation_config", None) is not None:  # a classifier has none
-        merged.generation_config = copying.deepcopy(base.generation_config)
-    return merged
+    return copy.merge_and_unload()  # with the generation_config.json that from_pretrained read
