@@ -264,8 +264,9 @@ def request_launch(path: str, script, args: list, launcher_args: list, env: dict
 
 def launch_warm(script, args, launcher_args: list, env: dict, timeout: float) -> LaunchResult | None:
     """`launch` through the warm launcher: its processes write to a pipe read here; a hang, or this process
-    interrupted, kills them. None where `accelerate launch` would not use torchrun on one machine (--cpu,
-    several nodes) or cannot parse the launcher's arguments: `launch` then runs it for real."""
+    interrupted, kills them. None where `accelerate launch` would use neither torchrun nor its simple launcher on one
+    machine (`warm_launch.launcher_of`: several nodes) or cannot parse the launcher's arguments: `launch` then runs it
+    for real."""
     start = time.monotonic()
     read_end, write_end = os.pipe()
     startup = AUDIT_HOOK_DIR / "sitecustomize.py" if env.get("PYTHONPATH") else None

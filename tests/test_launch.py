@@ -132,36 +132,39 @@ def test_a_rank_that_finds_the_same_bad_input_later_still_reports_it():
 
 
 @pytest.mark.skipif(bool(os.environ.get("TESTS_REAL_LAUNCHER")), reason="TESTS_REAL_LAUNCHER: no warm launcher")
-@pytest.mark.parametrize("config", ["cpu_2proc.yaml", "deepspeed_zero3_offload.yaml"])
-def test_the_warm_launcher_gives_each_process_what_accelerate_launch_gives(config, tmp_path):
+@pytest.mark.parametrize(
+    "config, processes", [("cpu_2proc.yaml", 2), ("deepspeed_zero3_offload.yaml", 2), ("single_gpu.yaml", 1)]
+)
+def test_the_warm_launcher_gives_each_process_what_accelerate_launch_gives(config, processes, tmp_path):
     """Most tests launch through tests/warm_launch.py (forked processes, the imports done once), DeepSpeed's
-    too. Each of its processes must see what `accelerate launch` gives one: the same arguments, working directory,
-    first import path and environment (DeepSpeed's plugin settings among them), but for the rendezvous port and what
-    only torchrun's agent has (its error files, the store it hosts)."""
+    too, and one process without torchrun (a single-GPU config: Accelerate's simple launcher). Each of its processes
+    must see what `accelerate launch` gives one: the same arguments, working directory, first import path,
+    environment (DeepSpeed's plugin settings among them) and torch threads, but for the rendezvous port and what only
+    torchrun's agent has (its error files, the store it hosts)."""
     if config.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="make installs DeepSpeed (requirements-deepspeed.txt)")
-    launcher_args = ["--config_file", str(REPO / "accelerate_configs" / config), "--num_processes", "2"]
+    launcher_args = ["--config_file", str(REPO / "accelerate_configs" / config), "--num_processes", str(processes)]
     compile_tests = {"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"}  # read by torch at import: set again when forked
 
     def seen(name, **options):
         result = launch(LAUNCHED / "show_environment.py", tmp_path / name, "one", "two words",
                         launcher_args=launcher_args, env=compile_tests, **options)  # fmt: skip
         assert result.returncode == 0 and result.warm == (name == "warm"), result.output[-3000:]
-        return {rank: json.loads((tmp_path / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)}
+        return {rank: json.loads((tmp_path / f"{name}.rank{rank}.json").read_text()) for rank in range(processes)}
 
     real, warm = seen("real", real_launcher=True), seen("warm")
     agent_only = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
-    for rank in (0, 1):
-        for key in ("argv", "cwd", "path0", "dynamo_backend_override"):
+    for rank in range(processes):
+        for key in ("argv", "cwd", "path0", "dynamo_backend_override", "threads"):
             assert real[rank][key] == warm[rank][key], (key, real[rank][key], warm[rank][key])
         ours, theirs = warm[rank]["env"], real[rank]["env"]
         differ = {name: (theirs.get(name), ours.get(name)) for name in set(ours) | set(theirs)}
         differ = {name: values for name, values in differ.items() if values[0] != values[1]}
         assert set(differ) <= agent_only, differ
-        assert ours["RANK"] == str(rank) and ours["WORLD_SIZE"] == "2"
+        assert ours.get("RANK") == (str(rank) if processes > 1 else None)  # the simple launcher starts no world
         assert warm[rank]["dynamo_backend_override"] == ">=0:eager"
     if config.startswith("deepspeed"):
         assert ours["ACCELERATE_USE_DEEPSPEED"] == "true"
         assert ours["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] == "cpu"
     else:
-        assert ours["ACCELERATE_MIXED_PRECISION"] == "no"
+        assert ours["ACCELERATE_MIXED_PRECISION"] == ("bf16" if config == "single_gpu.yaml" else "no")

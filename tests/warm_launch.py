@@ -2,19 +2,22 @@
 transformers, datasets, peft, accelerate and ddp_utils once, instead of N fresh interpreters that import
 them again (about 8 CPU seconds a process here, two thirds of a tiny run's cost).
 
-What stays real: N processes, gloo, the script run as `__main__` from its first line, the environment
-`accelerate launch` gives it, computed by Accelerate's own launcher code (`prepare_multi_gpu_env`, or
-`prepare_deepspeed_cmd_env` for a DeepSpeed config on one machine, which torchrun launches too) plus the
-variables torchrun sets for each worker, and the end of a process: its non-daemon threads joined and its atexit
-functions run, as at an interpreter's exit. Each worker reseeds what a fresh interpreter seeds at import (numpy's
-global generator, datasets' random fingerprints). What it skips: the launcher process and torchrun's agent (their
-exit codes, signals, error files and summary), a fresh interpreter's imports, and the module teardown at its exit.
+What stays real: N processes, gloo, the script run as `__main__` from its first line, the environment `accelerate
+launch` gives it, computed by Accelerate's own launcher code (`prepare_multi_gpu_env`, or `prepare_deepspeed_cmd_env`
+for a DeepSpeed config on one machine, which torchrun launches too) plus the variables torchrun sets for each worker,
+or for one process without torchrun (a single-GPU config, --cpu) the simple launcher's
+(`prepare_simple_launcher_cmd_env`), and the end of a process: its non-daemon threads joined and its atexit functions
+run, as at an interpreter's exit. Each worker reseeds what a fresh interpreter seeds at import (numpy's global
+generator, datasets' random fingerprints). What it skips: the launcher process and torchrun's agent (their exit
+codes, signals, error files and summary, and the command line a process sees as its parent's), a fresh interpreter's
+imports, and the module teardown at its exit.
 It assumes that no variable the launch adds (RANK, WORLD_SIZE, ACCELERATE_*, the test hooks' own) is read at import
 time by the libraries imported here: true of the versions pinned, by a grep of their sources, but for
-TORCH_COMPILE_OVERRIDE_BACKENDS (the compile tests' backend), which each worker sets in dynamo's config itself.
-`launching.launch` uses it where `accelerate launch` would start torchrun on this machine, unless a test sets a
-variable that may be read at import time or a file size limit; tests of the launcher, of signals and exit codes and
-each script's demo pass `real_launcher=True` and go through `accelerate launch`.
+TORCH_COMPILE_OVERRIDE_BACKENDS (the compile tests' backend), which each worker sets in dynamo's config itself, and
+OMP_NUM_THREADS, which each worker gives torch itself. `launching.launch` uses it where `accelerate launch` would
+start torchrun or its simple launcher on this machine (`launcher_of`), unless a test sets a variable that may be read
+at import time or a file size limit; tests of the launcher, of signals and exit codes and each script's demo pass
+`real_launcher=True` and go through `accelerate launch`.
 
     python tests/warm_launch.py SOCKET     # serve: import once, then fork one launch per connection
 """
@@ -90,6 +93,8 @@ def run_worker(script: str, args: list, cwd: str, env: dict, startup, out_fd: in
     import torch._dynamo.config
 
     torch._dynamo.config.debug_backend_override = env.get("TORCH_COMPILE_OVERRIDE_BACKENDS", "")
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # read by OpenMP when torch loaded it: the launch's own, as fresh
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.chdir(cwd)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)  # as for `python script`: the script's folder first
@@ -118,12 +123,41 @@ def run_worker(script: str, args: list, cwd: str, env: dict, startup, out_fd: in
     os._exit(code)
 
 
+def launcher_of(parsed, defaults) -> str | None:
+    """The launcher `accelerate launch` runs for these arguments, in its launch_command's order, where it starts the
+    processes on this one machine: "torchrun" (its multi_gpu_launcher, and its deepspeed_launcher on one machine:
+    DeepSpeed's own launcher only for several nodes) or "simple" (`python script`, one process, also under --cpu);
+    None for the others (TPU, SageMaker, Megatron-LM, mpirun, several machines), and for the simple launcher asked
+    for more processes than the one it starts: our launch guard refuses that by reading its parent's command line,
+    which `accelerate launch` is, and a forked process's is not."""
+    from accelerate.utils import ComputeEnvironment
+
+    simple = "simple" if (parsed.num_processes or 1) == 1 else None
+    if parsed.num_machines > 1 or parsed.mpirun_hostfile is not None:
+        return None
+    if parsed.cpu:
+        return simple
+    if parsed.use_deepspeed or parsed.use_fsdp:
+        return "torchrun"
+    if parsed.use_megatron_lm:
+        return None
+    if parsed.multi_gpu:
+        return "torchrun"
+    if parsed.tpu or (defaults is not None and defaults.compute_environment == ComputeEnvironment.AMAZON_SAGEMAKER):
+        return None
+    return simple
+
+
 def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | None:
     """One launch, in its own process group: the env `accelerate launch` would give, N workers, and
     torchrun's rule that one failed worker ends the others. Returns the launch's exit code, or None (after
     saying so) where `accelerate launch` would not start torchrun on this machine: the caller launches for real."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
 
     try:
         parsed = launch_command_parser().parse_args([*message["launcher_args"], message["script"], *message["args"]])
@@ -131,11 +165,9 @@ def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | N
     except (Exception, SystemExit) as error:  # `accelerate launch` itself will say what is wrong with its arguments
         connection.send(json.dumps({"real": f"the launcher's arguments: {error!r}"}).encode())
         return None
-    # Only where `accelerate launch` would start torchrun on this one machine: its multi_gpu_launcher, and its
-    # deepspeed_launcher on one machine (torchrun too; DeepSpeed's own launcher only for several nodes).
-    torchrun = (parsed.multi_gpu or parsed.use_fsdp or parsed.use_deepspeed) and not (parsed.cpu or parsed.tpu)
-    if not torchrun or parsed.num_machines > 1:
-        connection.send(json.dumps({"real": "not torchrun on one machine"}).encode())
+    launcher = launcher_of(parsed, defaults)
+    if launcher is None:
+        connection.send(json.dumps({"real": "neither torchrun nor the simple launcher on one machine"}).encode())
         return None
     os.setsid()
     _die_with_parent(signal.SIGKILL)  # with the server, which dies with the pytest process
@@ -149,14 +181,17 @@ def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | N
         parsed.deepspeed_fields_from_accelerate_config = ",".join(fields)
         os.chdir(message["cwd"])  # the DeepSpeed launcher puts its working directory on PYTHONPATH
     os.environ.update(message["env"])  # the launcher's own environment, which Accelerate's code starts from
-    env = prepare_deepspeed_cmd_env(parsed)[1] if parsed.use_deepspeed else prepare_multi_gpu_env(parsed)
-    world_size, port = parsed.num_processes, parsed.main_process_port
+    if launcher == "simple":  # one process, as `python script args`, with the environment the launcher gives it
+        envs = [prepare_simple_launcher_cmd_env(parsed)[1]]
+    else:
+        env = prepare_deepspeed_cmd_env(parsed)[1] if parsed.use_deepspeed else prepare_multi_gpu_env(parsed)
+        world_size, port = parsed.num_processes, parsed.main_process_port
+        envs = [worker_env(env, rank, world_size, port) for rank in range(world_size)]
     workers = {}
-    for rank in range(world_size):
+    for rank, rank_env in enumerate(envs):
         pid = os.fork()
         if pid == 0:
             connection.close()
-            rank_env = worker_env(env, rank, world_size, port)
             run_worker(message["script"], message["args"], message["cwd"], rank_env, message["startup"], out_fd)
         workers[pid] = rank
     os.close(out_fd)
