@@ -2,7 +2,8 @@
 
 - the dry run (`make gpu-check DRY_RUN=1`) runs every step with tiny sizes, writes the JSON and the
   Markdown table, records each run's command, time and status, and catches the one failure a CPU
-  must give (--sync_batchnorm) as a failure with its error line;
+  must give (--sync_batchnorm) as a failure with its error line; here its launches are forked from a warm
+  process (--warm_launcher, as the suite's other launches: tests/warm_launch.py);
 - a step that raises is recorded as failed and the next step still runs;
 - step 3 compiles with dynamo's eager backend in the dry run, so its graph breaks and recompiles are counted;
 - the payload of wheels travels in sets (step 1's in one part), received part by part, joined, checked and
@@ -16,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -51,8 +53,9 @@ def dry_run(tmp_path_factory):
     results = tmp_path_factory.mktemp("gpu_check")
     env = launch_env()
     env.pop("OUT", None)
+    warm = [] if os.environ.get("TESTS_REAL_LAUNCHER") else ["--warm_launcher"]  # as the suite's other launches
     done = subprocess.run(
-        [sys.executable, CHECKLIST, "--dry_run", "--results", results, "--copy_to", results / "out"],
+        [sys.executable, CHECKLIST, "--dry_run", *warm, "--results", results, "--copy_to", results / "out"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -81,6 +84,9 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
                 assert run["reason"], run  # never skipped silently
             elif "command" in run:
                 assert run["wall_s"] > 0 and (results / run["log"]).exists(), run
+    if not os.environ.get("TESTS_REAL_LAUNCHER"):  # forked from a warm process, but for a variable read at import
+        assert steps["2a"]["runs"]["lora_packed"]["warm"] and steps["5"]["runs"]["zero3"]["warm"]
+        assert steps["3"]["runs"]["compiled"]["warm"] is False  # its TORCH_LOGS: torch reads it at import
 
     # The figures each step exists for, parsed from the real runs' outputs.
     assert steps["1"]["figures"]["ours_x_trainer"] > 0

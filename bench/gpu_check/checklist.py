@@ -100,6 +100,11 @@ def main() -> int:
     p.add_argument(
         "--require_site", action="store_true", help="stop at once unless payload.py install has run on this machine"
     )
+    p.add_argument(
+        "--warm_launcher",
+        action="store_true",
+        help="dry run only: fork each launch from one warmed process (the tests')",
+    )
     p.add_argument("--fresh", action="store_true", help="start a new JSON instead of adding to the one in --results")
     p.add_argument("--report", nargs="*", default=None, help="merge these gpu_check.json files into --results, render")
     p.add_argument("--plan", action="store_true", help="print the device calls (CALLS) with their estimated times")
@@ -130,6 +135,8 @@ def main() -> int:
         raise SystemExit(
             "--jobs: only the dry run runs steps side by side; on a GPU they would share it and time nothing"
         )
+    if args.warm_launcher and not args.dry_run:
+        raise SystemExit("--warm_launcher: only the dry run forks its launches; a GPU run's are the users' own")
     if args.jobs > 1:
         return run_lanes(args, steps)
     marker = Path(args.site or DEFAULT_SITE) / SITE_MARKER
@@ -161,8 +168,12 @@ def main() -> int:
     start = time.monotonic()
     checklist.environment(steps)
     call["environment_s"] = round(time.monotonic() - start, 2)
-    for step in steps:
-        checklist.run_step(step)
+    try:
+        for step in steps:
+            checklist.run_step(step)
+    finally:
+        if checklist.warm is not None:
+            checklist.warm.stop()
     call["wall_s"] = round(time.monotonic() - start, 2)
     checklist.save()
     records = [checklist.data["steps"][s] for s in steps]
@@ -196,6 +207,8 @@ def run_lanes(args, steps: list[str]) -> int:
         command += ["--steps", ",".join(mine), "--results", str(results / "lanes" / str(index))]
         if args.site:
             command += ["--site", args.site]
+        if args.warm_launcher:
+            command.append("--warm_launcher")
         env = {key: value for key, value in os.environ.items() if key != "OUT"}
         output = results / "lanes" / f"output-{index}.log"  # two lanes printing at once would interleave
         output.parent.mkdir(parents=True, exist_ok=True)

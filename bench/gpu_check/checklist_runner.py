@@ -30,6 +30,7 @@ from checklist_steps import (
     Sizes,
 )
 from checklist_util import error_line, free_port, now
+from checklist_warm import WarmLauncher
 
 
 class StepFailed(Exception):
@@ -58,6 +59,7 @@ class Runner:
         if self.data.get("dry_run", self.dry_run) != self.dry_run:
             self.data = {}  # never mix a dry run's figures with a GPU run's
         self.data.update(dry_run=self.dry_run, schema=1)
+        self.warm: WarmLauncher | None = None  # started at the first launch where --warm_launcher asks for it
         self.data.setdefault("steps", {})
         self.data.setdefault("calls", []).append(
             {"started": now(), "steps": args.steps, "argv": sys.argv[1:], "site": str(self.site) if self.site else None}
@@ -177,20 +179,14 @@ class Runner:
         with open(log, "w") as handle:
             handle.write(record["command"] + "\n\n")
             handle.flush()
-            process = subprocess.Popen(
-                [str(c) for c in command],
-                cwd=REPO,
-                env=self.env(env),
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+            rc = (
+                self.warm_launcher().run(command, env or {}, handle.fileno(), timeout)
+                if getattr(self.args, "warm_launcher", False)
+                else "cold"
             )
-            try:
-                rc = process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)  # the launcher and its workers
-                process.wait()
-                rc = None
+            record["warm"] = rc != "cold"
+            if rc == "cold":
+                rc = self.run_cold(command, env, handle, timeout)
         record["wall_s"] = round(time.monotonic() - start, 2)
         text = log.read_text(errors="replace")
         if rc is None and budget_ends_it:  # not a failure of the run: this call's time ran out
@@ -218,6 +214,29 @@ class Runner:
         )
         self.save()
         return record
+
+    def run_cold(self, command: list, env: dict | None, handle, timeout: float) -> int | None:
+        """`command` in a fresh process, writing to `handle`: its exit code, or None past `timeout` (then killed)."""
+        process = subprocess.Popen(
+            [str(c) for c in command],
+            cwd=REPO,
+            env=self.env(env),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)  # the launcher and its workers
+            process.wait()
+            return None
+
+    def warm_launcher(self) -> WarmLauncher:
+        """The dry run's warm launcher (checklist_warm.py), started with every run's environment at its first use."""
+        if self.warm is None:
+            self.warm = WarmLauncher(self.env())
+        return self.warm
 
     def accelerate(self, config: str, script: str, *args, processes: int = 1) -> tuple[list, str]:
         """`accelerate launch` with a repository config. In the dry run, fsdp.yaml runs through
