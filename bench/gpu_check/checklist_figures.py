@@ -5,13 +5,12 @@ and the notes that say, in each step's record, what the figures mean."""
 from __future__ import annotations
 
 import array
-import json
 import math
 import re
 import statistics
 from pathlib import Path
 
-from checklist_util import f, none_low, read_json, read_jsonl
+from checklist_util import f, none_low, read_json, read_jsonl, safetensors_header
 
 MFU_NOTE = (
     "MFU = model FLOPs of the work / training seconds / the GPU's dense bf16 peak (H100 SXM and H200: 989 TFLOP/s). "
@@ -147,8 +146,8 @@ def float32_tensors(path: Path) -> dict:
     if not path.exists():
         return {}
     data = path.read_bytes()
-    size = int.from_bytes(data[:8], "little")
-    header, body = json.loads(data[8 : 8 + size]), data[8 + size :]
+    header, start = safetensors_header(data)
+    body = data[start:]
     tensors = {}
     for name, entry in header.items():
         if name != "__metadata__" and entry["dtype"] == "F32":

@@ -1,5 +1,5 @@
-"""Small things every part of the checklist uses: the error line of a failed run, JSON files read and written,
-the time, a free port, numbers formatted for the tables, ratios, the compile counts' names."""
+"""Small things every part of the checklist uses: the error line of a failed run, JSON files read and written, a
+safetensors header, the time, a free port, numbers formatted for the tables, ratios, the compile counts' names."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ def error_line(text: str, rc: int | None) -> str:
         if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*", line) and "ChildFailedError" not in line:
             return line[:400]
     return (f"exit {rc}: " if rc else "") + (lines[-1][:400] if lines else "no output")
+
+
+def safetensors_header(data: bytes) -> tuple[dict, int]:
+    """A safetensors file's JSON header, read from its first bytes with the standard library (an 8-byte little-endian
+    length, then the header), and the offset where its tensors' data begins."""
+    end = 8 + int.from_bytes(data[:8], "little")
+    return json.loads(data[8:end]), end
 
 
 def free_port() -> int:

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import zipfile
 from pathlib import Path
 
+from checklist_util import safetensors_header
 from payload_wheels import HALF_KEY
 
 
 def safetensors_metadata(data: bytes) -> dict:
-    """The __metadata__ of a safetensors file from its first bytes (a little-endian header length, the JSON header)."""
-    return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
+    """The __metadata__ of a safetensors file, from its first bytes."""
+    return safetensors_header(data)[0].get("__metadata__") or {}
 
 
 def half_wheel(path: Path, out_dir: Path) -> tuple[Path, dict]:
