@@ -262,40 +262,54 @@ def request_launch(path: str, script, args: list, launcher_args: list, env: dict
     return connection
 
 
-def launch_warm(script, args, launcher_args: list, env: dict, timeout: float) -> LaunchResult | None:
-    """`launch` through the warm launcher: its processes write to a pipe read here; a hang, or this process
-    interrupted, kills them. None where `accelerate launch` would use neither torchrun nor its simple launcher on one
-    machine (`warm_launch.launcher_of`: several nodes) or cannot parse the launcher's arguments: `launch` then runs it
-    for real."""
-    start = time.monotonic()
-    read_end, write_end = os.pipe()
-    startup = AUDIT_HOOK_DIR / "sitecustomize.py" if env.get("PYTHONPATH") else None
-    connection = request_launch(warm_launcher()["path"], script, list(args), launcher_args, env, startup, write_end)
-    os.close(write_end)
-    connection.settimeout(timeout)
-    lines: list[tuple[float, str]] = []
-    group = reader = None
+def wait_for_warm_launch(connection, timeout: float) -> int | None:
+    """The end of a launch asked for with `request_launch`: its exit code (-9 where it was killed), or None where the
+    server says only `accelerate launch` will do. Past `timeout` it raises TimeoutError, and on any exception here the
+    launch's processes are killed first, so none outlives its caller (a launch that had not started by then finds
+    the connection closed before it forks any)."""
+    deadline = time.monotonic() + timeout
+    group = None
     try:
-        answer = json.loads(connection.recv(4096))
+        connection.settimeout(max(deadline - time.monotonic(), 0.01))
+        answer = json.loads(connection.recv(4096) or b"{}")
         if "real" in answer:
-            os.close(read_end)
             return None
+        if "pid" not in answer:  # it failed before it started (its error is in its output), or it was killed
+            return answer.get("returncode", -signal.SIGKILL)
         group = answer["pid"]
-        reader, lines = read_in_background(open(read_end, encoding="utf-8", errors="replace"))
-        answer = connection.recv(4096)
-    except BaseException as stop:
-        if reader is None:
-            os.close(read_end)
+        connection.settimeout(max(deadline - time.monotonic(), 0.01))
+        answer = json.loads(connection.recv(4096) or b"{}")  # empty: its launch process was killed
+    except BaseException:
         if group is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
-        if isinstance(stop, TimeoutError):
-            raise hung(timeout, lines) from None
         raise
     finally:
         connection.close()
-    returncode = json.loads(answer)["returncode"] if answer else -signal.SIGKILL  # empty: its launcher was killed
-    return finished(returncode, start, reader, lines, warm=True)
+    return answer.get("returncode", -signal.SIGKILL)
+
+
+def launch_warm(script, args, launcher_args: list, env: dict, timeout: float) -> LaunchResult | None:
+    """`launch` through the warm launcher: its processes write to a pipe read here; a hang, or this process
+    interrupted, kills them. None where `accelerate launch` would use neither torchrun nor its simple launcher for
+    one process on one machine (`warm_launch.launcher_of`) or cannot parse the launcher's arguments: `launch` then
+    runs it for real."""
+    start = time.monotonic()
+    read_end, write_end = os.pipe()
+    startup = AUDIT_HOOK_DIR / "sitecustomize.py" if env.get("PYTHONPATH") else None
+    try:
+        connection = request_launch(warm_launcher()["path"], script, list(args), launcher_args, env, startup, write_end)
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)  # the launch holds its own copies: the reader sees the end when the last one is closed
+    reader, lines = read_in_background(open(read_end, encoding="utf-8", errors="replace"))
+    try:
+        returncode = wait_for_warm_launch(connection, timeout)
+    except TimeoutError:
+        raise hung(timeout, lines) from None
+    return None if returncode is None else finished(returncode, start, reader, lines, warm=True)
 
 
 def assert_fails_cleanly(result: LaunchResult, expected: str, output_dir: Path) -> None:

@@ -144,6 +144,8 @@ def test_the_warm_launcher_gives_each_process_what_accelerate_launch_gives(confi
     if config.startswith("deepspeed"):
         pytest.importorskip("deepspeed", reason="make installs DeepSpeed (requirements-deepspeed.txt)")
     launcher_args = ["--config_file", str(REPO / "accelerate_configs" / config), "--num_processes", str(processes)]
+    if processes == 1:  # the simple launcher sets OMP_NUM_THREADS from it: torch, loaded before the fork, must follow
+        launcher_args += ["--num_cpu_threads_per_process", "2"]
     compile_tests = {"TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:eager"}  # read by torch at import: set again when forked
 
     def seen(name, **options):
@@ -163,6 +165,7 @@ def test_the_warm_launcher_gives_each_process_what_accelerate_launch_gives(confi
         assert set(differ) <= agent_only, differ
         assert ours.get("RANK") == (str(rank) if processes > 1 else None)  # the simple launcher starts no world
         assert warm[rank]["dynamo_backend_override"] == ">=0:eager"
+        assert warm[rank]["threads"] == (2 if processes == 1 else 1)
     if config.startswith("deepspeed"):
         assert ours["ACCELERATE_USE_DEEPSPEED"] == "true"
         assert ours["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] == "cpu"

@@ -24,6 +24,7 @@ at import time or a file size limit; tests of the launcher, of signals and exit 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -93,7 +94,7 @@ def run_worker(script: str, args: list, cwd: str, env: dict, startup, out_fd: in
     import torch._dynamo.config
 
     torch._dynamo.config.debug_backend_override = env.get("TORCH_COMPILE_OVERRIDE_BACKENDS", "")
-    if env.get("OMP_NUM_THREADS", "").isdigit():  # read by OpenMP when torch loaded it: the launch's own, as fresh
+    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:  # read by OpenMP at torch's load
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.chdir(cwd)
     sys.argv = [script, *args]
@@ -127,31 +128,30 @@ def launcher_of(parsed, defaults) -> str | None:
     """The launcher `accelerate launch` runs for these arguments, in its launch_command's order, where it starts the
     processes on this one machine: "torchrun" (its multi_gpu_launcher, and its deepspeed_launcher on one machine:
     DeepSpeed's own launcher only for several nodes) or "simple" (`python script`, one process, also under --cpu);
-    None for the others (TPU, SageMaker, Megatron-LM, mpirun, several machines), and for the simple launcher asked
-    for more processes than the one it starts: our launch guard refuses that by reading its parent's command line,
-    which `accelerate launch` is, and a forked process's is not."""
+    None for the others (TPU, SageMaker, Megatron-LM, mpirun, several machines, --module), and for the simple
+    launcher asked for more processes than the one it starts: our launch guard refuses that by reading its parent's
+    command line, which `accelerate launch` is, and a forked process's is not."""
     from accelerate.utils import ComputeEnvironment
 
     simple = "simple" if (parsed.num_processes or 1) == 1 else None
-    if parsed.num_machines > 1 or parsed.mpirun_hostfile is not None:
-        return None
-    if parsed.cpu:
-        return simple
-    if parsed.use_deepspeed or parsed.use_fsdp:
+    sagemaker = defaults is not None and defaults.compute_environment == ComputeEnvironment.AMAZON_SAGEMAKER
+    if parsed.num_machines > 1 or parsed.mpirun_hostfile is not None or parsed.module or parsed.no_python:
+        return None  # several machines, mpirun, or a script that is not a Python file (run_worker runs a file)
+    if not parsed.cpu and (parsed.use_deepspeed or parsed.use_fsdp):
         return "torchrun"
-    if parsed.use_megatron_lm:
-        return None
-    if parsed.multi_gpu:
+    if not parsed.cpu and parsed.use_megatron_lm:
+        return None  # torchrun too, with Megatron-LM's own environment: never used here
+    if not parsed.cpu and parsed.multi_gpu:
         return "torchrun"
-    if parsed.tpu or (defaults is not None and defaults.compute_environment == ComputeEnvironment.AMAZON_SAGEMAKER):
+    if (not parsed.cpu and parsed.tpu) or sagemaker:
         return None
     return simple
 
 
 def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | None:
-    """One launch, in its own process group: the env `accelerate launch` would give, N workers, and
-    torchrun's rule that one failed worker ends the others. Returns the launch's exit code, or None (after
-    saying so) where `accelerate launch` would not start torchrun on this machine: the caller launches for real."""
+    """One launch, in its own process group: the env `accelerate launch` would give, N workers (one for the simple
+    launcher), and torchrun's rule that one failed worker ends the others. Returns the launch's exit code, or None
+    (after saying so) where `launcher_of` finds no launcher forked here: the caller launches for real."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import (
         prepare_deepspeed_cmd_env,
@@ -218,13 +218,13 @@ def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | N
 def serve(path: str) -> None:
     import importlib
 
+    _die_with_parent()  # first: a caller killed during the imports leaves no server behind
     started_with = dict(os.environ)  # before the imports add theirs: each launch's own env comes on top (warm_env)
     for name in WARM_MODULES:
         importlib.import_module(name)
     import accelerate.commands.launch  # noqa: F401  (the launcher's own argument parser and checks)
     import accelerate.utils.launch  # noqa: F401
 
-    _die_with_parent()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # each launch's own process is reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
@@ -245,7 +245,8 @@ def serve(path: str) -> None:
                 os.write(fds[0], f"warm launch failed: {error!r}\n".encode())
                 code = FAILED
             if code is not None:
-                connection.send(json.dumps({"returncode": code}).encode())
+                with contextlib.suppress(OSError):  # its caller gone (timed out, interrupted): nobody to tell
+                    connection.send(json.dumps({"returncode": code}).encode())
             os._exit(code or 0)
         connection.close()
         os.close(fds[0])

@@ -175,16 +175,14 @@ class Runner:
         if result_file is not None:
             Path(result_file).unlink(missing_ok=True)
         print(f"  {name}: {record['command']}", flush=True)
+        warm = self.warm_launcher()  # started before the clock: its imports are no run's time
         start = time.monotonic()
         with open(log, "w") as handle:
             handle.write(record["command"] + "\n\n")
             handle.flush()
-            rc = (
-                self.warm_launcher().run(command, env or {}, handle.fileno(), timeout)
-                if getattr(self.args, "warm_launcher", False)
-                else "cold"
-            )
-            record["warm"] = rc != "cold"
+            rc = warm.run(command, env or {}, handle.fileno(), timeout) if warm else "cold"
+            if warm:
+                record["warm"] = rc != "cold"
             if rc == "cold":
                 rc = self.run_cold(command, env, handle, timeout)
         record["wall_s"] = round(time.monotonic() - start, 2)
@@ -232,10 +230,21 @@ class Runner:
             process.wait()
             return None
 
-    def warm_launcher(self) -> WarmLauncher:
-        """The dry run's warm launcher (checklist_warm.py), started with every run's environment at its first use."""
+    def warm_launcher(self) -> WarmLauncher | None:
+        """The dry run's warm launcher (checklist_warm.py) where --warm_launcher asks for it, started with every run's
+        environment at its first use, and again where it has died; None otherwise, or where it does not start (the
+        runs then go cold, and the step says so)."""
+        if not getattr(self.args, "warm_launcher", False):
+            return None
+        if self.warm is not None and not self.warm.alive():
+            self.warm.stop()
+            self.warm = None
         if self.warm is None:
-            self.warm = WarmLauncher(self.env())
+            try:
+                self.warm = WarmLauncher(self.env())
+            except Exception as error:
+                self.note(f"dry run: the warm launcher did not start ({error}); runs launched cold")
+                self.args.warm_launcher = False
         return self.warm
 
     def accelerate(self, config: str, script: str, *args, processes: int = 1) -> tuple[list, str]:
