@@ -85,7 +85,7 @@ def test_the_dry_run_runs_every_step_and_records_it(dry_run):
             elif "command" in run:
                 assert run["wall_s"] > 0 and (results / run["log"]).exists(), run
     if not os.environ.get("TESTS_REAL_LAUNCHER"):  # forked from a warm process, but for a variable read at import
-        assert steps["2a"]["runs"]["lora_packed"]["warm"] and steps["5"]["runs"]["zero3"]["warm"]
+        assert steps["2a"]["runs"]["lora_packed"]["warm"] and steps["5"]["runs"]["zero2"]["warm"]  # simple, torchrun
         assert steps["3"]["runs"]["compiled"]["warm"] is False  # its TORCH_LOGS: torch reads it at import
 
     # The figures each step exists for, parsed from the real runs' outputs.
@@ -324,6 +324,9 @@ def test_the_error_line_is_the_line_that_says_why():
     assert checklist_util.error_line(ours, 2) == "[rank 0] error: --max_length 900 is above this model's limit"
     python = "Traceback (most recent call last):\n  File x\nValueError: bad value\n"
     assert checklist_util.error_line(python, 1) == "ValueError: bad value"
+    # one process (single_gpu.yaml): the simple launcher's own traceback follows the script's
+    simple = python + "Traceback (most recent call last):\nsubprocess.CalledProcessError: Command '[...]' returned 1.\n"
+    assert checklist_util.error_line(simple, 1) == "ValueError: bad value"
     assert checklist_util.error_line("something\nlast words\n", 3) == "exit 3: last words"
 
 

@@ -15,13 +15,14 @@ from checklist_steps import REPO
 
 def error_line(text: str, rc: int | None) -> str:
     """The line that says why a run failed: our scripts' one-line error ("[rank 0] error: ..."), else the
-    last exception line of a traceback, else the last line printed."""
+    last exception line of a traceback but the launcher's own, else the last line printed."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
         if re.search(r"\berror: ", line) and line.startswith("[rank"):
             return line[:400]
+    launchers = ("ChildFailedError", "CalledProcessError")  # torchrun's and the simple launcher's, after the script's
     for line in reversed(lines):
-        if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*", line) and "ChildFailedError" not in line:
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*", line) and not any(n in line for n in launchers):
             return line[:400]
     return (f"exit {rc}: " if rc else "") + (lines[-1][:400] if lines else "no output")
 
