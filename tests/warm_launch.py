@@ -94,8 +94,9 @@ def run_worker(script: str, args: list, cwd: str, env: dict, startup, out_fd: in
     import torch._dynamo.config
 
     torch._dynamo.config.debug_backend_override = env.get("TORCH_COMPILE_OVERRIDE_BACKENDS", "")
-    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:  # read by OpenMP at torch's load
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    threads = int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else 0
+    if threads > 0 and threads != torch.get_num_threads():  # OpenMP read it when torch loaded: the launch's own
+        torch.set_num_threads(threads)
     os.chdir(cwd)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(script)  # as for `python script`: the script's folder first
