@@ -1,4 +1,5 @@
-"""The launch guard, and how examples are sharded across ranks (real multi-process launches)."""
+"""The launch guard, how examples are sharded across ranks (real multi-process launches), and the suite's warm
+launcher against `accelerate launch`."""
 
 import json
 import os
@@ -171,3 +172,38 @@ def test_the_warm_launcher_gives_each_process_what_accelerate_launch_gives(confi
         assert ours["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] == "cpu"
     else:
         assert ours["ACCELERATE_MIXED_PRECISION"] == ("bf16" if config == "single_gpu.yaml" else "no")
+
+
+@pytest.mark.fast
+def test_a_warm_launchs_answers_are_read_whatever_comes_and_a_timeout_kills_it():
+    """The client's side of a warm launch (`launching.wait_for_warm_launch`, used by the suite and the GPU checklist's
+    dry run), against each answer the server can give: an exit code, a launch killed (no answer), `accelerate launch`
+    asked for, a launch that never answers, and one that started and then hangs, which is killed with its group."""
+    import signal
+    import socket
+    import subprocess
+
+    from launching import wait_for_warm_launch
+
+    def answered(*messages, close=True, timeout=5.0):
+        ours, server = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for message in messages:
+            server.send(json.dumps(message).encode())
+        if close:
+            server.close()
+        try:
+            return wait_for_warm_launch(ours, timeout)
+        finally:
+            server.close()
+
+    assert answered({"pid": 1}, {"returncode": 3}, close=False) == 3
+    assert answered({"returncode": 1}) == 1  # it failed before it started: its error is in its output
+    assert answered({"pid": 1}) == -signal.SIGKILL  # its launch process was killed: the connection closes unanswered
+    assert answered() == -signal.SIGKILL
+    assert answered({"real": "not torchrun"}) is None
+    with pytest.raises(TimeoutError):
+        answered(close=False, timeout=0.2)
+    hanging = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a launch's group: its own session
+    with pytest.raises(TimeoutError):
+        answered({"pid": hanging.pid}, close=False, timeout=0.5)
+    assert hanging.wait(timeout=10) == -signal.SIGKILL

@@ -129,9 +129,9 @@ def launcher_of(parsed, defaults) -> str | None:
     """The launcher `accelerate launch` runs for these arguments, in its launch_command's order, where it starts the
     processes on this one machine: "torchrun" (its multi_gpu_launcher, and its deepspeed_launcher on one machine:
     DeepSpeed's own launcher only for several nodes) or "simple" (`python script`, one process, also under --cpu);
-    None for the others (TPU, SageMaker, Megatron-LM, mpirun, several machines, --module), and for the simple
-    launcher asked for more processes than the one it starts: our launch guard refuses that by reading its parent's
-    command line, which `accelerate launch` is, and a forked process's is not."""
+    None for the others (TPU, SageMaker, Megatron-LM, mpirun, several machines, --module, --no_python), and for the
+    simple launcher asked for more processes than the one it starts: our launch guard refuses that by reading its
+    parent's command line, which `accelerate launch` is, and a forked process's is not."""
     from accelerate.utils import ComputeEnvironment
 
     simple = "simple" if (parsed.num_processes or 1) == 1 else None
@@ -152,7 +152,8 @@ def launcher_of(parsed, defaults) -> str | None:
 def run_launch(message: dict, out_fd: int, connection: socket.socket) -> int | None:
     """One launch, in its own process group: the env `accelerate launch` would give, N workers (one for the simple
     launcher), and torchrun's rule that one failed worker ends the others. Returns the launch's exit code, or None
-    (after saying so) where `launcher_of` finds no launcher forked here: the caller launches for real."""
+    (after saying so) where the launcher's arguments do not parse or `launcher_of` finds no launcher forked here: the
+    caller launches for real."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import (
         prepare_deepspeed_cmd_env,

@@ -4,14 +4,14 @@ suite's own warm launcher), instead of a launcher and fresh interpreters that im
 a run on the 2-core CI machine. The command, its launcher arguments and its environment are the cold run's:
 Accelerate's own parser reads them there, and Accelerate's code computes each process's environment. A run whose
 environment adds a variable read at import time (step 3's TORCH_LOGS), or that `accelerate launch` would not start
-with torchrun or its simple launcher for one process, runs cold, as does every run once the server is gone. A GPU run
-never comes here. Standard library only, as the runner."""
+with torchrun or its simple launcher for one process, runs cold; a server found gone is started again (the runner's
+`warm_launcher`), and where one does not start the runs go cold, as the step says. A GPU run never comes here.
+Standard library only, as the runner."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -45,9 +45,9 @@ class WarmLauncher:
 
     def run(self, command: list, extra_env: dict, out_fd: int, timeout: float) -> int | None | str:
         """Run `command` (python -m accelerate.commands.launch LAUNCHER_ARGS SCRIPT ARGS) with its processes writing
-        to `out_fd`: its exit code (-9 where it was killed, or the server lost), None where it ran past `timeout`
-        (its processes killed), or "cold" where it must run cold: not a launch, a variable read at import time, neither
-        torchrun nor the simple launcher for one process, or a server that is gone before the launch began."""
+        to `out_fd`: its exit code (-9 where it was killed, or its server died under it), None where it ran past
+        `timeout` (its processes killed), or "cold" where it must run cold: not a launch, a variable read at import
+        time, neither torchrun nor the simple launcher for one process, or a server gone before the launch began."""
         command = [str(part) for part in command]
         script = next((i for i, part in enumerate(command) if i > 2 and part.endswith(".py")), None)
         if command[1:3] != LAUNCH or script is None or set(extra_env) - self.launching.RUNTIME_ENV or not self.alive():
@@ -63,8 +63,8 @@ class WarmLauncher:
             returncode = self.launching.wait_for_warm_launch(connection, timeout)
         except TimeoutError:
             return None
-        except OSError:  # the server or the launch died under it: its processes are killed
-            return -signal.SIGKILL
+        except OSError:  # reset: the server died before it read the request, so nothing was started (a launch that
+            return "cold"  # dies later answers with an empty message, which is its exit code -9)
         return "cold" if returncode is None else returncode
 
     def stop(self) -> None:
