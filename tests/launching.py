@@ -203,36 +203,54 @@ def changed_since(before: dict, now: dict) -> set[str]:
     return {name for name in set(before) | set(now) if before.get(name) != now.get(name)} - SET_BY_IMPORTS
 
 
+class WarmServer:
+    """A warm launcher server (tests/warm_launch.py) started with `env`, listening on a socket in a folder of its own;
+    the suite's (`warm_launcher`) and the GPU checklist's dry run's (bench/gpu_check/checklist_warm.py)."""
+
+    def __init__(self, env: dict):
+        self.folder = tempfile.mkdtemp(prefix="warm-launch-")
+        self.path = os.path.join(self.folder, "socket")
+        self.process = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "warm_launch.py"), self.path],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        if self.process.stdout.readline().strip() != "ready":
+            self.stop()
+            raise RuntimeError("the warm launcher (tests/warm_launch.py) did not start: its error is above")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.process.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def warm_launcher() -> dict:
     """The warm launcher of this pytest process, started at its first use, and started again where the suite's
     environment has changed since (a variable read at import time would be stale in its processes: a test's
     monkeypatch.setenv, then its undoing) or where it has died."""
     now = environment_now()
     if _WARM:
-        if not changed_since(_WARM["env"], now) and _WARM["server"].poll() is None:
+        if not changed_since(_WARM["env"], now) and _WARM["server"].alive():
             return _WARM
         stop_warm_launcher()
     else:
         import atexit
 
         atexit.register(stop_warm_launcher)
-    folder = tempfile.mkdtemp(prefix="warm-launch-")
-    server = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "warm_launch.py"), os.path.join(folder, "socket")],
-        env=launch_env(),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert server.stdout.readline().strip() == "ready", "the warm launcher did not start"
-    _WARM.update(server=server, folder=folder, path=os.path.join(folder, "socket"), env=now)
+    server = WarmServer(launch_env())
+    _WARM.update(server=server, path=server.path, env=now)
     return _WARM
 
 
 def stop_warm_launcher() -> None:
     if _WARM:
-        _WARM["server"].kill()
-        _WARM["server"].wait()
-        shutil.rmtree(_WARM["folder"], ignore_errors=True)
+        _WARM["server"].stop()
         _WARM.clear()
 
 

@@ -10,11 +10,7 @@ Standard library only, as the runner."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 
 from checklist_steps import REPO
 
@@ -28,20 +24,14 @@ class WarmLauncher:
 
     def __init__(self, env: dict):
         sys.path.insert(0, str(TESTS))
-        import launching  # the suite's client side: the request, its answer, the variables a forked worker sets again
+        import launching  # the suite's side: its server, the request and its answer, what a forked worker sets again
 
         self.launching = launching
-        self.folder = tempfile.mkdtemp(prefix="gpu-check-warm-")
-        self.path = os.path.join(self.folder, "socket")
-        self.server = subprocess.Popen(
-            [sys.executable, str(TESTS / "warm_launch.py"), self.path], env=env, stdout=subprocess.PIPE, text=True
-        )
-        if self.server.stdout.readline().strip() != "ready":
-            self.stop()
-            raise RuntimeError("the warm launcher (tests/warm_launch.py) did not start: its error is above")
+        self.server = launching.WarmServer(env)
+        self.path = self.server.path
 
     def alive(self) -> bool:
-        return self.server.poll() is None
+        return self.server.alive()
 
     def run(self, command: list, extra_env: dict, out_fd: int, timeout: float) -> int | None | str:
         """Run `command` (python -m accelerate.commands.launch LAUNCHER_ARGS SCRIPT ARGS) with its processes writing
@@ -68,7 +58,4 @@ class WarmLauncher:
         return "cold" if returncode is None else returncode
 
     def stop(self) -> None:
-        self.server.kill()
-        self.server.wait()
-        self.server.stdout.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self.server.stop()
